@@ -1,0 +1,32 @@
+# `make run` and `make test` work on a fresh machine with Python 3.11, pip and make:
+# each first builds .venv from constraints.txt (the exact, known-good versions).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install run test bench lock clean
+
+install: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --constraint constraints.txt pip
+	$(BIN)/pip install --quiet --constraint constraints.txt --editable ".[test]"
+	touch $@
+
+run: $(INSTALLED)
+	$(BIN)/python experiments/toy_digits.py
+
+test: $(INSTALLED)
+	$(BIN)/python -m pytest -n 2 -q
+
+bench: $(INSTALLED)
+	$(BIN)/python benchmarks/core_ops.py
+
+# Re-pin constraints.txt to what is installed now (after changing pyproject.toml ranges).
+lock: $(INSTALLED)
+	$(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//' > constraints.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

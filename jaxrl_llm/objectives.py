@@ -1,0 +1,460 @@
+r"""Policy and value objectives, as losses to minimise.
+
+Every objective has the same shape of contract:
+
+* inputs are per-token ``[B, T]`` arrays: ``logp`` (log-probs of the sampled tokens under
+  the policy being optimised, differentiable), ``old_logp`` (under the policy that
+  sampled them) and ``mask``; ``advantages`` are ``[B]`` (one per response, broadcast
+  over its tokens) or ``[B, T]``;
+* ``old_logp``, ``ref_logp`` and ``advantages`` enter under ``stop_gradient``;
+* per-token terms are reduced once, by :func:`jaxrl_llm.ops.aggregate` with the ``agg``
+  mode (and ``max_len`` for ``seq-mean-token-sum-norm``);
+* the return value is ``(loss, metrics)``: a scalar and a dict of scalar diagnostics
+  computed over valid tokens (token-mean, whatever ``agg`` is).
+
+Ratios are :math:`\rho_{i,t} = \exp(\log\pi_\theta - \log\pi_{\text{old}})`. Metrics
+common to the ratio-based objectives:
+
+* ``policy_loss``: the clipped surrogate term alone (without KL);
+* ``clip_fraction``: fraction of tokens whose gradient the clip removed,
+  split into ``clip_fraction_low`` (:math:`\rho < 1-\epsilon_{low}`, :math:`A<0`) and
+  ``clip_fraction_high`` (:math:`\rho > 1+\epsilon_{high}`, :math:`A>0`);
+* ``ratio_min`` / ``ratio_mean`` / ``ratio_max``;
+* ``approx_kl``: :math:`\mathbb{E}[(\rho - 1) - \log\rho]`, the k3 estimate of
+  :math:`D_{KL}(\pi_{\text{old}}\,\|\,\pi_\theta)` on the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import _checks, kl as kl_lib
+from jaxrl_llm.ops import aggregation
+from jaxrl_llm.ops.aggregation import AggregationMode
+
+RatioLevel = Literal["token", "sequence"]
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+
+Metrics = dict[str, jax.Array]
+
+
+class _Batch:
+    """Validated, float32 views of an objective's per-token inputs.
+
+    Masked entries are replaced by 0 here, once: whatever padding holds (a -inf log-prob,
+    a NaN), it can then reach neither the loss nor, through a 0 * inf, the gradient.
+    """
+
+    def __init__(self, fn: str, logp, advantages, mask, old_logp=None):
+        logp = _checks.floating(fn, "logp", logp)
+        _checks.rank(fn, "logp", logp, 2, "[B, T]")
+        mask = _checks.mask(fn, mask, "logp", logp)
+        valid = mask.astype(bool)  # [B, T]
+        self.mask = mask.astype(jnp.float32)  # [B, T]
+        self.logp = jnp.where(valid, logp.astype(jnp.float32), 0.0)  # [B, T]
+        advantages = _checks.per_sequence_or_token(fn, "advantages", advantages, "logp", logp)
+        self.advantages = jax.lax.stop_gradient(jnp.where(valid, advantages.astype(jnp.float32), 0.0))  # [B, T]
+        if old_logp is not None:
+            old_logp = _checks.floating(fn, "old_logp", old_logp)
+            _checks.same_shape(fn, "old_logp", old_logp, "logp", logp)
+            self.old_logp = jax.lax.stop_gradient(jnp.where(valid, old_logp.astype(jnp.float32), 0.0))  # [B, T]
+
+    def mean(self, values: jax.Array) -> jax.Array:
+        return aggregation.masked_mean(values, self.mask)
+
+
+def _check_agg(fn: str, agg: str, max_len: int | None) -> None:
+    _checks.one_of(fn, "agg", agg, aggregation.AGGREGATION_MODES)
+    if max_len is not None:
+        _checks.positive_int(fn, "max_len", max_len)
+
+
+def _clip_bounds(fn: str, eps_low: float | None, eps_high: float | None) -> tuple[float | None, float | None]:
+    """``(1 - eps_low, 1 + eps_high)``; ``None`` leaves that side unbounded."""
+    _checks.nonnegative(fn, "eps_low", eps_low)
+    _checks.nonnegative(fn, "eps_high", eps_high)
+    return (None if eps_low is None else 1.0 - eps_low), (None if eps_high is None else 1.0 + eps_high)
+
+
+def _ratio_metrics(batch: _Batch, ratio: jax.Array) -> Metrics:
+    """Stats of the ratio the objective used, and the k3 KL(old || new) of token ratios."""
+    token_log_ratio = batch.logp - batch.old_logp
+    return {
+        "ratio_min": aggregation.masked_min(ratio, batch.mask),
+        "ratio_mean": batch.mean(ratio),
+        "ratio_max": aggregation.masked_max(ratio, batch.mask),
+        "approx_kl": batch.mean(jnp.expm1(token_log_ratio) - token_log_ratio),
+    }
+
+
+def _clipped_surrogate(
+    batch: _Batch,
+    log_ratio: jax.Array,
+    *,
+    low: float | None,
+    high: float | None,
+    dual_clip: float | None,
+) -> tuple[jax.Array, Metrics]:
+    r"""Per-token :math:`-\min(\rho A, \operatorname{clip}(\rho, l, h) A)` and clip metrics."""
+    adv = batch.advantages
+    ratio = jnp.exp(log_ratio)  # [B, T]
+    clipped_ratio = jnp.clip(ratio, low, high)
+    surrogate = jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
+    # The clip removes a token's gradient when the clipped branch is strictly smaller.
+    clipped_low = (ratio < low) & (adv < 0) if low is not None else jnp.zeros_like(adv, bool)
+    clipped_high = (ratio > high) & (adv > 0) if high is not None else jnp.zeros_like(adv, bool)
+    metrics = {
+        "clip_fraction_low": batch.mean(clipped_low.astype(jnp.float32)),
+        "clip_fraction_high": batch.mean(clipped_high.astype(jnp.float32)),
+    }
+    metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+    if dual_clip is not None:
+        # Dual clip (Ye et al., 2020): for A < 0 the objective is bounded below by c * A.
+        dual_clipped = (adv < 0) & (surrogate < dual_clip * adv)
+        surrogate = jnp.where(adv < 0, jnp.maximum(surrogate, dual_clip * adv), surrogate)
+        metrics["dual_clip_fraction"] = batch.mean(dual_clipped.astype(jnp.float32))
+        metrics["clip_fraction"] = metrics["clip_fraction"] + metrics["dual_clip_fraction"]
+    metrics.update(_ratio_metrics(batch, ratio))
+    return -surrogate, metrics
+
+
+def policy_gradient(
+    logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    agg: AggregationMode = "seq-mean-token-sum",
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    r"""REINFORCE: the spec's :math:`L = -A_i \sum_t \log \pi_\theta(a_{i,t} \mid s_{i,t})`.
+
+    With ``A = R`` this is plain policy gradient, with ``A = R - b`` REINFORCE with a
+    baseline, with leave-one-out advantages RLOO (the spec's
+    :math:`-\frac1G \sum_i A_i \sum_t \log\pi_\theta`, i.e. the default
+    ``agg="seq-mean-token-sum"``).
+
+    Args:
+      logp: ``[B, T]`` log-probs of the sampled tokens under :math:`\pi_\theta`.
+      advantages: ``[B]`` or ``[B, T]`` advantages (held constant).
+      mask: ``[B, T]`` validity mask.
+      agg: aggregation mode, see :func:`jaxrl_llm.ops.aggregate`.
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``; metrics: ``policy_loss``, ``logp_mean``.
+    """
+    fn = "policy_gradient"
+    _check_agg(fn, agg, max_len)
+    batch = _Batch(fn, logp, advantages, mask)
+    loss = aggregation.aggregate(-batch.advantages * batch.logp, batch.mask, mode=agg, max_len=max_len)
+    return loss, {"policy_loss": loss, "logp_mean": batch.mean(jax.lax.stop_gradient(batch.logp))}
+
+
+def ppo_clip(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: AggregationMode = "token-mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    r"""PPO's clipped surrogate (Schulman et al., 2017).
+
+    .. math::
+        \ell_{i,t} = -\min\!\big(\rho_{i,t} A_{i,t},\;
+            \operatorname{clip}(\rho_{i,t}, 1-\epsilon_{low}, 1+\epsilon_{high}) A_{i,t}\big)
+
+    ``eps_high=None`` uses ``eps_low`` (symmetric clipping); a larger ``eps_high`` is
+    DAPO's clip-higher. ``dual_clip=c`` (``c > 1``, Ye et al. 2020) additionally bounds
+    the loss of a negative-advantage token by :math:`-c A`:
+    :math:`\ell = \min(\ell, -cA)` for :math:`A < 0`.
+
+    Args:
+      logp: ``[B, T]`` log-probs under :math:`\pi_\theta`.
+      old_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{old}}` (constant).
+      advantages: ``[B]`` or ``[B, T]`` (constant).
+      mask: ``[B, T]`` validity mask.
+      eps_low: lower clip range :math:`\epsilon_{low} \ge 0`.
+      eps_high: upper clip range; defaults to ``eps_low``.
+      dual_clip: the dual-clip constant :math:`c > 1`, or ``None``.
+      agg: aggregation mode.
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``; metrics as in the module docstring (plus
+      ``dual_clip_fraction`` with ``dual_clip``).
+    """
+    fn = "ppo_clip"
+    _check_agg(fn, agg, max_len)
+    low, high = _clip_bounds(fn, eps_low, eps_low if eps_high is None else eps_high)
+    if dual_clip is not None:
+        _checks.in_range(fn, "dual_clip", dual_clip, 1.0, float("inf"), closed="()")
+    batch = _Batch(fn, logp, advantages, mask, old_logp)
+    per_token, metrics = _clipped_surrogate(batch, batch.logp - batch.old_logp, low=low, high=high, dual_clip=dual_clip)
+    loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
+    metrics["policy_loss"] = loss
+    return loss, metrics
+
+
+def _sequence_log_ratio(batch: _Batch) -> jax.Array:
+    r"""GSPO's per-token log-ratio whose value is the sequence's and whose gradient is the token's.
+
+    .. math::
+        \log s_{i,t} = \operatorname{sg}\Big[\frac{1}{|o_i|}\sum_{t'} \log\rho_{i,t'}\Big]
+            + \log\pi_\theta(a_{i,t}) - \operatorname{sg}[\log\pi_\theta(a_{i,t})]
+    """
+    token_log_ratio = (batch.logp - batch.old_logp) * batch.mask  # [B, T]
+    lengths = jnp.maximum(jnp.sum(batch.mask, axis=-1, keepdims=True), 1.0)  # [B, 1]
+    seq_log_ratio = jnp.sum(token_log_ratio, axis=-1, keepdims=True) / lengths  # [B, 1]
+    seq_log_ratio = jnp.broadcast_to(seq_log_ratio, batch.logp.shape)  # [B, T]
+    return jax.lax.stop_gradient(seq_log_ratio) + batch.logp - jax.lax.stop_gradient(batch.logp)
+
+
+def grpo(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    ref_logp: jax.Array | None = None,
+    beta: float = 0.0,
+    kl: kl_lib.KLEstimator = "k3",
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    level: RatioLevel = "token",
+    agg: AggregationMode = "seq-mean-token-mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    r"""GRPO (Shao et al., 2024) and the variants that change its ratio or normaliser.
+
+    .. math::
+        L = \operatorname{agg}_{i,t}\Big[-\min\!\big(\rho_{i,t} A_i,\;
+            \operatorname{clip}(\rho_{i,t}, 1-\epsilon_{low}, 1+\epsilon_{high}) A_i\big)
+            + \beta\, \widehat{D}_{KL}[\pi_\theta \| \pi_{\text{ref}}]_{i,t}\Big]
+
+    With the default ``agg="seq-mean-token-mean"`` this is the spec's
+    :math:`-\frac1G\sum_i \frac{1}{|o_i|}\sum_t \min(\cdot)` plus DeepSeekMath's KL term.
+
+    * ``level="sequence"`` is GSPO (Zheng et al., 2025): the ratio is the length-normalised
+      sequence ratio :math:`s_i = \exp(\frac{1}{|o_i|}\sum_t \log\rho_{i,t})`, used in
+      GSPO-token form (value :math:`s_i` at every token, gradient through each token's
+      log-prob), which equals GSPO's sequence objective under ``seq-mean-token-mean``.
+    * ``eps_high > eps_low`` with ``agg="token-mean"`` is DAPO (Yu et al., 2025).
+    * ``agg="seq-mean-token-sum-norm"`` with ``max_len`` is Dr. GRPO (pair it with
+      ``advantages.grpo(..., scale="none")``).
+
+    Args:
+      logp: ``[B, T]`` log-probs under :math:`\pi_\theta`.
+      old_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{old}}` (constant).
+      advantages: ``[B]`` or ``[B, T]`` (constant).
+      mask: ``[B, T]`` validity mask.
+      ref_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{ref}}` (constant); required
+        when ``beta > 0``. When given with ``beta == 0`` the KL is still reported.
+      beta: KL penalty coefficient :math:`\beta \ge 0`.
+      kl: estimator of the per-token KL, one of :data:`jaxrl_llm.kl.KL_ESTIMATORS`.
+      eps_low: lower clip range.
+      eps_high: upper clip range; defaults to ``eps_low``.
+      level: ``"token"`` (GRPO) or ``"sequence"`` (GSPO) importance ratio.
+      agg: aggregation mode.
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``; metrics as in the module docstring, plus ``kl`` (token mean of
+      the estimator) when ``ref_logp`` is given.
+    """
+    fn = "objectives.grpo"
+    _check_agg(fn, agg, max_len)
+    _checks.one_of(fn, "level", level, RATIO_LEVELS)
+    _checks.one_of(fn, "kl", kl, kl_lib.KL_ESTIMATORS)
+    _checks.nonnegative(fn, "beta", beta)
+    low, high = _clip_bounds(fn, eps_low, eps_low if eps_high is None else eps_high)
+    penalised = not (_checks.is_number(beta) and beta == 0)
+    if penalised and ref_logp is None:
+        raise ValueError(f"{fn}: `ref_logp` is required when beta > 0 (got beta={beta}).")
+    batch = _Batch(fn, logp, advantages, mask, old_logp)
+    log_ratio = batch.logp - batch.old_logp if level == "token" else _sequence_log_ratio(batch)
+    per_token, metrics = _clipped_surrogate(batch, log_ratio, low=low, high=high, dual_clip=None)
+    metrics["policy_loss"] = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
+    if ref_logp is not None:
+        _checks.same_shape(fn, "ref_logp", jnp.asarray(ref_logp), "logp", batch.logp)
+        ref_logp = jnp.where(batch.mask > 0, jnp.asarray(ref_logp, jnp.float32), 0.0)
+        kl_per_token = kl_lib.ESTIMATORS[kl](batch.logp, ref_logp)  # [B, T]
+        metrics["kl"] = batch.mean(jax.lax.stop_gradient(kl_per_token))
+        if penalised:
+            per_token = per_token + beta * kl_per_token
+    loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
+    return loss, metrics
+
+
+def cispo(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    eps_low: float | None,
+    eps_high: float | None,
+    agg: AggregationMode = "token-mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    r"""CISPO (MiniMax-M1, 2025): clip the importance weight, not the update.
+
+    .. math::
+        \ell_{i,t} = -\operatorname{sg}\!\big[\operatorname{clip}(\rho_{i,t}, 1-\epsilon_{low},
+            1+\epsilon_{high})\big]\, A_{i,t} \log\pi_\theta(a_{i,t} \mid s_{i,t})
+
+    Unlike PPO, every token keeps a gradient; the clip only bounds its weight. MiniMax-M1
+    leaves the lower side effectively unbounded: pass ``eps_low=None`` for that.
+
+    Args:
+      logp: ``[B, T]`` log-probs under :math:`\pi_\theta`.
+      old_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{old}}` (constant).
+      advantages: ``[B]`` or ``[B, T]`` (constant).
+      mask: ``[B, T]`` validity mask.
+      eps_low: lower clip range, or ``None`` for no lower bound.
+      eps_high: upper clip range, or ``None`` for no upper bound.
+      agg: aggregation mode.
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``; ``clip_fraction*`` count tokens whose weight was clipped.
+    """
+    fn = "cispo"
+    _check_agg(fn, agg, max_len)
+    low, high = _clip_bounds(fn, eps_low, eps_high)
+    batch = _Batch(fn, logp, advantages, mask, old_logp)
+    log_ratio = batch.logp - batch.old_logp
+    ratio = jnp.exp(log_ratio)
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))  # [B, T]
+    per_token = -weight * batch.advantages * batch.logp
+    loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
+    below = ratio < low if low is not None else jnp.zeros_like(ratio, bool)
+    above = ratio > high if high is not None else jnp.zeros_like(ratio, bool)
+    metrics = {
+        "policy_loss": loss,
+        "clip_fraction_low": batch.mean(below.astype(jnp.float32)),
+        "clip_fraction_high": batch.mean(above.astype(jnp.float32)),
+        **_ratio_metrics(batch, ratio),
+    }
+    metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+    return loss, metrics
+
+
+def value_loss(
+    values: jax.Array,
+    old_values: jax.Array,
+    returns: jax.Array,
+    mask: jax.Array,
+    *,
+    clip: float | None = None,
+    agg: AggregationMode = "token-mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    r"""PPO's critic loss, optionally clipped around the values at rollout time.
+
+    .. math::
+        \ell_t = \tfrac12 \max\!\big((V_t - \hat R_t)^2,\;
+            (V^{old}_t + \operatorname{clip}(V_t - V^{old}_t, -c, c) - \hat R_t)^2\big)
+
+    (without ``clip``: :math:`\tfrac12 (V_t - \hat R_t)^2`).
+
+    Args:
+      values: ``[B, T]`` current critic values (differentiable).
+      old_values: ``[B, T]`` critic values when the batch was collected (constant).
+      returns: ``[B, T]`` return targets :math:`\hat R_t`, e.g. from :func:`gae` (constant).
+      mask: ``[B, T]`` validity mask.
+      clip: the value clip range :math:`c > 0`, or ``None``.
+      agg: aggregation mode.
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``; metrics: ``value_loss``, ``value_clip_fraction`` (tokens where
+      the clipped error was the larger), ``value_mean``, ``explained_variance``.
+    """
+    fn = "value_loss"
+    _check_agg(fn, agg, max_len)
+    if clip is not None:
+        _checks.positive(fn, "clip", clip)
+    values = _checks.floating(fn, "values", values)
+    _checks.rank(fn, "values", values, 2, "[B, T]")
+    old_values = _checks.floating(fn, "old_values", old_values)
+    returns = _checks.floating(fn, "returns", returns)
+    _checks.same_shape(fn, "old_values", old_values, "values", values)
+    _checks.same_shape(fn, "returns", returns, "values", values)
+    mask = _checks.mask(fn, mask, "values", values).astype(jnp.float32)
+    valid = mask > 0
+    values = jnp.where(valid, values.astype(jnp.float32), 0.0)
+    old_values = jax.lax.stop_gradient(jnp.where(valid, old_values.astype(jnp.float32), 0.0))
+    returns = jax.lax.stop_gradient(jnp.where(valid, returns.astype(jnp.float32), 0.0))
+
+    error = jnp.square(values - returns)  # [B, T]
+    if clip is None:
+        per_token = 0.5 * error
+        clipped = jnp.zeros_like(error)
+    else:
+        clipped_values = old_values + jnp.clip(values - old_values, -clip, clip)
+        clipped_error = jnp.square(clipped_values - returns)
+        per_token = 0.5 * jnp.maximum(error, clipped_error)
+        clipped = (clipped_error > error).astype(jnp.float32)
+    loss = aggregation.aggregate(per_token, mask, mode=agg, max_len=max_len)
+
+    def variance(x: jax.Array) -> jax.Array:
+        return aggregation.masked_mean(jnp.square(x - aggregation.masked_mean(x, mask)), mask)
+
+    residual_var = variance(returns - values)
+    returns_var = variance(returns)
+    metrics = {
+        "value_loss": loss,
+        "value_clip_fraction": aggregation.masked_mean(clipped, mask),
+        "value_mean": aggregation.masked_mean(jax.lax.stop_gradient(values), mask),
+        # 1 - Var[R - V] / Var[R] over valid tokens; 0 when Var[R] = 0.
+        "explained_variance": jax.lax.stop_gradient(
+            jnp.where(returns_var > 0, 1.0 - residual_var / jnp.where(returns_var > 0, returns_var, 1.0), 0.0)
+        ),
+    }
+    return loss, metrics
+
+
+def entropy_bonus(
+    entropy: jax.Array,
+    mask: jax.Array,
+    *,
+    coef: float,
+    agg: AggregationMode = "token-mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    r"""An entropy bonus to add to any objective's loss: :math:`L = -c\,\operatorname{agg}(H)`.
+
+    Args:
+      entropy: ``[B, T]`` per-token entropies, e.g. :func:`jaxrl_llm.ops.entropy` of the
+        policy's logits (differentiable).
+      mask: ``[B, T]`` validity mask.
+      coef: bonus coefficient :math:`c \ge 0`.
+      agg: aggregation mode (use the policy objective's to keep the weights consistent).
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``; metrics: ``entropy`` (token mean).
+
+    Example::
+
+        pg_loss, metrics = objectives.grpo(logp, old_logp, adv, mask)
+        ent_loss, ent_metrics = objectives.entropy_bonus(ops.entropy(logits), mask, coef=1e-3)
+        loss = pg_loss + ent_loss
+    """
+    fn = "entropy_bonus"
+    _check_agg(fn, agg, max_len)
+    _checks.nonnegative(fn, "coef", coef)
+    entropy = _checks.floating(fn, "entropy", entropy)
+    _checks.rank(fn, "entropy", entropy, 2, "[B, T]")
+    mask = _checks.mask(fn, mask, "entropy", entropy).astype(jnp.float32)
+    entropy = jnp.where(mask > 0, entropy.astype(jnp.float32), 0.0)
+    loss = -coef * aggregation.aggregate(entropy, mask, mode=agg, max_len=max_len)
+    return loss, {"entropy": aggregation.masked_mean(jax.lax.stop_gradient(entropy), mask)}

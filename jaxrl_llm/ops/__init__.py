@@ -1,0 +1,28 @@
+"""Numerical building blocks: per-token log-probs, entropies and masked reductions.
+
+Ops take ``jax.Array``s and return per-token ``[B, T]`` values; reduction to a scalar
+happens in one place, :func:`aggregate`, with the mode named explicitly.
+"""
+
+from jaxrl_llm.ops.aggregation import (
+    AGGREGATION_MODES,
+    AggregationMode,
+    aggregate,
+    masked_max,
+    masked_mean,
+    masked_min,
+    whiten,
+)
+from jaxrl_llm.ops.logprobs import entropy, token_logprobs
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "AggregationMode",
+    "aggregate",
+    "entropy",
+    "masked_max",
+    "masked_mean",
+    "masked_min",
+    "token_logprobs",
+    "whiten",
+]

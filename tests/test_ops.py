@@ -1,0 +1,154 @@
+"""jaxrl_llm.ops against NumPy references: log-probs, entropy, aggregation, whitening."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from jaxrl_llm import ops
+from tests import reference
+
+MODES = ops.AGGREGATION_MODES
+
+
+def _random_mask(rng, batch, length, *, empty_rows=()):
+    """Right-padded completions of random lengths, some rows possibly empty."""
+    lengths = rng.integers(1, length + 1, size=batch)
+    mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32)
+    mask[list(empty_rows)] = 0.0
+    return mask
+
+
+def test_token_logprobs_matches_numpy_log_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 5, 11)).astype(np.float32) * 4
+    tokens = rng.integers(0, 11, size=(3, 5))
+    expected = np.take_along_axis(reference.log_softmax(logits), tokens[..., None], -1)[..., 0]
+    got = jax.jit(ops.token_logprobs)(logits, tokens)
+    assert got.dtype == jnp.float32 and got.shape == (3, 5)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_token_logprobs_upcasts_bfloat16_logits():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.bfloat16)
+    tokens = jnp.asarray(rng.integers(0, 7, size=(2, 3)))
+    got = ops.token_logprobs(logits, tokens)
+    expected = np.take_along_axis(reference.log_softmax(np.asarray(logits, np.float64)), np.asarray(tokens)[..., None], -1)[..., 0]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_token_logprobs_gradient_is_onehot_minus_softmax():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    tokens = rng.integers(0, 5, size=(2, 3))
+    grad = jax.grad(lambda z: jnp.sum(ops.token_logprobs(z, tokens)))(logits)
+    expected = np.eye(5)[tokens] - np.exp(reference.log_softmax(logits))
+    np.testing.assert_allclose(grad, expected, atol=1e-6)
+
+
+def test_entropy_matches_numpy_and_handles_masked_vocabulary():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, 4, 9)).astype(np.float32) * 3
+    logits[0, 0, :5] = -np.inf  # a top-k style masked vocabulary
+    logp = reference.log_softmax(np.where(np.isinf(logits), -1e30, logits))
+    expected = -np.sum(np.where(np.isinf(logits), 0.0, np.exp(logp) * logp), axis=-1)
+    got = jax.jit(ops.entropy)(logits)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    grad = jax.grad(lambda z: jnp.sum(ops.entropy(z)))(jnp.asarray(logits))
+    assert np.all(np.isfinite(grad))
+    uniform = ops.entropy(jnp.zeros((1, 1, 9)))
+    np.testing.assert_allclose(uniform, np.log(9.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregate_matches_python_loop(mode):
+    rng = np.random.default_rng(4)
+    values = rng.normal(size=(6, 7)).astype(np.float32)
+    mask = _random_mask(rng, 6, 7, empty_rows=[2])
+    for max_len in (None, 12):
+        got = jax.jit(lambda v, m: ops.aggregate(v, m, mode=mode, max_len=max_len))(values, mask)
+        np.testing.assert_allclose(got, reference.aggregate(values, mask, mode, max_len), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregate_accepts_boolean_masks(mode):
+    rng = np.random.default_rng(5)
+    values = rng.normal(size=(3, 4)).astype(np.float32)
+    mask = _random_mask(rng, 3, 4)
+    np.testing.assert_allclose(
+        ops.aggregate(values, mask.astype(bool), mode=mode), ops.aggregate(values, mask, mode=mode), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregate_of_empty_mask_is_zero_with_zero_gradient(mode):
+    values = jnp.ones((3, 4))
+    loss, grad = jax.value_and_grad(lambda v: ops.aggregate(v, jnp.zeros((3, 4)), mode=mode))(values)
+    assert float(loss) == 0.0
+    np.testing.assert_array_equal(grad, np.zeros((3, 4)))
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 5),
+    length=st.integers(1, 6),
+    padding_rows=st.integers(1, 3),
+    mode=st.sampled_from(MODES),
+)
+def test_padding_rows_never_change_the_aggregate(seed, batch, length, padding_rows, mode):
+    """A fully masked row is padding: adding one changes neither loss nor other rows' gradients."""
+    rng = np.random.default_rng(seed)
+    values = rng.normal(size=(batch, length)).astype(np.float32)
+    mask = _random_mask(rng, batch, length)
+    padded_values = np.concatenate([values, rng.normal(size=(padding_rows, length)).astype(np.float32) * 1e3])
+    padded_mask = np.concatenate([mask, np.zeros((padding_rows, length), np.float32)])
+    f = lambda v, m: ops.aggregate(v, m, mode=mode, max_len=length)  # noqa: E731
+    loss, grad = jax.value_and_grad(f)(values, mask)
+    padded_loss, padded_grad = jax.value_and_grad(f)(padded_values, padded_mask)
+    np.testing.assert_allclose(padded_loss, loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(padded_grad[:batch], grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(padded_grad[batch:], 0.0)
+
+
+def test_masked_min_max_mean():
+    values = jnp.array([[1.0, -2.0, 5.0], [7.0, 0.5, 9.0]])
+    mask = jnp.array([[1, 1, 0], [0, 1, 0]])
+    assert float(ops.masked_min(values, mask)) == -2.0
+    assert float(ops.masked_max(values, mask)) == 1.0
+    np.testing.assert_allclose(ops.masked_mean(values, mask), (1.0 - 2.0 + 0.5) / 3)
+    assert float(ops.masked_max(values, jnp.zeros((2, 3)))) == 0.0
+
+
+def test_whiten_gives_zero_mean_unit_variance_on_valid_entries():
+    rng = np.random.default_rng(6)
+    values = rng.normal(3.0, 2.0, size=(4, 6)).astype(np.float32)
+    mask = _random_mask(rng, 4, 6)
+    out = np.asarray(ops.whiten(values, mask))
+    valid = out[mask > 0]
+    np.testing.assert_allclose(valid.mean(), 0.0, atol=1e-5)
+    np.testing.assert_allclose(valid.std(), 1.0, atol=1e-4)
+    assert np.all(out[mask == 0] == 0)
+    np.testing.assert_allclose(ops.whiten(jnp.full((5,), 2.0)), np.zeros(5))
+
+
+def test_shape_and_dtype_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"`tokens` must have shape \[B, T\] = \[2, 3\].*got \[2, 4\]"):
+        ops.token_logprobs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(TypeError, match="`tokens` must be an integer array"):
+        ops.token_logprobs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"`logits` must have shape \[B, T, V\]"):
+        ops.entropy(jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"`mask` must have the shape of `values`, \[2, 3\]; got \[3, 2\]"):
+        ops.aggregate(jnp.zeros((2, 3)), jnp.ones((3, 2)), mode="token-mean")
+    with pytest.raises(ValueError, match="`mode` must be one of 'token-mean', 'seq-mean-token-mean'"):
+        ops.aggregate(jnp.zeros((2, 3)), jnp.ones((2, 3)), mode="mean")
+    with pytest.raises(ValueError, match="`max_len` must be an integer >= 1"):
+        ops.aggregate(jnp.zeros((2, 3)), jnp.ones((2, 3)), mode="seq-mean-token-sum-norm", max_len=0)
+
+
+@given(st.floats(-1e3, 1e3, width=32), st.integers(1, 9))
+def test_whiten_maps_equal_values_to_exact_zero(value, size):
+    np.testing.assert_array_equal(ops.whiten(jnp.full((size,), value)), np.zeros(size))
