@@ -13,8 +13,8 @@ The functional core, from the bottom up:
 * :mod:`jaxrl_llm.algorithms`: the named methods as frozen configs of those parts.
 """
 
-from jaxrl_llm import advantages, kl, objectives, ops, trpo
+from jaxrl_llm import advantages, algorithms, kl, objectives, ops, trpo
 
 __version__ = "0.1.0"
 
-__all__ = ["advantages", "kl", "objectives", "ops", "trpo"]
+__all__ = ["advantages", "algorithms", "kl", "objectives", "ops", "trpo"]

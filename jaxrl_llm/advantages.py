@@ -53,6 +53,11 @@ def _centered(rewards: jax.Array, axis: int | None) -> jax.Array:
     return jnp.where(spread > 0, centered, 0.0)
 
 
+def _safe_divide(centered: jax.Array, scale: jax.Array) -> jax.Array:
+    """``centered / scale``, 0 where ``scale`` is 0 (then ``centered`` is 0 too, eps = 0)."""
+    return jnp.where(scale > 0, centered / jnp.where(scale > 0, scale, 1.0), 0.0)
+
+
 def reinforce(rewards: jax.Array) -> jax.Array:
     r"""Plain policy gradient: :math:`A_i = R_i`.
 
@@ -224,7 +229,7 @@ def grpo(
         std = jnp.std(rewards, axis=1, keepdims=True, ddof=ddof)  # [P, 1]
     else:
         std = jnp.std(rewards, ddof=ddof)  # []
-    return centered / (std + eps)
+    return _safe_divide(centered, std + eps)
 
 
 def reinforce_plus_plus(
@@ -258,7 +263,7 @@ def reinforce_plus_plus(
         rewards = _centered(_grouped(fn, rewards, min_group=1), axis=1)
     else:
         rewards = _rewards(fn, rewards)
-    return _centered(rewards, axis=None) / (jnp.std(rewards) + eps)
+    return _safe_divide(_centered(rewards, axis=None), jnp.std(rewards) + eps)
 
 
 def gae(

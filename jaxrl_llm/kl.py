@@ -14,7 +14,21 @@ k3    :math:`e^{r} - r - 1`               unbiased, >= 0, low variance (GRPO)
 ====  ==================================  ======================================
 
 The estimators are differentiated as written, the way GRPO (DeepSeekMath) and TRL put
-them in the loss; the reference log-probs are treated as constants.
+them in the loss; the reference log-probs are treated as constants. What the gradient
+of each then optimises, in expectation over tokens sampled on-policy, is not the same
+(and tests/test_kl.py checks it exactly over a vocabulary):
+
+* k1: :math:`\mathbb{E}_\pi[\nabla k_1] = \mathbb{E}_\pi[\nabla\log\pi] = 0`. As a
+  loss term it only adds noise; k1 belongs in the *reward* (PPO, REINFORCE++), where
+  the policy gradient turns it into :math:`\nabla D_{KL}(\pi\|\pi_{ref})`.
+* k2: :math:`\mathbb{E}_\pi[\nabla k_2] = \nabla D_{KL}(\pi \,\|\, \pi_{ref})`, the
+  gradient of the KL it estimates.
+* k3: :math:`\mathbb{E}_\pi[\nabla k_3] = \nabla D_{KL}(\pi_{ref} \,\|\, \pi)`, the
+  *reverse* KL: still a penalty that pulls towards the reference (GRPO's choice), but
+  not the gradient of the value it reports.
+
+After the first update of a rollout batch (``mu > 1``) tokens come from
+:math:`\pi_{old}`, not :math:`\pi_\theta`, and none of the three is importance-weighted.
 
 :func:`categorical` is the exact KL between two full next-token distributions.
 """
@@ -28,6 +42,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _checks
+
+LOG_RATIO_LIMIT = 20.0
+"""k3's log-ratio is clamped to ``[-20, 20]`` before the exponential."""
 
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
@@ -72,7 +89,8 @@ def k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     r"""Low-variance unbiased estimator :math:`e^{r} - r - 1`, :math:`r = \log\frac{\pi_{\text{ref}}(a)}{\pi_\theta(a)}`.
 
     This is the KL term of GRPO (Shao et al., 2024, eq. 4). It is computed as
-    ``expm1(r) - r``, which keeps full precision when the policies are close.
+    ``expm1(r) - r``, which keeps full precision when the policies are close, with
+    :math:`r` clamped to ``[-20, 20]`` so that it cannot overflow.
 
     Args:
       logp: ``[B, T]`` log-probs of sampled tokens under the policy.
@@ -81,7 +99,8 @@ def k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     Returns:
       ``[B, T]`` float32 per-token estimates, each >= 0.
     """
-    log_ratio = _log_ratio("k3", logp, ref_logp)
+    # Clamped like the objectives' ratios: e^r overflows float32 past r ~ 88.
+    log_ratio = jnp.clip(_log_ratio("k3", logp, ref_logp), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     return jnp.expm1(log_ratio) - log_ratio
 
 

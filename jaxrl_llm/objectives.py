@@ -12,7 +12,10 @@ Every objective has the same shape of contract:
 * the return value is ``(loss, metrics)``: a scalar and a dict of scalar diagnostics
   computed over valid tokens (token-mean, whatever ``agg`` is).
 
-Ratios are :math:`\rho_{i,t} = \exp(\log\pi_\theta - \log\pi_{\text{old}})`. Metrics
+Ratios are :math:`\rho_{i,t} = \exp(\log\pi_\theta - \log\pi_{\text{old}})`, with the
+log-ratio clamped to :data:`LOG_RATIO_LIMIT` (±20, as verl) before the exponential: past
+that a token's ratio saturates instead of overflowing to ``inf`` and turning the whole
+gradient into NaN through a ``0 * inf``. Metrics
 common to the ratio-based objectives:
 
 * ``policy_loss``: the clipped surrogate term alone (without KL);
@@ -34,6 +37,9 @@ import jax.numpy as jnp
 from jaxrl_llm import _checks, kl as kl_lib
 from jaxrl_llm.ops import aggregation
 from jaxrl_llm.ops.aggregation import AggregationMode
+
+LOG_RATIO_LIMIT = kl_lib.LOG_RATIO_LIMIT
+"""Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (e^20 ~ 5e8: far past any clip)."""
 
 RatioLevel = Literal["token", "sequence"]
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
@@ -79,9 +85,14 @@ def _clip_bounds(fn: str, eps_low: float | None, eps_high: float | None) -> tupl
     return (None if eps_low is None else 1.0 - eps_low), (None if eps_high is None else 1.0 + eps_high)
 
 
+def _ratio(log_ratio: jax.Array) -> jax.Array:
+    """``exp`` of the clamped log-ratio (see :data:`LOG_RATIO_LIMIT`)."""
+    return jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+
 def _ratio_metrics(batch: _Batch, ratio: jax.Array) -> Metrics:
     """Stats of the ratio the objective used, and the k3 KL(old || new) of token ratios."""
-    token_log_ratio = batch.logp - batch.old_logp
+    token_log_ratio = jnp.clip(batch.logp - batch.old_logp, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     return {
         "ratio_min": aggregation.masked_min(ratio, batch.mask),
         "ratio_mean": batch.mean(ratio),
@@ -100,7 +111,7 @@ def _clipped_surrogate(
 ) -> tuple[jax.Array, Metrics]:
     r"""Per-token :math:`-\min(\rho A, \operatorname{clip}(\rho, l, h) A)` and clip metrics."""
     adv = batch.advantages
-    ratio = jnp.exp(log_ratio)  # [B, T]
+    ratio = _ratio(log_ratio)  # [B, T]
     clipped_ratio = jnp.clip(ratio, low, high)
     surrogate = jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
     # The clip removes a token's gradient when the clipped branch is strictly smaller.
@@ -159,7 +170,7 @@ def ppo_clip(
     advantages: jax.Array,
     mask: jax.Array,
     *,
-    eps_low: float = 0.2,
+    eps_low: float | None = 0.2,
     eps_high: float | None = None,
     dual_clip: float | None = None,
     agg: AggregationMode = "token-mean",
@@ -172,7 +183,8 @@ def ppo_clip(
             \operatorname{clip}(\rho_{i,t}, 1-\epsilon_{low}, 1+\epsilon_{high}) A_{i,t}\big)
 
     ``eps_high=None`` uses ``eps_low`` (symmetric clipping); a larger ``eps_high`` is
-    DAPO's clip-higher. ``dual_clip=c`` (``c > 1``, Ye et al. 2020) additionally bounds
+    DAPO's clip-higher. ``eps_low=None`` (and ``eps_high=None``) removes the clip: the
+    plain importance-sampled surrogate :math:`-\rho A` that TRPO maximises. ``dual_clip=c`` (``c > 1``, Ye et al. 2020) additionally bounds
     the loss of a negative-advantage token by :math:`-c A`:
     :math:`\ell = \min(\ell, -cA)` for :math:`A < 0`.
 
@@ -181,7 +193,7 @@ def ppo_clip(
       old_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{old}}` (constant).
       advantages: ``[B]`` or ``[B, T]`` (constant).
       mask: ``[B, T]`` validity mask.
-      eps_low: lower clip range :math:`\epsilon_{low} \ge 0`.
+      eps_low: lower clip range :math:`\epsilon_{low} \ge 0`, or ``None`` for no bound.
       eps_high: upper clip range; defaults to ``eps_low``.
       dual_clip: the dual-clip constant :math:`c > 1`, or ``None``.
       agg: aggregation mode.
@@ -228,6 +240,7 @@ def grpo(
     kl: kl_lib.KLEstimator = "k3",
     eps_low: float = 0.2,
     eps_high: float | None = None,
+    dual_clip: float | None = None,
     level: RatioLevel = "token",
     agg: AggregationMode = "seq-mean-token-mean",
     max_len: int | None = None,
@@ -245,7 +258,8 @@ def grpo(
     * ``level="sequence"`` is GSPO (Zheng et al., 2025): the ratio is the length-normalised
       sequence ratio :math:`s_i = \exp(\frac{1}{|o_i|}\sum_t \log\rho_{i,t})`, used in
       GSPO-token form (value :math:`s_i` at every token, gradient through each token's
-      log-prob), which equals GSPO's sequence objective under ``seq-mean-token-mean``.
+      log-prob), which equals GSPO's sequence objective for per-sequence advantages.
+      GSPO's clip range is far smaller than PPO's (the paper: 3e-4 / 4e-4).
     * ``eps_high > eps_low`` with ``agg="token-mean"`` is DAPO (Yu et al., 2025).
     * ``agg="seq-mean-token-sum-norm"`` with ``max_len`` is Dr. GRPO (pair it with
       ``advantages.grpo(..., scale="none")``).
@@ -261,6 +275,8 @@ def grpo(
       kl: estimator of the per-token KL, one of :data:`jaxrl_llm.kl.KL_ESTIMATORS`.
       eps_low: lower clip range.
       eps_high: upper clip range; defaults to ``eps_low``.
+      dual_clip: the dual-clip constant :math:`c > 1` (see :func:`ppo_clip`), or ``None``.
+        Off by default, as in the GRPO paper; verl's default is 3.
       level: ``"token"`` (GRPO) or ``"sequence"`` (GSPO) importance ratio.
       agg: aggregation mode.
       max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
@@ -275,12 +291,14 @@ def grpo(
     _checks.one_of(fn, "kl", kl, kl_lib.KL_ESTIMATORS)
     _checks.nonnegative(fn, "beta", beta)
     low, high = _clip_bounds(fn, eps_low, eps_low if eps_high is None else eps_high)
+    if dual_clip is not None:
+        _checks.in_range(fn, "dual_clip", dual_clip, 1.0, float("inf"), closed="()")
     penalised = not (_checks.is_number(beta) and beta == 0)
     if penalised and ref_logp is None:
         raise ValueError(f"{fn}: `ref_logp` is required when beta > 0 (got beta={beta}).")
     batch = _Batch(fn, logp, advantages, mask, old_logp)
     log_ratio = batch.logp - batch.old_logp if level == "token" else _sequence_log_ratio(batch)
-    per_token, metrics = _clipped_surrogate(batch, log_ratio, low=low, high=high, dual_clip=None)
+    per_token, metrics = _clipped_surrogate(batch, log_ratio, low=low, high=high, dual_clip=dual_clip)
     metrics["policy_loss"] = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
     if ref_logp is not None:
         _checks.same_shape(fn, "ref_logp", jnp.asarray(ref_logp), "logp", batch.logp)
@@ -330,8 +348,7 @@ def cispo(
     _check_agg(fn, agg, max_len)
     low, high = _clip_bounds(fn, eps_low, eps_high)
     batch = _Batch(fn, logp, advantages, mask, old_logp)
-    log_ratio = batch.logp - batch.old_logp
-    ratio = jnp.exp(log_ratio)
+    ratio = _ratio(batch.logp - batch.old_logp)
     weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))  # [B, T]
     per_token = -weight * batch.advantages * batch.logp
     loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)

@@ -42,13 +42,14 @@ MatVec = Callable[[PyTree], PyTree]
 
 
 class CGState(NamedTuple):
-    """Loop state of :func:`conjugate_gradient`."""
+    """Loop state of :func:`conjugate_gradient`; every leaf float32."""
 
     x: PyTree  # current solution
     r: PyTree  # residual b - A x
     p: PyTree  # search direction
     r_dot_r: jax.Array  # [] float32: squared residual norm
-    iteration: jax.Array  # [] int32
+    iteration: jax.Array  # [] int32: iterations that updated x
+    stalled: jax.Array  # [] bool: met a direction of non-positive curvature
 
 
 def _step(params: PyTree, scale: jax.Array, direction: PyTree) -> PyTree:
@@ -57,26 +58,32 @@ def _step(params: PyTree, scale: jax.Array, direction: PyTree) -> PyTree:
 
 
 def _conjugate_gradient(matvec: MatVec, b: PyTree, *, iters: int, tol: float) -> CGState:
-    """Conjugate gradient returning the full final state (residual, iteration count)."""
-    x = otu.tree_zeros_like(b)
-    r_dot_r = otu.tree_vdot(b, b).astype(jnp.float32)
-    init = CGState(x=x, r=b, p=b, r_dot_r=r_dot_r, iteration=jnp.zeros((), jnp.int32))
+    """Conjugate gradient in float32 (whatever ``b``'s dtypes), returning the final state."""
+    b = otu.tree_cast(b, jnp.float32)
+
+    def matvec_f32(v: PyTree) -> PyTree:
+        return otu.tree_cast(matvec(v), jnp.float32)
+
+    init = CGState(
+        x=otu.tree_zeros_like(b), r=b, p=b, r_dot_r=otu.tree_vdot(b, b),
+        iteration=jnp.zeros((), jnp.int32), stalled=jnp.zeros((), bool),
+    )
 
     def keep_going(state: CGState) -> jax.Array:
-        return (state.iteration < iters) & (state.r_dot_r > tol)
+        return (state.iteration < iters) & (state.r_dot_r > tol) & ~state.stalled
 
     def step(state: CGState) -> CGState:
-        a_p = matvec(state.p)
+        a_p = matvec_f32(state.p)
         p_a_p = otu.tree_vdot(state.p, a_p)
         # A zero (or, from round-off, negative) curvature direction ends the solve.
-        alpha = jnp.where(p_a_p > 0, state.r_dot_r / jnp.where(p_a_p > 0, p_a_p, 1.0), 0.0)
+        stalled = ~(p_a_p > 0)
+        alpha = jnp.where(stalled, 0.0, state.r_dot_r / jnp.where(stalled, 1.0, p_a_p))
         x = otu.tree_add_scale(state.x, alpha, state.p)
         r = otu.tree_add_scale(state.r, -alpha, a_p)
-        r_dot_r = otu.tree_vdot(r, r).astype(jnp.float32)
+        r_dot_r = otu.tree_vdot(r, r)
         beta = r_dot_r / jnp.where(state.r_dot_r > 0, state.r_dot_r, 1.0)
         p = otu.tree_add_scale(r, beta, state.p)
-        iteration = jnp.where(p_a_p > 0, state.iteration + 1, iters)
-        return CGState(x=x, r=r, p=p, r_dot_r=r_dot_r, iteration=iteration)
+        return CGState(x=x, r=r, p=p, r_dot_r=r_dot_r, iteration=state.iteration + (~stalled), stalled=stalled)
 
     return jax.lax.while_loop(keep_going, step, init)
 
@@ -94,8 +101,11 @@ def conjugate_gradient(matvec: MatVec, b: PyTree, *, iters: int = 10, tol: float
       iters: maximum number of iterations (``>= 1``).
       tol: stop when the squared residual norm falls to this (``>= 0``).
 
+    The iteration runs in float32 whatever ``b``'s dtypes (a bfloat16 CG loses the
+    conjugacy it depends on); ``matvec`` receives float32 vectors.
+
     Returns:
-      The approximate solution :math:`x`, a pytree like ``b``.
+      The approximate solution :math:`x`, a pytree like ``b`` in float32.
     """
     _checks.positive_int("conjugate_gradient", "iters", iters)
     _checks.nonnegative("conjugate_gradient", "tol", tol)
@@ -119,13 +129,16 @@ def fisher_vector_product(kl_fn: Callable[[PyTree], jax.Array], params: PyTree, 
       damping: :math:`\lambda \ge 0`, added for conditioning (TRPO's ``cg_damping``).
 
     Returns:
-      A function from a pytree like ``params`` to a pytree like ``params``.
+      A function from a pytree shaped like ``params`` (any float dtype) to a pytree of
+      the same shapes and dtypes as its argument.
     """
     _checks.nonnegative("fisher_vector_product", "damping", damping)
     _, hessian_vector_product = jax.linearize(jax.grad(kl_fn), params)
 
     def matvec(vector: PyTree) -> PyTree:
-        return otu.tree_add_scale(hessian_vector_product(vector), damping, vector)
+        # Tangents must have the parameters' dtypes; the product comes back in vector's.
+        product = otu.tree_cast_like(hessian_vector_product(otu.tree_cast_like(vector, params)), vector)
+        return otu.tree_add_scale(product, damping, vector)
 
     return matvec
 
@@ -171,7 +184,9 @@ def natural_gradient_step(
       ``kl`` and ``improvement`` (surrogate decrease) at the returned params,
       ``expected_improvement`` (first-order prediction for the full step),
       ``step_size`` (the scale applied to :math:`s`, 0 if rejected), ``grad_norm``,
-      ``cg_residual`` (:math:`\|r\|` at the end of CG) and ``cg_iterations``.
+      ``cg_residual`` (:math:`\|r\|` at the end of CG), ``cg_iterations`` and
+      ``cg_stalled`` (CG met non-positive curvature). The step is computed in float32 and
+      each parameter keeps its dtype.
     """
     fn = "natural_gradient_step"
     _checks.positive(fn, "max_kl", max_kl)
@@ -184,7 +199,7 @@ def natural_gradient_step(
     fvp = fisher_vector_product(kl_fn, params, damping=damping)
     cg = _conjugate_gradient(fvp, otu.tree_scale(-1.0, grad), iters=cg_iters, tol=1e-10)
     direction = cg.x
-    curvature = otu.tree_vdot(direction, fvp(direction))  # s^T (F + lambda I) s
+    curvature = otu.tree_vdot(direction, fvp(direction))  # s^T (F + lambda I) s, float32
     full_scale = jnp.where(curvature > 0, jnp.sqrt(2.0 * max_kl / jnp.where(curvature > 0, curvature, 1.0)), 0.0)
     expected_improvement = -full_scale * otu.tree_vdot(grad, direction)
 
@@ -225,5 +240,6 @@ def natural_gradient_step(
         "grad_norm": otu.tree_norm(grad),
         "cg_residual": jnp.sqrt(cg.r_dot_r),
         "cg_iterations": cg.iteration,
+        "cg_stalled": cg.stalled,
     }
     return new_params, info

@@ -189,3 +189,14 @@ def test_errors_name_the_problem():
         advantages.gae(jnp.ones((1, 2)), jnp.ones((1, 2)), jnp.ones((1, 2)), lam=1.5)
     with pytest.raises(ValueError, match=r"`decay` must be in \[0.0, 1.0\)"):
         advantages.running_mean_update(advantages.running_mean_init(), jnp.ones(2), decay=1.0)
+
+
+def test_zero_eps_with_constant_groups_gives_zero_not_nan():
+    constant = jnp.full((2, 4), 1.0)
+    for scale in ("group", "batch"):
+        np.testing.assert_array_equal(advantages.grpo(constant, eps=0.0, scale=scale), 0.0)
+    np.testing.assert_array_equal(advantages.reinforce_plus_plus(constant, eps=0.0), 0.0)
+    mixed = jnp.array([[1.0, 1.0, 1.0], [0.0, 1.0, 2.0]])
+    adv = advantages.grpo(mixed, eps=0.0)
+    np.testing.assert_array_equal(adv[0], 0.0)
+    np.testing.assert_allclose(adv[1], [-1.2247449, 0.0, 1.2247449], rtol=1e-6)

@@ -93,3 +93,39 @@ def test_errors_name_the_argument():
         kl.estimate(jnp.zeros((1, 1)), jnp.zeros((1, 1)), estimator="k4")
     with pytest.raises(ValueError, match=r"`logits_q` must have the shape of `logits_p`"):
         kl.categorical(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 4)))
+
+
+def test_k3_of_extreme_log_ratios_is_finite():
+    logp = jnp.array([[-100.0, -0.1]])
+    ref_logp = jnp.array([[-0.1, -100.0]])
+    value, grad = jax.value_and_grad(lambda lp: jnp.sum(kl.k3(lp, ref_logp)))(logp)
+    assert np.isfinite(value) and np.all(np.isfinite(grad))
+
+
+def test_what_each_estimators_gradient_optimises():
+    """Exact expectations over a vocabulary, tokens drawn from pi = softmax(theta):
+    E[grad k1] = 0, E[grad k2] = grad KL(pi || ref), E[grad k3] = grad KL(ref || pi)."""
+    key_p, key_q = jax.random.split(jax.random.key(1))
+    theta = jax.random.normal(key_p, (7,))
+    ref_logp_all = jax.nn.log_softmax(jax.random.normal(key_q, (7,)))
+    probs = jax.nn.softmax(theta)
+    tokens = jnp.arange(7)[None, :]  # every token once; weight by pi below
+
+    def expected_grad(name):
+        def weighted(t):
+            logp = jax.nn.log_softmax(t)[tokens]  # [1, V]
+            per_token = kl.ESTIMATORS[name](logp, ref_logp_all[tokens])
+            return jnp.sum(jax.lax.stop_gradient(probs) * per_token[0])
+
+        return jax.grad(weighted)(theta)
+
+    def forward_kl(t):
+        logp = jax.nn.log_softmax(t)
+        return jnp.sum(jnp.exp(logp) * (logp - ref_logp_all))
+
+    def reverse_kl(t):
+        return jnp.sum(jnp.exp(ref_logp_all) * (ref_logp_all - jax.nn.log_softmax(t)))
+
+    np.testing.assert_allclose(expected_grad("k1"), 0.0, atol=1e-6)
+    np.testing.assert_allclose(expected_grad("k2"), jax.grad(forward_kl)(theta), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(expected_grad("k3"), jax.grad(reverse_kl)(theta), rtol=1e-4, atol=1e-6)

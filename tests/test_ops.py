@@ -152,3 +152,13 @@ def test_shape_and_dtype_errors_name_the_argument():
 @given(st.floats(-1e3, 1e3, width=32), st.integers(1, 9))
 def test_whiten_maps_equal_values_to_exact_zero(value, size):
     np.testing.assert_array_equal(ops.whiten(jnp.full((size,), value)), np.zeros(size))
+
+
+def test_whiten_ignores_nan_padding_and_eps_zero_constant_input():
+    values = jnp.array([[1.0, 3.0, jnp.nan], [5.0, jnp.inf, -jnp.inf]])
+    mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+    out = np.asarray(ops.whiten(values, mask))
+    expected = (np.array([1.0, 3.0, 5.0]) - 3.0) / np.std([1.0, 3.0, 5.0])
+    np.testing.assert_allclose(out[mask > 0], expected, rtol=1e-5)
+    np.testing.assert_array_equal(out[mask == 0], 0.0)
+    np.testing.assert_array_equal(ops.whiten(jnp.full((4,), 3.0), eps=0.0), 0.0)

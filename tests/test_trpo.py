@@ -185,3 +185,27 @@ def test_bad_hyperparameters_are_refused():
         trpo.natural_gradient_step(params, surrogate_fn=surrogate_fn, kl_fn=kl_fn, backtrack_coef=1.0)
     with pytest.raises(ValueError, match="`iters` must be an integer >= 1; got 0"):
         trpo.conjugate_gradient(lambda v: v, jnp.ones(2), iters=0)
+
+
+def test_natural_gradient_step_on_bfloat16_params_keeps_dtype_and_bound():
+    params, surrogate_fn, kl_fn = make_bandit(7)
+    params = {"u": jnp.zeros_like(params["u"], jnp.bfloat16)}
+
+    def surrogate_bf16(p):
+        return surrogate_fn({"u": p["u"].astype(jnp.float32)})
+
+    def kl_bf16(p):
+        return kl_fn({"u": p["u"].astype(jnp.float32)})
+
+    new_params, info = jax.jit(
+        lambda p: trpo.natural_gradient_step(p, surrogate_fn=surrogate_bf16, kl_fn=kl_bf16, max_kl=0.01)
+    )(params)
+    assert new_params["u"].dtype == jnp.bfloat16
+    assert bool(info["accepted"]) and float(kl_bf16(new_params)) <= 0.01
+    assert float(surrogate_bf16(new_params)) < float(surrogate_bf16(params))
+
+
+def test_conjugate_gradient_counts_only_real_iterations_when_it_stalls():
+    state = trpo._conjugate_gradient(lambda v: jnp.zeros_like(v), jnp.ones(3), iters=10, tol=0.0)
+    assert bool(state.stalled) and int(state.iteration) == 0
+    np.testing.assert_array_equal(state.x, 0.0)

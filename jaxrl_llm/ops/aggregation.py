@@ -126,8 +126,9 @@ def whiten(
         \hat x = \frac{x - \bar x}{\sqrt{\operatorname{Var}[x]} + \epsilon}
 
     with the population variance over entries where ``mask`` is set (all entries when
-    ``mask`` is ``None``). With ``shift_mean=False`` the mean is added back (scale only).
-    Invalid entries come back as 0.
+    ``mask`` is ``None``). With ``shift_mean=False`` the mean is added back,
+    :math:`\hat x + \bar x` (TRL's and OpenRLHF's convention). Invalid entries come back
+    as 0, and equal valid values as exactly 0.
 
     Args:
       values: any shape ``[...]``.
@@ -143,13 +144,15 @@ def whiten(
     _checks.nonnegative(fn, "eps", eps)
     weights = jnp.ones_like(values) if mask is None else _checks.mask(fn, mask, "values", values).astype(values.dtype)
     valid = weights > 0
+    values = jnp.where(valid, values, 0.0)  # padding (even NaN) never reaches the statistics
     count = jnp.maximum(jnp.sum(weights), 1.0)
     mean = jnp.sum(values * weights) / count
     # Equal valid values map to exactly 0 (their float32 mean can be an ulp off).
     spread = jnp.max(jnp.where(valid, values, -jnp.inf)) - jnp.min(jnp.where(valid, values, jnp.inf))
     centered = jnp.where(spread > 0, values - mean, 0.0)
     var = jnp.sum(jnp.square(centered) * weights) / count
-    whitened = centered / (jnp.sqrt(var) + eps)
+    scale = jnp.sqrt(var) + eps
+    whitened = jnp.where(scale > 0, centered / jnp.where(scale > 0, scale, 1.0), 0.0)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * weights

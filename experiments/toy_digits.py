@@ -1,0 +1,368 @@
+r"""Every method of the functional core, end to end, on a task small enough for a CPU.
+
+Task: the prompt is two digits ``(a, b)``; the right response is the single digit
+``(a + b) mod 10`` followed by EOS. The reward is 1 for the right first digit plus 0.5
+for stopping right after it (DAPO's preset also adds its soft overlong penalty).
+
+Policy: a tiny autoregressive MLP over 11 tokens (digits and EOS),
+:math:`\pi_\theta(a_t \mid a, b, t, a_{t-1})`, sampled token by token in a ``lax.scan``
+and scored in parallel with teacher forcing, so the sampled and recomputed log-probs of
+a response are the same numbers.
+
+Each step is one jitted function, built once per method: sample ``G`` completions for
+``P`` prompts, score them, compute advantages (``algorithms.sequence_advantages``, or
+GAE with a critic for PPO), then ``num_iterations`` optax updates of
+``algorithms.policy_loss`` (or one TRPO natural-gradient step). Policy, old and
+reference parameters are separate immutable pytrees.
+
+Run ``python experiments/toy_digits.py --help`` for options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrl_llm import advantages as adv_lib, algorithms, kl, objectives, ops, trpo
+
+NUM_DIGITS = 10
+EOS = NUM_DIGITS  # token ids 0..9 are digits, 10 is EOS
+VOCAB = NUM_DIGITS + 1
+BOS = VOCAB  # "previous token" id at t = 0 (not in the output vocabulary)
+
+Params = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyConfig:
+    """Settings of the toy run (defaults: every method in about a minute on 2 CPU cores)."""
+
+    steps: int = 150
+    """Training steps (one rollout batch each) per method."""
+    num_prompts: int = 16
+    """P: prompts per batch."""
+    group_size: int = 8
+    """G: completions per prompt."""
+    max_new_tokens: int = 6
+    """T: completion budget; a completion without EOS by then is truncated."""
+    hidden: int = 64
+    """Width of the policy (and critic) MLP."""
+    learning_rate: float = 1e-2
+    """Adam learning rate of the policy (and critic)."""
+    seed: int = 0
+    """PRNG seed: initial params and every rollout derive from it."""
+
+    def __post_init__(self):
+        for field in ("steps", "num_prompts", "group_size", "max_new_tokens", "hidden"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"ToyConfig: `{field}` must be >= 1; got {getattr(self, field)}.")
+        if self.group_size < 2:
+            raise ValueError(f"ToyConfig: `group_size` must be >= 2 for group baselines; got {self.group_size}.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"ToyConfig: `learning_rate` must be > 0; got {self.learning_rate}.")
+
+
+# --- Model ----------------------------------------------------------------------------------
+
+
+def init_mlp(key: jax.Array, *, hidden: int, max_len: int, outputs: int) -> Params:
+    """An MLP over summed embeddings of (a, b, position, previous token)."""
+    keys = jax.random.split(key, 6)
+    scale = 1.0 / np.sqrt(hidden)
+    return {
+        "embed_a": jax.random.normal(keys[0], (NUM_DIGITS, hidden)),
+        "embed_b": jax.random.normal(keys[1], (NUM_DIGITS, hidden)),
+        "embed_pos": jax.random.normal(keys[2], (max_len, hidden)),
+        "embed_prev": jax.random.normal(keys[3], (VOCAB + 1, hidden)),
+        "w_hidden": jax.random.normal(keys[4], (hidden, hidden)) * scale,
+        "b_hidden": jnp.zeros((hidden,)),
+        "w_out": jax.random.normal(keys[5], (hidden, outputs)) * scale * 0.1,
+        "b_out": jnp.zeros((outputs,)),
+    }
+
+
+def mlp(params: Params, a: jax.Array, b: jax.Array, pos: jax.Array, prev: jax.Array) -> jax.Array:
+    """``[...]`` integer inputs -> ``[..., outputs]``."""
+    x = params["embed_a"][a] + params["embed_b"][b] + params["embed_pos"][pos] + params["embed_prev"][prev]
+    leading = (1,) * (x.ndim - 1)  # biases broadcast over the leading axes explicitly
+    h = jnp.tanh(jnp.tanh(x) @ params["w_hidden"] + params["b_hidden"].reshape(*leading, -1))
+    return h @ params["w_out"] + params["b_out"].reshape(*leading, -1)
+
+
+def teacher_forced(params: Params, prompts: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Outputs at every position of given completions: ``[B, 2], [B, T] -> [B, T, outputs]``."""
+    batch, length = tokens.shape
+    prev = jnp.concatenate([jnp.full((batch, 1), BOS), tokens[:, :-1]], axis=1)  # [B, T]
+    pos = jnp.broadcast_to(jnp.arange(length)[None, :], (batch, length))  # [B, T]
+    a = jnp.broadcast_to(prompts[:, :1], (batch, length))
+    b = jnp.broadcast_to(prompts[:, 1:], (batch, length))
+    return mlp(params, a, b, pos, prev)
+
+
+class Rollout(NamedTuple):
+    tokens: jax.Array  # [B, T] int32, EOS-terminated, then padded with EOS
+    mask: jax.Array  # [B, T] float32, 1 up to and including the first EOS
+    logp: jax.Array  # [B, T] float32, log-probs under the sampling policy
+    lengths: jax.Array  # [B] int32
+
+
+def sample(params: Params, prompts: jax.Array, key: jax.Array, *, max_len: int) -> Rollout:
+    """Autoregressive sampling at temperature 1, one ``lax.scan`` step per token."""
+    batch = prompts.shape[0]
+
+    def step(carry, inputs):
+        prev, done = carry  # [B], [B]
+        pos, step_key = inputs
+        logits = mlp(params, prompts[:, 0], prompts[:, 1], jnp.full((batch,), pos), prev)  # [B, V]
+        token = jax.random.categorical(step_key, logits).astype(jnp.int32)
+        token = jnp.where(done, EOS, token)
+        logp = jax.nn.log_softmax(logits)[jnp.arange(batch), token]
+        valid = ~done
+        return (token, done | (token == EOS)), (token, valid, logp)
+
+    init = (jnp.full((batch,), BOS, jnp.int32), jnp.zeros((batch,), bool))
+    _, (tokens, valid, logp) = jax.lax.scan(step, init, (jnp.arange(max_len), jax.random.split(key, max_len)))
+    mask = valid.T.astype(jnp.float32)  # [T, B] -> [B, T]
+    return Rollout(tokens=tokens.T, mask=mask, logp=logp.T * mask, lengths=mask.sum(1).astype(jnp.int32))
+
+
+def rewards_of(prompts: jax.Array, rollout: Rollout) -> jax.Array:
+    """1 for the right digit first, +0.5 for EOS right after it. ``-> [B]`` float32."""
+    answer = (prompts[:, 0] + prompts[:, 1]) % NUM_DIGITS
+    correct = rollout.tokens[:, 0] == answer
+    stops = rollout.tokens[:, 1] == EOS if rollout.tokens.shape[1] > 1 else jnp.ones_like(correct)
+    return correct.astype(jnp.float32) + 0.5 * (correct & stops).astype(jnp.float32)
+
+
+# --- Train state and step ---------------------------------------------------------------------
+
+
+class TrainState(NamedTuple):
+    params: Params
+    opt_state: Any
+    ref_params: Params
+    critic_params: Params
+    critic_opt_state: Any
+    baseline: adv_lib.RunningMeanState
+    key: jax.Array
+    step: jax.Array
+
+
+def init_state(config: ToyConfig, algorithm: algorithms.Algorithm, optimizer) -> TrainState:
+    policy_key, critic_key, run_key = jax.random.split(jax.random.key(config.seed), 3)
+    params = init_mlp(policy_key, hidden=config.hidden, max_len=config.max_new_tokens, outputs=VOCAB)
+    critic = init_mlp(critic_key, hidden=config.hidden, max_len=config.max_new_tokens, outputs=1)
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        # The reference is the initial policy. It needs buffers of its own: the state is
+        # donated to the step, and one buffer cannot be donated twice.
+        ref_params=jax.tree.map(jnp.copy, params),
+        critic_params=critic,
+        critic_opt_state=optimizer.init(critic),
+        baseline=adv_lib.running_mean_init(),
+        key=run_key,
+        step=jnp.zeros((), jnp.int32),
+    )
+
+
+def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimizer):
+    """Builds the pure step ``state -> (state, metrics)`` for one method."""
+    a = algorithm
+    num_prompts, group, length = config.num_prompts, config.group_size, config.max_new_tokens
+
+    def train_step(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        key, prompt_key, sample_key = jax.random.split(state.key, 3)
+        prompts = jax.random.randint(prompt_key, (num_prompts, 2), 0, NUM_DIGITS)  # [P, 2]
+        prompts = jnp.repeat(prompts, group, axis=0)  # [B = P * G, 2], groups adjacent
+        old_params = state.params  # the snapshot that samples: immutable, so free
+        rollout = sample(old_params, prompts, sample_key, max_len=length)
+        mask = rollout.mask
+        rewards = rewards_of(prompts, rollout)  # [B]
+        task_rewards = rewards
+        if a.overlong_buffer:
+            rewards = rewards + algorithms.overlong_penalty(
+                rollout.lengths, max_len=length, buffer=a.overlong_buffer, penalty=a.overlong_penalty
+            )
+        # Sampling was at temperature 1 from old_params, so its log-probs are the old
+        # log-probs: no separate old-policy forward pass.
+        old_logp = rollout.logp
+        ref_logp = None
+        if a.needs_reference:
+            ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
+            ref_logp = ops.token_logprobs(ref_logits, rollout.tokens) * mask
+
+        # Advantages. A KL penalty in the reward is per token for GAE and summed over
+        # the response for the sequence-level estimators.
+        kl_reward = 0.0 if ref_logp is None else a.kl_reward_coef * kl.k1(old_logp, ref_logp) * mask  # [B, T]
+        baseline = state.baseline
+        critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
+        if a.needs_critic:
+            last = jnp.maximum(rollout.lengths - 1, 0)
+            token_rewards = jax.nn.one_hot(last, length) * rewards[:, None] - kl_reward  # [B, T]
+            old_values = teacher_forced(critic_params, prompts, rollout.tokens)[..., 0] * mask
+            advantages, returns = adv_lib.gae(token_rewards, old_values, mask, gamma=a.gamma, lam=a.lam)
+            advantages = ops.whiten(advantages, mask)
+        else:
+            seq_rewards = rewards - (jnp.sum(kl_reward, axis=1) if a.kl_reward_coef > 0 else 0.0)
+            advantages, baseline = algorithms.sequence_advantages(a, seq_rewards.reshape(num_prompts, group), baseline)
+
+        if a.dynamic_sampling:
+            # DAPO drops groups with identical rewards. This toy drops them from the loss
+            # (mask) instead of refilling the batch; the LM trainer refills.
+            grouped = rewards.reshape(num_prompts, group)
+            informative = jnp.repeat(jnp.max(grouped, 1) > jnp.min(grouped, 1), group)  # [B]
+            mask = mask * informative[:, None]
+
+        def loss_fn(params):
+            logits = teacher_forced(params, prompts, rollout.tokens)
+            logp = ops.token_logprobs(logits, rollout.tokens)
+            entropy = ops.entropy(logits) if a.entropy_coef > 0 else None
+            return algorithms.policy_loss(
+                a, logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy, max_len=length
+            )
+
+        params, opt_state = state.params, state.opt_state
+        if a.update == "trpo":
+            old_logits = jax.lax.stop_gradient(teacher_forced(old_params, prompts, rollout.tokens))
+
+            def kl_fn(p):  # exact mean KL(pi_old || pi_p) over the batch's states
+                return ops.masked_mean(kl.categorical(old_logits, teacher_forced(p, prompts, rollout.tokens)), mask)
+
+            _, metrics = loss_fn(params)
+            params, info = trpo.natural_gradient_step(
+                params, surrogate_fn=lambda p: loss_fn(p)[0], kl_fn=kl_fn, max_kl=a.max_kl, damping=a.cg_damping,
+                cg_iters=a.cg_iters, backtrack_coef=a.backtrack_coef, max_backtracks=a.max_backtracks,
+            )
+            metrics.update({f"trpo_{k}": v for k, v in info.items()})
+        else:
+            for _ in range(a.num_iterations):  # mu passes over the batch (static, unrolled)
+                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+
+        if a.needs_critic:
+
+            def critic_loss(cp):
+                values = teacher_forced(cp, prompts, rollout.tokens)[..., 0]
+                return objectives.value_loss(values, old_values, returns, mask, clip=a.value_clip)
+
+            for _ in range(a.num_iterations):
+                (_, critic_metrics), grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params)
+                updates, critic_opt_state = optimizer.update(grads, critic_opt_state, critic_params)
+                critic_params = optax.apply_updates(critic_params, updates)
+            metrics.update(critic_metrics)
+
+        ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
+        new_logits = teacher_forced(params, prompts, rollout.tokens)
+        metrics.update(
+            reward=jnp.mean(task_rewards),
+            length=jnp.mean(rollout.lengths.astype(jnp.float32)),
+            kl_to_ref=ops.masked_mean(kl.categorical(new_logits, ref_logits), rollout.mask),
+        )
+        new_state = TrainState(params, opt_state, state.ref_params, critic_params, critic_opt_state, baseline, key,
+                               state.step + 1)
+        return new_state, metrics
+
+    return train_step
+
+
+def greedy_accuracy(params: Params, *, max_len: int) -> float:
+    """Fraction of all 100 prompts answered exactly (right digit, then EOS) greedily."""
+    a, b = jnp.meshgrid(jnp.arange(NUM_DIGITS), jnp.arange(NUM_DIGITS), indexing="ij")
+    prompts = jnp.stack([a.ravel(), b.ravel()], axis=1)
+    prev = jnp.full((prompts.shape[0],), BOS)
+    tokens = []
+    for pos in range(min(max_len, 2)):
+        logits = mlp(params, prompts[:, 0], prompts[:, 1], jnp.full_like(prev, pos), prev)
+        prev = jnp.argmax(logits, axis=-1)
+        tokens.append(prev)
+    answer = (prompts[:, 0] + prompts[:, 1]) % NUM_DIGITS
+    exact = tokens[0] == answer
+    if len(tokens) > 1:
+        exact = exact & (tokens[1] == EOS)
+    return float(jnp.mean(exact))
+
+
+def train(config: ToyConfig, algorithm: algorithms.Algorithm) -> dict[str, Any]:
+    """Trains one method; returns its reward curve and final numbers."""
+    if algorithm.overlong_buffer >= config.max_new_tokens:
+        # DAPO's buffer is 20% of its 20480-token budget; keep that fraction here.
+        buffer = max(1, config.max_new_tokens // 5)
+        print(f"  ({algorithm.name}: overlong_buffer {algorithm.overlong_buffer} -> {buffer} tokens "
+              f"for a {config.max_new_tokens}-token budget)")
+        algorithm = dataclasses.replace(algorithm, overlong_buffer=buffer)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(config.learning_rate))
+    state = init_state(config, algorithm, optimizer)
+    step_fn = jax.jit(make_train_step(config, algorithm, optimizer), donate_argnums=0)
+    initial_accuracy = greedy_accuracy(state.params, max_len=config.max_new_tokens)
+    history = []
+    start = time.perf_counter()
+    for _ in range(config.steps):
+        state, metrics = step_fn(state)
+        history.append(jax.device_get(metrics))
+    seconds = time.perf_counter() - start
+    assert step_fn._cache_size() == 1, "the train step must trace once"
+    rewards = np.array([m["reward"] for m in history])
+    window = max(1, min(10, config.steps // 5))
+    return {
+        "algorithm": algorithm.name,
+        "rewards": rewards,
+        "reward_start": float(rewards[:window].mean()),
+        "reward_end": float(rewards[-window:].mean()),
+        "accuracy_start": initial_accuracy,
+        "accuracy_end": greedy_accuracy(state.params, max_len=config.max_new_tokens),
+        "kl_to_ref": float(history[-1]["kl_to_ref"]),
+        "seconds": seconds,
+        "history": history,
+        "final_metrics": history[-1],
+        "state": state,
+    }
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    header = f"{'method':<20} {'reward start':>12} {'reward end':>10} {'greedy acc':>14} {'KL(ref)':>8} {'time':>7}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        accuracy = f"{r['accuracy_start']:.2f} -> {r['accuracy_end']:.2f}"
+        lines.append(
+            f"{r['algorithm']:<20} {r['reward_start']:>12.3f} {r['reward_end']:>10.3f} {accuracy:>14} "
+            f"{r['kl_to_ref']:>8.3f} {r['seconds']:>6.1f}s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    defaults = ToyConfig()
+    for field in dataclasses.fields(ToyConfig):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults, field.name)),
+                            default=getattr(defaults, field.name))
+    parser.add_argument("--algorithms", default=",".join(algorithms.PRESETS),
+                        help=f"comma-separated presets (default: all): {', '.join(algorithms.PRESETS)}")
+    args = vars(parser.parse_args(argv))
+    names = [n for n in args.pop("algorithms").split(",") if n]
+    config = ToyConfig(**{k: v for k, v in args.items()})
+    methods = [algorithms.get(name) for name in names]
+    print(f"toy digits: P={config.num_prompts} prompts x G={config.group_size} completions, "
+          f"{config.steps} steps per method, seed {config.seed}")
+    results = []
+    for method in methods:
+        results.append(train(config, method))
+        r = results[-1]
+        print(f"  {r['algorithm']:<20} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f}  ({r['seconds']:.1f}s)",
+              flush=True)
+    print()
+    print(format_table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+r"""The named methods, each a frozen config that picks parts of the functional core.
+
+A method is not a class hierarchy: it is an advantage estimator, a policy objective, an
+aggregation mode, a KL term and an update rule. The presets below are the spec's six
+methods and the modern variants; any other combination is one ``dataclasses.replace``
+away (RLOO advantages with PPO clipping, GRPO with a KL penalty, ...):
+
+.. code-block:: python
+
+    from jaxrl_llm import algorithms
+    rloo_ppo = dataclasses.replace(algorithms.RLOO, name="rloo-ppo", objective="ppo_clip",
+                                   agg="token-mean", num_iterations=2)
+
+Two pure functions turn a config into numbers; trainers call these, not the parts:
+
+* :func:`sequence_advantages`: rewards ``[P, G]`` -> advantages ``[P * G]`` (every
+  estimator except GAE, which needs a critic's per-token values);
+* :func:`policy_loss`: per-token log-probs -> ``(loss, metrics)``, with the KL and
+  entropy terms the config asks for.
+
+Conventions chosen where the papers leave room are documented on each field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import advantages as adv_lib, kl as kl_lib, objectives
+from jaxrl_llm.ops import aggregation
+
+AdvantageEstimator = Literal[
+    "reinforce", "batch_mean_baseline", "running_mean_baseline", "rloo", "grpo", "reinforce_pp", "gae"
+]
+PolicyObjective = Literal["policy_gradient", "ppo_clip", "grpo", "cispo"]
+UpdateRule = Literal["optax", "trpo"]
+
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+POLICY_OBJECTIVES: tuple[str, ...] = get_args(PolicyObjective)
+UPDATE_RULES: tuple[str, ...] = get_args(UpdateRule)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Algorithm:
+    """One RL post-training method as a choice of parts and their hyperparameters."""
+
+    name: str
+    """Display name, used in logs and tables."""
+
+    # --- Advantages ---------------------------------------------------------------------
+    advantage: AdvantageEstimator
+    """How advantages are estimated: ``reinforce`` (A = R), ``batch_mean_baseline``,
+    ``running_mean_baseline`` (state carried across steps), ``rloo``, ``grpo``,
+    ``reinforce_pp`` (batch whitening) or ``gae`` (a learned critic)."""
+    group_scale: adv_lib.GroupScale = "group"
+    """``grpo`` only: divide by the group std, the batch std, or not at all (Dr. GRPO)."""
+    std_ddof: int = 0
+    """``grpo`` only: 0 is the spec's population std, 1 the sample std of TRL/verl/Tunix."""
+    advantage_eps: float = 1e-6
+    """Added to standard deviations in ``grpo`` and ``reinforce_pp``."""
+    baseline_decay: float | None = 0.9
+    """``running_mean_baseline`` only: EMA decay, or ``None`` for the mean of all rewards."""
+    subtract_group_mean: bool = False
+    """``reinforce_pp`` only: subtract each group's mean before whitening (-baseline)."""
+    gamma: float = 1.0
+    """``gae`` only: discount per token."""
+    lam: float = 0.95
+    """``gae`` only: GAE lambda."""
+
+    # --- Policy objective -----------------------------------------------------------------
+    objective: PolicyObjective
+    """The per-token surrogate: see :mod:`jaxrl_llm.objectives`."""
+    agg: aggregation.AggregationMode
+    """How per-token terms become the loss; see :func:`jaxrl_llm.ops.aggregate`."""
+    eps_low: float | None = 0.2
+    """Lower clip range (``None``: unbounded)."""
+    eps_high: float | None = None
+    """Upper clip range; ``None`` means equal to ``eps_low`` for ``ppo_clip`` / ``grpo``
+    (symmetric) and unbounded for ``cispo``."""
+    dual_clip: float | None = None
+    """``ppo_clip`` only: dual-clip constant c > 1."""
+    ratio_level: objectives.RatioLevel = "token"
+    """``grpo`` only: ``sequence`` is GSPO's length-normalised sequence ratio."""
+
+    # --- Regularisation ---------------------------------------------------------------------
+    kl_coef: float = 0.0
+    """beta of a KL-to-reference term in the loss, aggregated like the objective."""
+    kl_estimator: kl_lib.KLEstimator = "k3"
+    """Which sample estimator the loss's KL term uses."""
+    kl_reward_coef: float = 0.0
+    """KL-to-reference penalty in the per-token reward (PPO, REINFORCE++): the trainer
+    subtracts ``kl_reward_coef * k1`` from each token's reward before GAE."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus."""
+
+    # --- Update -----------------------------------------------------------------------------
+    update: UpdateRule = "optax"
+    """``optax``: gradient steps; ``trpo``: natural-gradient steps with a KL line search."""
+    num_iterations: int = 1
+    """mu: optimisation passes over each rollout batch (1: on-policy, ratio = 1)."""
+    max_kl: float = 0.01
+    """``trpo`` only: trust-region radius delta on KL(pi_old || pi)."""
+    cg_damping: float = 0.1
+    """``trpo`` only: damping added to the Fisher matrix."""
+    cg_iters: int = 10
+    """``trpo`` only: conjugate-gradient iterations."""
+    backtrack_coef: float = 0.8
+    """``trpo`` only: line-search shrink factor."""
+    max_backtracks: int = 10
+    """``trpo`` only: line-search shrinks before giving up."""
+    value_clip: float | None = 0.2
+    """``gae`` only: the critic's value clip range."""
+
+    # --- Sampling-side (DAPO) ---------------------------------------------------------------
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (they carry no signal under group baselines)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: length of the buffer before the token limit (0: off)."""
+    overlong_penalty: float = 1.0
+    """DAPO's soft overlong punishment: penalty at the token limit."""
+
+    def __post_init__(self):
+        def fail(message: str):
+            raise ValueError(f"Algorithm {self.name!r}: {message}")
+
+        def one_of(field: str, allowed: tuple[str, ...]):
+            value = getattr(self, field)
+            if value not in allowed:
+                fail(f"`{field}` must be one of {', '.join(map(repr, allowed))}; got {value!r}.")
+
+        one_of("advantage", ADVANTAGE_ESTIMATORS)
+        one_of("objective", POLICY_OBJECTIVES)
+        one_of("update", UPDATE_RULES)
+        one_of("agg", aggregation.AGGREGATION_MODES)
+        one_of("group_scale", adv_lib.GROUP_SCALES)
+        one_of("ratio_level", objectives.RATIO_LEVELS)
+        one_of("kl_estimator", kl_lib.KL_ESTIMATORS)
+        for field in ("advantage_eps", "kl_coef", "kl_reward_coef", "entropy_coef", "cg_damping", "overlong_penalty"):
+            if not getattr(self, field) >= 0:
+                fail(f"`{field}` must be >= 0; got {getattr(self, field)}.")
+        for field in ("eps_low", "eps_high"):
+            value = getattr(self, field)
+            if value is not None and not value >= 0:
+                fail(f"`{field}` must be >= 0 or None; got {value}.")
+        for field in ("num_iterations", "cg_iters"):
+            if not (isinstance(getattr(self, field), int) and getattr(self, field) >= 1):
+                fail(f"`{field}` must be an integer >= 1; got {getattr(self, field)!r}.")
+        for field in ("std_ddof", "max_backtracks", "overlong_buffer"):
+            if not (isinstance(getattr(self, field), int) and getattr(self, field) >= 0):
+                fail(f"`{field}` must be an integer >= 0; got {getattr(self, field)!r}.")
+        if self.baseline_decay is not None and not 0 <= self.baseline_decay < 1:
+            fail(f"`baseline_decay` must be in [0, 1) or None; got {self.baseline_decay}.")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            fail(f"`gamma` and `lam` must be in [0, 1]; got gamma={self.gamma}, lam={self.lam}.")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            fail(f"`dual_clip` must be > 1 or None; got {self.dual_clip}.")
+        if self.dual_clip is not None and self.objective != "ppo_clip":
+            fail(f"`dual_clip` applies to objective='ppo_clip' only; got objective={self.objective!r}.")
+        if self.ratio_level != "token" and self.objective != "grpo":
+            fail(f"`ratio_level='sequence'` (GSPO) needs objective='grpo'; got objective={self.objective!r}.")
+        if self.value_clip is not None and not self.value_clip > 0:
+            fail(f"`value_clip` must be > 0 or None; got {self.value_clip}.")
+        if self.update == "trpo":
+            if not self.max_kl > 0:
+                fail(f"`max_kl` must be > 0; got {self.max_kl}.")
+            if not 0 < self.backtrack_coef < 1:
+                fail(f"`backtrack_coef` must be in (0, 1); got {self.backtrack_coef}.")
+            if self.num_iterations != 1:
+                fail("update='trpo' takes one natural-gradient step per batch: `num_iterations` must be 1.")
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the method learns a value function (GAE advantages)."""
+        return self.advantage == "gae"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference-model log-probs are needed (a KL term in loss or reward)."""
+        return self.kl_coef > 0 or self.kl_reward_coef > 0
+
+    @property
+    def needs_old_logp(self) -> bool:
+        """Whether the objective reads log-probs of the sampling policy. With mu = 1 they
+        equal the current ones at the single update, so a trainer may reuse them."""
+        return self.objective != "policy_gradient" or self.update == "trpo"
+
+
+def sequence_advantages(
+    algorithm: Algorithm,
+    rewards: jax.Array,
+    baseline: adv_lib.RunningMeanState | None = None,
+) -> tuple[jax.Array, adv_lib.RunningMeanState | None]:
+    """Advantages per response for every estimator but ``gae``.
+
+    Args:
+      algorithm: the method.
+      rewards: ``[P, G]`` rewards, row ``p`` holding prompt ``p``'s group.
+      baseline: the running-mean state (``running_mean_baseline`` only).
+
+    Returns:
+      ``(advantages [P * G], baseline)``: the flattened advantages, rows in the order of
+      ``rewards.reshape(-1)``, and the baseline state after folding in this batch (the
+      input unchanged for other estimators).
+    """
+    estimator = algorithm.advantage
+    if estimator == "gae":
+        raise ValueError(
+            f"Algorithm {algorithm.name!r} uses GAE: its advantages come from "
+            "`advantages.gae` with a critic's per-token values, not from sequence rewards."
+        )
+    if estimator == "reinforce":
+        advantages = adv_lib.reinforce(rewards)
+    elif estimator == "batch_mean_baseline":
+        advantages = adv_lib.batch_mean_baseline(rewards)
+    elif estimator == "running_mean_baseline":
+        if baseline is None:
+            raise ValueError(f"Algorithm {algorithm.name!r} needs the running baseline state (`baseline=`).")
+        advantages = adv_lib.baseline(rewards, baseline.mean)  # the baseline from before this batch
+        baseline = adv_lib.running_mean_update(baseline, rewards, decay=algorithm.baseline_decay)
+    elif estimator == "rloo":
+        advantages = adv_lib.rloo(rewards)
+    elif estimator == "grpo":
+        advantages = adv_lib.grpo(
+            rewards, eps=algorithm.advantage_eps, ddof=algorithm.std_ddof, scale=algorithm.group_scale
+        )
+    else:  # reinforce_pp
+        advantages = adv_lib.reinforce_plus_plus(
+            rewards, eps=algorithm.advantage_eps, subtract_group_mean=algorithm.subtract_group_mean
+        )
+    return advantages.reshape(-1), baseline
+
+
+def policy_loss(
+    algorithm: Algorithm,
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    ref_logp: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    max_len: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""The method's policy loss: objective, plus :math:`\beta` KL, minus the entropy bonus.
+
+    .. math::
+        L = \operatorname{agg}\big[\ell^{\text{objective}}_{i,t}
+            + \beta\, \widehat{D}_{KL}[\pi_\theta\|\pi_{\text{ref}}]_{i,t}\big]
+            - c_H\, \operatorname{agg}[H_{i,t}]
+
+    Args:
+      algorithm: the method.
+      logp: ``[B, T]`` log-probs under the policy being optimised.
+      old_logp: ``[B, T]`` log-probs under the sampling policy (unused by
+        ``policy_gradient``).
+      advantages: ``[B]`` or ``[B, T]``.
+      mask: ``[B, T]`` validity mask.
+      ref_logp: ``[B, T]`` reference log-probs; required when ``kl_coef > 0``, reported
+        as ``kl`` whenever given.
+      entropy: ``[B, T]`` per-token entropies; required when ``entropy_coef > 0``.
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``.
+    """
+    a = algorithm
+    common = dict(agg=a.agg, max_len=max_len)
+    if a.objective == "policy_gradient":
+        loss, metrics = objectives.policy_gradient(logp, advantages, mask, **common)
+    elif a.objective == "ppo_clip":
+        loss, metrics = objectives.ppo_clip(
+            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, **common
+        )
+    elif a.objective == "grpo":
+        loss, metrics = objectives.grpo(
+            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, level=a.ratio_level, **common
+        )
+    else:  # cispo
+        loss, metrics = objectives.cispo(logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, **common)
+
+    if a.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"Algorithm {a.name!r} has kl_coef={a.kl_coef} > 0: pass `ref_logp`.")
+    if ref_logp is not None:
+        kl_per_token = kl_lib.estimate(logp, ref_logp, estimator=a.kl_estimator)  # [B, T]
+        metrics["kl"] = aggregation.masked_mean(jax.lax.stop_gradient(kl_per_token), mask)
+        if a.kl_coef > 0:
+            loss = loss + a.kl_coef * aggregation.aggregate(kl_per_token, mask, mode=a.agg, max_len=max_len)
+    if a.entropy_coef > 0 or entropy is not None:
+        if entropy is None:
+            raise ValueError(f"Algorithm {a.name!r} has entropy_coef={a.entropy_coef} > 0: pass `entropy`.")
+        bonus, entropy_metrics = objectives.entropy_bonus(entropy, mask, coef=a.entropy_coef, **common)
+        loss = loss + bonus
+        metrics.update(entropy_metrics)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+# --- Presets ----------------------------------------------------------------------------------
+
+PG = Algorithm(name="pg", advantage="reinforce", objective="policy_gradient", agg="seq-mean-token-sum")
+"""The spec's policy gradient, :math:`L = -R_i \\sum_t \\log\\pi_\\theta`."""
+
+REINFORCE_BASELINE = Algorithm(
+    name="reinforce-baseline", advantage="running_mean_baseline", objective="policy_gradient", agg="seq-mean-token-sum"
+)
+"""REINFORCE with a running-mean (EMA 0.9) baseline carried in the train state."""
+
+RLOO = Algorithm(name="rloo", advantage="rloo", objective="policy_gradient", agg="seq-mean-token-sum")
+"""The spec's RLOO: leave-one-out baseline, :math:`-\\frac1G\\sum_i A_i \\sum_t \\log\\pi_\\theta`."""
+
+PPO = Algorithm(
+    name="ppo", advantage="gae", objective="ppo_clip", agg="token-mean", gamma=1.0, lam=0.95,
+    kl_reward_coef=0.05, value_clip=0.2, num_iterations=2,
+)
+"""PPO with a critic: GAE on per-token rewards that include a k1 KL penalty to the
+reference (Ouyang et al., 2022), clipped policy and value losses."""
+
+TRPO = Algorithm(
+    name="trpo", advantage="rloo", objective="ppo_clip", eps_low=None, eps_high=None, agg="token-mean",
+    update="trpo", max_kl=0.01,
+)
+"""TRPO: maximise :math:`\\mathbb{E}[\\rho A]` (the unclipped surrogate) subject to
+:math:`D_{KL}(\\pi_{old}\\|\\pi_\\theta) \\le \\delta`. Advantages are leave-one-out (our
+choice: critic-free, unbiased)."""
+
+GRPO = Algorithm(name="grpo", advantage="grpo", objective="grpo", agg="seq-mean-token-mean", kl_coef=0.04)
+"""The spec's GRPO with DeepSeekMath's k3 KL penalty (beta = 0.04)."""
+
+DR_GRPO = Algorithm(
+    name="dr-grpo", advantage="grpo", group_scale="none", objective="grpo", agg="seq-mean-token-sum-norm"
+)
+"""Dr. GRPO: no std division, constant normaliser (no length bias), no KL."""
+
+DAPO = Algorithm(
+    name="dapo", advantage="grpo", objective="grpo", eps_low=0.2, eps_high=0.28, agg="token-mean",
+    dynamic_sampling=True, overlong_buffer=4096, overlong_penalty=1.0,
+)
+"""DAPO: clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, soft overlong
+punishment over the last 4096 tokens (the paper's, for a 20480-token budget), no KL.
+Scale ``overlong_buffer`` with the generation budget (``dataclasses.replace``)."""
+
+GSPO = Algorithm(
+    name="gspo", advantage="grpo", objective="grpo", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4,
+    agg="seq-mean-token-mean",
+)
+"""GSPO: sequence-level, length-normalised ratio with GSPO's clip range (3e-4 / 4e-4)."""
+
+CISPO = Algorithm(name="cispo", advantage="grpo", objective="cispo", eps_low=None, eps_high=0.28, agg="token-mean")
+"""CISPO: clipped, stop-gradient importance weights; no lower bound (MiniMax-M1). The
+upper bound 0.28 is our choice (MiniMax-M1 does not publish its value)."""
+
+REINFORCE_PP = Algorithm(
+    name="reinforce++", advantage="reinforce_pp", objective="ppo_clip", agg="token-mean", kl_reward_coef=0.01
+)
+"""REINFORCE++: batch-whitened advantages, PPO clipping, k1 KL in the reward."""
+
+PRESETS: dict[str, Algorithm] = {
+    a.name: a for a in (PG, REINFORCE_BASELINE, RLOO, PPO, TRPO, GRPO, DR_GRPO, DAPO, GSPO, CISPO, REINFORCE_PP)
+}
+"""All presets by name."""
+
+
+def get(name: str) -> Algorithm:
+    """The preset called ``name``; the error lists the known names."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown algorithm {name!r}; known: {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+def overlong_penalty(lengths: jax.Array, *, max_len: int, buffer: int, penalty: float = 1.0) -> jax.Array:
+    r"""DAPO's soft overlong punishment, added to the reward (Yu et al., 2025, eq. 13).
+
+    .. math::
+        R_{\text{length}}(y) = \begin{cases}
+          0 & |y| \le L_{max} - L_{cache} \\
+          \frac{(L_{max} - L_{cache}) - |y|}{L_{cache}} \cdot p & L_{max} - L_{cache} < |y| \le L_{max} \\
+          -p & |y| > L_{max}
+        \end{cases}
+
+    Args:
+      lengths: ``[B]`` completion lengths in tokens.
+      max_len: :math:`L_{max}`, the token limit.
+      buffer: :math:`L_{cache}`, the length of the soft zone (``0 < buffer <= max_len``).
+      penalty: :math:`p`, the penalty at the limit.
+
+    Returns:
+      ``[B]`` float32 penalties in ``[-p, 0]``.
+    """
+    if not (isinstance(buffer, int) and 0 < buffer <= max_len):
+        raise ValueError(f"overlong_penalty: `buffer` must be an integer in [1, max_len={max_len}]; got {buffer!r}.")
+    lengths = jnp.asarray(lengths).astype(jnp.float32)
+    soft_start = max_len - buffer
+    ramp = (soft_start - lengths) / buffer * penalty
+    return jnp.where(lengths <= soft_start, 0.0, jnp.where(lengths <= max_len, ramp, -penalty))
+
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "Algorithm", "CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "PG", "POLICY_OBJECTIVES",
+    "PPO", "PRESETS", "REINFORCE_BASELINE", "REINFORCE_PP", "RLOO", "TRPO", "UPDATE_RULES", "get",
+    "overlong_penalty", "policy_loss", "sequence_advantages",
+]
