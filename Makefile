@@ -12,7 +12,7 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --constraint constraints.txt pip
-	$(BIN)/pip install --quiet --constraint constraints.txt --editable ".[test]"
+	$(BIN)/pip install --quiet --constraint constraints.txt --editable ".[test,notebooks]"
 	touch $@
 
 run: $(INSTALLED)

@@ -18,12 +18,16 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     .. math::
         \log \pi(a_t \mid s_t) = z_{t, a_t} - \log \sum_v \exp z_{t, v}
 
-    computed as a gather minus a logsumexp, so no ``[B, T, V]`` log-softmax is stored
-    for the backward pass beyond what the logsumexp needs.
+    computed as a gather minus a logsumexp (no full log-softmax). The float32 upcast
+    makes one ``[B, T, V]`` float32 temporary: fine for logits that already exist, but
+    at real vocabulary sizes a trainer should compute log-probs from the last hidden
+    states in chunks over tokens instead of materialising logits at all.
 
     Args:
       logits: ``[B, T, V]`` next-token logits (any float dtype; upcast to float32).
-      tokens: ``[B, T]`` integer token ids ``a_t`` in ``[0, V)``.
+      tokens: ``[B, T]`` integer token ids ``a_t`` in ``[0, V)``. Ids are not checked
+        (they are traced values): an id outside the range gives a meaningless value, so
+        padding positions should hold a real id (e.g. the pad id) and be masked.
 
     Returns:
       ``[B, T]`` float32 log-probabilities.
