@@ -1,0 +1,33 @@
+"""The policy model: a Flax NNX decoder of the Llama family with Hugging Face interop.
+
+.. code-block:: python
+
+    model, params = models.from_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
+    logits = models.forward(model, params, tokens, attention_mask=mask)  # [B, S, V]
+    models.save_pretrained("path/to/out", model, params)
+
+``model`` is static (config and graph definition); ``params`` is an immutable pytree.
+"""
+
+from jaxrl_llm.models.config import ARCHITECTURES, ModelConfig, RopeConfig
+from jaxrl_llm.models.decoder import KVCache
+from jaxrl_llm.models.functional import (
+    Model,
+    Params,
+    abstract,
+    decode_step,
+    forward,
+    hidden_states,
+    init,
+    init_cache,
+    logical_axes,
+    logits_from_hidden,
+    prefill,
+)
+from jaxrl_llm.models.hf import from_pretrained, save_pretrained
+
+__all__ = [
+    "ARCHITECTURES", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract", "decode_step",
+    "forward", "from_pretrained", "hidden_states", "init", "init_cache", "logical_axes", "logits_from_hidden",
+    "prefill", "save_pretrained",
+]

@@ -1,0 +1,230 @@
+"""The decoder's configuration, and its mapping to and from Hugging Face configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, get_args
+
+import jax.numpy as jnp
+
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3"]
+ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary position embedding (Su et al., 2021) in the Hugging Face half-split layout."""
+
+    theta: float = 10000.0
+    """Base of the inverse frequencies ``theta ** (-2i / head_dim)``."""
+    rope_type: str = "default"
+    """``default`` or ``llama3`` (Llama 3.1's frequency-dependent scaling)."""
+    factor: float = 1.0
+    """``llama3``: scale of the low frequencies."""
+    low_freq_factor: float = 1.0
+    """``llama3``: wavelengths above ``original_max_position_embeddings / low_freq_factor``
+    are scaled by ``1 / factor``."""
+    high_freq_factor: float = 4.0
+    """``llama3``: wavelengths below ``original_max_position_embeddings / high_freq_factor``
+    are kept; those in between are interpolated."""
+    original_max_position_embeddings: int = 8192
+    """``llama3``: the context length the model was pre-trained with."""
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeConfig: `rope_type` must be one of {', '.join(map(repr, ROPE_TYPES))}; got {self.rope_type!r}.")
+        if not self.theta > 0:
+            raise ValueError(f"RopeConfig: `theta` must be > 0; got {self.theta}.")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"RopeConfig: llama3 needs high_freq_factor > low_freq_factor; got {self.high_freq_factor} "
+                f"and {self.low_freq_factor}."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer of the Llama family (Llama 3, Mistral, Qwen2, Qwen3).
+
+    Pre-norm blocks of RMSNorm, grouped-query attention with RoPE, and a SwiGLU MLP.
+    The families differ only in switches: Qwen2 has biases on q/k/v, Qwen3 an RMSNorm on
+    each head of q and k, Mistral a sliding attention window.
+    """
+
+    architecture: Architecture = "llama"
+    """Which Hugging Face family the weights and config follow."""
+    vocab_size: int = 512
+    hidden_size: int = 256
+    """d_model."""
+    intermediate_size: int = 1024
+    """Width of the SwiGLU MLP."""
+    num_layers: int = 4
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 4
+    """Key/value heads; ``num_heads`` must be a multiple (grouped-query attention)."""
+    head_dim: int = 64
+    max_position_embeddings: int = 2048
+    """Longest sequence (prompt plus completion) the model accepts."""
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2: always; Llama/Qwen3: optional)."""
+    qk_norm: bool = False
+    """RMSNorm over ``head_dim`` on each query and key head before RoPE (Qwen3)."""
+    sliding_windows: tuple[int | None, ...] | None = None
+    """Per layer: attend to at most this many most recent positions, or ``None`` (full).
+    ``None`` for the whole field means full attention everywhere."""
+    param_dtype: Any = jnp.float32
+    """Storage dtype of the parameters."""
+    dtype: Any = jnp.float32
+    """Compute dtype of matmuls and activations (norms, softmax and RoPE run in float32)."""
+
+    def __post_init__(self):
+        def fail(message):
+            raise ValueError(f"ModelConfig: {message}")
+
+        if self.architecture not in ARCHITECTURES:
+            fail(f"`architecture` must be one of {', '.join(map(repr, ARCHITECTURES))}; got {self.architecture!r}.")
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not (isinstance(value, int) and value >= 1):
+                fail(f"`{field}` must be an integer >= 1; got {value!r}.")
+        if self.num_heads % self.num_kv_heads:
+            fail(f"`num_heads` ({self.num_heads}) must be a multiple of `num_kv_heads` ({self.num_kv_heads}).")
+        if self.head_dim % 2:
+            fail(f"`head_dim` must be even for RoPE; got {self.head_dim}.")
+        if not self.rms_norm_eps > 0:
+            fail(f"`rms_norm_eps` must be > 0; got {self.rms_norm_eps}.")
+        if self.sliding_windows is not None and len(self.sliding_windows) != self.num_layers:
+            fail(f"`sliding_windows` needs one entry per layer ({self.num_layers}); got {len(self.sliding_windows)}.")
+        for field in ("param_dtype", "dtype"):
+            if jnp.dtype(getattr(self, field)) not in [jnp.dtype(d) for d in _DTYPES.values()]:
+                fail(f"`{field}` must be one of {', '.join(_DTYPES)}; got {getattr(self, field)!r}.")
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (``None``: full causal attention)."""
+        return None if self.sliding_windows is None else self.sliding_windows[layer]
+
+    # --- Hugging Face -------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, *, param_dtype: Any = jnp.float32, dtype: Any | None = None) -> "ModelConfig":
+        """From a ``transformers`` config object (e.g. ``AutoConfig.from_pretrained(dir)``).
+
+        Raises ``ValueError`` naming the supported families, or the unsupported option.
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in ARCHITECTURES:
+            supported = ", ".join(f"{a} ({_HF_CLASSES[a]})" for a in ARCHITECTURES)
+            raise ValueError(f"Unsupported architecture {model_type!r}; supported: {supported}.")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Unsupported hidden_act {act!r} for {model_type}; only 'silu' (SwiGLU) is supported.")
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError(f"Unsupported option mlp_bias=True for {model_type}.")
+        rope = _rope_from_hf(hf_config)
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        num_layers = hf_config.num_hidden_layers
+        return cls(
+            architecture=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope=rope,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_windows_from_hf(hf_config, model_type, num_layers),
+            param_dtype=param_dtype,
+            dtype=param_dtype if dtype is None else dtype,
+        )
+
+    def to_hf(self) -> Any:
+        """The ``transformers`` config of the same model (for ``save_pretrained``)."""
+        import transformers
+
+        rope_parameters = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
+        if self.rope.rope_type == "llama3":
+            rope_parameters.update(
+                factor=self.rope.factor, low_freq_factor=self.rope.low_freq_factor,
+                high_freq_factor=self.rope.high_freq_factor,
+                original_max_position_embeddings=self.rope.original_max_position_embeddings,
+            )
+        kwargs: dict[str, Any] = dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope_parameters, tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu",
+            architectures=[_HF_CLASSES[self.architecture]],
+            dtype=jnp.dtype(self.param_dtype).name,
+        )
+        windows = {w for w in (self.sliding_windows or ()) if w is not None}
+        if self.architecture in ("llama", "qwen3"):
+            kwargs["attention_bias"] = self.attention_bias
+        if self.architecture == "mistral":
+            kwargs["sliding_window"] = windows.pop() if windows else None
+        elif self.architecture in ("qwen2", "qwen3"):
+            kwargs["use_sliding_window"] = bool(windows)
+            kwargs["sliding_window"] = windows.pop() if windows else None
+            if windows is not None and self.sliding_windows is not None:
+                kwargs["layer_types"] = [
+                    "full_attention" if w is None else "sliding_attention" for w in self.sliding_windows
+                ]
+        config_class = getattr(transformers, _HF_CLASSES[self.architecture].replace("ForCausalLM", "Config"))
+        return config_class(**kwargs)
+
+
+def _rope_from_hf(hf_config: Any) -> RopeConfig:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    # transformers 4 spelled these as rope_theta + rope_scaling.
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.update(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}.")
+    if rope_type == "default":
+        return RopeConfig(theta=float(params["rope_theta"]))
+    return RopeConfig(
+        theta=float(params["rope_theta"]), rope_type="llama3", factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _windows_from_hf(hf_config: Any, model_type: str, num_layers: int) -> tuple[int | None, ...] | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type == "mistral":
+        return None if window is None else (int(window),) * num_layers
+    if model_type in ("qwen2", "qwen3") and getattr(hf_config, "use_sliding_window", False) and window:
+        layer_types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * num_layers
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return None
+
+
+def dtype_from_name(name: str | Any) -> Any:
+    """``"bfloat16"`` (or a dtype) -> the JAX dtype; the error lists the allowed names."""
+    if not isinstance(name, str):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"Unsupported dtype {name!r}; allowed: {', '.join(_DTYPES)}.")
+    return _DTYPES[name]

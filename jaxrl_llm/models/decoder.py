@@ -1,0 +1,248 @@
+r"""A Llama-family decoder in Flax NNX: RMSNorm, GQA with RoPE, SwiGLU.
+
+The modules hold parameters only: no caches, no RNG state, nothing that mutates in a
+forward pass. A KV cache is an explicit :class:`KVCache` pytree passed in and returned.
+Every parameter carries logical axis names (``out_sharding`` metadata, not applied
+eagerly), so that a rules table can map them to a device mesh:
+
+============ ==========================================
+name         axis
+============ ==========================================
+``vocab``    vocabulary
+``embed``    model width (``hidden_size``)
+``heads``    query heads
+``kv_heads`` key/value heads
+``head_dim`` width of a head
+``mlp``      MLP width (``intermediate_size``)
+``norm``     the scale of a norm over ``embed``
+============ ==========================================
+
+Numerics follow Hugging Face's implementations so that logits match: norms, RoPE and
+the attention softmax in float32, matmuls in ``config.dtype``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm.models.config import ModelConfig, RopeConfig
+
+INIT_STD = 0.02  # Hugging Face's initializer_range for these families
+
+
+def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, ones: bool = False):
+    """A parameter with logical axis names; normal(0.02) or ones."""
+    if ones:
+        value = jnp.ones(shape, dtype)
+    elif rngs is None:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    r""":math:`x / \sqrt{\overline{x^2} + \epsilon} \cdot g`, in float32, back to ``x``'s dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """``[head_dim / 2]`` float32 RoPE inverse frequencies, with Llama 3 scaling if set."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    if rope.rope_type == "llama3":
+        low_freq_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_freq_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates ``x`` ``[B, S, H, D]`` by ``positions`` ``[B, S]`` (half-split layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, S, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]  # [B, S, 1, D/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)  # [B, S, H, D/2] each
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional q/k/v biases and q/k norms."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
+        c, pd = config, config.param_dtype
+        self.config = config
+        self.q_proj = _param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), pd)
+        self.k_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = _param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd)
+        if c.attention_bias:
+            self.q_bias = _param(None, (c.num_heads, c.head_dim), ("heads", "head_dim"), pd)
+            self.k_bias = _param(None, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
+            self.v_bias = _param(None, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
+        if c.qk_norm:
+            self.q_norm = _param(None, (c.head_dim,), ("head_dim",), pd, ones=True)
+            self.k_norm = _param(None, (c.head_dim,), ("head_dim",), pd, ones=True)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, S, E]
+        positions: jax.Array,  # [B, S] int32
+        mask: jax.Array,  # [B, S, K] bool: query s may attend key slot k
+        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, K, KVH, D], [B, K, KVH, D])
+        cache_index: jax.Array | int = 0,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        c, dtype = self.config, self.config.dtype
+        x = x.astype(dtype)
+
+        def project(kernel: nnx.Param, bias_name: str) -> jax.Array:
+            out = jnp.einsum("bse,ehd->bshd", x, kernel[...].astype(dtype))
+            if c.attention_bias:
+                out = out + getattr(self, bias_name)[...].astype(dtype)[None, None]
+            return out
+
+        q = project(self.q_proj, "q_bias")  # [B, S, H, D]
+        k = project(self.k_proj, "k_bias")  # [B, S, KVH, D]
+        v = project(self.v_proj, "v_bias")
+        if c.qk_norm:
+            q = rms_norm(q, self.q_norm[...], c.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], c.rms_norm_eps)
+        inv_freq = inverse_frequencies(c.rope, c.head_dim)  # static: computed at trace time
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        if cache is not None:  # write this call's keys/values at cache_index, attend to all slots
+            start = (0, cache_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
+            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
+            cache = (k, v)
+
+        batch, length, heads, head_dim = q.shape
+        groups = heads // c.num_kv_heads
+        q = q.reshape(batch, length, c.num_kv_heads, groups, head_dim)  # [B, S, KVH, G, D]
+        scores = jnp.einsum("bskgd,btkd->bkgst", q, k.astype(dtype), preferred_element_type=jnp.float32)
+        scores = scores / np.sqrt(head_dim).astype(np.float32)  # [B, KVH, G, S, K]
+        # A finite minimum, not -inf: a query with no valid key (a padding position) gets
+        # a uniform, finite row instead of NaN.
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs, v.astype(dtype)).reshape(batch, length, heads, head_dim)
+        return jnp.einsum("bshd,hde->bse", out, self.o_proj[...].astype(dtype)), cache
+
+
+class MLP(nnx.Module):
+    r"""SwiGLU: :math:`W_{down}(\operatorname{silu}(x W_{gate}) \odot x W_{up})`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
+        c, pd = config, config.param_dtype
+        self.dtype = c.dtype
+        self.gate_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
+        self.up_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
+        self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
+        x = x.astype(self.dtype)
+        gate = x @ self.gate_proj[...].astype(self.dtype)
+        up = x @ self.up_proj[...].astype(self.dtype)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(self.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = _param(None, (config.hidden_size,), ("norm",), config.param_dtype, ones=True)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = _param(None, (config.hidden_size,), ("norm",), config.param_dtype, ones=True)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, mask, cache=None, cache_index=0):
+        attended, cache = self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), positions, mask, cache,
+                                         cache_index)
+        x = x + attended.astype(x.dtype)
+        x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], self.eps)).astype(x.dtype)
+        return x, cache
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for ``K`` slots, as an explicit pytree.
+
+    Slot ``j`` holds the token written at step ``j`` (prompt tokens from the prefill,
+    then one per decode step), left padding included; ``valid`` marks real tokens.
+    """
+
+    keys: jax.Array  # [L, B, K, KVH, D]
+    values: jax.Array  # [L, B, K, KVH, D]
+    valid: jax.Array  # [B, K] bool
+    next_position: jax.Array  # [B] int32: RoPE position of the next token per row
+    index: jax.Array  # [] int32: the next slot to write
+
+
+class CausalLM(nnx.Module):
+    """Embedding, decoder layers, final norm and output projection (or tied embedding)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
+        c = config
+        self.config = config
+        self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype)
+        self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+        self.norm = _param(None, (c.hidden_size,), ("norm",), c.param_dtype, ones=True)
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c.param_dtype)
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,  # [B, S] int
+        positions: jax.Array,  # [B, S] int
+        mask: jax.Array,  # [B, S, K] bool
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final-norm hidden states ``[B, S, E]`` (and the updated cache)."""
+        x = self.embed_tokens[...][tokens].astype(self.config.dtype)  # [B, S, E]
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+            x, layer_cache = layer(x, positions, _window(mask, self.config.window(i), positions, cache), layer_cache,
+                                   0 if cache is None else cache.index)
+            if cache is not None:
+                new_keys.append(layer_cache[0])
+                new_values.append(layer_cache[1])
+        if cache is not None:
+            cache = cache._replace(keys=jnp.stack(new_keys), values=jnp.stack(new_values))
+        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """``[..., E] -> [..., V]`` through the output projection (or tied embedding)."""
+        dtype = self.config.dtype
+        if self.config.tie_word_embeddings:
+            return hidden.astype(dtype) @ self.embed_tokens[...].astype(dtype).T
+        return hidden.astype(dtype) @ self.lm_head[...].astype(dtype)
+
+
+def _window(mask: jax.Array, window: int | None, positions: jax.Array, cache: KVCache | None) -> jax.Array:
+    """Restricts a ``[B, S, K]`` attention mask to the last ``window`` slots per query."""
+    if window is None:
+        return mask
+    length, slots = mask.shape[1], mask.shape[2]
+    start = 0 if cache is None else cache.index
+    query_slot = start + jnp.arange(length)[:, None]  # [S, 1]
+    key_slot = jnp.arange(slots)[None, :]  # [1, K]
+    return mask & (query_slot - key_slot < window)[None]

@@ -1,0 +1,203 @@
+"""The functional boundary of the model: a static :class:`Model` and a params pytree.
+
+.. code-block:: python
+
+    model, params = models.init(config, jax.random.key(0))
+    logits = models.forward(model, params, tokens, attention_mask=mask)     # [B, S, V]
+    logits, cache = models.prefill(model, params, prompt, prompt_mask, cache_size=S + N)
+    logits, cache = models.decode_step(model, params, next_tokens, cache)  # [B, V]
+
+``Model`` is a static pytree node (it has no array leaves), so it passes straight through
+``jax.jit``; ``params`` is an ``nnx.State`` of ``nnx.Param`` leaves, a plain pytree for
+optax, orbax and sharding. Policy, old and reference parameters are three such pytrees
+sharing one ``Model``. Every function merges ``graphdef`` and ``params`` inside, so each
+is pure and jit-able.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm import _checks
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import CausalLM, KVCache
+
+Params = nnx.State
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The static half of a model: its config and NNX graph definition (hashable)."""
+
+    config: ModelConfig
+    graphdef: Any
+
+    def module(self, params: Params) -> CausalLM:
+        return nnx.merge(self.graphdef, params)
+
+
+def init(config: ModelConfig, key: jax.Array) -> tuple[Model, Params]:
+    """A randomly initialised model: normal(0.02) weights, unit norm scales, zero biases."""
+    module = CausalLM(config, rngs=nnx.Rngs(params=key))
+    graphdef, params = nnx.split(module, nnx.Param)
+    return Model(config=config, graphdef=graphdef), params
+
+
+def abstract(config: ModelConfig) -> tuple[Model, Params]:
+    """The model and a params pytree of ``jax.ShapeDtypeStruct`` leaves: no memory used."""
+    module = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
+    graphdef, params = nnx.split(module, nnx.Param)
+    return Model(config=config, graphdef=graphdef), params
+
+
+def logical_axes(params: Params) -> Any:
+    """The pytree of ``PartitionSpec``s of logical axis names, one per parameter."""
+    return nnx.get_partition_spec(params)
+
+
+def _inputs(fn: str, model: Model, tokens, attention_mask, positions, *, extra_length: int = 0):
+    tokens = _checks.integer(fn, "tokens", tokens)
+    _checks.rank(fn, "tokens", tokens, 2, "[B, S]")
+    length = tokens.shape[1] + extra_length
+    limit = model.config.max_position_embeddings
+    if length > limit:
+        raise ValueError(
+            f"{fn}: sequence length {length} exceeds the model's max_position_embeddings ({limit})."
+        )
+    if attention_mask is None:
+        attention_mask = jnp.ones(tokens.shape, bool)
+    attention_mask = _checks.mask(fn, attention_mask, "tokens", tokens, name="attention_mask").astype(bool)
+    if positions is None:
+        # Left padding: the first real token is position 0.
+        positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    positions = _checks.integer(fn, "positions", positions)
+    _checks.same_shape(fn, "positions", positions, "tokens", tokens)
+    return tokens, attention_mask, positions
+
+
+def _causal(attention_mask: jax.Array) -> jax.Array:
+    """``[B, S]`` key validity -> ``[B, S, S]`` causal mask over slots."""
+    length = attention_mask.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    return causal[None] & attention_mask[:, None, :]
+
+
+def hidden_states(
+    model: Model,
+    params: Params,
+    tokens: jax.Array,
+    *,
+    attention_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+) -> jax.Array:
+    """Final-norm hidden states ``[B, S, E]`` of ``tokens`` ``[B, S]`` (no logits).
+
+    Args:
+      model, params: from :func:`init` or :func:`jaxrl_llm.models.from_pretrained`.
+      tokens: ``[B, S]`` token ids, left-padded.
+      attention_mask: ``[B, S]``, 1 for real tokens; defaults to all ones.
+      positions: ``[B, S]`` RoPE positions; defaults to ``cumsum(mask) - 1`` so that each
+        row's first real token is at position 0.
+    """
+    tokens, mask, positions = _inputs("hidden_states", model, tokens, attention_mask, positions)
+    hidden, _ = model.module(params).hidden_states(tokens, positions, _causal(mask))
+    return hidden
+
+
+def logits_from_hidden(model: Model, params: Params, hidden: jax.Array) -> jax.Array:
+    """``[..., E] -> [..., V]``: the output projection alone (for chunked log-probs)."""
+    return model.module(params).logits(hidden)
+
+
+def forward(
+    model: Model,
+    params: Params,
+    tokens: jax.Array,
+    *,
+    attention_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+) -> jax.Array:
+    """Next-token logits ``[B, S, V]`` (in ``config.dtype``) of ``tokens`` ``[B, S]``.
+
+    Arguments as in :func:`hidden_states`. Padding positions get finite, meaningless
+    logits: mask them downstream.
+    """
+    tokens, mask, positions = _inputs("forward", model, tokens, attention_mask, positions)
+    module = model.module(params)
+    hidden, _ = module.hidden_states(tokens, positions, _causal(mask))
+    return module.logits(hidden)
+
+
+def init_cache(model: Model, batch: int, cache_size: int) -> KVCache:
+    """An empty cache with ``cache_size`` slots per sequence."""
+    c = model.config
+    if cache_size > c.max_position_embeddings:
+        raise ValueError(
+            f"init_cache: cache_size {cache_size} exceeds the model's max_position_embeddings "
+            f"({c.max_position_embeddings})."
+        )
+    shape = (c.num_layers, batch, cache_size, c.num_kv_heads, c.head_dim)
+    return KVCache(
+        keys=jnp.zeros(shape, c.dtype),
+        values=jnp.zeros(shape, c.dtype),
+        valid=jnp.zeros((batch, cache_size), bool),
+        next_position=jnp.zeros((batch,), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def prefill(
+    model: Model,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    cache_size: int,
+) -> tuple[jax.Array, KVCache]:
+    """Runs the prompt and returns its logits ``[B, S, V]`` and a cache holding it.
+
+    Args:
+      tokens: ``[B, S]`` left-padded prompt ids.
+      attention_mask: ``[B, S]``, 1 for real tokens.
+      cache_size: slots to allocate: the prompt length plus the tokens to decode.
+    """
+    fn = "prefill"
+    tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, None)
+    batch, length = tokens.shape
+    if cache_size < length:
+        raise ValueError(f"{fn}: `cache_size` ({cache_size}) must be >= the prompt length ({length}).")
+    cache = init_cache(model, batch, cache_size)
+    cache = cache._replace(valid=cache.valid.at[:, :length].set(mask))
+    causal = _causal(mask)  # [B, S, S]
+    full_mask = jnp.zeros((batch, length, cache_size), bool).at[:, :, :length].set(causal)
+    module = model.module(params)
+    hidden, cache = module.hidden_states(tokens, positions, full_mask, cache)
+    cache = cache._replace(
+        next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)
+    )
+    return module.logits(hidden), cache
+
+
+def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Feeds one token per sequence and returns next-token logits ``[B, V]`` and the cache.
+
+    Args:
+      tokens: ``[B]`` token ids, written to slot ``cache.index`` at each row's next position.
+      cache: from :func:`prefill` or a previous step, with a free slot left.
+    """
+    tokens = _checks.integer("decode_step", "tokens", tokens)
+    _checks.rank("decode_step", "tokens", tokens, 1, "[B]")
+    slots = cache.valid.shape[1]
+    valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((tokens.shape[0], 1), bool), (0, cache.index))
+    cache = cache._replace(valid=valid)
+    mask = (valid & (jnp.arange(slots) <= cache.index)[None])[:, None, :]  # [B, 1, K]
+    module = model.module(params)
+    hidden, cache = module.hidden_states(tokens[:, None], cache.next_position[:, None], mask, cache)
+    cache = cache._replace(next_position=cache.next_position + 1, index=cache.index + 1)
+    return module.logits(hidden[:, 0]), cache
