@@ -80,6 +80,9 @@ class ModelConfig:
     """Share the input embedding with the output projection."""
     attention_bias: bool = False
     """Biases on the q, k and v projections (Qwen2: always; Llama/Qwen3: optional)."""
+    output_bias: bool = False
+    """A bias on the attention output projection (Llama/Qwen3 with attention_bias; never
+    in Qwen2)."""
     qk_norm: bool = False
     """RMSNorm over ``head_dim`` on each query and key head before RoPE (Qwen3)."""
     sliding_windows: tuple[int | None, ...] | None = None
@@ -107,6 +110,16 @@ class ModelConfig:
             fail(f"`head_dim` must be even for RoPE; got {self.head_dim}.")
         if not self.rms_norm_eps > 0:
             fail(f"`rms_norm_eps` must be > 0; got {self.rms_norm_eps}.")
+        if self.qk_norm != (self.architecture == "qwen3"):
+            fail(f"`qk_norm` (RMSNorm on q and k heads) is Qwen3's and only Qwen3's; got qk_norm={self.qk_norm} "
+                 f"for {self.architecture!r}.")
+        if self.architecture == "mistral" and self.attention_bias:
+            fail("mistral has no attention biases: attention_bias must be False.")
+        if self.architecture == "qwen2" and (not self.attention_bias or self.output_bias):
+            fail("qwen2 has biases on q/k/v and none on the output: attention_bias=True, output_bias=False.")
+        if self.architecture != "qwen2" and self.output_bias != self.attention_bias:
+            fail(f"{self.architecture}'s attention_bias covers q/k/v and the output alike: "
+                 f"output_bias must equal attention_bias ({self.attention_bias}).")
         if self.sliding_windows is not None and len(self.sliding_windows) != self.num_layers:
             fail(f"`sliding_windows` needs one entry per layer ({self.num_layers}); got {len(self.sliding_windows)}.")
         for field in ("param_dtype", "dtype"):
@@ -152,6 +165,7 @@ class ModelConfig:
             rope=rope,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=True if model_type == "qwen2" else bool(getattr(hf_config, "attention_bias", False)),
+            output_bias=model_type != "qwen2" and bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=_windows_from_hf(hf_config, model_type, num_layers),
             param_dtype=param_dtype,

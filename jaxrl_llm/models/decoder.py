@@ -51,7 +51,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     r""":math:`x / \sqrt{\overline{x^2} + \epsilon} \cdot g`, in float32, back to ``x``'s dtype."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+    scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)  # [1, ..., 1, E]
+    return (scale * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,6 +99,8 @@ class Attention(nnx.Module):
             self.q_bias = _param(None, (c.num_heads, c.head_dim), ("heads", "head_dim"), pd)
             self.k_bias = _param(None, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
             self.v_bias = _param(None, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
+        if c.output_bias:
+            self.o_bias = _param(None, (c.hidden_size,), ("embed",), pd)
         if c.qk_norm:
             self.q_norm = _param(None, (c.head_dim,), ("head_dim",), pd, ones=True)
             self.k_norm = _param(None, (c.head_dim,), ("head_dim",), pd, ones=True)
@@ -144,7 +147,10 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bkgst,btkd->bskgd", probs, v.astype(dtype)).reshape(batch, length, heads, head_dim)
-        return jnp.einsum("bshd,hde->bse", out, self.o_proj[...].astype(dtype)), cache
+        out = jnp.einsum("bshd,hde->bse", out, self.o_proj[...].astype(dtype))
+        if c.output_bias:
+            out = out + self.o_bias[...].astype(dtype)[None, None]
+        return out, cache
 
 
 class MLP(nnx.Module):

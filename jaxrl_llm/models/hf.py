@@ -52,7 +52,8 @@ _LAYOUTS: dict[str, Layout] = {
 _ATTENTION = {"q_proj": ("q_proj.weight", "in_heads"), "k_proj": ("k_proj.weight", "in_heads"),
               "v_proj": ("v_proj.weight", "in_heads"), "o_proj": ("o_proj.weight", "out_heads"),
               "q_bias": ("q_proj.bias", "heads_bias"), "k_bias": ("k_proj.bias", "heads_bias"),
-              "v_bias": ("v_proj.bias", "heads_bias"), "q_norm": ("q_norm.weight", "same"),
+              "v_bias": ("v_proj.bias", "heads_bias"), "o_bias": ("o_proj.bias", "same"),
+              "q_norm": ("q_norm.weight", "same"),
               "k_norm": ("k_norm.weight", "same")}
 
 

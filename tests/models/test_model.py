@@ -1,0 +1,89 @@
+"""The decoder from a config: parameters, logical axes, dtypes, validation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_llm import models
+
+SMALL = models.ModelConfig(architecture="qwen3", vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=4, qk_norm=True, max_position_embeddings=16)
+AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"}
+
+
+def test_every_parameter_has_logical_axis_names_of_its_rank():
+    model, params = models.init(SMALL, jax.random.key(0))
+    specs = models.logical_axes(params)
+    for (path, value), spec in zip(nnx.to_flat_state(params), jax.tree.leaves(specs, is_leaf=lambda x: x is None or
+                                                                              isinstance(x, jax.sharding.PartitionSpec))):
+        assert len(spec) == value.get_value().ndim, path
+        assert set(spec) <= AXIS_NAMES, (path, spec)
+
+
+def test_parameter_count_matches_the_architecture():
+    c = SMALL
+    _, params = models.init(c, jax.random.key(0))
+    attention = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 2 * c.head_dim
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    expected = c.vocab_size * c.hidden_size * 2 + c.num_layers * (attention + mlp + 2 * c.hidden_size) + c.hidden_size
+    assert sum(x.size for x in jax.tree.leaves(params)) == expected
+
+
+def test_abstract_params_use_no_memory_and_match_init():
+    _, shapes = models.abstract(SMALL)
+    _, params = models.init(SMALL, jax.random.key(0))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), shapes) == jax.tree.map(lambda p: (p.shape, p.dtype), params)
+
+
+def test_param_and_compute_dtypes_are_independent():
+    config = dataclasses.replace(SMALL, param_dtype=jnp.bfloat16, dtype=jnp.float32)
+    model, params = models.init(config, jax.random.key(0))
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    logits = models.forward(model, params, jnp.zeros((2, 3), jnp.int32))
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 3, 50)
+
+
+def test_forward_is_pure_and_traces_once_per_shape():
+    model, params = models.init(SMALL, jax.random.key(0))
+    forward = jax.jit(lambda p, t: models.forward(model, p, t))
+    tokens = jnp.ones((2, 5), jnp.int32)
+    first = forward(params, tokens)
+    np.testing.assert_array_equal(forward(params, tokens), first)
+    forward(params, tokens + 1)
+    assert forward._cache_size() == 1
+
+
+def test_config_round_trips_through_transformers():
+    for config in (SMALL, dataclasses.replace(SMALL, architecture="llama", qk_norm=False, tie_word_embeddings=True,
+                                              rope=models.RopeConfig(theta=5e5, rope_type="llama3", factor=8.0,
+                                                                     original_max_position_embeddings=8)),
+                   dataclasses.replace(SMALL, architecture="qwen2", qk_norm=False, attention_bias=True),
+                   dataclasses.replace(SMALL, architecture="mistral", qk_norm=False, sliding_windows=(4, 4))):
+        assert models.ModelConfig.from_hf(config.to_hf()) == config
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_heads=3), r"`num_heads` \(3\) must be a multiple of `num_kv_heads` \(2\)"),
+        (dict(head_dim=5), "`head_dim` must be even"),
+        (dict(architecture="gpt2"), "`architecture` must be one of 'llama', 'mistral', 'qwen2', 'qwen3'"),
+        (dict(sliding_windows=(4,)), r"`sliding_windows` needs one entry per layer \(2\)"),
+        (dict(dtype=jnp.int32), "`dtype` must be one of float32, bfloat16, float16"),
+        (dict(architecture="qwen2", qk_norm=False), "qwen2 has biases on q/k/v"),
+        (dict(qk_norm=False), "`qk_norm` .* is Qwen3's and only Qwen3's"),
+    ],
+)
+def test_bad_configs_say_what_is_wrong(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(SMALL, **changes)
+
+
+def test_unsupported_rope_type_lists_supported_ones():
+    with pytest.raises(ValueError, match="`rope_type` must be one of 'default', 'llama3'; got 'yarn'"):
+        models.RopeConfig(rope_type="yarn")
