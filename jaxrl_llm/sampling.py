@@ -1,0 +1,284 @@
+r"""Rollouts: ``G`` completions per prompt from a jitted KV-cache sampler.
+
+.. code-block:: python
+
+    rollout = sampling.sample(model, params, prompt_tokens, prompt_mask, key,
+                              num_samples=G, max_new_tokens=N, eos_ids=(eos,), pad_id=pad)
+    rollout.tokens           # [P*G, S+N]  prompt (left-padded) + completion (pad after EOS)
+    rollout.completion_mask  # [P*G, N]    completion tokens up to and including EOS
+    rollout.logprobs         # [P*G, N]    log pi_T(a_t | s_t), what the trainer recomputes
+
+Completions of prompt ``p`` are rows ``p*G ... p*G+G-1``.
+
+**Log-prob convention.** The policy being trained is :math:`\pi_T = \operatorname{softmax}(z/T)`,
+the model's logits at the sampling temperature ``T`` (``T = 1`` by default), as in TRL and
+verl. ``logprobs`` are :math:`\log\pi_T(a_t)` of the sampled tokens, without top-k /
+top-p truncation, so a trainer that recomputes log-probs from ``logits / T`` gets the
+same numbers (old log-probs are free when ``mu = 1``). ``sampling_logprobs`` are the
+log-probs under the truncated distribution the tokens were actually drawn from (equal
+to ``logprobs`` when neither top-k nor top-p is set). Greedy decoding (``temperature=0``)
+reports :math:`\log\pi_1` of the argmax token.
+
+**Compilation.** One jitted function per shape bucket: the prompt length is left-padded
+up to a multiple of ``bucket`` and the completion buffer rounded up likewise; the
+completion budget itself is a traced loop bound, so different ``max_new_tokens`` within
+a bucket share a compilation. The KV cache is created inside the compiled function and
+carried by the ``lax.while_loop``, whose state buffers XLA updates in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import _checks, models, ops
+
+
+class Rollout(NamedTuple):
+    """What RL needs from generation; a pytree. ``B = P * G``, groups adjacent."""
+
+    tokens: jax.Array  # [B, S + N] int32: prompt (left-padded) then completion, pad after EOS
+    attention_mask: jax.Array  # [B, S + N] bool: real prompt tokens and valid completion tokens
+    completion_mask: jax.Array  # [B, N] bool: completion tokens up to and including the first EOS
+    logprobs: jax.Array  # [B, N] float32: log softmax(z / T) of each sampled token, 0 where masked
+    sampling_logprobs: jax.Array  # [B, N] float32: under the top-k/top-p distribution sampled from
+    lengths: jax.Array  # [B] int32: valid completion tokens (EOS included)
+    truncated: jax.Array  # [B] bool: hit max_new_tokens without EOS
+
+    @property
+    def completion_tokens(self) -> jax.Array:
+        """``[B, N]`` the completion part of ``tokens``."""
+        return self.tokens[:, -self.completion_mask.shape[1]:]
+
+
+class RolloutBackend(Protocol):
+    """Anything that turns prompts into a :class:`Rollout`: this module's :class:`Sampler`,
+    or later an external inference server. Settings (temperature, EOS, ...) belong to
+    the backend; a call gives the policy's params, the prompts and a key."""
+
+    def __call__(
+        self, params: models.Params, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
+        num_samples: int, max_new_tokens: int,
+    ) -> Rollout: ...
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return int(math.ceil(value / multiple) * multiple)
+
+
+def sample(
+    model: models.Model,
+    params: models.Params,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    key: jax.Array,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    bucket: int = 16,
+) -> Rollout:
+    """Samples ``num_samples`` completions of each prompt.
+
+    Args:
+      model, params: from :func:`jaxrl_llm.models.from_pretrained` or ``init``.
+      prompt_tokens: ``[P, S]`` left-padded prompt ids.
+      prompt_mask: ``[P, S]``, 1 for real tokens; every prompt needs at least one.
+      key: a PRNG key; the same key gives the same samples.
+      num_samples: ``G >= 1`` completions per prompt.
+      max_new_tokens: ``N >= 1``, the completion budget.
+      temperature: ``T >= 0``; 0 is greedy.
+      top_k: sample among the ``k`` most likely tokens (``None``: all).
+      top_p: sample from the smallest set of most likely tokens with mass ``>= p``
+        (nucleus; ``None``: all).
+      eos_ids: one or more end-of-sequence ids; a completion ends at the first.
+      pad_id: written after EOS and in unused completion slots.
+      bucket: prompt and completion buffers are rounded up to multiples of this.
+
+    Returns:
+      A :class:`Rollout` with ``B = P * G`` rows.
+    """
+    fn = "sample"
+    prompt_tokens = _checks.integer(fn, "prompt_tokens", prompt_tokens)
+    _checks.rank(fn, "prompt_tokens", prompt_tokens, 2, "[P, S]")
+    prompt_mask = _checks.mask(fn, prompt_mask, "prompt_tokens", prompt_tokens, name="prompt_mask").astype(bool)
+    _checks.positive_int(fn, "num_samples", num_samples)
+    _checks.positive_int(fn, "max_new_tokens", max_new_tokens)
+    _checks.positive_int(fn, "bucket", bucket)
+    _checks.nonnegative(fn, "temperature", temperature)
+    if top_k is not None:
+        _checks.positive_int(fn, "top_k", top_k)
+    if top_p is not None:
+        _checks.in_range(fn, "top_p", top_p, 0.0, 1.0, closed="(]")
+    eos_ids = tuple(int(e) for e in (eos_ids or ()))
+    if not eos_ids:
+        raise ValueError(f"{fn}: `eos_ids` must name at least one end-of-sequence token id.")
+    vocab = model.config.vocab_size
+    if any(not 0 <= e < vocab for e in (*eos_ids, pad_id)):
+        raise ValueError(f"{fn}: `eos_ids` {eos_ids} and `pad_id` {pad_id} must be token ids in [0, {vocab}).")
+    length = prompt_tokens.shape[1]
+    try:
+        empty = length == 0 or not bool(jnp.all(jnp.any(prompt_mask, axis=1)))
+    except jax.errors.ConcretizationTypeError:  # a traced mask cannot be checked here
+        empty = length == 0
+    if empty:
+        raise ValueError(f"{fn}: every prompt needs at least one real token; got an empty prompt.")
+    limit = model.config.max_position_embeddings
+    if length + max_new_tokens > limit:
+        raise ValueError(
+            f"{fn}: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"max_position_embeddings ({limit})."
+        )
+
+    # Shape buckets: extra left padding on the prompt, extra slots for the completion.
+    padded_length = min(_round_up(length, bucket), limit - max_new_tokens)
+    slots = min(_round_up(max_new_tokens, bucket), limit - padded_length)
+    extra = padded_length - length
+    tokens = jnp.pad(prompt_tokens.astype(jnp.int32), ((0, 0), (extra, 0)), constant_values=pad_id)
+    mask = jnp.pad(prompt_mask, ((0, 0), (extra, 0)))
+    tokens = jnp.repeat(tokens, num_samples, axis=0)  # [P*G, S'], each prompt's copies adjacent
+    mask = jnp.repeat(mask, num_samples, axis=0)
+
+    greedy = temperature == 0 or top_k == 1
+    completion, logprobs, sampling_logprobs, lengths, finished = _generate(
+        model, params, tokens, mask, key, jnp.asarray(max_new_tokens, jnp.int32),
+        jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
+        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+        slots=slots, top_k=None if greedy else top_k, use_top_p=top_p is not None and not greedy,
+        greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id),
+    )
+    completion_mask = jnp.arange(max_new_tokens)[None, :] < lengths[:, None]  # [B, N]
+    return Rollout(
+        tokens=jnp.concatenate([tokens[:, extra:], completion[:, :max_new_tokens]], axis=1),
+        attention_mask=jnp.concatenate([mask[:, extra:], completion_mask], axis=1),
+        completion_mask=completion_mask,
+        logprobs=logprobs[:, :max_new_tokens],
+        sampling_logprobs=sampling_logprobs[:, :max_new_tokens],
+        lengths=lengths,
+        truncated=~finished,
+    )
+
+
+def filter_logits(logits: jax.Array, *, top_k: int | None, top_p: jax.Array | None) -> jax.Array:
+    """Sets logits outside the top-k / top-p (nucleus) set to ``-inf``. ``[B, V] -> [B, V]``.
+
+    Nucleus: the smallest set of most likely tokens whose probability reaches ``top_p``
+    (the token that crosses it included; ties at the boundary are all kept).
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if top_p is not None:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        kept = mass_before < top_p  # the first token is always kept
+        threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)  # [B, 1]
+        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return logits
+
+
+@functools.partial(jax.jit, static_argnames=("slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id"))
+def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, slots, top_k, use_top_p,
+              greedy, eos_ids, pad_id):
+    """Prefill, then a ``while_loop`` of sample -> record -> decode step."""
+    batch = tokens.shape[0]
+    logits, cache = models.prefill(model, params, tokens, mask, cache_size=tokens.shape[1] + slots)
+    eos = jnp.asarray(eos_ids, jnp.int32)
+
+    class State(NamedTuple):
+        step: jax.Array  # [] int32
+        logits: jax.Array  # [B, V] next-token logits
+        cache: models.KVCache
+        tokens: jax.Array  # [B, slots]
+        logprobs: jax.Array  # [B, slots]
+        sampling_logprobs: jax.Array  # [B, slots]
+        lengths: jax.Array  # [B] int32
+        finished: jax.Array  # [B] bool: emitted an EOS
+
+    def keep_going(state: State) -> jax.Array:
+        return (state.step < max_new_tokens) & ~jnp.all(state.finished)
+
+    def step(state: State) -> State:
+        logits = state.logits.astype(jnp.float32)
+        policy_logp = jax.nn.log_softmax(logits / temperature, axis=-1)  # log pi_T, [B, V]
+        if greedy:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            sampling_logp = jnp.take_along_axis(policy_logp, token[:, None], axis=-1)[:, 0]
+        else:
+            filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p if use_top_p else None)
+            token = jax.random.categorical(jax.random.fold_in(key, state.step), filtered, axis=-1).astype(jnp.int32)
+            sampling_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
+        logp = jnp.take_along_axis(policy_logp, token[:, None], axis=-1)[:, 0]
+        active = ~state.finished
+        token = jnp.where(active, token, pad_id)
+        column = (0, state.step)
+        next_logits, cache = models.decode_step(model, params, token, state.cache)
+        return State(
+            step=state.step + 1,
+            logits=next_logits,
+            cache=cache,
+            tokens=jax.lax.dynamic_update_slice(state.tokens, token[:, None], column),
+            logprobs=jax.lax.dynamic_update_slice(state.logprobs, jnp.where(active, logp, 0.0)[:, None], column),
+            sampling_logprobs=jax.lax.dynamic_update_slice(
+                state.sampling_logprobs, jnp.where(active, sampling_logp, 0.0)[:, None], column
+            ),
+            lengths=state.lengths + active.astype(jnp.int32),
+            finished=state.finished | (active & jnp.any(token[:, None] == eos[None, :], axis=-1)),
+        )
+
+    init = State(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits[:, -1],
+        cache=cache,
+        tokens=jnp.full((batch, slots), pad_id, jnp.int32),
+        logprobs=jnp.zeros((batch, slots), jnp.float32),
+        sampling_logprobs=jnp.zeros((batch, slots), jnp.float32),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        finished=jnp.zeros((batch,), bool),
+    )
+    final = jax.lax.while_loop(keep_going, step, init)
+    return final.tokens, final.logprobs, final.sampling_logprobs, final.lengths, final.finished
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampler:
+    """This module's :class:`RolloutBackend`: :func:`sample` with its settings bound."""
+
+    model: models.Model
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    bucket: int = 16
+
+    def __call__(self, params, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens) -> Rollout:
+        return sample(
+            self.model, params, prompt_tokens, prompt_mask, key, num_samples=num_samples,
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket,
+        )
+
+
+def recompute_logprobs(model: models.Model, params: models.Params, rollout: Rollout, *,
+                       temperature: float = 1.0) -> jax.Array:
+    """``[B, N]`` log pi_T of the completion tokens by a full forward pass (teacher forcing),
+    0 where masked: the trainer's view of :attr:`Rollout.logprobs`."""
+    logits = models.forward(model, params, rollout.tokens, attention_mask=rollout.attention_mask)
+    completion_len = rollout.completion_mask.shape[1]
+    # The logits at position j predict token j + 1.
+    predicting = logits[:, -completion_len - 1:-1].astype(jnp.float32) / (temperature if temperature > 0 else 1.0)
+    chosen = ops.token_logprobs(predicting, rollout.completion_tokens)
+    return jnp.where(rollout.completion_mask, chosen, 0.0)
+

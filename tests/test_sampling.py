@@ -1,0 +1,170 @@
+"""The KV-cache sampler against full forward passes, distributions and EOS rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxrl_llm import models, sampling
+
+VOCAB, EOS, PAD = 24, 2, 0
+CONFIG = models.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def peaked_model(scale=30.0, seed=0, eos_bias=0.0):
+    """A random model whose next-token distributions are far from uniform."""
+    model, params = models.init(CONFIG, jax.random.key(seed))
+    params["lm_head"] = params["lm_head"] * scale
+    params["lm_head"] = params["lm_head"].at[:, EOS].add(eos_bias)
+    return model, params
+
+
+PROMPTS = jnp.array([[0, 0, 5, 6], [1, 7, 3, 4], [0, 9, 9, 8]])
+PROMPT_MASK = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+
+
+def kwargs(**overrides):
+    return {"num_samples": 2, "max_new_tokens": 9, "eos_ids": (EOS,), "pad_id": PAD, **overrides}
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward_passes():
+    model, params = peaked_model()
+    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(temperature=0.0))
+    # Reference: no cache, re-run the whole sequence for every new token.
+    tokens = np.repeat(np.asarray(PROMPTS), 2, axis=0)
+    mask = np.repeat(np.asarray(PROMPT_MASK), 2, axis=0).astype(bool)
+    done = np.zeros(len(tokens), bool)
+    for _ in range(9):
+        logits = models.forward(model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+        nxt = np.where(done, PAD, np.asarray(jnp.argmax(logits[:, -1], axis=-1)))
+        tokens = np.concatenate([tokens, nxt[:, None]], axis=1)
+        mask = np.concatenate([mask, ~done[:, None]], axis=1)
+        done |= nxt == EOS
+    np.testing.assert_array_equal(rollout.tokens, tokens)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(temperature=0.7), dict(temperature=1.3, top_k=5, top_p=0.8)])
+def test_logprobs_equal_a_full_forward_recomputation(settings):
+    model, params = peaked_model(scale=5.0)
+    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(1), **kwargs(**settings))
+    recomputed = sampling.recompute_logprobs(model, params, rollout, temperature=settings.get("temperature", 1.0))
+    assert np.abs(np.asarray(recomputed - rollout.logprobs)).max() <= 1e-5
+    if not settings.get("top_k") and not settings.get("top_p"):
+        np.testing.assert_array_equal(rollout.sampling_logprobs, rollout.logprobs)
+    else:  # truncation renormalises: the sampled token was at least as likely as under pi_T
+        assert np.all(np.asarray(rollout.sampling_logprobs) >= np.asarray(rollout.logprobs) - 1e-6)
+
+
+def test_top_k_one_and_vanishing_temperature_are_greedy():
+    model, params = peaked_model()
+    greedy = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(2), **kwargs(temperature=0.0))
+    top1 = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(3), **kwargs(top_k=1))
+    cold = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(4), **kwargs(temperature=1e-4))
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+    np.testing.assert_array_equal(cold.tokens, greedy.tokens)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(4, None), (None, 0.6), (6, 0.9)])
+def test_truncated_sampling_only_draws_from_the_allowed_set(top_k, top_p):
+    model, params = peaked_model(scale=5.0)
+    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(5),
+                              **kwargs(num_samples=8, top_k=top_k, top_p=top_p))
+    logits = models.forward(model, params, rollout.tokens, attention_mask=rollout.attention_mask)
+    n = rollout.completion_mask.shape[1]
+    predicting = logits[:, -n - 1:-1].reshape(-1, VOCAB).astype(jnp.float32)
+    allowed = np.isfinite(np.asarray(sampling.filter_logits(predicting, top_k=top_k, top_p=top_p)))
+    chosen = np.asarray(rollout.completion_tokens).reshape(-1)
+    valid = np.asarray(rollout.completion_mask).reshape(-1)
+    assert allowed[np.arange(len(chosen)), chosen][valid].all()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 5, None), (1.0, None, 0.7)])
+def test_empirical_first_token_distribution_matches_the_target(temperature, top_k, top_p):
+    """Chi-square goodness of fit of 6000 first tokens of one prompt, fixed seed."""
+    model, params = peaked_model(scale=3.0)
+    prompt, mask = PROMPTS[1:2], PROMPT_MASK[1:2]
+    rollout = sampling.sample(model, params, prompt, mask, jax.random.key(6), num_samples=6000, max_new_tokens=1,
+                              temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=(EOS,), pad_id=PAD)
+    logits = models.forward(model, params, prompt, attention_mask=mask)[:, -1].astype(jnp.float32)
+    target = np.asarray(jax.nn.softmax(sampling.filter_logits(logits / temperature, top_k=top_k, top_p=top_p)))[0]
+    counts = np.bincount(np.asarray(rollout.tokens[:, -1]), minlength=VOCAB)
+    support = target > 0
+    assert counts[~support].sum() == 0
+    expected = target[support] * counts.sum()
+    assert stats.chisquare(counts[support], expected / expected.sum() * counts.sum()).pvalue > 0.01
+
+
+def test_eos_masking_lengths_and_truncation_with_uneven_finishes():
+    model, params = peaked_model(scale=3.0, eos_bias=1.5)
+    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(7),
+                              **kwargs(num_samples=6, eos_ids=(EOS, 5)))
+    completion = np.asarray(rollout.completion_tokens)
+    mask = np.asarray(rollout.completion_mask)
+    lengths = np.asarray(rollout.lengths)
+    is_eos = np.isin(completion, [EOS, 5])
+    assert len(set(lengths)) > 2  # sequences finish at different steps
+    for row in range(len(completion)):
+        hits = np.flatnonzero(is_eos[row])
+        ends_with_eos = hits.size > 0
+        assert lengths[row] == (hits[0] + 1 if ends_with_eos else 9)
+        assert bool(rollout.truncated[row]) == (not ends_with_eos)
+        np.testing.assert_array_equal(mask[row], np.arange(9) < lengths[row])
+        assert np.all(completion[row, lengths[row]:] == PAD)
+        assert np.all(np.asarray(rollout.logprobs)[row, lengths[row]:] == 0)
+    np.testing.assert_array_equal(rollout.attention_mask[:, -9:], mask)
+
+
+def test_groups_are_adjacent_and_keys_control_randomness():
+    model, params = peaked_model(scale=2.0)
+    args = (model, params, PROMPTS, PROMPT_MASK)
+    a = sampling.sample(*args, jax.random.key(8), **kwargs(num_samples=4))
+    b = sampling.sample(*args, jax.random.key(8), **kwargs(num_samples=4))
+    c = sampling.sample(*args, jax.random.key(9), **kwargs(num_samples=4))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+    np.testing.assert_array_equal(a.tokens[:, :4], np.repeat(np.asarray(PROMPTS), 4, axis=0))
+    assert len({tuple(row) for row in np.asarray(a.completion_tokens[:4])}) > 1  # G samples differ
+
+
+def test_lengths_in_one_bucket_share_a_compilation():
+    model, params = peaked_model()
+    sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(max_new_tokens=9))
+    compiled = sampling._generate._cache_size()
+    for n, prompt_cut in ((12, 0), (16, 0), (5, 1)):
+        sampling.sample(model, params, PROMPTS[:, prompt_cut:], PROMPT_MASK[:, prompt_cut:], jax.random.key(n),
+                        **kwargs(max_new_tokens=n))
+    assert sampling._generate._cache_size() == compiled
+
+
+def test_sampler_backend_binds_the_settings():
+    model, params = peaked_model()
+    backend: sampling.RolloutBackend = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, temperature=0.0)
+    rollout = backend(params, PROMPTS, PROMPT_MASK, jax.random.key(0), num_samples=2, max_new_tokens=9)
+    expected = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(1), **kwargs(temperature=0.0))
+    np.testing.assert_array_equal(rollout.tokens, expected.tokens)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_samples=0), "`num_samples` must be an integer >= 1; got 0"),
+        (dict(eos_ids=()), "`eos_ids` must name at least one end-of-sequence token id"),
+        (dict(eos_ids=(99,)), r"must be token ids in \[0, 24\)"),
+        (dict(max_new_tokens=61), r"prompt length 4 \+ max_new_tokens 61 exceeds the model's max_position_embeddings"),
+        (dict(top_p=0.0), r"`top_p` must be in \(0.0, 1.0\]"),
+        (dict(temperature=-1.0), "`temperature` must be >= 0"),
+    ],
+)
+def test_bad_input_is_refused(changes, message):
+    model, params = peaked_model()
+    with pytest.raises(ValueError, match=message):
+        sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(**changes))
+
+
+def test_empty_prompt_is_refused():
+    model, params = peaked_model()
+    mask = PROMPT_MASK.at[0].set(0)
+    with pytest.raises(ValueError, match="every prompt needs at least one real token"):
+        sampling.sample(model, params, PROMPTS, mask, jax.random.key(0), **kwargs())
