@@ -188,6 +188,24 @@ def filter_logits(logits: jax.Array, *, top_k: int | None, top_p: jax.Array | No
     return logits
 
 
+def draw(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """One token per row from ``softmax(logits)`` ``[B, V]`` by inverting the CDF.
+
+    Exact, like ``jax.random.categorical``, but one uniform per row instead of a Gumbel
+    variate per vocabulary entry: at a real vocabulary size the random bits would cost
+    more than the rest of the step. Entries with logit ``-inf`` are never drawn.
+    """
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, V]
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.random.uniform(key, (logits.shape[0], 1)) * cdf[:, -1:]  # [B, 1], in [0, total)
+    # The first index whose CDF exceeds u: a zero-probability entry never qualifies (its
+    # CDF equals its predecessor's). If rounding makes u reach the total, fall back to
+    # the last entry with positive probability.
+    token = jnp.sum(cdf <= u, axis=-1)
+    last_positive = logits.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(token, last_positive).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id"))
 def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, slots, top_k, use_top_p,
               greedy, eos_ids, pad_id):
@@ -217,7 +235,7 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
             sampling_logp = jnp.take_along_axis(policy_logp, token[:, None], axis=-1)[:, 0]
         else:
             filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p if use_top_p else None)
-            token = jax.random.categorical(jax.random.fold_in(key, state.step), filtered, axis=-1).astype(jnp.int32)
+            token = draw(jax.random.fold_in(key, state.step), filtered)
             sampling_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
         logp = jnp.take_along_axis(policy_logp, token[:, None], axis=-1)[:, 0]
         active = ~state.finished

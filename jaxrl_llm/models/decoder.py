@@ -110,7 +110,7 @@ class Attention(nnx.Module):
         x: jax.Array,  # [B, S, E]
         positions: jax.Array,  # [B, S] int32
         mask: jax.Array,  # [B, S, K] bool: query s may attend key slot k
-        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, K, KVH, D], [B, K, KVH, D])
+        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D])
         cache_index: jax.Array | int = 0,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         c, dtype = self.config, self.config.dtype
@@ -131,22 +131,26 @@ class Attention(nnx.Module):
         inv_freq = inverse_frequencies(c.rope, c.head_dim)  # static: computed at trace time
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        # Keys and values heads-major, [B, KVH, K, D]: both attention dots then read them
+        # (and the cache) in place, batched over (B, KVH), with no per-step transpose.
+        k = k.transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
         if cache is not None:  # write this call's keys/values at cache_index, attend to all slots
-            start = (0, cache_index, 0, 0)
+            start = (0, 0, cache_index, 0)
             k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
             cache = (k, v)
 
         batch, length, heads, head_dim = q.shape
         groups = heads // c.num_kv_heads
-        q = q.reshape(batch, length, c.num_kv_heads, groups, head_dim)  # [B, S, KVH, G, D]
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k.astype(dtype), preferred_element_type=jnp.float32)
+        q = q.reshape(batch, length, c.num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, S, D]
+        scores = jnp.einsum("bkgsd,bktd->bkgst", q, k.astype(dtype), preferred_element_type=jnp.float32)
         scores = scores / np.sqrt(head_dim).astype(np.float32)  # [B, KVH, G, S, K]
         # A finite minimum, not -inf: a query with no valid key (a padding position) gets
         # a uniform, finite row instead of NaN.
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bkgst,btkd->bskgd", probs, v.astype(dtype)).reshape(batch, length, heads, head_dim)
+        out = jnp.einsum("bkgst,bktd->bskgd", probs, v.astype(dtype)).reshape(batch, length, heads, head_dim)
         out = jnp.einsum("bshd,hde->bse", out, self.o_proj[...].astype(dtype))
         if c.output_bias:
             out = out + self.o_bias[...].astype(dtype)[None, None]
@@ -195,8 +199,10 @@ class KVCache(NamedTuple):
     then one per decode step), left padding included; ``valid`` marks real tokens.
     """
 
-    keys: jax.Array  # [L, B, K, KVH, D]
-    values: jax.Array  # [L, B, K, KVH, D]
+    # One array per layer, not one stacked [L, ...] array: each step then updates every
+    # layer's buffer in place, where a stacked cache would be sliced and re-stacked (copied).
+    keys: tuple[jax.Array, ...]  # L x [B, KVH, K, D]
+    values: tuple[jax.Array, ...]  # L x [B, KVH, K, D]
     valid: jax.Array  # [B, K] bool
     next_position: jax.Array  # [B] int32: RoPE position of the next token per row
     index: jax.Array  # [] int32: the next slot to write
@@ -232,7 +238,7 @@ class CausalLM(nnx.Module):
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])
         if cache is not None:
-            cache = cache._replace(keys=jnp.stack(new_keys), values=jnp.stack(new_values))
+            cache = cache._replace(keys=tuple(new_keys), values=tuple(new_values))
         return rms_norm(x, self.norm[...], self.config.rms_norm_eps), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -142,10 +142,10 @@ def init_cache(model: Model, batch: int, cache_size: int) -> KVCache:
             f"init_cache: cache_size {cache_size} exceeds the model's max_position_embeddings "
             f"({c.max_position_embeddings})."
         )
-    shape = (c.num_layers, batch, cache_size, c.num_kv_heads, c.head_dim)
+    shape = (batch, c.num_kv_heads, cache_size, c.head_dim)
     return KVCache(
-        keys=jnp.zeros(shape, c.dtype),
-        values=jnp.zeros(shape, c.dtype),
+        keys=tuple(jnp.zeros(shape, c.dtype) for _ in range(c.num_layers)),
+        values=tuple(jnp.zeros(shape, c.dtype) for _ in range(c.num_layers)),
         valid=jnp.zeros((batch, cache_size), bool),
         next_position=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),

@@ -166,9 +166,11 @@ def from_pretrained(
 
 def hf_tensors(model: Model, params: Params) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` pairs in the Hugging Face layout, one parameter at a time."""
-    for path_, variable in nnx.to_flat_state(params):
+    for path_, leaf in nnx.to_flat_state(params):
         name, layout = hf_name(path_)
-        yield name, np.ascontiguousarray(_LAYOUTS[layout][2](np.asarray(jax.device_get(variable.get_value()))))
+        # A State entry is a Param, or a bare array where a user assigned one (params["x"] = ...).
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        yield name, np.ascontiguousarray(_LAYOUTS[layout][2](np.asarray(jax.device_get(value))))
 
 
 def save_pretrained(

@@ -128,3 +128,12 @@ def test_too_long_sequences_are_refused():
 
 def test_torch_is_the_cpu_build():
     assert not torch.cuda.is_available() or torch.version.cuda is None
+
+
+def test_params_edited_by_item_assignment_still_save(tmp_path):
+    model, params = models.init(models.ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1,
+                                                   num_heads=2, num_kv_heads=2, head_dim=8), jax.random.key(3))
+    params["lm_head"] = params["lm_head"] * 2.0  # a bare array now sits where a Param was
+    models.save_pretrained(tmp_path, model, params)
+    _, loaded = models.from_pretrained(tmp_path)
+    np.testing.assert_array_equal(loaded["lm_head"], params["lm_head"])
