@@ -88,6 +88,11 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] | None = None
     """Per layer: attend to at most this many most recent positions, or ``None`` (full).
     ``None`` for the whole field means full attention everywhere."""
+    bos_token_id: int | None = None
+    """Token ids carried over from (and back to) the Hugging Face config."""
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids: the sampler's default stop tokens."""
+    pad_token_id: int | None = None
     param_dtype: Any = jnp.float32
     """Storage dtype of the parameters."""
     dtype: Any = jnp.float32
@@ -123,8 +128,27 @@ class ModelConfig:
         if self.sliding_windows is not None and len(self.sliding_windows) != self.num_layers:
             fail(f"`sliding_windows` needs one entry per layer ({self.num_layers}); got {len(self.sliding_windows)}.")
         for field in ("param_dtype", "dtype"):
-            if jnp.dtype(getattr(self, field)) not in [jnp.dtype(d) for d in _DTYPES.values()]:
-                fail(f"`{field}` must be one of {', '.join(_DTYPES)}; got {getattr(self, field)!r}.")
+            value = getattr(self, field)
+            try:
+                canonical = jnp.dtype(value)
+            except TypeError:
+                canonical = None
+            if canonical not in [jnp.dtype(d) for d in _DTYPES.values()]:
+                fail(f"`{field}` must be one of {', '.join(_DTYPES)}; got {value!r}.")
+            # One canonical object, so that equal configs hash equally (no retraces).
+            object.__setattr__(self, field, canonical)
+        windows = [w for w in (self.sliding_windows or ()) if w is not None]
+        if any(not (isinstance(w, int) and w >= 1) for w in windows):
+            fail(f"`sliding_windows` entries must be integers >= 1 or None; got {self.sliding_windows}.")
+        if windows and self.architecture == "llama":
+            fail("llama has no sliding-window attention: `sliding_windows` must be None.")
+        if self.architecture == "mistral" and self.sliding_windows is not None and (
+            len(windows) != self.num_layers or len(set(windows)) != 1
+        ):
+            fail(f"mistral uses one window in every layer; got sliding_windows={self.sliding_windows}.")
+        if len(set(windows)) > 1:
+            fail(f"{self.architecture} uses a single window size; got sliding_windows={self.sliding_windows}.")
+        object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
 
     def window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (``None``: full causal attention)."""
@@ -168,6 +192,9 @@ class ModelConfig:
             output_bias=model_type != "qwen2" and bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=_windows_from_hf(hf_config, model_type, num_layers),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=_as_tuple(getattr(hf_config, "eos_token_id", None)),
+            pad_token_id=getattr(hf_config, "pad_token_id", None),
             param_dtype=param_dtype,
             dtype=param_dtype if dtype is None else dtype,
         )
@@ -191,21 +218,32 @@ class ModelConfig:
             rope_parameters=rope_parameters, tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu",
             architectures=[_HF_CLASSES[self.architecture]],
             dtype=jnp.dtype(self.param_dtype).name,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else
+            (self.eos_token_ids[0] if self.eos_token_ids else None),
+            pad_token_id=self.pad_token_id,
         )
-        windows = {w for w in (self.sliding_windows or ()) if w is not None}
+        # __post_init__ guarantees at most one window size.
+        window = next((w for w in (self.sliding_windows or ()) if w is not None), None)
         if self.architecture in ("llama", "qwen3"):
             kwargs["attention_bias"] = self.attention_bias
         if self.architecture == "mistral":
-            kwargs["sliding_window"] = windows.pop() if windows else None
+            kwargs["sliding_window"] = window
         elif self.architecture in ("qwen2", "qwen3"):
-            kwargs["use_sliding_window"] = bool(windows)
-            kwargs["sliding_window"] = windows.pop() if windows else None
-            if windows is not None and self.sliding_windows is not None:
+            kwargs["use_sliding_window"] = window is not None
+            kwargs["sliding_window"] = window
+            if window is not None:
                 kwargs["layer_types"] = [
                     "full_attention" if w is None else "sliding_attention" for w in self.sliding_windows
                 ]
         config_class = getattr(transformers, _HF_CLASSES[self.architecture].replace("ForCausalLM", "Config"))
         return config_class(**kwargs)
+
+
+def _as_tuple(ids: Any) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    return tuple(int(i) for i in ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
 def _rope_from_hf(hf_config: Any) -> RopeConfig:

@@ -59,7 +59,10 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """``[head_dim / 2]`` float32 RoPE inverse frequencies, with Llama 3 scaling if set."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    # theta ** e in float64, rounded once: what torch's float32 pow returns (a float32 pow
+    # in NumPy is 1 ulp off on some entries, which shows in logits at positions ~1e5).
+    powers = (np.float64(rope.theta) ** exponents.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / powers
     if rope.rope_type == "llama3":
         low_freq_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
         high_freq_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
@@ -242,11 +245,12 @@ class CausalLM(nnx.Module):
         return rms_norm(x, self.norm[...], self.config.rms_norm_eps), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """``[..., E] -> [..., V]`` through the output projection (or tied embedding)."""
+        """``[..., E] -> [..., V]`` float32 logits through the output projection (or tied embedding)."""
         dtype = self.config.dtype
-        if self.config.tie_word_embeddings:
-            return hidden.astype(dtype) @ self.embed_tokens[...].astype(dtype).T
-        return hidden.astype(dtype) @ self.lm_head[...].astype(dtype)
+        kernel = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        # float32 logits whatever the compute dtype: log-softmax and importance ratios need
+        # them, and a bfloat16 logit near 20 is only resolved to 0.125.
+        return jnp.matmul(hidden.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def _window(mask: jax.Array, window: int | None, positions: jax.Array, cache: KVCache | None) -> jax.Array:

@@ -123,7 +123,7 @@ def forward(
     attention_mask: jax.Array | None = None,
     positions: jax.Array | None = None,
 ) -> jax.Array:
-    """Next-token logits ``[B, S, V]`` (in ``config.dtype``) of ``tokens`` ``[B, S]``.
+    """Next-token logits ``[B, S, V]`` (float32) of ``tokens`` ``[B, S]``.
 
     Arguments as in :func:`hidden_states`. Padding positions get finite, meaningless
     logits: mask them downstream.
@@ -189,7 +189,9 @@ def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache)
 
     Args:
       tokens: ``[B]`` token ids, written to slot ``cache.index`` at each row's next position.
-      cache: from :func:`prefill` or a previous step, with a free slot left.
+      cache: from :func:`prefill` or a previous step, with a free slot left. A step on a
+        full cache cannot raise under ``jit``; it returns NaN logits instead (loudly wrong,
+        never silently: a clamped write would overwrite the last slot).
     """
     tokens = _checks.integer("decode_step", "tokens", tokens)
     _checks.rank("decode_step", "tokens", tokens, 1, "[B]")
@@ -199,5 +201,6 @@ def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache)
     mask = (valid & (jnp.arange(slots) <= cache.index)[None])[:, None, :]  # [B, 1, K]
     module = model.module(params)
     hidden, cache = module.hidden_states(tokens[:, None], cache.next_position[:, None], mask, cache)
+    full = cache.index >= slots
     cache = cache._replace(next_position=cache.next_position + 1, index=cache.index + 1)
-    return module.logits(hidden[:, 0]), cache
+    return jnp.where(full, jnp.nan, module.logits(hidden[:, 0])), cache

@@ -184,7 +184,8 @@ def save_pretrained(
 
     Weights beyond ``max_shard_bytes`` are split over several files with an index. The
     directory is written next to ``path`` and swapped in when complete; an existing
-    checkpoint at ``path`` is replaced only then.
+    checkpoint at ``path`` is replaced only then, and the other files there (tokenizer,
+    generation config, ...) are kept. Token ids (bos, eos, pad) travel in the config.
     """
     target = pathlib.Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -216,9 +217,25 @@ def save_pretrained(
         raise
 
 
+def _is_model_file(name: str) -> bool:
+    return name == "config.json" or name == INDEX_FILE or name.endswith(".safetensors")
+
+
 def _swap_in(staging: pathlib.Path, target: pathlib.Path) -> None:
-    """Moves the finished ``staging`` directory to ``target``, replacing what was there."""
+    """Moves the finished ``staging`` directory to ``target``.
+
+    The previous model files at ``target`` (config, weights, index) are replaced as a
+    whole; anything else there (a tokenizer, ``generation_config.json``, training state)
+    is carried into the new directory first, by hard link where possible.
+    """
     if target.exists():
+        for entry in target.iterdir():
+            if _is_model_file(entry.name) or (staging / entry.name).exists():
+                continue
+            if entry.is_dir():
+                shutil.copytree(entry, staging / entry.name, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(entry, staging / entry.name)
         retired = target.with_name(f".{target.name}.old")
         shutil.rmtree(retired, ignore_errors=True)
         os.replace(target, retired)
@@ -226,3 +243,10 @@ def _swap_in(staging: pathlib.Path, target: pathlib.Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, target)
+
+
+def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)

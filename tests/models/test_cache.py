@@ -53,3 +53,12 @@ def test_cache_limits_are_enforced():
         models.prefill(model, params, tokens, cache_size=3)
     with pytest.raises(ValueError, match=r"cache_size 40 exceeds the model's max_position_embeddings \(32\)"):
         models.prefill(model, params, tokens, cache_size=40)
+
+
+def test_decoding_into_a_full_cache_returns_nan_not_overwritten_slots():
+    model, params = models.init(CONFIGS["llama-gqa"], jax.random.key(0))
+    _, cache = models.prefill(model, params, jnp.ones((2, 4), jnp.int32), cache_size=5)
+    logits, cache = models.decode_step(model, params, jnp.ones((2,), jnp.int32), cache)
+    assert np.all(np.isfinite(logits))
+    logits, _ = models.decode_step(model, params, jnp.ones((2,), jnp.int32), cache)
+    assert np.all(np.isnan(logits))

@@ -137,3 +137,25 @@ def test_params_edited_by_item_assignment_still_save(tmp_path):
     models.save_pretrained(tmp_path, model, params)
     _, loaded = models.from_pretrained(tmp_path)
     np.testing.assert_array_equal(loaded["lm_head"], params["lm_head"])
+
+
+def test_saving_over_a_checkpoint_keeps_tokenizer_and_other_files_and_token_ids(tmp_path):
+    hf_model = tiny_hf_model("llama", eos_token_id=[91, 92], bos_token_id=90, pad_token_id=0)
+    hf_model.save_pretrained(tmp_path)
+    model, params = models.from_pretrained(tmp_path)
+    assert (model.config.bos_token_id, model.config.eos_token_ids, model.config.pad_token_id) == (90, (91, 92), 0)
+    models.save_pretrained(tmp_path, model, params, max_shard_bytes=20_000)  # sharded, with an index
+    assert (tmp_path / hf_io.INDEX_FILE).exists()
+    tokenizer = models.build_char_tokenizer("abc")
+    models.save_tokenizer(tokenizer, tmp_path)
+    (tmp_path / "training_state.json").write_text("{}")
+
+    models.save_pretrained(tmp_path, model, params)  # one file now: old shards and index go
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"tokenizer.json", "training_state.json", "generation_config.json", "model.safetensors"} <= names
+    assert hf_io.INDEX_FILE not in names and not any(n.startswith("model-0") for n in names)
+    assert models.load_tokenizer(tmp_path)("abc")["input_ids"] == tokenizer("abc")["input_ids"]
+    reloaded = transformers.AutoConfig.from_pretrained(tmp_path, local_files_only=True)
+    assert (reloaded.bos_token_id, list(reloaded.eos_token_id), reloaded.pad_token_id) == (90, [91, 92], 0)
+    _, loaded = models.from_pretrained(tmp_path)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)

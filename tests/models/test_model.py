@@ -87,3 +87,28 @@ def test_bad_configs_say_what_is_wrong(changes, message):
 def test_unsupported_rope_type_lists_supported_ones():
     with pytest.raises(ValueError, match="`rope_type` must be one of 'default', 'llama3'; got 'yarn'"):
         models.RopeConfig(rope_type="yarn")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(architecture="llama", qk_norm=False, sliding_windows=(4, 4)), "llama has no sliding-window"),
+        (dict(architecture="mistral", qk_norm=False, sliding_windows=(4, None)), "mistral uses one window"),
+        (dict(sliding_windows=(4, 8)), "qwen3 uses a single window size"),
+        (dict(sliding_windows=(0, None)), "entries must be integers >= 1 or None"),
+    ],
+)
+def test_windows_that_hugging_face_cannot_represent_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(SMALL, **changes)
+
+
+def test_dtype_spellings_give_one_config():
+    by_name = dataclasses.replace(SMALL, dtype="float32", param_dtype=np.dtype("float32"))
+    assert by_name == SMALL and hash(by_name) == hash(SMALL)
+
+
+def test_logits_are_float32_with_bfloat16_compute():
+    model, params = models.init(dataclasses.replace(SMALL, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+                                jax.random.key(0))
+    assert models.forward(model, params, jnp.zeros((1, 3), jnp.int32)).dtype == jnp.float32
