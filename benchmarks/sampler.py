@@ -9,6 +9,9 @@ Compilation is excluded (one warm-up call each); the table shows the median of
 ``--repeats`` timed calls.
 
     python benchmarks/sampler.py [--prompts 8] [--group 4] [--prompt-len 16] [--new-tokens 32]
+
+Two models: ``tiny`` (2 layers, d_model 64), where per-step overhead dominates, and
+``train-bench`` (the training benchmark's 4 layers, d_model 256), where the matmuls do.
 """
 
 from __future__ import annotations
@@ -25,9 +28,13 @@ import transformers
 
 from jaxrl_llm import models, sampling
 
-# The training benchmark's model: 4 layers, d_model 256, 4 heads of 64, MLP 1024, vocab 512.
-CONFIG = models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
-                            num_kv_heads=4, head_dim=64, max_position_embeddings=2048)
+CONFIGS = {
+    "tiny": models.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                               num_kv_heads=2, head_dim=16, max_position_embeddings=2048),
+    # The training benchmark's model: 4 layers, d_model 256, 4 heads of 64, MLP 1024, vocab 512.
+    "train-bench": models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4,
+                                      num_heads=4, num_kv_heads=4, head_dim=64, max_position_embeddings=2048),
+}
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -49,8 +56,26 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
-    model, params = models.init(CONFIG, jax.random.key(0))
-    eos = CONFIG.vocab_size - 1
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
+    batch = args.prompts * args.group
+    print(f"batch {args.prompts} prompts x {args.group} = {batch}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, float32, temperature 1")
+    header = f"{'model':<12} {'sampler':<26} {'median s':>9} {'tokens/s':>10} {'vs generate':>12}"
+    print(header)
+    print("-" * len(header))
+    for name, config in CONFIGS.items():
+        ours_s, theirs_s = compare(config, args)
+        tokens_out = batch * args.new_tokens
+        for sampler, seconds in (("jaxrl_llm.sampling.sample", ours_s), ("transformers generate", theirs_s)):
+            print(f"{name:<12} {sampler:<26} {seconds:>9.4f} {tokens_out / seconds:>10.0f} "
+                  f"{theirs_s / seconds:>11.2f}x")
+
+
+def compare(config: models.ModelConfig, args) -> tuple[float, float]:
+    """Median seconds of one batch for (ours, transformers) on the same weights."""
+    model, params = models.init(config, jax.random.key(0))
+    eos = config.vocab_size - 1
     with tempfile.TemporaryDirectory() as directory:
         models.save_pretrained(directory, model, params)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
@@ -59,7 +84,6 @@ def main(argv=None) -> None:
     prompts = rng.integers(0, eos, size=(args.prompts, args.prompt_len))
     mask = np.ones_like(prompts)
     batch = args.prompts * args.group
-    tokens_out = batch * args.new_tokens
     keys = iter(jax.random.split(jax.random.key(1), args.repeats + 1))
 
     def ours():
@@ -78,17 +102,7 @@ def main(argv=None) -> None:
                                     pad_token_id=0, use_cache=True)
         assert out.shape == (batch, args.prompt_len + args.new_tokens)
 
-    ours_s = median_seconds(ours, args.repeats)
-    theirs_s = median_seconds(theirs, args.repeats)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
-    print(f"batch {args.prompts} prompts x {args.group} = {batch}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, float32, {CONFIG.num_layers} layers d={CONFIG.hidden_size}")
-    header = f"{'sampler':<26} {'median s':>9} {'tokens/s':>10} {'vs generate':>12}"
-    print(header)
-    print("-" * len(header))
-    for name, seconds in (("jaxrl_llm.sampling.sample", ours_s), ("transformers generate", theirs_s)):
-        print(f"{name:<26} {seconds:>9.4f} {tokens_out / seconds:>10.0f} {theirs_s / seconds:>11.2f}x")
+    return median_seconds(ours, args.repeats), median_seconds(theirs, args.repeats)
 
 
 if __name__ == "__main__":

@@ -188,22 +188,21 @@ def filter_logits(logits: jax.Array, *, top_k: int | None, top_p: jax.Array | No
     return logits
 
 
-def draw(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """One token per row from ``softmax(logits)`` ``[B, V]`` by inverting the CDF.
+def draw(key: jax.Array, logp: jax.Array) -> jax.Array:
+    """One token per row from normalised log-probs ``[B, V]`` by inverting the CDF.
 
     Exact, like ``jax.random.categorical``, but one uniform per row instead of a Gumbel
     variate per vocabulary entry: at a real vocabulary size the random bits would cost
-    more than the rest of the step. Entries with logit ``-inf`` are never drawn.
+    more than the rest of the step. Entries with probability 0 are never drawn.
     """
-    probs = jax.nn.softmax(logits, axis=-1)  # [B, V]
+    probs = jnp.exp(logp)  # [B, V]
     cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.random.uniform(key, (logits.shape[0], 1)) * cdf[:, -1:]  # [B, 1], in [0, total)
+    u = jax.random.uniform(key, (logp.shape[0], 1)) * cdf[:, -1:]  # [B, 1], in [0, total)
     # The first index whose CDF exceeds u: a zero-probability entry never qualifies (its
-    # CDF equals its predecessor's). If rounding makes u reach the total, fall back to
-    # the last entry with positive probability.
+    # CDF equals its predecessor's). Should rounding make u reach the total, take the
+    # most likely token instead of running off the end.
     token = jnp.sum(cdf <= u, axis=-1)
-    last_positive = logits.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(token, last_positive).astype(jnp.int32)
+    return jnp.where(token < logp.shape[-1], token, jnp.argmax(logp, axis=-1)).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id"))
@@ -228,16 +227,20 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
         return (state.step < max_new_tokens) & ~jnp.all(state.finished)
 
     def step(state: State) -> State:
-        logits = state.logits.astype(jnp.float32)
-        policy_logp = jax.nn.log_softmax(logits / temperature, axis=-1)  # log pi_T, [B, V]
+        scaled = state.logits.astype(jnp.float32) / temperature
+        policy_logp = jax.nn.log_softmax(scaled, axis=-1)  # log pi_T, [B, V]
+        truncated = top_k is not None or use_top_p
         if greedy:
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            sampling_logp = jnp.take_along_axis(policy_logp, token[:, None], axis=-1)[:, 0]
+            token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+            sampling_logp_all = policy_logp
         else:
-            filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p if use_top_p else None)
-            token = draw(jax.random.fold_in(key, state.step), filtered)
-            sampling_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
+            sampling_logp_all = policy_logp
+            if truncated:
+                filtered = filter_logits(scaled, top_k=top_k, top_p=top_p if use_top_p else None)
+                sampling_logp_all = jax.nn.log_softmax(filtered, axis=-1)
+            token = draw(jax.random.fold_in(key, state.step), sampling_logp_all)
         logp = jnp.take_along_axis(policy_logp, token[:, None], axis=-1)[:, 0]
+        sampling_logp = jnp.take_along_axis(sampling_logp_all, token[:, None], axis=-1)[:, 0] if truncated else logp
         active = ~state.finished
         token = jnp.where(active, token, pad_id)
         column = (0, state.step)
