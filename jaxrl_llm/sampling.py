@@ -188,16 +188,17 @@ def filter_logits(logits: jax.Array, *, top_k: int | None, top_p: jax.Array | No
     return logits
 
 
-def draw(key: jax.Array, logp: jax.Array) -> jax.Array:
+def draw(uniform: jax.Array, logp: jax.Array) -> jax.Array:
     """One token per row from normalised log-probs ``[B, V]`` by inverting the CDF.
 
-    Exact, like ``jax.random.categorical``, but one uniform per row instead of a Gumbel
-    variate per vocabulary entry: at a real vocabulary size the random bits would cost
-    more than the rest of the step. Entries with probability 0 are never drawn.
+    Exact, like ``jax.random.categorical``, but it takes one uniform per row (``[B]`` in
+    ``[0, 1)``) instead of a Gumbel variate per vocabulary entry, so a rollout's random
+    numbers can all be drawn up front, outside the decode loop. Entries with
+    probability 0 are never drawn.
     """
     probs = jnp.exp(logp)  # [B, V]
     cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.random.uniform(key, (logp.shape[0], 1)) * cdf[:, -1:]  # [B, 1], in [0, total)
+    u = uniform[:, None] * cdf[:, -1:]  # [B, 1], in [0, total)
     # The first index whose CDF exceeds u: a zero-probability entry never qualifies (its
     # CDF equals its predecessor's). Should rounding make u reach the total, take the
     # most likely token instead of running off the end.
@@ -212,6 +213,9 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
     batch = tokens.shape[0]
     logits, cache = models.prefill(model, params, tokens, mask, cache_size=tokens.shape[1] + slots)
     eos = jnp.asarray(eos_ids, jnp.int32)
+    # Every random number of the rollout at once: inside the loop, the RNG's own rounds
+    # would cost more per step than the sampling itself.
+    uniforms = jax.random.uniform(key, (slots, batch))  # [slots, B]
 
     class State(NamedTuple):
         step: jax.Array  # [] int32
@@ -238,7 +242,7 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
             if truncated:
                 filtered = filter_logits(scaled, top_k=top_k, top_p=top_p if use_top_p else None)
                 sampling_logp_all = jax.nn.log_softmax(filtered, axis=-1)
-            token = draw(jax.random.fold_in(key, state.step), sampling_logp_all)
+            token = draw(jax.lax.dynamic_index_in_dim(uniforms, state.step, keepdims=False), sampling_logp_all)
         logp = jnp.take_along_axis(policy_logp, token[:, None], axis=-1)[:, 0]
         sampling_logp = jnp.take_along_axis(sampling_logp_all, token[:, None], axis=-1)[:, 0] if truncated else logp
         active = ~state.finished
