@@ -74,6 +74,27 @@ def main(argv=None) -> None:
         seconds = median_seconds(fn, logits, ids, repeats=5) if label == "forward" else median_seconds(fn, logits, repeats=5)
         print(f"{label:<20} {seconds * 1e3:>10.2f} {b * length / seconds / 1e6:>10.2f}")
 
+    # From hidden states: full logits vs chunks of 256 tokens, forward + backward.
+    width = 256
+    hidden = jax.random.normal(keys[2], (b, length, width), jnp.bfloat16)
+    kernel = jax.random.normal(keys[3], (width, v), jnp.bfloat16) * 0.05
+
+    def full(h, w):
+        return jnp.sum(ops.token_logprobs(jnp.matmul(h, w, preferred_element_type=jnp.float32), ids))
+
+    def chunked(h, w):
+        return jnp.sum(ops.chunked_token_logprobs(h, w, ids, chunk_size=256))
+
+    print()
+    print(f"log-probs from hidden [{b}, {length}, {width}] and kernel [{width}, {v}] bfloat16, forward+backward")
+    head = f"{'path':<20} {'median ms':>10} {'temp MB':>10}"
+    print(head)
+    print("-" * len(head))
+    for label, loss in (("full logits", full), ("chunked (256)", chunked)):
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        temp = step.lower(hidden, kernel).compile().memory_analysis().temp_size_in_bytes / 2**20
+        print(f"{label:<20} {median_seconds(step, hidden, kernel, repeats=5) * 1e3:>10.2f} {temp:>10.1f}")
+
 
 if __name__ == "__main__":
     main()

@@ -162,3 +162,57 @@ def test_whiten_ignores_nan_padding_and_eps_zero_constant_input():
     np.testing.assert_allclose(out[mask > 0], expected, rtol=1e-5)
     np.testing.assert_array_equal(out[mask == 0], 0.0)
     np.testing.assert_array_equal(ops.whiten(jnp.full((4,), 3.0), eps=0.0), 0.0)
+
+
+@pytest.mark.parametrize("chunk_size, temperature", [(4, 1.0), (5, 0.7), (64, 1.3)])
+def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, temperature):
+    rng = np.random.default_rng(8)
+    hidden = rng.normal(size=(3, 13, 8)).astype(np.float32)
+    kernel = rng.normal(size=(8, 17)).astype(np.float32)
+    tokens = rng.integers(0, 17, size=(3, 13))
+    weights = rng.normal(size=(3, 13)).astype(np.float32)
+
+    def full(h, w):
+        logits = (h @ w) / temperature
+        return ops.token_logprobs(logits, tokens), ops.entropy(logits)
+
+    def chunked(h, w):
+        return ops.chunked_token_logprobs(h, w, tokens, chunk_size=chunk_size, temperature=temperature,
+                                          with_entropy=True)
+
+    for got, expected in zip(jax.jit(chunked)(hidden, kernel), full(hidden, kernel)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+    def loss(f):
+        return lambda h, w: jnp.sum(weights * f(h, w)[0]) + jnp.sum(f(h, w)[1])
+
+    got = jax.grad(loss(chunked), argnums=(0, 1))(hidden, kernel)
+    expected = jax.grad(loss(full), argnums=(0, 1))(hidden, kernel)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_logprobs_never_hold_full_float32_logits_in_the_backward_pass():
+    batch, length, width, vocab = 2, 512, 32, 4096
+    hidden = jnp.ones((batch, length, width), jnp.bfloat16)
+    kernel = jnp.ones((width, vocab), jnp.bfloat16)
+    tokens = jnp.zeros((batch, length), jnp.int32)
+    full_logits_bytes = batch * length * vocab * 4
+
+    def temp_bytes(loss):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, kernel).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    chunked = temp_bytes(lambda h, w: jnp.sum(ops.chunked_token_logprobs(h, w, tokens, chunk_size=64)))
+    unchunked = temp_bytes(lambda h, w: jnp.sum(ops.token_logprobs(h @ w, tokens)))
+    chunk_logits_bytes = batch * 64 * vocab * 4
+    assert unchunked >= full_logits_bytes  # the reference does materialise them
+    # A few chunk-sized buffers (logits, softmax, their cotangents), whatever T is.
+    assert chunked <= 4 * chunk_logits_bytes < full_logits_bytes
+
+
+def test_chunked_logprobs_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"`output_kernel` must have shape \[E, V\] with E = 8"):
+        ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"`chunk_size` must be an integer >= 1"):
+        ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((8, 5)), jnp.zeros((1, 2), jnp.int32), chunk_size=0)

@@ -22,6 +22,7 @@ from jaxrl_llm.models.functional import (
     init_cache,
     logical_axes,
     logits_from_hidden,
+    output_kernel,
     prefill,
 )
 from jaxrl_llm.models.hf import from_pretrained, save_pretrained
@@ -30,5 +31,5 @@ from jaxrl_llm.models.tokenizer import DIGITS_AND_OPERATORS, build_char_tokenize
 __all__ = [
     "ARCHITECTURES", "DIGITS_AND_OPERATORS", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract", "decode_step",
     "forward", "from_pretrained", "hidden_states", "init", "init_cache", "logical_axes", "logits_from_hidden",
-    "prefill", "save_pretrained", "build_char_tokenizer", "load_tokenizer", "save_tokenizer",
+    "output_kernel", "prefill", "save_pretrained", "build_char_tokenizer", "load_tokenizer", "save_tokenizer",
 ]

@@ -110,6 +110,14 @@ def hidden_states(
     return hidden
 
 
+def output_kernel(model: Model, params: Params) -> jax.Array:
+    """The ``[E, V]`` output projection (the tied embedding transposed, or the LM head),
+    for :func:`jaxrl_llm.ops.chunked_token_logprobs`."""
+    if model.config.tie_word_embeddings:
+        return params["embed_tokens"][...].T
+    return params["lm_head"][...]
+
+
 def logits_from_hidden(model: Model, params: Params, hidden: jax.Array) -> jax.Array:
     """``[..., E] -> [..., V]``: the output projection alone (for chunked log-probs)."""
     return model.module(params).logits(hidden)

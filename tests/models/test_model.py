@@ -112,3 +112,16 @@ def test_logits_are_float32_with_bfloat16_compute():
     model, params = models.init(dataclasses.replace(SMALL, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
                                 jax.random.key(0))
     assert models.forward(model, params, jnp.zeros((1, 3), jnp.int32)).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_logprobs_from_hidden_states_equal_the_forward_pass(tied):
+    from jaxrl_llm import ops
+
+    config = dataclasses.replace(SMALL, tie_word_embeddings=tied)
+    model, params = models.init(config, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, config.vocab_size)
+    hidden = models.hidden_states(model, params, tokens)
+    chunked = ops.chunked_token_logprobs(hidden, models.output_kernel(model, params), tokens, chunk_size=4)
+    full = ops.token_logprobs(models.forward(model, params, tokens), tokens)
+    np.testing.assert_allclose(chunked, full, rtol=1e-5, atol=1e-6)
