@@ -50,12 +50,14 @@ def _centered(rewards: jax.Array, axis: int | None) -> jax.Array:
     keepdims = axis is not None
     spread = jnp.max(rewards, axis=axis, keepdims=keepdims) - jnp.min(rewards, axis=axis, keepdims=keepdims)
     centered = rewards - jnp.mean(rewards, axis=axis, keepdims=keepdims)
-    return jnp.where(spread > 0, centered, 0.0)
+    return jnp.where(spread == 0, 0.0, centered)  # `== 0`, not `<= 0`: a NaN must propagate
 
 
 def _safe_divide(centered: jax.Array, scale: jax.Array) -> jax.Array:
-    """``centered / scale``, 0 where ``scale`` is 0 (then ``centered`` is 0 too, eps = 0)."""
-    return jnp.where(scale > 0, centered / jnp.where(scale > 0, scale, 1.0), 0.0)
+    """``centered / scale``, 0 where ``scale`` is 0 (then ``centered`` is 0 too, eps = 0).
+    A NaN propagates: a broken reward must reach the update's non-finite check."""
+    zero = scale == 0
+    return jnp.where(zero, 0.0, centered / jnp.where(zero, 1.0, scale))
 
 
 def reinforce(rewards: jax.Array) -> jax.Array:

@@ -200,3 +200,10 @@ def test_zero_eps_with_constant_groups_gives_zero_not_nan():
     adv = advantages.grpo(mixed, eps=0.0)
     np.testing.assert_array_equal(adv[0], 0.0)
     np.testing.assert_allclose(adv[1], [-1.2247449, 0.0, 1.2247449], rtol=1e-6)
+
+
+def test_a_nan_reward_propagates_instead_of_becoming_a_zero_advantage():
+    rewards = jnp.array([[1.0, jnp.nan, 0.0], [1.0, 1.0, 1.0]])
+    for adv in (advantages.rloo(rewards), advantages.grpo(rewards), advantages.grpo(rewards, scale="none"),
+                advantages.reinforce_plus_plus(rewards)):
+        assert np.isnan(np.asarray(adv)[0]).all()

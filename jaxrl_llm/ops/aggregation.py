@@ -149,10 +149,10 @@ def whiten(
     mean = jnp.sum(values * weights) / count
     # Equal valid values map to exactly 0 (their float32 mean can be an ulp off).
     spread = jnp.max(jnp.where(valid, values, -jnp.inf)) - jnp.min(jnp.where(valid, values, jnp.inf))
-    centered = jnp.where(spread > 0, values - mean, 0.0)
+    centered = jnp.where(spread == 0, 0.0, values - mean)  # a NaN propagates
     var = jnp.sum(jnp.square(centered) * weights) / count
     scale = jnp.sqrt(var) + eps
-    whitened = jnp.where(scale > 0, centered / jnp.where(scale > 0, scale, 1.0), 0.0)
+    whitened = jnp.where(scale == 0, 0.0, centered / jnp.where(scale == 0, 1.0, scale))
     if not shift_mean:
         whitened = whitened + mean
     return whitened * weights

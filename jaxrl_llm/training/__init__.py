@@ -1,0 +1,17 @@
+"""Training on the language model: train state, the jitted update step, the loop."""
+
+from jaxrl_llm.training.engine import (
+    Batch,
+    TrainConfig,
+    TrainState,
+    completion_logprobs,
+    init_state,
+    make_optimizer,
+    make_update_step,
+    train,
+)
+
+__all__ = [
+    "Batch", "TrainConfig", "TrainState", "completion_logprobs", "init_state", "make_optimizer", "make_update_step",
+    "train",
+]
