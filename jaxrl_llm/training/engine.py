@@ -192,8 +192,10 @@ def train(
 
         rewards = task.rewards(completion, lengths, np.repeat(answers, config.group_size))  # [B]
         task_rewards = rewards
-        if algorithm.overlong_buffer:
-            buffer = min(algorithm.overlong_buffer, max(1, config.max_new_tokens // 5))
+        # DAPO's soft overlong zone: at most a fifth of the budget (the paper's 4096 of
+        # 20480); a budget under 5 tokens has no room for one, and gets no shaping.
+        buffer = min(algorithm.overlong_buffer, config.max_new_tokens // 5)
+        if buffer:
             rewards = rewards + np.asarray(algorithms.overlong_penalty(
                 lengths, max_len=config.max_new_tokens, buffer=buffer, penalty=algorithm.overlong_penalty))
         grouped = rewards.reshape(config.num_prompts, config.group_size)

@@ -80,3 +80,23 @@ def test_presets_the_engine_cannot_run_yet_are_refused(name):
     model, params = models.init(CONFIG, jax.random.key(0))
     with pytest.raises(ValueError, match="does not support yet"):
         training.train(model, params, algorithms.get(name), RUN, steps=1, task=TASK)
+
+
+class AnswerSeven(DigitSumTask):
+    """Reward 1 for a first token of '7', whatever the prompt: learnable in a few dozen steps."""
+
+    def rewards(self, completion_tokens, lengths, answers):
+        return (completion_tokens[:, 0] == self.tokenizer.convert_tokens_to_ids("7")).astype(np.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pg", "rloo", "grpo", "dapo", "gspo", "cispo"])
+def test_the_engine_learns_a_prompt_independent_preference(name):
+    """The RL signal reaches the weights with the right sign: from ~1/21 to near 1."""
+    task = AnswerSeven()
+    config = dataclasses.replace(CONFIG, vocab_size=len(task.tokenizer))
+    model, params = models.init(config, jax.random.key(0))
+    run = training.TrainConfig(num_prompts=8, group_size=8, max_new_tokens=2)
+    _, history = training.train(model, params, algorithms.get(name), run, steps=40, task=task)
+    rewards = [h["reward"] for h in history]
+    assert np.mean(rewards[:5]) < 0.2 and np.mean(rewards[-5:]) > 0.8, rewards
