@@ -33,7 +33,7 @@ def aggregate(values, mask, mode, max_len=None) -> float:
         return total / count
     sums = [sum(values[i, t] * mask[i, t] for t in range(values.shape[1])) for i in rows]
     if mode == "seq-mean-token-mean":
-        return sum(s / mask[i].sum() for s, i in zip(sums, rows)) / len(rows)
+        return sum(s / mask[i].sum() for s, i in zip(sums, rows, strict=True)) / len(rows)
     if mode == "seq-mean-token-sum":
         return sum(sums) / len(rows)
     if mode == "seq-mean-token-sum-norm":

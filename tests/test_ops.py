@@ -69,7 +69,7 @@ def test_aggregate_matches_python_loop(mode):
     values = rng.normal(size=(6, 7)).astype(np.float32)
     mask = _random_mask(rng, 6, 7, empty_rows=[2])
     for max_len in (None, 12):
-        got = jax.jit(lambda v, m: ops.aggregate(v, m, mode=mode, max_len=max_len))(values, mask)
+        got = jax.jit(lambda v, m, max_len=max_len: ops.aggregate(v, m, mode=mode, max_len=max_len))(values, mask)
         np.testing.assert_allclose(got, reference.aggregate(values, mask, mode, max_len), rtol=1e-5)
 
 
@@ -180,7 +180,7 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, te
         return ops.chunked_token_logprobs(h, w, tokens, chunk_size=chunk_size, temperature=temperature,
                                           with_entropy=True)
 
-    for got, expected in zip(jax.jit(chunked)(hidden, kernel), full(hidden, kernel)):
+    for got, expected in zip(jax.jit(chunked)(hidden, kernel), full(hidden, kernel), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
     def loss(f):
@@ -188,7 +188,7 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, te
 
     got = jax.grad(loss(chunked), argnums=(0, 1))(hidden, kernel)
     expected = jax.grad(loss(full), argnums=(0, 1))(hidden, kernel)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
 
 

@@ -18,8 +18,8 @@ AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"}
 def test_every_parameter_has_logical_axis_names_of_its_rank():
     model, params = models.init(SMALL, jax.random.key(0))
     specs = models.logical_axes(params)
-    for (path, value), spec in zip(nnx.to_flat_state(params), jax.tree.leaves(specs, is_leaf=lambda x: x is None or
-                                                                              isinstance(x, jax.sharding.PartitionSpec))):
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for (path, value), spec in zip(nnx.to_flat_state(params), spec_leaves, strict=True):
         assert len(spec) == value.get_value().ndim, path
         assert set(spec) <= AXIS_NAMES, (path, spec)
 

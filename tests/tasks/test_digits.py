@@ -9,7 +9,7 @@ def test_prompts_are_well_formed_and_answers_correct():
     task = DigitSumTask()
     ids, mask, answers = task.prompts(np.random.default_rng(0), 20)
     assert ids.shape == (20, 4) and mask.all()
-    for row, answer in zip(ids, answers):
+    for row, answer in zip(ids, answers, strict=True):
         text = task.tokenizer.decode(row)
         a, b = int(text[0]), int(text[2])
         assert text[1] == "+" and text[3] == "=" and answer == (a + b) % 10
