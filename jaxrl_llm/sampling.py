@@ -37,7 +37,7 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, models, ops
+from jaxrl_llm import _checks, models
 
 
 class Rollout(NamedTuple):
@@ -298,12 +298,8 @@ class Sampler:
 
 def recompute_logprobs(model: models.Model, params: models.Params, rollout: Rollout, *,
                        temperature: float = 1.0) -> jax.Array:
-    """``[B, N]`` log pi_T of the completion tokens by a full forward pass (teacher forcing),
-    0 where masked: the trainer's view of :attr:`Rollout.logprobs`."""
-    logits = models.forward(model, params, rollout.tokens, attention_mask=rollout.attention_mask)
-    completion_len = rollout.completion_mask.shape[1]
-    # The logits at position j predict token j + 1.
-    predicting = logits[:, -completion_len - 1:-1].astype(jnp.float32) / (temperature if temperature > 0 else 1.0)
-    chosen = ops.token_logprobs(predicting, rollout.completion_tokens)
-    return jnp.where(rollout.completion_mask, chosen, 0.0)
-
+    """``[B, N]`` log pi_T of the completion tokens by a teacher-forced pass, 0 where
+    masked: the trainer's view of :attr:`Rollout.logprobs` (greedy rollouts: ``T = 1``)."""
+    logp = models.completion_logprobs(model, params, rollout.tokens, rollout.attention_mask,
+                                      rollout.completion_mask.shape[1], temperature=temperature or 1.0)
+    return jnp.where(rollout.completion_mask, logp, 0.0)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_llm import _checks
+from jaxrl_llm import _checks, ops
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import CausalLM, KVCache
 
@@ -116,6 +116,32 @@ def output_kernel(model: Model, params: Params) -> jax.Array:
     if model.config.tie_word_embeddings:
         return params["embed_tokens"][...].T
     return params["lm_head"][...]
+
+
+def completion_logprobs(
+    model: Model,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    completion_len: int,
+    *,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """``[B, N]`` log softmax(logits / T) of the last ``completion_len`` tokens.
+
+    The trainer's view of :attr:`jaxrl_llm.sampling.Rollout.logprobs`: hidden states,
+    then :func:`jaxrl_llm.ops.chunked_token_logprobs`, so ``[B, T, V]`` logits never
+    exist. Values at masked positions are meaningless; mask them.
+
+    Args:
+      tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
+      completion_len: ``N``.
+    """
+    hidden = hidden_states(model, params, tokens, attention_mask=attention_mask)  # [B, S + N, E]
+    predicting = hidden[:, -completion_len - 1:-1]  # position j predicts token j + 1
+    return ops.chunked_token_logprobs(predicting, output_kernel(model, params), tokens[:, -completion_len:],
+                                      chunk_size=chunk_size, temperature=temperature)
 
 
 def logits_from_hidden(model: Model, params: Params, hidden: jax.Array) -> jax.Array:

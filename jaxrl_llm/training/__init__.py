@@ -4,7 +4,6 @@ from jaxrl_llm.training.engine import (
     Batch,
     TrainConfig,
     TrainState,
-    completion_logprobs,
     init_state,
     make_optimizer,
     make_update_step,
@@ -12,6 +11,6 @@ from jaxrl_llm.training.engine import (
 )
 
 __all__ = [
-    "Batch", "TrainConfig", "TrainState", "completion_logprobs", "init_state", "make_optimizer", "make_update_step",
+    "Batch", "TrainConfig", "TrainState", "init_state", "make_optimizer", "make_update_step",
     "train",
 ]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm import advantages as adv_lib, algorithms, models, ops, sampling
+from jaxrl_llm import advantages as adv_lib, algorithms, models, sampling
 from jaxrl_llm.tasks import DigitSumTask
 
 NEVER_GIVE_UP = 2**30  # apply_if_finite applies a non-finite update after this many skips
@@ -98,25 +98,14 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.apply_if_finite(inner, max_consecutive_errors=NEVER_GIVE_UP)
 
 
-def completion_logprobs(
-    model: models.Model, params: models.Params, tokens: jax.Array, attention_mask: jax.Array, completion_len: int,
-    *, chunk_size: int, temperature: float,
-) -> jax.Array:
-    """``[B, N]`` log pi_T of the last ``completion_len`` tokens, from chunked hidden states."""
-    hidden = models.hidden_states(model, params, tokens, attention_mask=attention_mask)  # [B, S + N, E]
-    predicting = hidden[:, -completion_len - 1:-1]  # position j predicts token j + 1
-    return ops.chunked_token_logprobs(predicting, models.output_kernel(model, params), tokens[:, -completion_len:],
-                                      chunk_size=chunk_size, temperature=temperature)
-
-
 def make_update_step(model: models.Model, algorithm: algorithms.Algorithm, optimizer: optax.GradientTransformation,
                      config: TrainConfig):
     """The pure update ``(state, batch) -> (state, metrics)``; jit it once per run."""
     completion_len = config.max_new_tokens
 
     def loss_fn(params, batch: Batch):
-        logp = completion_logprobs(model, params, batch.tokens, batch.attention_mask, completion_len,
-                                   chunk_size=config.chunk_size, temperature=config.temperature)
+        logp = models.completion_logprobs(model, params, batch.tokens, batch.attention_mask, completion_len,
+                                          chunk_size=config.chunk_size, temperature=config.temperature)
         return algorithms.policy_loss(algorithm, logp, batch.old_logp, batch.advantages, batch.completion_mask,
                                       ref_logp=batch.ref_logp, max_len=completion_len)
 
@@ -173,7 +162,7 @@ def train(
     optimizer = make_optimizer(config)
     state = init_state(model, params, optimizer)
     update = jax.jit(make_update_step(model, algorithm, optimizer, config), donate_argnums=0)
-    reference = jax.jit(lambda p, tokens, mask: completion_logprobs(
+    reference = jax.jit(lambda p, tokens, mask: models.completion_logprobs(
         model, p, tokens, mask, config.max_new_tokens, chunk_size=config.chunk_size, temperature=config.temperature))
     sampler = sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id,
                                temperature=config.temperature)
