@@ -29,7 +29,7 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import advantages as adv_lib, kl as kl_lib, objectives
+from jaxrl_llm import _checks, advantages as adv_lib, kl as kl_lib, objectives
 from jaxrl_llm.ops import aggregation
 
 AdvantageEstimator = Literal[
@@ -145,12 +145,11 @@ class Algorithm:
             value = getattr(self, field)
             if value is not None and not value >= 0:
                 fail(f"`{field}` must be >= 0 or None; got {value}.")
+        where = f"Algorithm {self.name!r}"
         for field in ("num_iterations", "cg_iters"):
-            if not (isinstance(getattr(self, field), int) and getattr(self, field) >= 1):
-                fail(f"`{field}` must be an integer >= 1; got {getattr(self, field)!r}.")
+            _checks.positive_int(where, field, getattr(self, field))
         for field in ("std_ddof", "max_backtracks", "overlong_buffer"):
-            if not (isinstance(getattr(self, field), int) and getattr(self, field) >= 0):
-                fail(f"`{field}` must be an integer >= 0; got {getattr(self, field)!r}.")
+            _checks.nonnegative_int(where, field, getattr(self, field))
         if self.baseline_decay is not None and not 0 <= self.baseline_decay < 1:
             fail(f"`baseline_decay` must be in [0, 1) or None; got {self.baseline_decay}.")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):

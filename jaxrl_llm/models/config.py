@@ -7,6 +7,8 @@ from typing import Any, Literal, get_args
 
 import jax.numpy as jnp
 
+from jaxrl_llm import _checks
+
 Architecture = Literal["llama", "mistral", "qwen2", "qwen3"]
 ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
 _HF_CLASSES = {
@@ -106,9 +108,7 @@ class ModelConfig:
             fail(f"`architecture` must be one of {', '.join(map(repr, ARCHITECTURES))}; got {self.architecture!r}.")
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                       "head_dim", "max_position_embeddings"):
-            value = getattr(self, field)
-            if not (isinstance(value, int) and value >= 1):
-                fail(f"`{field}` must be an integer >= 1; got {value!r}.")
+            _checks.positive_int("ModelConfig", field, getattr(self, field))
         if self.num_heads % self.num_kv_heads:
             fail(f"`num_heads` ({self.num_heads}) must be a multiple of `num_kv_heads` ({self.num_kv_heads}).")
         if self.head_dim % 2:

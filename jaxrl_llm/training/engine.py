@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm import advantages as adv_lib, algorithms, models, sampling
+from jaxrl_llm import _checks, advantages as adv_lib, algorithms, models, sampling
 from jaxrl_llm.tasks import DigitSumTask
 
 NEVER_GIVE_UP = 2**30  # apply_if_finite applies a non-finite update after this many skips
@@ -62,10 +62,8 @@ class TrainConfig:
 
     def __post_init__(self):
         for field in ("num_prompts", "group_size", "max_new_tokens", "chunk_size", "max_consecutive_skips"):
-            if not (isinstance(getattr(self, field), int) and getattr(self, field) >= 1):
-                raise ValueError(f"TrainConfig: `{field}` must be an integer >= 1; got {getattr(self, field)!r}.")
-        if not self.learning_rate > 0:
-            raise ValueError(f"TrainConfig: `learning_rate` must be > 0; got {self.learning_rate}.")
+            _checks.positive_int("TrainConfig", field, getattr(self, field))
+        _checks.positive("TrainConfig", "learning_rate", self.learning_rate)
 
 
 class TrainState(NamedTuple):
