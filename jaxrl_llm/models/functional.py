@@ -88,6 +88,14 @@ def _causal(attention_mask: jax.Array) -> jax.Array:
     return causal[None] & attention_mask[:, None, :]
 
 
+def _hidden(fn: str, model: Model, params: Params, tokens, attention_mask, positions) -> tuple[CausalLM, jax.Array]:
+    """Validated inputs through the decoder: the merged module and ``[B, S, E]`` hidden states."""
+    tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, positions)
+    module = model.module(params)
+    hidden, _ = module.hidden_states(tokens, positions, _causal(mask))
+    return module, hidden
+
+
 def hidden_states(
     model: Model,
     params: Params,
@@ -105,9 +113,7 @@ def hidden_states(
       positions: ``[B, S]`` RoPE positions; defaults to ``cumsum(mask) - 1`` so that each
         row's first real token is at position 0.
     """
-    tokens, mask, positions = _inputs("hidden_states", model, tokens, attention_mask, positions)
-    hidden, _ = model.module(params).hidden_states(tokens, positions, _causal(mask))
-    return hidden
+    return _hidden("hidden_states", model, params, tokens, attention_mask, positions)[1]
 
 
 def output_kernel(model: Model, params: Params) -> jax.Array:
@@ -162,9 +168,7 @@ def forward(
     Arguments as in :func:`hidden_states`. Padding positions get finite, meaningless
     logits: mask them downstream.
     """
-    tokens, mask, positions = _inputs("forward", model, tokens, attention_mask, positions)
-    module = model.module(params)
-    hidden, _ = module.hidden_states(tokens, positions, _causal(mask))
+    module, hidden = _hidden("forward", model, params, tokens, attention_mask, positions)
     return module.logits(hidden)
 
 
