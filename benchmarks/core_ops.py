@@ -11,23 +11,12 @@ prints, for every preset, the median time of a jitted ``value_and_grad`` of
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from timing import median_seconds
 
 from jaxrl_llm import algorithms, ops
-
-
-def median_seconds(fn, *args, repeats: int = 20) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def main(argv=None) -> None:

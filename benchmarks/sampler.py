@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_seconds
 import torch
 import transformers
 
@@ -35,16 +35,6 @@ CONFIGS = {
     "train-bench": models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4,
                                       num_heads=4, num_kv_heads=4, head_dim=64, max_position_embeddings=2048),
 }
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: compilation, allocator
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def main(argv=None) -> None:
@@ -102,7 +92,7 @@ def compare(config: models.ModelConfig, args) -> tuple[float, float]:
                                     pad_token_id=0, use_cache=True)
         assert out.shape == (batch, args.prompt_len + args.new_tokens)
 
-    return median_seconds(ours, args.repeats), median_seconds(theirs, args.repeats)
+    return median_seconds(ours, repeats=args.repeats), median_seconds(theirs, repeats=args.repeats)
 
 
 if __name__ == "__main__":
