@@ -194,10 +194,9 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimize
         # Sampling was at temperature 1 from old_params, so its log-probs are the old
         # log-probs: no separate old-policy forward pass.
         old_logp = rollout.logp
-        ref_logp = None
-        if a.needs_reference:
-            ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
-            ref_logp = ops.token_logprobs(ref_logits, rollout.tokens) * mask
+        # The reference's logits serve the KL term (if any) and the KL-to-reference metric.
+        ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
+        ref_logp = ops.token_logprobs(ref_logits, rollout.tokens) * mask if a.needs_reference else None
 
         # Advantages. A KL penalty in the reward is per token for GAE and summed over
         # the response for the sequence-level estimators.
@@ -260,7 +259,6 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimize
                 critic_params = optax.apply_updates(critic_params, updates)
             metrics.update(critic_metrics)
 
-        ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
         new_logits = teacher_forced(params, prompts, rollout.tokens)
         metrics.update(
             reward=jnp.mean(task_rewards),
