@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl_llm import ops
+from jaxrl_llm import kl, ops
 from tests import reference
 
 MODES = ops.AGGREGATION_MODES
@@ -216,3 +216,41 @@ def test_chunked_logprobs_errors_name_the_argument():
         ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"`chunk_size` must be an integer >= 1"):
         ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((8, 5)), jnp.zeros((1, 2), jnp.int32), chunk_size=0)
+
+
+@pytest.mark.parametrize("chunk_size, temperature", [(4, 1.0), (64, 0.7)])
+def test_chunked_categorical_kl_equals_the_float64_sum_over_the_vocabulary(chunk_size, temperature):
+    rng = np.random.default_rng(9)
+    hidden_p, hidden_q = rng.normal(size=(3, 11, 8)), rng.normal(size=(3, 11, 6))
+    kernel_p, kernel_q = rng.normal(size=(8, 13)), rng.normal(size=(6, 13))
+    log_p = reference.log_softmax(hidden_p @ kernel_p / temperature)
+    log_q = reference.log_softmax(hidden_q @ kernel_q / temperature)
+    expected = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)  # [B, T], float64
+    f32 = [jnp.asarray(x, jnp.float32) for x in (hidden_p, kernel_p, hidden_q, kernel_q)]
+    got = jax.jit(lambda *a: ops.chunked_categorical_kl(*a, chunk_size=chunk_size, temperature=temperature))(*f32)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ops.chunked_categorical_kl(f32[0], f32[1], f32[0], f32[1]), 0.0, atol=1e-5)
+
+
+def test_chunked_categorical_kl_gradient_equals_the_unchunked_one():
+    rng = np.random.default_rng(10)
+    hidden_p, hidden_q = (jnp.asarray(rng.normal(size=(2, 9, 8)), jnp.float32) for _ in range(2))
+    kernel_p, kernel_q = (jnp.asarray(rng.normal(size=(8, 7)), jnp.float32) for _ in range(2))
+    weights = jnp.asarray(rng.normal(size=(2, 9)), jnp.float32)
+
+    def chunked(hq, wq):
+        return jnp.sum(weights * ops.chunked_categorical_kl(hidden_p, kernel_p, hq, wq, chunk_size=4))
+
+    def full(hq, wq):
+        return jnp.sum(weights * kl.categorical(hidden_p @ kernel_p, hq @ wq))
+
+    got, expected = jax.grad(chunked, (0, 1))(hidden_q, kernel_q), jax.grad(full, (0, 1))(hidden_q, kernel_q)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_categorical_kl_refuses_mismatched_models():
+    with pytest.raises(ValueError, match=r"same \[B, T\] and vocabulary"):
+        ops.chunked_categorical_kl(jnp.zeros((1, 2, 4)), jnp.zeros((4, 5)), jnp.zeros((1, 2, 4)), jnp.zeros((4, 6)))
+    with pytest.raises(ValueError, match=r"`output_kernel_q` must have shape \[E, V\] with E = 3"):
+        ops.chunked_categorical_kl(jnp.zeros((1, 2, 4)), jnp.zeros((4, 5)), jnp.zeros((1, 2, 3)), jnp.zeros((4, 5)))

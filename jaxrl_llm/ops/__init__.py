@@ -13,12 +13,13 @@ from jaxrl_llm.ops.aggregation import (
     masked_min,
     whiten,
 )
-from jaxrl_llm.ops.logprobs import chunked_token_logprobs, entropy, token_logprobs
+from jaxrl_llm.ops.logprobs import chunked_categorical_kl, chunked_token_logprobs, entropy, token_logprobs
 
 __all__ = [
     "AGGREGATION_MODES",
     "AggregationMode",
     "aggregate",
+    "chunked_categorical_kl",
     "chunked_token_logprobs",
     "entropy",
     "masked_max",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks
+from jaxrl_llm import _checks, kl as kl_lib
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -101,38 +101,109 @@ def chunked_token_logprobs(
       ``[B, T]`` float32 log-probs, and ``[B, T]`` entropies if ``with_entropy``.
     """
     fn = "chunked_token_logprobs"
-    hidden = _checks.floating(fn, "hidden", hidden)
-    _checks.rank(fn, "hidden", hidden, 3, "[B, T, E]")
-    output_kernel = _checks.floating(fn, "output_kernel", output_kernel)
-    _checks.rank(fn, "output_kernel", output_kernel, 2, "[E, V]")
-    if output_kernel.shape[0] != hidden.shape[-1]:
-        raise ValueError(
-            f"{fn}: `output_kernel` must have shape [E, V] with E = {hidden.shape[-1]} (the hidden width); "
-            f"got {list(output_kernel.shape)}."
-        )
+    _check_hidden_and_kernel(fn, hidden, output_kernel)
     tokens = _checks.integer(fn, "tokens", tokens)
     if tokens.shape != hidden.shape[:2]:
         raise ValueError(f"{fn}: `tokens` must have shape [B, T] = {list(hidden.shape[:2])}; got {list(tokens.shape)}.")
     _checks.positive_int(fn, "chunk_size", chunk_size)
     _checks.positive(fn, "temperature", temperature)
 
-    batch, length, width = hidden.shape
-    chunk = min(chunk_size, length)
-    num_chunks = -(-length // chunk)
-    padded = num_chunks * chunk
-    # [B, T, E] -> [num_chunks, B, chunk, E] (padding gets token 0; sliced off below).
-    hidden_chunks = jnp.pad(hidden, ((0, 0), (0, padded - length), (0, 0)))
-    hidden_chunks = hidden_chunks.reshape(batch, num_chunks, chunk, width).swapaxes(0, 1)
-    token_chunks = jnp.pad(tokens, ((0, 0), (0, padded - length))).reshape(batch, num_chunks, chunk).swapaxes(0, 1)
+    chunks = _Chunks(hidden.shape[1], chunk_size)
 
     @jax.checkpoint
     def one_chunk(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = jnp.matmul(h, output_kernel.astype(h.dtype), preferred_element_type=jnp.float32) / temperature
+        logits = _logits(h, output_kernel, temperature)  # [B, chunk, V]
         logp = token_logprobs(logits, t)  # [B, chunk]
         return logp, (entropy(logits) if with_entropy else jnp.zeros_like(logp))
 
-    _, (logp, ent) = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (hidden_chunks, token_chunks))
-    logp = logp.swapaxes(0, 1).reshape(batch, padded)[:, :length]  # [num_chunks, B, chunk] -> [B, T]
+    _, (logp, ent) = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None,
+                                  (chunks.split(hidden), chunks.split(tokens)))
     if not with_entropy:
-        return logp
-    return logp, ent.swapaxes(0, 1).reshape(batch, padded)[:, :length]
+        return chunks.join(logp)
+    return chunks.join(logp), chunks.join(ent)
+
+
+def chunked_categorical_kl(
+    hidden_p: jax.Array,
+    output_kernel_p: jax.Array,
+    hidden_q: jax.Array,
+    output_kernel_q: jax.Array,
+    *,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+) -> jax.Array:
+    r"""Exact per-token :math:`D_{KL}(p\,\|\,q)` over the vocabulary, from two models' hidden states.
+
+    .. math::
+        p = \operatorname{softmax}(h_p W_p / T), \quad q = \operatorname{softmax}(h_q W_q / T),
+        \quad D_{KL}(p\|q) = \sum_v p_v (\log p_v - \log q_v)
+
+    Equal to ``kl.categorical(h_p @ W_p / T, h_q @ W_q / T)``, chunked over tokens like
+    :func:`chunked_token_logprobs` (a rematerialised ``lax.scan``), so neither direction
+    holds more than two ``[B, chunk_size, V]`` float32 logits. Differentiable in both
+    models: TRPO's constraint :math:`D_{KL}(\pi_{old}\|\pi_\theta)` and its Fisher-vector
+    products go through it, and so does the exact KL-to-reference metric.
+
+    Args:
+      hidden_p, hidden_q: ``[B, T, E_p]`` and ``[B, T, E_q]`` final-norm hidden states.
+      output_kernel_p, output_kernel_q: ``[E_p, V]`` and ``[E_q, V]`` output projections.
+      chunk_size: tokens per chunk.
+      temperature: both models' logits are divided by it.
+
+    Returns:
+      ``[B, T]`` float32 KL divergences, each >= 0.
+    """
+    fn = "chunked_categorical_kl"
+    _checks.positive_int(fn, "chunk_size", chunk_size)
+    _checks.positive(fn, "temperature", temperature)
+    _check_hidden_and_kernel(fn, hidden_p, output_kernel_p, suffix="_p")
+    _check_hidden_and_kernel(fn, hidden_q, output_kernel_q, suffix="_q")
+    if hidden_p.shape[:2] != hidden_q.shape[:2] or output_kernel_p.shape[1] != output_kernel_q.shape[1]:
+        raise ValueError(
+            f"{fn}: both models need the same [B, T] and vocabulary; got hidden_p {list(hidden_p.shape)}, "
+            f"hidden_q {list(hidden_q.shape)}, output_kernel_p {list(output_kernel_p.shape)}, "
+            f"output_kernel_q {list(output_kernel_q.shape)}."
+        )
+    chunks = _Chunks(hidden_p.shape[1], chunk_size)
+
+    @jax.checkpoint
+    def one_chunk(h_p: jax.Array, h_q: jax.Array) -> jax.Array:
+        return kl_lib.categorical(_logits(h_p, output_kernel_p, temperature),
+                                  _logits(h_q, output_kernel_q, temperature))  # [B, chunk]
+
+    _, kl = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (chunks.split(hidden_p), chunks.split(hidden_q)))
+    return chunks.join(kl)
+
+
+def _check_hidden_and_kernel(fn: str, hidden: jax.Array, kernel: jax.Array, *, suffix: str = "") -> None:
+    _checks.rank(fn, f"hidden{suffix}", _checks.floating(fn, f"hidden{suffix}", hidden), 3, "[B, T, E]")
+    _checks.rank(fn, f"output_kernel{suffix}", _checks.floating(fn, f"output_kernel{suffix}", kernel), 2, "[E, V]")
+    if kernel.shape[0] != hidden.shape[-1]:
+        raise ValueError(
+            f"{fn}: `output_kernel{suffix}` must have shape [E, V] with E = {hidden.shape[-1]} (the hidden width); "
+            f"got {list(kernel.shape)}."
+        )
+
+
+def _logits(hidden: jax.Array, output_kernel: jax.Array, temperature: float) -> jax.Array:
+    """``[B, C, E] @ [E, V] / T``, accumulated in float32."""
+    return jnp.matmul(hidden, output_kernel.astype(hidden.dtype), preferred_element_type=jnp.float32) / temperature
+
+
+class _Chunks:
+    """Splits ``[B, T, ...]`` into ``[num_chunks, B, chunk, ...]`` (zero-padding ``T`` up to
+    a multiple of the chunk) and joins per-token results back into ``[B, T]``."""
+
+    def __init__(self, length: int, chunk_size: int):
+        self.length = length
+        self.chunk = min(chunk_size, length)
+        self.num_chunks = -(-length // self.chunk)
+
+    def split(self, x: jax.Array) -> jax.Array:
+        pad = self.num_chunks * self.chunk - self.length
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(x.shape[0], self.num_chunks, self.chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    def join(self, x: jax.Array) -> jax.Array:
+        """``[num_chunks, B, chunk] -> [B, T]``."""
+        return x.swapaxes(0, 1).reshape(x.shape[1], -1)[:, :self.length]
