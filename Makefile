@@ -16,7 +16,7 @@ $(INSTALLED): pyproject.toml constraints.txt
 	touch $@
 
 run: $(INSTALLED)
-	$(BIN)/python experiments/toy_digits.py
+	$(BIN)/python experiments/digits_lm.py
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest -n 2 -q

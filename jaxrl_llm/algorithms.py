@@ -13,8 +13,9 @@ away (RLOO advantages with PPO clipping, GRPO with a KL penalty, ...):
 
 Two pure functions turn a config into numbers; trainers call these, not the parts:
 
-* :func:`sequence_advantages`: rewards ``[P, G]`` -> advantages ``[P * G]`` (every
-  estimator except GAE, which needs a critic's per-token values);
+* :func:`compute_advantages`: rewards ``[B]`` (plus log-probs for a KL penalty in the
+  reward, and a critic's values for GAE) -> advantages ``[B]`` or ``[B, N]``; its
+  sequence-level core is :func:`sequence_advantages`, rewards ``[P, G]`` -> ``[P * G]``;
 * :func:`policy_loss`: per-token log-probs -> ``(loss, metrics)``, with the KL and
   entropy terms the config asks for.
 
@@ -232,6 +233,82 @@ def sequence_advantages(
     return advantages.reshape(-1), baseline
 
 
+def compute_advantages(
+    algorithm: Algorithm,
+    rewards: jax.Array,
+    mask: jax.Array,
+    *,
+    group_size: int,
+    logp: jax.Array | None = None,
+    ref_logp: jax.Array | None = None,
+    values: jax.Array | None = None,
+    baseline: adv_lib.RunningMeanState | None = None,
+) -> tuple[jax.Array, jax.Array | None, adv_lib.RunningMeanState | None]:
+    r"""Advantages of a rollout batch for any estimator, with the KL-in-reward penalty.
+
+    With ``kl_reward_coef`` :math:`= c > 0` each token pays
+    :math:`c\,k_1 = c(\log\pi_{old} - \log\pi_{ref})` (Ouyang et al., 2022), and the
+    per-token reward is :math:`r_t = R\,[t = |o|] - c\,k_{1,t}`:
+
+    * ``gae`` (PPO): :math:`A = \operatorname{whiten}(\operatorname{GAE}_{\gamma,\lambda}(r, V))`
+      over the batch's valid tokens; ``returns`` :math:`= \operatorname{GAE} + V` are the
+      critic's targets (unwhitened).
+    * ``reinforce_pp`` with :math:`c > 0` (REINFORCE++, Hu 2025): the return to go
+      :math:`A_t = \sum_{s \ge t} \gamma^{s-t} r_s` (after subtracting the group mean from
+      :math:`R` if ``subtract_group_mean``), whitened over the batch's valid tokens.
+    * every other estimator (and ``reinforce_pp`` with :math:`c = 0`) works on sequence
+      rewards :math:`R - c\sum_t k_{1,t}` through :func:`sequence_advantages`.
+
+    Args:
+      algorithm: the method.
+      rewards: ``[B]`` sequence rewards, ``B = P * G`` with groups adjacent.
+      mask: ``[B, N]`` completion mask (right-padded).
+      group_size: ``G``.
+      logp: ``[B, N]`` log-probs under the sampling policy (``kl_reward_coef > 0``).
+      ref_logp: ``[B, N]`` reference log-probs (``kl_reward_coef > 0``).
+      values: ``[B, N]`` critic values of the state before each token (``gae``).
+      baseline: the running-mean state (``running_mean_baseline``).
+
+    Returns:
+      ``(advantages, returns, baseline)``: advantages ``[B]`` (sequence estimators) or
+      ``[B, N]`` (per-token paths), returns ``[B, N]`` for ``gae`` and ``None`` otherwise,
+      and the baseline state after this batch.
+    """
+    a = algorithm
+    mask = mask.astype(bool)
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim != 1 or rewards.shape[0] != mask.shape[0] or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"compute_advantages: `rewards` must have shape [B] with B = {mask.shape[0]} (the mask's rows) a "
+            f"multiple of group_size={group_size}; got {list(rewards.shape)}."
+        )
+    penalty = jnp.zeros(mask.shape, jnp.float32)  # [B, N]: c * k1 per token
+    if a.kl_reward_coef > 0:
+        if logp is None or ref_logp is None:
+            raise ValueError(f"Algorithm {a.name!r} has kl_reward_coef={a.kl_reward_coef} > 0: pass `logp` and "
+                             "`ref_logp`.")
+        penalty = jnp.where(mask, a.kl_reward_coef * kl_lib.k1(logp, ref_logp), 0.0)
+    lengths = jnp.sum(mask, axis=1)
+    at_last_token = jax.nn.one_hot(lengths - 1, mask.shape[1], dtype=jnp.float32)  # [B, N]; zero row if empty
+
+    if a.advantage == "gae":
+        if values is None:
+            raise ValueError(f"Algorithm {a.name!r} uses GAE: pass the critic's `values`.")
+        token_rewards = at_last_token * rewards[:, None] - penalty
+        advantages, returns = adv_lib.gae(token_rewards, values, mask, gamma=a.gamma, lam=a.lam)
+        return aggregation.whiten(advantages, mask), returns, baseline
+    if a.advantage == "reinforce_pp" and a.kl_reward_coef > 0:
+        grouped = rewards.reshape(-1, group_size)
+        if a.subtract_group_mean:
+            grouped = grouped - jnp.mean(grouped, axis=1, keepdims=True)
+        token_rewards = at_last_token * grouped.reshape(-1)[:, None] - penalty
+        returns_to_go, _ = adv_lib.gae(token_rewards, jnp.zeros_like(token_rewards), mask, gamma=a.gamma, lam=1.0)
+        return aggregation.whiten(returns_to_go, mask), None, baseline
+    sequence_rewards = rewards - jnp.sum(penalty, axis=1)
+    advantages, baseline = sequence_advantages(a, sequence_rewards.reshape(-1, group_size), baseline)
+    return advantages, None, baseline
+
+
 def policy_loss(
     algorithm: Algorithm,
     logp: jax.Array,
@@ -398,6 +475,6 @@ def overlong_penalty(lengths: jax.Array, *, max_len: int, buffer: int, penalty: 
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "Algorithm", "CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "PG", "POLICY_OBJECTIVES",
-    "PPO", "PRESETS", "REINFORCE_BASELINE", "REINFORCE_PP", "RLOO", "TRPO", "UPDATE_RULES", "get",
+    "PPO", "PRESETS", "REINFORCE_BASELINE", "REINFORCE_PP", "RLOO", "TRPO", "UPDATE_RULES", "compute_advantages", "get",
     "overlong_penalty", "policy_loss", "sequence_advantages",
 ]

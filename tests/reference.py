@@ -205,3 +205,36 @@ def gae(rewards, values, mask, gamma, lam) -> tuple[np.ndarray, np.ndarray]:
             returns[i, t] = advantages[i, t] + values[i, t]
             next_value, next_advantage = values[i, t], advantages[i, t]
     return advantages, returns
+
+
+def whiten(values, mask) -> np.ndarray:
+    """Population-std whitening over the valid entries; 0 elsewhere."""
+    values, mask = np.asarray(values, np.float64), np.asarray(mask) > 0
+    valid = values[mask]
+    out = np.zeros_like(values)
+    out[mask] = (valid - valid.mean()) / (valid.std() + 1e-8)
+    return out
+
+
+def kl_penalised_token_rewards(rewards, mask, logp, ref_logp, coef) -> np.ndarray:
+    """r_t = R [t is the last valid token] - coef * (logp - ref_logp), 0 where masked."""
+    rewards, mask = np.asarray(rewards, np.float64), np.asarray(mask) > 0
+    out = np.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[i, t]]
+        for t in valid:
+            out[i, t] = -coef * (float(logp[i, t]) - float(ref_logp[i, t]))
+        if valid:
+            out[i, valid[-1]] += rewards[i]
+    return out
+
+
+def returns_to_go(token_rewards, mask, gamma) -> np.ndarray:
+    out = np.zeros(np.shape(token_rewards))
+    for i in range(out.shape[0]):
+        running = 0.0
+        for t in reversed(range(out.shape[1])):
+            if mask[i, t]:
+                running = float(token_rewards[i, t]) + gamma * running
+                out[i, t] = running
+    return out

@@ -120,3 +120,59 @@ def test_overlong_penalty_matches_dapo_equation():
     np.testing.assert_allclose(got, [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
     with pytest.raises(ValueError, match=r"`buffer` must be an integer in \[1, max_len=20\]; got 21"):
         algorithms.overlong_penalty(lengths, max_len=20, buffer=21)
+
+
+def _kl_reward_batch(seed=0, num_prompts=3, group=4, length=5):
+    rng = np.random.default_rng(seed)
+    batch = num_prompts * group
+    lengths = rng.integers(1, length + 1, size=batch)
+    mask = np.arange(length)[None, :] < lengths[:, None]
+    rewards = rng.normal(size=batch).astype(np.float32)
+    logp, ref_logp, values = (rng.normal(size=(batch, length)).astype(np.float32) for _ in range(3))
+    return rewards, mask, logp, ref_logp, values
+
+
+def test_compute_advantages_ppo_is_whitened_gae_on_kl_penalised_token_rewards():
+    rewards, mask, logp, ref_logp, values = _kl_reward_batch()
+    method = algorithms.PPO
+    adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp,
+                                                    values=values)
+    token_rewards = reference.kl_penalised_token_rewards(rewards, mask, logp, ref_logp, method.kl_reward_coef)
+    expected_adv, expected_returns = reference.gae(token_rewards, values, mask, method.gamma, method.lam)
+    np.testing.assert_allclose(adv, reference.whiten(expected_adv, mask), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(returns, expected_returns, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("subtract_group_mean", [False, True])
+def test_compute_advantages_reinforce_pp_is_the_whitened_return_to_go(subtract_group_mean):
+    rewards, mask, logp, ref_logp, _ = _kl_reward_batch(seed=1)
+    method = dataclasses.replace(algorithms.REINFORCE_PP, subtract_group_mean=subtract_group_mean)
+    adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp)
+    scores = rewards.astype(np.float64).reshape(3, 4)
+    if subtract_group_mean:
+        scores = scores - scores.mean(1, keepdims=True)
+    token_rewards = reference.kl_penalised_token_rewards(scores.ravel(), mask, logp, ref_logp, method.kl_reward_coef)
+    expected = reference.whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask)
+    assert returns is None and adv.shape == mask.shape
+    np.testing.assert_allclose(adv, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_compute_advantages_sequence_estimators_pay_the_summed_kl_penalty():
+    rewards, mask, logp, ref_logp, _ = _kl_reward_batch(seed=2)
+    method = dataclasses.replace(algorithms.RLOO, kl_reward_coef=0.1)
+    adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp)
+    penalised = rewards - 0.1 * np.sum(np.where(mask, logp - ref_logp, 0.0), axis=1)
+    np.testing.assert_allclose(adv, reference.rloo(penalised.reshape(3, 4)).ravel(), rtol=1e-5, atol=1e-5)
+    # Without a KL coefficient it is exactly sequence_advantages.
+    plain, _, _ = algorithms.compute_advantages(algorithms.GRPO, rewards, mask, group_size=4)
+    np.testing.assert_array_equal(plain, algorithms.sequence_advantages(algorithms.GRPO, rewards.reshape(3, 4))[0])
+
+
+def test_compute_advantages_names_what_is_missing():
+    rewards, mask, logp, ref_logp, _ = _kl_reward_batch()
+    with pytest.raises(ValueError, match="uses GAE: pass the critic's `values`"):
+        algorithms.compute_advantages(algorithms.PPO, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp)
+    with pytest.raises(ValueError, match="kl_reward_coef=0.01 > 0: pass `logp` and `ref_logp`"):
+        algorithms.compute_advantages(algorithms.REINFORCE_PP, rewards, mask, group_size=4)
+    with pytest.raises(ValueError, match=r"`rewards` must have shape \[B\] with B = 12"):
+        algorithms.compute_advantages(algorithms.GRPO, rewards[:5], mask, group_size=4)

@@ -124,6 +124,27 @@ def output_kernel(model: Model, params: Params) -> jax.Array:
     return params["lm_head"][...]
 
 
+def completion_hidden_states(
+    model: Model,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    completion_len: int,
+) -> jax.Array:
+    """``[B, N, E]`` hidden states of the states before each of the last ``N`` tokens.
+
+    Position ``j`` of a causal LM predicts token ``j + 1``, so these are the positions
+    ``S - 1 ... S + N - 2``: the inputs of the completion's log-probs (and of a critic's
+    values :math:`V(s_t)`).
+
+    Args:
+      tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
+      completion_len: ``N``.
+    """
+    hidden = hidden_states(model, params, tokens, attention_mask=attention_mask)  # [B, S + N, E]
+    return hidden[:, -completion_len - 1:-1]
+
+
 def completion_logprobs(
     model: Model,
     params: Params,
@@ -144,9 +165,8 @@ def completion_logprobs(
       tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
       completion_len: ``N``.
     """
-    hidden = hidden_states(model, params, tokens, attention_mask=attention_mask)  # [B, S + N, E]
-    predicting = hidden[:, -completion_len - 1:-1]  # position j predicts token j + 1
-    return ops.chunked_token_logprobs(predicting, output_kernel(model, params), tokens[:, -completion_len:],
+    hidden = completion_hidden_states(model, params, tokens, attention_mask, completion_len)  # [B, N, E]
+    return ops.chunked_token_logprobs(hidden, output_kernel(model, params), tokens[:, -completion_len:],
                                       chunk_size=chunk_size, temperature=temperature)
 
 

@@ -38,15 +38,46 @@ class DigitSumTask:
         encoded = self.tokenizer(texts, padding=True, return_tensors="np")
         return encoded["input_ids"].astype(np.int32), encoded["attention_mask"].astype(bool), digits.sum(1) % 10
 
-    def rewards(self, completion_tokens: np.ndarray, lengths: np.ndarray, answers: np.ndarray) -> np.ndarray:
-        """``[B]`` float32: 1 if the first token is the answer digit, +0.5 if EOS follows it.
+    def reward_components(self, completion_tokens: np.ndarray, lengths: np.ndarray,
+                          answers: np.ndarray) -> dict[str, np.ndarray]:
+        """The reward functions, each ``[B]`` float32: ``correct`` (1 if the first token is
+        the answer digit) and ``stops`` (0.5 if EOS follows a correct digit).
 
         Args:
           completion_tokens: ``[B, N]`` sampled ids.
           lengths: ``[B]`` valid completion tokens (EOS included).
           answers: ``[B]`` the answer digit of each row's prompt.
         """
-        answer_ids = np.asarray(self.tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))[answers]
-        correct = completion_tokens[:, 0] == answer_ids
+        correct = completion_tokens[:, 0] == self.answer_ids(answers)
         stops = (lengths == 2) & (completion_tokens[:, min(1, completion_tokens.shape[1] - 1)] == self.eos_id)
-        return (correct.astype(np.float32) + 0.5 * (correct & stops)).astype(np.float32)
+        return {"correct": correct.astype(np.float32), "stops": (0.5 * (correct & stops)).astype(np.float32)}
+
+    def rewards(self, completion_tokens: np.ndarray, lengths: np.ndarray, answers: np.ndarray) -> np.ndarray:
+        """``[B]`` float32: the sum of :meth:`reward_components` (1 for the right digit,
+        +0.5 if EOS follows it)."""
+        return sum(self.reward_components(completion_tokens, lengths, answers).values())
+
+    def answer_ids(self, answers: np.ndarray) -> np.ndarray:
+        """``[B]`` token ids of the answer digits."""
+        return np.asarray(self.tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))[answers]
+
+    def demonstrations(self, rng: np.random.Generator, count: int, max_new_tokens: int, *,
+                       label_noise: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``count`` solved examples for a supervised warm start: ``tokens [count, S + N]``
+        (prompt, answer digit, EOS, pad), ``attention_mask`` and ``completion_mask``
+        ``[count, N]`` (the answer and EOS). With ``label_noise`` the answer is replaced by
+        a uniformly random digit with that probability: a model fitted to it knows the
+        answers but is unsure of them, the state RL then sharpens."""
+        if max_new_tokens < 2:
+            raise ValueError(f"demonstrations: `max_new_tokens` must be >= 2 (answer and EOS); got {max_new_tokens}.")
+        prompt_ids, prompt_mask, answers = self.prompts(rng, count)
+        completion = np.full((count, max_new_tokens), self.pad_id, np.int32)
+        noisy = rng.random(count) < label_noise
+        answers = np.where(noisy, rng.integers(0, 10, size=count), answers)
+        completion[:, 0] = self.answer_ids(answers)
+        completion[:, 1] = self.eos_id
+        completion_mask = np.arange(max_new_tokens)[None, :] < 2
+        completion_mask = np.broadcast_to(completion_mask, (count, max_new_tokens))
+        tokens = np.concatenate([prompt_ids, completion], axis=1)
+        attention_mask = np.concatenate([prompt_mask, completion_mask], axis=1)
+        return tokens, attention_mask, completion_mask.copy()

@@ -1,16 +1,30 @@
-"""Training on the language model: train state, the jitted update step, the loop."""
+"""Training on the language model: the train state, the jitted train step, the loop.
 
-from jaxrl_llm.training.engine import (
+* :mod:`~jaxrl_llm.training.config`: :class:`TrainConfig`;
+* :mod:`~jaxrl_llm.training.step`: :class:`TrainState` and the pure ``score`` /
+  ``update`` halves of a train step (:func:`make_train_step`);
+* :mod:`~jaxrl_llm.training.critic`: PPO's value model;
+* :mod:`~jaxrl_llm.training.loop`: :func:`train`, the host loop with rewards and metrics;
+* :mod:`~jaxrl_llm.training.sft`: a supervised warm start.
+"""
+
+from jaxrl_llm.training.config import TrainConfig
+from jaxrl_llm.training.critic import CriticParams, completion_values, init_critic
+from jaxrl_llm.training.loop import NonFiniteUpdates, fit_overlong_buffer, train
+from jaxrl_llm.training.sft import sft_loss, supervised_finetune
+from jaxrl_llm.training.step import (
     Batch,
-    TrainConfig,
+    ScoredBatch,
     TrainState,
+    TrainStep,
+    check_supported,
     init_state,
     make_optimizer,
-    make_update_step,
-    train,
+    make_train_step,
 )
 
 __all__ = [
-    "Batch", "TrainConfig", "TrainState", "init_state", "make_optimizer", "make_update_step",
-    "train",
+    "Batch", "CriticParams", "NonFiniteUpdates", "ScoredBatch", "TrainConfig", "TrainState", "TrainStep",
+    "check_supported", "completion_values", "fit_overlong_buffer", "init_critic", "init_state", "make_optimizer",
+    "make_train_step", "sft_loss", "supervised_finetune", "train",
 ]

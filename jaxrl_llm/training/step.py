@@ -1,0 +1,303 @@
+r"""The train state and the two jitted halves of a train step: ``score`` and ``update``.
+
+After the rollout and the host's rewards, a train step is
+
+1. ``score(state, batch) -> (scored, baseline, metrics)``: log-probs under the reference
+   (and, only when they can differ from the sampler's, under the old params), the
+   critic's values, and the advantages (:func:`jaxrl_llm.algorithms.compute_advantages`);
+2. ``update(state, scored) -> (state, metrics)``: ``num_iterations`` passes over shuffled
+   minibatches in one ``lax.scan`` of optax steps (or one TRPO natural-gradient step),
+   plus the critic's steps for PPO. The state is donated.
+
+Both are pure functions built once per run by :func:`make_train_step` and jitted once.
+
+**Old log-probs.** With ``num_iterations = 1`` and one minibatch, the single gradient is
+taken at the params that sampled the batch, so :math:`\log\pi_{old} = \operatorname{sg}
+(\log\pi_\theta)`: the ratio is exactly 1 and no old-policy forward pass is paid for.
+Otherwise ``score`` recomputes them at the snapshot (the same teacher-forced path as the
+update, so the first minibatch's ratios are exactly 1 too).
+
+**Non-finite updates.** A minibatch whose loss or gradient is not finite changes
+nothing: params and optimizer state keep their values (``jnp.where`` on the whole
+pytree), ``skipped_updates`` counts it and ``consecutive_skips`` counts the run of them;
+the loop stops when that reaches ``TrainConfig.max_consecutive_skips``.
+
+**The reference.** Every step runs the reference model once: its log-probs feed the KL
+terms and the ``kl_k3`` metric, and its ``[B, N, E]`` hidden states the exact
+:math:`D_{KL}(\pi_\theta\|\pi_{ref})` metric (``kl_exact``, chunked over the vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl_llm import advantages as adv_lib, algorithms, kl as kl_lib, models, objectives, ops, trpo
+from jaxrl_llm.training import critic as critic_lib
+from jaxrl_llm.training.config import TrainConfig
+
+Metrics = dict[str, jax.Array]
+
+
+class TrainState(NamedTuple):
+    """Everything a run carries between steps; a pytree (checkpointable, shardable)."""
+
+    params: models.Params
+    opt_state: Any  # optax state of the policy; () for TRPO, which has none
+    ref_params: models.Params  # frozen: the initial policy by default
+    critic_params: critic_lib.CriticParams | None  # methods with GAE only
+    critic_opt_state: Any
+    baseline: adv_lib.RunningMeanState
+    key: jax.Array  # PRNG key for rollouts and minibatch shuffles
+    step: jax.Array  # [] int32: train steps (rollout batches) done
+    skipped_updates: jax.Array  # [] int32: non-finite minibatch updates skipped in all
+    consecutive_skips: jax.Array  # [] int32: ... in a row, up to the last update
+
+
+class Batch(NamedTuple):
+    """A rollout batch with its rewards, as ``score`` consumes it; ``B = P * G``."""
+
+    tokens: jax.Array  # [B, S + N] int32
+    attention_mask: jax.Array  # [B, S + N] bool
+    completion_mask: jax.Array  # [B, N] bool: tokens that enter the loss
+    sampling_logp: jax.Array  # [B, N] float32: log pi_T of the sampler (Rollout.logprobs)
+    rewards: jax.Array  # [B] float32
+
+
+class ScoredBatch(NamedTuple):
+    """A batch with everything ``update`` needs; ``None`` fields are not used by the method."""
+
+    tokens: jax.Array  # [B, S + N] int32
+    attention_mask: jax.Array  # [B, S + N] bool
+    completion_mask: jax.Array  # [B, N] bool
+    old_logp: jax.Array  # [B, N] float32: log pi_old (the sampler's when on-policy)
+    ref_logp: jax.Array  # [B, N] float32
+    ref_hidden: jax.Array  # [B, N, E]: the reference's hidden states, for the exact KL
+    advantages: jax.Array  # [B] or [B, N] float32
+    returns: jax.Array | None  # [B, N] float32: the critic's targets (GAE)
+    old_values: jax.Array | None  # [B, N] float32: the critic's values at scoring time
+
+
+def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW whose learning rate warms up linearly from
+    ``lr / warmup_steps`` (not 0: the first update would do nothing) to ``lr``. The rate
+    in use is ``state[1].hyperparams["learning_rate"]``."""
+    schedule = optax.linear_schedule(learning_rate / warmup_steps, learning_rate, warmup_steps - 1)
+    return optax.chain(
+        optax.clip_by_global_norm(max_grad_norm),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.0),
+    )
+
+
+def _copy(tree):
+    # The update donates the state, so the state must own its buffers: the caller's
+    # params stay valid, and the reference and critic are separate copies.
+    return jax.tree.map(jnp.copy, tree)
+
+
+def init_state(model: models.Model, params: models.Params, algorithm: algorithms.Algorithm, config: TrainConfig,
+               *, ref_params: models.Params | None = None) -> TrainState:
+    """The state at step 0: policy and reference copied from ``params`` (or the given
+    ``ref_params``), a critic initialised from the policy when the method has one."""
+    policy_optimizer, critic_optimizer = _optimizers(algorithm, config)
+    critic_params = critic_lib.init_critic(model, params) if algorithm.needs_critic else None
+    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
+    return TrainState(
+        params=_copy(params),
+        opt_state=policy_optimizer.init(params) if policy_optimizer else (),
+        ref_params=_copy(params if ref_params is None else ref_params),
+        critic_params=critic_params,
+        critic_opt_state=critic_optimizer.init(critic_params) if critic_params is not None else None,
+        baseline=adv_lib.running_mean_init(),
+        key=jax.random.key(config.seed),
+        step=zero(), skipped_updates=zero(), consecutive_skips=zero(),
+    )
+
+
+def _optimizers(algorithm, config):
+    policy = None if algorithm.update == "trpo" else make_optimizer(
+        learning_rate=config.learning_rate, warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm)
+    critic = make_optimizer(learning_rate=config.critic_learning_rate, warmup_steps=config.warmup_steps,
+                            max_grad_norm=config.max_grad_norm) if algorithm.needs_critic else None
+    return policy, critic
+
+
+def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> None:
+    """Raises if the run's settings cannot work together."""
+    if algorithm.update == "trpo" and config.num_minibatches != 1:
+        raise ValueError(
+            f"Algorithm {algorithm.name!r} takes one natural-gradient step on the whole batch: set "
+            f"TrainConfig.minibatch_size=None (got {config.minibatch_size} of B={config.batch_size})."
+        )
+
+
+def _apply_if_finite(optimizer, grads, opt_state, params, finite):
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep_if_not_finite = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    return jax.tree.map(keep_if_not_finite, new_params, params), jax.tree.map(keep_if_not_finite, new_opt_state,
+                                                                             opt_state)
+
+
+def _reduce(metrics: Metrics) -> Metrics:
+    """Per-minibatch metrics ``[K]`` -> scalars: min of ``*_min``, max of ``*_max``, else mean."""
+    def reduce(name, values):
+        return jnp.min(values) if name.endswith("_min") else jnp.max(values) if name.endswith("_max") else jnp.mean(
+            values)
+    return {name: reduce(name, values) for name, values in metrics.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """The pure halves of a train step for one (model, method, config); jit each once."""
+
+    score: Callable[[TrainState, Batch], tuple[ScoredBatch, adv_lib.RunningMeanState, Metrics]]
+    update: Callable[[TrainState, ScoredBatch], tuple[TrainState, Metrics]]
+
+
+def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config: TrainConfig) -> TrainStep:
+    """Builds ``score`` and ``update`` (see the module docstring)."""
+    check_supported(algorithm, config)
+    a = algorithm
+    policy_optimizer, critic_optimizer = _optimizers(a, config)
+    num_steps = a.num_iterations * config.num_minibatches  # optimizer steps per batch
+    on_policy = num_steps == 1  # the one gradient is taken at the sampling params
+    logprob_options = dict(chunk_size=config.chunk_size, temperature=config.temperature)
+
+    def completion_len(batch) -> int:
+        return batch.completion_mask.shape[1]
+
+    def score(state: TrainState, batch: Batch):
+        n = completion_len(batch)
+        completion_tokens = batch.tokens[:, -n:]
+        ref_hidden = models.completion_hidden_states(model, state.ref_params, batch.tokens, batch.attention_mask, n)
+        ref_logp = ops.chunked_token_logprobs(ref_hidden, models.output_kernel(model, state.ref_params),
+                                              completion_tokens, **logprob_options)
+        if on_policy or a.update == "trpo" or not a.needs_old_logp:
+            old_logp = batch.sampling_logp  # TRPO recomputes its own in `update`
+        else:
+            old_logp = models.completion_logprobs(model, state.params, batch.tokens, batch.attention_mask, n,
+                                                  **logprob_options)
+        old_values = None
+        if a.needs_critic:
+            old_values = critic_lib.completion_values(model, state.critic_params, batch.tokens, batch.attention_mask, n)
+        advantages, returns, baseline = algorithms.compute_advantages(
+            a, batch.rewards, batch.completion_mask, group_size=config.group_size, logp=old_logp, ref_logp=ref_logp,
+            values=old_values, baseline=state.baseline)
+        mask = batch.completion_mask
+        token_advantages = jnp.broadcast_to(advantages.reshape(advantages.shape[0], -1), mask.shape)  # [B, N]
+        metrics = {
+            "advantage_mean": ops.masked_mean(token_advantages, mask),
+            "advantage_std": jnp.sqrt(ops.masked_mean(jnp.square(token_advantages), mask)
+                                      - jnp.square(ops.masked_mean(token_advantages, mask))),
+            "advantage_min": ops.masked_min(token_advantages, mask),
+            "advantage_max": ops.masked_max(token_advantages, mask),
+        }
+        scored = ScoredBatch(tokens=batch.tokens, attention_mask=batch.attention_mask, completion_mask=mask,
+                             old_logp=old_logp, ref_logp=ref_logp, ref_hidden=ref_hidden, advantages=advantages,
+                             returns=returns, old_values=old_values)
+        return scored, baseline, metrics
+
+    def policy_loss(params, mb: ScoredBatch, old_logp=None):
+        """``(loss, (metrics, hidden))`` on one minibatch; ``old_logp`` overrides the batch's."""
+        n = completion_len(mb)
+        hidden = models.completion_hidden_states(model, params, mb.tokens, mb.attention_mask, n)  # [b, N, E]
+        logp, entropy = ops.chunked_token_logprobs(hidden, models.output_kernel(model, params), mb.tokens[:, -n:],
+                                                   with_entropy=True, **logprob_options)
+        if old_logp is None:
+            old_logp = jax.lax.stop_gradient(logp) if on_policy else mb.old_logp
+        if a.entropy_coef == 0:
+            entropy = jax.lax.stop_gradient(entropy)  # a metric only
+        loss, metrics = algorithms.policy_loss(a, logp, old_logp, mb.advantages, mb.completion_mask,
+                                               ref_logp=mb.ref_logp, entropy=entropy, max_len=n)
+        metrics["kl_k3"] = ops.masked_mean(jax.lax.stop_gradient(kl_lib.k3(logp, mb.ref_logp)), mb.completion_mask)
+        return loss, (metrics, jax.lax.stop_gradient(hidden))
+
+    def exact_kl_to_reference(params, hidden, ref_params, mb: ScoredBatch):
+        """Token mean of the exact D_KL(pi_params || pi_ref) at the minibatch's states."""
+        per_token = ops.chunked_categorical_kl(hidden, models.output_kernel(model, params), mb.ref_hidden,
+                                               models.output_kernel(model, ref_params), **logprob_options)
+        return ops.masked_mean(jax.lax.stop_gradient(per_token), mb.completion_mask)
+
+    def critic_loss(critic_params, mb: ScoredBatch):
+        values = critic_lib.completion_values(model, critic_params, mb.tokens, mb.attention_mask, completion_len(mb))
+        return objectives.value_loss(values, mb.old_values, mb.returns, mb.completion_mask, clip=a.value_clip)
+
+    def update(state: TrainState, scored: ScoredBatch):
+        if a.update == "trpo":
+            return trpo_update(state, scored)
+        key, shuffle_key = jax.random.split(state.key)
+        batch_size = scored.tokens.shape[0]
+        if on_policy:
+            order = jnp.arange(batch_size)[None]  # [1, B]
+        else:
+            keys = jax.random.split(shuffle_key, a.num_iterations)
+            permutations = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(keys)  # [mu, B]
+            order = permutations.reshape(num_steps, -1)  # [mu * M, B / M]
+
+        def one_minibatch(carry, indices):
+            params, opt_state, critic_params, critic_opt_state, skipped, consecutive = carry
+            mb = scored if on_policy else jax.tree.map(lambda x: x[indices], scored)
+            (loss, (metrics, hidden)), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, mb)
+            grad_norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, mb)
+            params, opt_state = _apply_if_finite(policy_optimizer, grads, opt_state, params, finite)
+            metrics.update(grad_norm=grad_norm, learning_rate=opt_state[1].hyperparams["learning_rate"])
+            if a.needs_critic:
+                (_, critic_metrics), critic_grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params, mb)
+                critic_finite = jnp.isfinite(optax.tree.norm(critic_grads)) & jnp.isfinite(critic_metrics["value_loss"])
+                critic_params, critic_opt_state = _apply_if_finite(critic_optimizer, critic_grads, critic_opt_state,
+                                                                   critic_params, critic_finite)
+                metrics.update(critic_metrics)
+                finite = finite & critic_finite
+            skipped = skipped + (~finite).astype(jnp.int32)
+            consecutive = jnp.where(finite, 0, consecutive + 1)
+            return (params, opt_state, critic_params, critic_opt_state, skipped, consecutive), metrics
+
+        carry = (state.params, state.opt_state, state.critic_params, state.critic_opt_state, state.skipped_updates,
+                 state.consecutive_skips)
+        carry, metrics = jax.lax.scan(one_minibatch, carry, order)
+        params, opt_state, critic_params, critic_opt_state, skipped, consecutive = carry
+        state = state._replace(params=params, opt_state=opt_state, critic_params=critic_params,
+                               critic_opt_state=critic_opt_state, key=key, step=state.step + 1,
+                               skipped_updates=skipped, consecutive_skips=consecutive)
+        return state, _reduce(metrics)
+
+    def trpo_update(state: TrainState, scored: ScoredBatch):
+        n = completion_len(scored)
+        old_params = state.params
+        old_hidden = jax.lax.stop_gradient(
+            models.completion_hidden_states(model, old_params, scored.tokens, scored.attention_mask, n))
+        old_kernel = jax.lax.stop_gradient(models.output_kernel(model, old_params))
+        old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.tokens[:, -n:], **logprob_options)
+
+        def surrogate(p):
+            return policy_loss(p, scored, old_logp=old_logp)[0]
+
+        def kl_from_old(p):  # exact mean KL(pi_old || pi_p) over the batch's completion states
+            hidden = models.completion_hidden_states(model, p, scored.tokens, scored.attention_mask, n)
+            per_token = ops.chunked_categorical_kl(old_hidden, old_kernel, hidden, models.output_kernel(model, p),
+                                                   **logprob_options)
+            return ops.masked_mean(per_token, scored.completion_mask)
+
+        params, info = trpo.natural_gradient_step(
+            old_params, surrogate_fn=surrogate, kl_fn=kl_from_old, max_kl=a.max_kl, damping=a.cg_damping,
+            cg_iters=a.cg_iters, backtrack_coef=a.backtrack_coef, max_backtracks=a.max_backtracks)
+        _, (metrics, hidden) = policy_loss(params, scored, old_logp=old_logp)  # diagnostics after the step
+        metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, scored)
+        metrics.update({f"trpo_{name}": value.astype(jnp.float32) for name, value in info.items()})
+        finite = jnp.isfinite(info["grad_norm"])
+        metrics["grad_norm"] = info["grad_norm"]
+        state = state._replace(
+            params=params, step=state.step + 1,
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
+            consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1))
+        return state, metrics
+
+    return TrainStep(score=score, update=update)

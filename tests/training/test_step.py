@@ -1,0 +1,185 @@
+"""The train step's mechanics: old log-probs, minibatches, TRPO's bound, skips, resume."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import algorithms, kl, models, ops, training
+from jaxrl_llm.tasks import DigitSumTask
+
+TASK = DigitSumTask()
+CONFIG = models.ModelConfig(vocab_size=len(TASK.tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+RUN = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
+
+
+def _batch(model, params, seed=0, run=RUN):
+    """A rollout of the digit task as the train step consumes it."""
+    rng = np.random.default_rng(seed)
+    prompts, mask, answers = TASK.prompts(rng, run.num_prompts)
+    rollout = jax.device_get(training.loop.sampling.sample(
+        model, params, prompts, mask, jax.random.key(seed), num_samples=run.group_size,
+        max_new_tokens=run.max_new_tokens, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id))
+    rewards = TASK.rewards(np.asarray(rollout.completion_tokens), rollout.lengths, np.repeat(answers, run.group_size))
+    return training.Batch(tokens=jnp.asarray(rollout.tokens), attention_mask=jnp.asarray(rollout.attention_mask),
+                          completion_mask=jnp.asarray(rollout.completion_mask),
+                          sampling_logp=jnp.asarray(rollout.logprobs), rewards=jnp.asarray(rewards))
+
+
+def _step(algorithm, run=RUN, seed=0):
+    model, params = models.init(CONFIG, jax.random.key(seed))
+    halves = training.make_train_step(model, algorithm, run)
+    state = training.init_state(model, params, algorithm, run)
+    return model, params, jax.jit(halves.score), jax.jit(halves.update), state
+
+
+def _changed(tree_a, tree_b) -> bool:
+    return any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), tree_a,
+                                            tree_b)))
+
+
+def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monkeypatch):
+    model, params, score, update, state = _step(algorithms.GRPO)
+    batch = _batch(model, params)
+    scored, baseline, _ = score(state, batch)
+    np.testing.assert_array_equal(scored.old_logp, batch.sampling_logp)  # reused, not recomputed
+    state, metrics = update(state, scored)
+    assert float(metrics["ratio_min"]) == float(metrics["ratio_max"]) == 1.0
+    assert float(metrics["clip_fraction"]) == 0.0
+
+    # Count the decoder passes each half traces: score runs the reference only.
+    passes = []
+    real = models.functional.hidden_states
+    monkeypatch.setattr(models.functional, "hidden_states", lambda *a, **k: passes.append(1) or real(*a, **k))
+    for mu, expected_score_passes in ((1, 1), (2, 2)):
+        passes.clear()
+        method = dataclasses.replace(algorithms.GRPO, num_iterations=mu)
+        halves = training.make_train_step(model, method, RUN)
+        jax.eval_shape(halves.score, training.init_state(model, params, method, RUN), batch)
+        assert len(passes) == expected_score_passes, (mu, len(passes))
+
+
+def test_with_several_iterations_old_logprobs_come_from_the_snapshot():
+    method = dataclasses.replace(algorithms.GRPO, num_iterations=3)
+    model, params, score, update, state = _step(method, dataclasses.replace(RUN, learning_rate=3e-2))
+    batch = _batch(model, params)
+    snapshot = models.completion_logprobs(model, params, batch.tokens, batch.attention_mask, RUN.max_new_tokens)
+    scored, _, _ = score(state, batch)
+    np.testing.assert_allclose(scored.old_logp, snapshot, atol=1e-6)  # teacher-forced at the sampling params
+    state, metrics = update(state, scored)
+    assert float(metrics["ratio_max"]) - float(metrics["ratio_min"]) > 1e-3  # later passes moved away
+    after = models.completion_logprobs(model, state.params, batch.tokens, batch.attention_mask, RUN.max_new_tokens)
+    assert float(jnp.max(jnp.abs(after - snapshot) * batch.completion_mask)) > 1e-3
+
+
+def test_minibatches_take_one_optimizer_step_each_per_pass():
+    run = dataclasses.replace(RUN, minibatch_size=4)  # B = 16: 4 minibatches
+    method = dataclasses.replace(algorithms.RLOO, num_iterations=2)
+    model, params, score, update, state = _step(method, run)
+    scored, _, _ = score(state, _batch(model, params))
+    state, metrics = update(state, scored)
+    assert int(state.opt_state[1].count) == 8  # mu * M Adam steps
+    assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
+
+
+def test_trpo_step_respects_the_kl_bound_on_its_batch():
+    model, params, score, update, state = _step(algorithms.TRPO)
+    batch = _batch(model, params, seed=1)._replace(rewards=jnp.linspace(0.0, 1.5, 16))
+    state, metrics = update(state, score(state, batch)[0])
+    assert float(metrics["trpo_accepted"]) == 1.0
+    # Independently: full logits of both params, exact categorical KL, token mean.
+    n = RUN.max_new_tokens
+    old = models.forward(model, params, batch.tokens, attention_mask=batch.attention_mask)[:, -n - 1:-1]
+    new = models.forward(model, state.params, batch.tokens, attention_mask=batch.attention_mask)[:, -n - 1:-1]
+    divergence = float(ops.masked_mean(kl.categorical(old, new), batch.completion_mask))
+    assert 0 < divergence <= algorithms.TRPO.max_kl * (1 + 1e-4)
+    np.testing.assert_allclose(divergence, float(metrics["trpo_kl"]), rtol=1e-3)
+
+
+def test_trpo_refuses_minibatches():
+    with pytest.raises(ValueError, match="one natural-gradient step on the whole batch: set TrainConfig.minibatch"):
+        training.make_train_step(None, algorithms.TRPO, dataclasses.replace(RUN, minibatch_size=8))
+
+
+def test_ppo_critic_starts_at_zero_and_its_value_loss_falls_on_a_batch():
+    model, params, score, update, state = _step(algorithms.PPO)
+    batch = _batch(model, params, seed=2)._replace(rewards=jnp.linspace(0.0, 1.5, 16))
+    values = training.completion_values(model, state.critic_params, batch.tokens, batch.attention_mask, 3)
+    np.testing.assert_array_equal(values, 0.0)
+    losses = []
+    for _ in range(6):
+        scored, baseline, _ = score(state, batch)
+        state, metrics = update(state._replace(baseline=baseline), scored)
+        losses.append(float(metrics["value_loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_non_finite_updates_are_skipped_counted_and_leave_params_unchanged():
+    model, params, score, update, state = _step(algorithms.GRPO)
+    batch = _batch(model, params)
+    poisoned = batch._replace(rewards=batch.rewards.at[0].set(jnp.nan))  # a NaN reward: NaN advantages
+    before = jax.tree.map(np.asarray, state.params)
+    before_opt = jax.tree.map(np.asarray, state.opt_state)
+    for expected in (1, 2):
+        state, _ = update(state, score(state, poisoned)[0])
+        assert int(state.skipped_updates) == expected and int(state.consecutive_skips) == expected
+        jax.tree.map(np.testing.assert_array_equal, state.params, before)
+        jax.tree.map(np.testing.assert_array_equal, state.opt_state, before_opt)
+    state, _ = update(state, score(state, batch)[0])
+    assert int(state.consecutive_skips) == 0 and int(state.skipped_updates) == 2
+    assert _changed(state.params, before)
+
+
+def test_the_loop_stops_after_max_consecutive_skips_and_keeps_the_state(monkeypatch):
+    model, params = models.init(CONFIG, jax.random.key(4))
+    monkeypatch.setattr(DigitSumTask, "reward_components",
+                        lambda self, c, lengths, a: {"broken": np.full(len(c), np.nan, np.float32)})
+    with pytest.raises(training.NonFiniteUpdates, match="2 updates in a row had a non-finite loss") as error:
+        training.train(model, params, algorithms.RLOO, dataclasses.replace(RUN, max_consecutive_skips=2), steps=5,
+                       task=TASK)
+    assert len(error.value.history) == 2 and error.value.history[-1]["nonfinite_rewards"] == 16
+    jax.tree.map(np.testing.assert_array_equal, error.value.state.params, params)
+
+
+def test_reward_functions_must_return_one_number_per_completion(monkeypatch):
+    model, params = models.init(CONFIG, jax.random.key(5))
+    monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: {"short": np.zeros(3)})
+    with pytest.raises(ValueError, match=r"Reward function 'short' must return \[B\] = \[16\] numbers; got shape \[3\]"):
+        training.train(model, params, algorithms.RLOO, RUN, steps=1, task=TASK)
+
+
+def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
+    model, params = models.init(CONFIG, jax.random.key(6))
+    method = dataclasses.replace(algorithms.GRPO, num_iterations=2)
+    run = dataclasses.replace(RUN, minibatch_size=8)
+    straight, _ = training.train(model, params, method, run, steps=4, task=TASK)
+    half, _ = training.train(model, params, method, run, steps=2, task=TASK)
+    resumed, history = training.train(model, params, method, run, steps=2, task=TASK, state=half)
+    assert int(resumed.step) == 4 and history[-1]["update_traces"] == 1
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, straight.params)
+
+
+class _HalfSolvable(DigitSumTask):
+    """Prompts whose answer is < 5 are scored as usual; the others always get 0 (no signal)."""
+
+    def reward_components(self, completion_tokens, lengths, answers):
+        components = super().reward_components(completion_tokens, lengths, answers)
+        return {name: np.where(answers < 5, values, 0.0) for name, values in components.items()}
+
+
+def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
+    model, params = models.init(CONFIG, jax.random.key(7))
+    task = _HalfSolvable()
+    sampler = training.loop.sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id)
+    run = dataclasses.replace(RUN, max_refill_rounds=6)
+    collected = training.loop.collect_batch(sampler, params, task, algorithms.DAPO, run,
+                                            rng=np.random.default_rng(0), key=jax.random.key(0))
+    rollouts = collected.rollouts
+    rewards = rollouts.rewards.reshape(RUN.num_prompts, RUN.group_size)
+    kept = rollouts.completion_mask.reshape(RUN.num_prompts, RUN.group_size, -1).any(axis=(1, 2))
+    assert collected.refill_rounds >= 1 and kept.any()
+    np.testing.assert_array_equal(kept, rewards.max(1) > rewards.min(1))  # exactly the groups with signal
+    assert rollouts.tokens.shape == (RUN.batch_size, 8 + RUN.max_new_tokens)
