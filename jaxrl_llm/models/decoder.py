@@ -55,6 +55,37 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (scale * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
+@jax.custom_vjp
+def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``[..., E] @ [E, F] -> [..., F]``, with a backward pass that suits XLA's CPU backend.
+
+    The same numbers as ``x @ kernel`` in both directions. The backward pass first
+    materialises the cotangent (an optimization barrier), then computes
+    :math:`\partial x = g W^\top` and :math:`\partial W = x^\top g` over the flattened
+    leading axes. Left to itself, XLA fuses the cotangent's elementwise producers (SwiGLU's
+    derivative, say) into transposing copies feeding the weight-gradient matmul, and a
+    training step's backward pass runs about 2x slower on CPU.
+    """
+    return x @ kernel
+
+
+def _dense_forward(x, kernel):
+    return x @ kernel, (x, kernel)
+
+
+def _dense_backward(residuals, cotangent):
+    x, kernel = residuals
+    cotangent = jax.lax.optimization_barrier(cotangent)  # [..., F]
+    dx = cotangent @ kernel.T  # [..., E]
+    flat_x = x.reshape(-1, x.shape[-1])  # [N, E]
+    flat_cotangent = cotangent.reshape(-1, cotangent.shape[-1])  # [N, F]
+    dkernel = jax.lax.dot_general(flat_x, flat_cotangent, (((0,), (0,)), ((), ())))  # [E, F]
+    return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
+
+
+dense.defvjp(_dense_forward, _dense_backward)
+
+
 @functools.lru_cache(maxsize=None)
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """``[head_dim / 2]`` float32 RoPE inverse frequencies, with Llama 3 scaling if set."""
@@ -120,7 +151,8 @@ class Attention(nnx.Module):
         x = x.astype(dtype)
 
         def project(kernel: nnx.Param, bias_name: str) -> jax.Array:
-            out = jnp.einsum("bse,ehd->bshd", x, kernel[...].astype(dtype))
+            w = kernel[...].astype(dtype)  # [E, heads, D]
+            out = dense(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:2], *w.shape[1:])  # [B, S, heads, D]
             if c.attention_bias:
                 out = out + getattr(self, bias_name)[...].astype(dtype)[None, None]
             return out
@@ -154,7 +186,8 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bkgst,bktd->bskgd", probs, v.astype(dtype)).reshape(batch, length, heads, head_dim)
-        out = jnp.einsum("bshd,hde->bse", out, self.o_proj[...].astype(dtype))
+        o_proj = self.o_proj[...].astype(dtype)  # [H, D, E]
+        out = dense(out.reshape(batch, length, heads * head_dim), o_proj.reshape(heads * head_dim, -1))  # [B, S, E]
         if c.output_bias:
             out = out + self.o_bias[...].astype(dtype)[None, None]
         return out, cache
@@ -172,9 +205,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
         x = x.astype(self.dtype)
-        gate = x @ self.gate_proj[...].astype(self.dtype)
-        up = x @ self.up_proj[...].astype(self.dtype)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(self.dtype)
+        gate = dense(x, self.gate_proj[...].astype(self.dtype))  # [B, S, F]
+        up = dense(x, self.up_proj[...].astype(self.dtype))
+        return dense(jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
 
 
 class DecoderLayer(nnx.Module):
