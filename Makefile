@@ -24,6 +24,7 @@ test: $(INSTALLED)
 bench: $(INSTALLED)
 	$(BIN)/python benchmarks/core_ops.py
 	$(BIN)/python benchmarks/sampler.py
+	$(BIN)/python benchmarks/grpo_step.py
 
 # Re-pin constraints.txt to what is installed now (after changing pyproject.toml ranges).
 lock: $(INSTALLED)

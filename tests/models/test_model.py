@@ -125,3 +125,23 @@ def test_chunked_logprobs_from_hidden_states_equal_the_forward_pass(tied):
     chunked = ops.chunked_token_logprobs(hidden, models.output_kernel(model, params), tokens, chunk_size=4)
     full = ops.token_logprobs(models.forward(model, params, tokens), tokens)
     np.testing.assert_allclose(chunked, full, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_has_the_value_and_gradient_of_a_plain_matmul():
+    from jaxrl_llm.models.decoder import dense
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 3, 5)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+
+    def loss(matmul):
+        return lambda x, w: jnp.sum(weights * jnp.tanh(matmul(x, w)))
+
+    np.testing.assert_allclose(dense(x, kernel), x @ kernel, rtol=1e-6)
+    got = jax.grad(loss(dense), argnums=(0, 1))(x, kernel)
+    expected = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, kernel)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    bf16 = jax.grad(loss(dense), argnums=(0, 1))(x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16))
+    assert [g.dtype for g in bf16] == [jnp.bfloat16, jnp.bfloat16]
