@@ -10,8 +10,9 @@ the single digit ``(a + b) mod 10`` then EOS; reward 1 for the digit, +0.5 for t
 3. For each method, the same warm-started model is trained by
    :func:`jaxrl_llm.training.train`: jitted KV-cache rollouts, host rewards, then the
    jitted ``score`` / ``update`` halves of the train step. The table shows the mean
-   reward of the first and last five steps, greedy accuracy over all 100 prompts
-   before and after, the exact KL to the reference, and the wall time.
+   training reward of the first and last five steps, the policy's exact expected
+   reward and its greedy accuracy over all 100 prompts before and after, the exact KL
+   to the reference, and the wall time.
 
 Run ``python experiments/digits_lm.py --help`` for options.
 """
@@ -131,12 +132,14 @@ def run(config: DigitsConfig, algorithm: algorithms.Algorithm, model: models.Mod
 
 
 def format_table(results: list[dict[str, Any]], accuracy_start: float) -> str:
-    header = f"{'method':<20} {'reward first 5':>14} {'reward last 5':>13} {'greedy acc':>14} {'KL(ref)':>8} {'time':>7}"
+    header = (f"{'method':<20} {'reward first 5':>14} {'reward last 5':>13} {'E[reward]':>14} {'greedy acc':>14} "
+              f"{'KL(ref)':>8} {'time':>7}")
     lines = [header, "-" * len(header)]
     for r in results:
         accuracy = f"{accuracy_start:.2f} -> {r['accuracy_end']:.2f}"
-        lines.append(f"{r['algorithm']:<20} {r['reward_start']:>14.3f} {r['reward_end']:>13.3f} {accuracy:>14} "
-                     f"{r['kl_exact']:>8.3f} {r['seconds']:>6.1f}s")
+        expected = f"{r['expected_reward_start']:.3f} -> {r['expected_reward_end']:.3f}"
+        lines.append(f"{r['algorithm']:<20} {r['reward_start']:>14.3f} {r['reward_end']:>13.3f} {expected:>14} "
+                     f"{accuracy:>14} {r['kl_exact']:>8.3f} {r['seconds']:>6.1f}s")
     return "\n".join(lines)
 
 
