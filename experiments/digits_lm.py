@@ -19,7 +19,6 @@ Run ``python experiments/digits_lm.py --help`` for options.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import algorithms, models, sampling, training
+from jaxrl_llm import algorithms, cli, models, sampling, training
 from jaxrl_llm.tasks import DigitSumTask
 
 
@@ -144,16 +143,7 @@ def format_table(results: list[dict[str, Any]], accuracy_start: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = DigitsConfig()
-    for field in dataclasses.fields(DigitsConfig):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults, field.name)),
-                            default=getattr(defaults, field.name))
-    parser.add_argument("--algorithms", default=",".join(algorithms.PRESETS),
-                        help=f"comma-separated presets (default: all): {', '.join(algorithms.PRESETS)}")
-    args = vars(parser.parse_args(argv))
-    methods = [algorithms.get(name) for name in args.pop("algorithms").split(",") if name]
-    config = DigitsConfig(**args)
+    config, methods = cli.parse(DigitsConfig, __doc__.split("\n\n")[0], argv)
     task = DigitSumTask()
     started = time.perf_counter()
     model, params, losses = warm_started_model(config, task)

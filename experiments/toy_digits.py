@@ -20,7 +20,6 @@ Run ``python experiments/toy_digits.py --help`` for options.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from typing import Any, NamedTuple
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm import advantages as adv_lib, algorithms, kl, objectives, ops, trpo
+from jaxrl_llm import advantages as adv_lib, algorithms, cli, kl, objectives, ops, trpo
 
 NUM_DIGITS = 10
 EOS = NUM_DIGITS  # token ids 0..9 are digits, 10 is EOS
@@ -338,17 +337,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    defaults = ToyConfig()
-    for field in dataclasses.fields(ToyConfig):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults, field.name)),
-                            default=getattr(defaults, field.name))
-    parser.add_argument("--algorithms", default=",".join(algorithms.PRESETS),
-                        help=f"comma-separated presets (default: all): {', '.join(algorithms.PRESETS)}")
-    args = vars(parser.parse_args(argv))
-    names = [n for n in args.pop("algorithms").split(",") if n]
-    config = ToyConfig(**{k: v for k, v in args.items()})
-    methods = [algorithms.get(name) for name in names]
+    config, methods = cli.parse(ToyConfig, __doc__.split("\n\n")[0], argv)
     print(f"toy digits: P={config.num_prompts} prompts x G={config.group_size} completions, "
           f"{config.steps} steps per method, seed {config.seed}")
     results = []

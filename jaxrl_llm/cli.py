@@ -1,0 +1,23 @@
+"""Command lines generated from frozen config dataclasses: one flag per field, plus ``--algorithms``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jaxrl_llm import algorithms
+
+
+def parse(config_class: type, description: str, argv: list[str] | None = None):
+    """``(config, methods)`` from ``--field-name value`` flags (defaults: the dataclass's)
+    and ``--algorithms a,b`` (default: every preset)."""
+    parser = argparse.ArgumentParser(description=description)
+    defaults = config_class()
+    for field in dataclasses.fields(config_class):
+        default = getattr(defaults, field.name)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
+    parser.add_argument("--algorithms", default=",".join(algorithms.PRESETS),
+                        help=f"comma-separated presets (default: all): {', '.join(algorithms.PRESETS)}")
+    args = vars(parser.parse_args(argv))
+    methods = [algorithms.get(name) for name in args.pop("algorithms").split(",") if name]
+    return config_class(**args), methods
