@@ -109,14 +109,68 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates ``x`` ``[B, S, H, D]`` by ``positions`` ``[B, S]`` (half-split layout)."""
+    r"""Rotates ``x`` ``[B, S, H, D]`` by ``positions`` ``[B, S]`` (half-split layout):
+    :math:`x \cos\theta + \operatorname{rotate\_half}(x) \sin\theta`,
+    :math:`\operatorname{rotate\_half}([x_1, x_2]) = [-x_2, x_1]`. (Written with one
+    concatenation rather than rotating the halves separately: the same numbers, and a
+    backward pass with fewer slices and pads.)"""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, S, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]  # [B, S, 1, D/2]
-    sin = jnp.sin(angles)[:, :, None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, S, 1, D]
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)  # [B, S, H, D/2] each
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    rotated_half = jnp.concatenate([-second, first], axis=-1)  # [B, S, H, D]
+    return (x32 * jnp.cos(angles) + rotated_half * jnp.sin(angles)).astype(x.dtype)
+
+
+@jax.custom_vjp
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    r"""Softmax attention of grouped queries, with a hand-written backward pass.
+
+    .. math::
+        P = \operatorname{softmax}\big(\operatorname{mask}(q k^\top / \sqrt{D})\big), \qquad o = P v
+
+    Masked scores are the most negative float32 (not :math:`-\infty`): a query with no
+    valid key gets a uniform, finite row instead of NaN. The backward pass is the
+    textbook one, :math:`dS = P \odot (dP - \operatorname{rowsum}(dP \odot P))`, with
+    the cotangents materialised before each matmul: left to itself, XLA's CPU backend
+    fuses the softmax derivative into transposing copies and the backward pass slows.
+
+    Args:
+      q: ``[B, KVH, G, S, D]`` queries, ``G`` per key-value head.
+      k, v: ``[B, KVH, K, D]`` keys and values.
+      mask: ``[B, S, K]`` bool, query ``s`` may attend key slot ``k``.
+
+    Returns:
+      ``[B, S, KVH, G, D]`` in ``q``'s dtype.
+    """
+    return _attend_forward(q, k, v, mask)[0]
+
+
+def _attend_forward(q, k, v, mask):
+    root_d = np.sqrt(q.shape[-1]).astype(np.float32)
+    scores = jnp.einsum("bkgsd,bktd->bkgst", q, k, preferred_element_type=jnp.float32) / root_d  # [B, KVH, G, S, K]
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgst,bktd->bskgd", probs, v.astype(q.dtype))  # [B, S, KVH, G, D]
+    return out, (q, k, v, mask, probs)
+
+
+def _attend_backward(residuals, d_out):
+    q, k, v, mask, probs = residuals
+    root_d = np.sqrt(q.shape[-1]).astype(np.float32)
+    d_out = jax.lax.optimization_barrier(d_out.astype(q.dtype))  # [B, S, KVH, G, D]
+    d_probs = jnp.einsum("bskgd,bktd->bkgst", d_out, v.astype(q.dtype), preferred_element_type=jnp.float32)
+    d_v = jnp.einsum("bkgst,bskgd->bktd", probs, d_out)  # [B, KVH, K, D]
+    p32 = probs.astype(jnp.float32)
+    d_scores = p32 * (d_probs - jnp.sum(d_probs * p32, axis=-1, keepdims=True))  # [B, KVH, G, S, K]
+    d_scores = jnp.where(mask[:, None, None], d_scores / root_d, 0.0)
+    d_scores = jax.lax.optimization_barrier(d_scores.astype(q.dtype))
+    d_q = jnp.einsum("bkgst,bktd->bkgsd", d_scores, k.astype(q.dtype))
+    d_k = jnp.einsum("bkgst,bkgsd->bktd", d_scores, q)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+attend.defvjp(_attend_forward, _attend_backward)
 
 
 class Attention(nnx.Module):
@@ -179,13 +233,7 @@ class Attention(nnx.Module):
         batch, length, heads, head_dim = q.shape
         groups = heads // c.num_kv_heads
         q = q.reshape(batch, length, c.num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, S, D]
-        scores = jnp.einsum("bkgsd,bktd->bkgst", q, k.astype(dtype), preferred_element_type=jnp.float32)
-        scores = scores / np.sqrt(head_dim).astype(np.float32)  # [B, KVH, G, S, K]
-        # A finite minimum, not -inf: a query with no valid key (a padding position) gets
-        # a uniform, finite row instead of NaN.
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bkgst,bktd->bskgd", probs, v.astype(dtype)).reshape(batch, length, heads, head_dim)
+        out = attend(q, k.astype(dtype), v.astype(dtype), mask).reshape(batch, length, heads, head_dim)
         o_proj = self.o_proj[...].astype(dtype)  # [H, D, E]
         out = dense(out.reshape(batch, length, heads * head_dim), o_proj.reshape(heads * head_dim, -1))  # [B, S, E]
         if c.output_bias:

@@ -145,3 +145,26 @@ def test_dense_has_the_value_and_gradient_of_a_plain_matmul():
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
     bf16 = jax.grad(loss(dense), argnums=(0, 1))(x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16))
     assert [g.dtype for g in bf16] == [jnp.bfloat16, jnp.bfloat16]
+
+
+def test_attend_has_the_value_and_gradient_of_autodiffed_softmax_attention():
+    from jaxrl_llm.models.decoder import attend
+
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 2, 3, 5, 8)), jnp.float32)  # [B, KVH, G, S, D]
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, 6, 8)), jnp.float32) for _ in range(2))  # [B, KVH, K, D]
+    mask = jnp.asarray(rng.random((2, 5, 6)) < 0.7).at[0, 1].set(False)  # a query with no valid key
+    weights = jnp.asarray(rng.normal(size=(2, 5, 2, 3, 8)), jnp.float32)
+
+    def plain(q, k, v, mask):
+        scores = jnp.einsum("bkgsd,bktd->bkgst", q, k) / np.sqrt(8).astype(np.float32)
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bkgst,bktd->bskgd", jax.nn.softmax(scores, axis=-1), v)
+
+    np.testing.assert_allclose(attend(q, k, v, mask), plain(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    loss = lambda f: lambda q, k, v: jnp.sum(weights * f(q, k, v, mask))  # noqa: E731
+    got = jax.grad(loss(attend), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+    assert np.isfinite(np.asarray(got[0])).all()
