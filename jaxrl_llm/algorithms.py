@@ -269,6 +269,10 @@ def compute_advantages(
       values: ``[B, N]`` critic values of the state before each token (``gae``).
       baseline: the running-mean state (``running_mean_baseline``).
 
+    Rows whose mask is all zero are excluded from the per-token statistics (whitening);
+    the sequence estimators' batch-wide statistics (batch mean, running mean, batch
+    whitening, GRPO's ``group_scale="batch"``) take every row.
+
     Returns:
       ``(advantages, returns, baseline)``: advantages ``[B]`` (sequence estimators) or
       ``[B, N]`` (per-token paths), returns ``[B, N]`` for ``gae`` and ``None`` otherwise,
@@ -277,11 +281,12 @@ def compute_advantages(
     a = algorithm
     mask = mask.astype(bool)
     rewards = jnp.asarray(rewards, jnp.float32)
-    if rewards.ndim != 1 or rewards.shape[0] != mask.shape[0] or rewards.shape[0] % group_size:
-        raise ValueError(
-            f"compute_advantages: `rewards` must have shape [B] with B = {mask.shape[0]} (the mask's rows) a "
-            f"multiple of group_size={group_size}; got {list(rewards.shape)}."
-        )
+    if rewards.ndim != 1 or rewards.shape[0] != mask.shape[0]:
+        raise ValueError(f"compute_advantages: `rewards` must have shape [B] with B = {mask.shape[0]} (the mask's "
+                         f"rows); got {list(rewards.shape)}.")
+    if mask.shape[0] % group_size:
+        raise ValueError(f"compute_advantages: the batch B = {mask.shape[0]} must be a multiple of "
+                         f"group_size={group_size}.")
     penalty = jnp.zeros(mask.shape, jnp.float32)  # [B, N]: c * k1 per token
     if a.kl_reward_coef > 0:
         if logp is None or ref_logp is None:

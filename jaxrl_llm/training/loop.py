@@ -59,6 +59,9 @@ def _left_pad(x: np.ndarray, width: int, value) -> np.ndarray:
 
 
 def _validated_rewards(components: dict[str, Any], batch: int) -> dict[str, np.ndarray]:
+    if not components:
+        raise ValueError("The task's reward_components returned no reward functions; it must return at least one "
+                         "name -> [B] array.")
     checked = {}
     for name, values in components.items():
         values = np.asarray(values)
@@ -222,6 +225,8 @@ def train(
     sampler = sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id, temperature=config.temperature)
     if state is None:
         state = init_state(model, params, algorithm, config, ref_params=ref_params)
+    elif ref_params is not None:
+        raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
     num_prompts, group = config.num_prompts, config.group_size
     history: list[dict[str, float]] = []
 

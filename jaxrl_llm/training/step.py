@@ -17,10 +17,11 @@ taken at the params that sampled the batch, so :math:`\log\pi_{old} = \operatorn
 Otherwise ``score`` recomputes them at the snapshot (the same teacher-forced path as the
 update, so the first minibatch's ratios are exactly 1 too).
 
-**Non-finite updates.** A minibatch whose loss or gradient is not finite changes
-nothing: params and optimizer state keep their values (``jnp.where`` on the whole
-pytree), ``skipped_updates`` counts it and ``consecutive_skips`` counts the run of them;
-the loop stops when that reaches ``TrainConfig.max_consecutive_skips``.
+**Non-finite updates.** A minibatch whose loss or gradient (policy's or critic's) is not
+finite changes nothing: params and optimizer states keep their values (``jnp.where`` on
+the whole pytree) and ``skipped_updates`` counts it. ``consecutive_skips`` counts the train
+steps in a row with at least one skipped minibatch; the loop stops when that reaches
+``TrainConfig.max_consecutive_skips``.
 
 **The reference.** Every step runs the reference model once: its log-probs feed the KL
 terms and the ``kl_k3`` metric, and its ``[B, N, E]`` hidden states the exact
@@ -56,7 +57,7 @@ class TrainState(NamedTuple):
     key: jax.Array  # PRNG key for rollouts and minibatch shuffles
     step: jax.Array  # [] int32: train steps (rollout batches) done
     skipped_updates: jax.Array  # [] int32: non-finite minibatch updates skipped in all
-    consecutive_skips: jax.Array  # [] int32: ... in a row, up to the last update
+    consecutive_skips: jax.Array  # [] int32: train steps in a row with a skipped update
 
 
 class Batch(NamedTuple):
@@ -129,11 +130,23 @@ def _optimizers(algorithm, config):
 
 def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> None:
     """Raises if the run's settings cannot work together."""
+    name = algorithm.name
     if algorithm.update == "trpo" and config.num_minibatches != 1:
         raise ValueError(
-            f"Algorithm {algorithm.name!r} takes one natural-gradient step on the whole batch: set "
+            f"Algorithm {name!r} takes one natural-gradient step on the whole batch: set "
             f"TrainConfig.minibatch_size=None (got {config.minibatch_size} of B={config.batch_size})."
         )
+    if algorithm.update == "trpo" and algorithm.needs_critic:
+        raise ValueError(f"Algorithm {name!r}: the TRPO update trains no critic, so GAE is not available with "
+                         "update='trpo'; use a critic-free advantage (rloo, grpo, ...).")
+    batch_statistics = algorithm.advantage in ("batch_mean_baseline", "running_mean_baseline", "reinforce_pp") or (
+        algorithm.advantage == "grpo" and algorithm.group_scale == "batch")
+    if algorithm.dynamic_sampling and batch_statistics:
+        raise ValueError(
+            f"Algorithm {name!r}: dynamic sampling masks out groups without signal, but advantage="
+            f"{algorithm.advantage!r} (group_scale={algorithm.group_scale!r}) takes statistics over every row of "
+            "the batch, masked ones included; use a per-group estimator (rloo, or grpo with group_scale 'group' "
+            "or 'none').")
 
 
 def _apply_if_finite(optimizer, grads, opt_state, params, finite):
@@ -193,8 +206,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         token_advantages = jnp.broadcast_to(advantages.reshape(advantages.shape[0], -1), mask.shape)  # [B, N]
         metrics = {
             "advantage_mean": ops.masked_mean(token_advantages, mask),
-            "advantage_std": jnp.sqrt(ops.masked_mean(jnp.square(token_advantages), mask)
-                                      - jnp.square(ops.masked_mean(token_advantages, mask))),
+            "advantage_std": jnp.sqrt(ops.masked_mean(
+                jnp.square(token_advantages - ops.masked_mean(token_advantages, mask)), mask)),
             "advantage_min": ops.masked_min(token_advantages, mask),
             "advantage_max": ops.masked_max(token_advantages, mask),
         }
@@ -241,32 +254,34 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
             order = permutations.reshape(num_steps, -1)  # [mu * M, B / M]
 
         def one_minibatch(carry, indices):
-            params, opt_state, critic_params, critic_opt_state, skipped, consecutive = carry
+            params, opt_state, critic_params, critic_opt_state, skipped = carry
             mb = scored if on_policy else jax.tree.map(lambda x: x[indices], scored)
             (loss, (metrics, hidden)), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, mb)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            if a.needs_critic:
+                (_, critic_metrics), critic_grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params, mb)
+                finite = finite & jnp.isfinite(optax.tree.norm(critic_grads)) & jnp.isfinite(
+                    critic_metrics["value_loss"])
+                # Policy and critic step together or not at all.
+                critic_params, critic_opt_state = _apply_if_finite(critic_optimizer, critic_grads, critic_opt_state,
+                                                                   critic_params, finite)
+                metrics.update(critic_metrics)
             metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, mb)
             params, opt_state = _apply_if_finite(policy_optimizer, grads, opt_state, params, finite)
             metrics.update(grad_norm=grad_norm, learning_rate=opt_state[1].hyperparams["learning_rate"])
-            if a.needs_critic:
-                (_, critic_metrics), critic_grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params, mb)
-                critic_finite = jnp.isfinite(optax.tree.norm(critic_grads)) & jnp.isfinite(critic_metrics["value_loss"])
-                critic_params, critic_opt_state = _apply_if_finite(critic_optimizer, critic_grads, critic_opt_state,
-                                                                   critic_params, critic_finite)
-                metrics.update(critic_metrics)
-                finite = finite & critic_finite
             skipped = skipped + (~finite).astype(jnp.int32)
-            consecutive = jnp.where(finite, 0, consecutive + 1)
-            return (params, opt_state, critic_params, critic_opt_state, skipped, consecutive), metrics
+            return (params, opt_state, critic_params, critic_opt_state, skipped), metrics
 
-        carry = (state.params, state.opt_state, state.critic_params, state.critic_opt_state, state.skipped_updates,
-                 state.consecutive_skips)
+        carry = (state.params, state.opt_state, state.critic_params, state.critic_opt_state, state.skipped_updates)
         carry, metrics = jax.lax.scan(one_minibatch, carry, order)
-        params, opt_state, critic_params, critic_opt_state, skipped, consecutive = carry
+        params, opt_state, critic_params, critic_opt_state, skipped = carry
+        # A train step counts as skipped if any of its minibatch updates was.
+        step_skipped = skipped > state.skipped_updates
         state = state._replace(params=params, opt_state=opt_state, critic_params=critic_params,
                                critic_opt_state=critic_opt_state, key=key, step=state.step + 1,
-                               skipped_updates=skipped, consecutive_skips=consecutive)
+                               skipped_updates=skipped,
+                               consecutive_skips=jnp.where(step_skipped, state.consecutive_skips + 1, 0))
         return state, _reduce(metrics)
 
     def trpo_update(state: TrainState, scored: ScoredBatch):
@@ -292,7 +307,7 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         _, (metrics, hidden) = policy_loss(params, scored, old_logp=old_logp)  # diagnostics after the step
         metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, scored)
         metrics.update({f"trpo_{name}": value.astype(jnp.float32) for name, value in info.items()})
-        finite = jnp.isfinite(info["grad_norm"])
+        finite = jnp.isfinite(info["grad_norm"])  # not finite: no candidate was accepted
         metrics["grad_norm"] = info["grad_norm"]
         state = state._replace(
             params=params, step=state.step + 1,

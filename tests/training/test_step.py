@@ -99,9 +99,23 @@ def test_trpo_step_respects_the_kl_bound_on_its_batch():
     np.testing.assert_allclose(divergence, float(metrics["trpo_kl"]), rtol=1e-3)
 
 
-def test_trpo_refuses_minibatches():
+def test_combinations_the_step_cannot_honour_are_refused():
     with pytest.raises(ValueError, match="one natural-gradient step on the whole batch: set TrainConfig.minibatch"):
         training.make_train_step(None, algorithms.TRPO, dataclasses.replace(RUN, minibatch_size=8))
+    with pytest.raises(ValueError, match="the TRPO update trains no critic"):
+        training.make_train_step(None, dataclasses.replace(algorithms.TRPO, advantage="gae"), RUN)
+    with pytest.raises(ValueError, match="dynamic sampling masks out groups without signal, but advantage='grpo'"):
+        training.make_train_step(None, dataclasses.replace(algorithms.DAPO, group_scale="batch"), RUN)
+
+
+def test_advantage_metrics_match_numpy_and_stay_finite_for_equal_rewards():
+    model, params, score, _, state = _step(algorithms.PG)
+    batch = _batch(model, params)
+    for rewards in (np.full(16, 1.1, np.float32), np.random.default_rng(0).normal(100.0, 0.01, 16).astype(np.float32)):
+        _, _, metrics = score(state, batch._replace(rewards=jnp.asarray(rewards)))
+        per_token = np.broadcast_to(rewards[:, None], batch.completion_mask.shape)[np.asarray(batch.completion_mask)]
+        np.testing.assert_allclose(float(metrics["advantage_std"]), per_token.astype(np.float64).std(), atol=2e-6)
+        np.testing.assert_allclose(float(metrics["advantage_mean"]), per_token.mean(), rtol=1e-6)
 
 
 def test_ppo_critic_starts_at_zero_and_its_value_loss_falls_on_a_batch():
@@ -133,14 +147,18 @@ def test_non_finite_updates_are_skipped_counted_and_leave_params_unchanged():
     assert _changed(state.params, before)
 
 
-def test_the_loop_stops_after_max_consecutive_skips_and_keeps_the_state(monkeypatch):
+@pytest.mark.parametrize("mu, minibatch_size", [(1, None), (2, 8)])
+def test_the_loop_stops_after_max_consecutive_skipped_steps_and_keeps_the_state(monkeypatch, mu, minibatch_size):
     model, params = models.init(CONFIG, jax.random.key(4))
     monkeypatch.setattr(DigitSumTask, "reward_components",
                         lambda self, c, lengths, a: {"broken": np.full(len(c), np.nan, np.float32)})
+    method = dataclasses.replace(algorithms.RLOO, num_iterations=mu)
+    run = dataclasses.replace(RUN, max_consecutive_skips=2, minibatch_size=minibatch_size)
     with pytest.raises(training.NonFiniteUpdates, match="2 updates in a row had a non-finite loss") as error:
-        training.train(model, params, algorithms.RLOO, dataclasses.replace(RUN, max_consecutive_skips=2), steps=5,
-                       task=TASK)
-    assert len(error.value.history) == 2 and error.value.history[-1]["nonfinite_rewards"] == 16
+        training.train(model, params, method, run, steps=5, task=TASK)
+    history = error.value.history
+    assert len(history) == 2 and history[-1]["nonfinite_rewards"] == 16  # train steps, not minibatches
+    assert history[-1]["skipped_updates"] == 2 * mu * run.num_minibatches
     jax.tree.map(np.testing.assert_array_equal, error.value.state.params, params)
 
 
