@@ -108,18 +108,26 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    r"""Rotates ``x`` ``[B, S, H, D]`` by ``positions`` ``[B, S]`` (half-split layout):
-    :math:`x \cos\theta + \operatorname{rotate\_half}(x) \sin\theta`,
-    :math:`\operatorname{rotate\_half}([x_1, x_2]) = [-x_2, x_1]`. (Written with one
-    concatenation rather than rotating the halves separately: the same numbers, and a
-    backward pass with fewer slices and pads.)"""
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)``, each ``[B, S, 1, D]``, of the rotary angles of ``positions`` ``[B, S]``.
+
+    Computed once per forward pass and shared by every layer.
+    """
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, S, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, S, 1, D]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return (jnp.concatenate([cos, cos], axis=-1)[:, :, None, :],  # [B, S, 1, D]
+            jnp.concatenate([sin, sin], axis=-1)[:, :, None, :])
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    r"""Rotates ``x`` ``[B, S, H, D]`` by the angles of :func:`rope_angles` (half-split layout):
+    :math:`x \cos\theta + \operatorname{rotate\_half}(x) \sin\theta`,
+    :math:`\operatorname{rotate\_half}([x_1, x_2]) = [-x_2, x_1]`."""
+    cos, sin = rope
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)  # [B, S, H, D/2] each
     rotated_half = jnp.concatenate([-second, first], axis=-1)  # [B, S, H, D]
-    return (x32 * jnp.cos(angles) + rotated_half * jnp.sin(angles)).astype(x.dtype)
+    return (x32 * cos + rotated_half * sin).astype(x.dtype)
 
 
 @jax.custom_vjp
@@ -196,7 +204,7 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,  # [B, S, E]
-        positions: jax.Array,  # [B, S] int32
+        rope: tuple[jax.Array, jax.Array],  # (cos, sin) [B, S, 1, D]: rope_angles of the positions
         mask: jax.Array,  # [B, S, K] bool: query s may attend key slot k
         cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D])
         cache_index: jax.Array | int = 0,
@@ -217,9 +225,8 @@ class Attention(nnx.Module):
         if c.qk_norm:
             q = rms_norm(q, self.q_norm[...], c.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], c.rms_norm_eps)
-        inv_freq = inverse_frequencies(c.rope, c.head_dim)  # static: computed at trace time
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
         # Keys and values heads-major, [B, KVH, K, D]: both attention dots then read them
         # (and the cache) in place, batched over (B, KVH), with no per-step transpose.
         k = k.transpose(0, 2, 1, 3)
@@ -268,8 +275,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = _param(None, (config.hidden_size,), ("norm",), config.param_dtype, ones=True)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, mask, cache=None, cache_index=0):
-        attended, cache = self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), positions, mask, cache,
+    def __call__(self, x, rope, mask, cache=None, cache_index=0):
+        attended, cache = self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), rope, mask, cache,
                                          cache_index)
         x = x + attended.astype(x.dtype)
         x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], self.eps)).astype(x.dtype)
@@ -313,10 +320,11 @@ class CausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-norm hidden states ``[B, S, E]`` (and the updated cache)."""
         x = self.embed_tokens[...][tokens].astype(self.config.dtype)  # [B, S, E]
+        rope = rope_angles(positions, inverse_frequencies(self.config.rope, self.config.head_dim))  # shared by layers
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-            x, layer_cache = layer(x, positions, _window(mask, self.config.window(i), positions, cache), layer_cache,
+            x, layer_cache = layer(x, rope, _window(mask, self.config.window(i), positions, cache), layer_cache,
                                    0 if cache is None else cache.index)
             if cache is not None:
                 new_keys.append(layer_cache[0])
