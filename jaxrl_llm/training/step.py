@@ -265,10 +265,13 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
                     critic_metrics["value_loss"])
                 # Policy and critic step together or not at all.
                 critic_params, critic_opt_state = _apply_if_finite(critic_optimizer, critic_grads, critic_opt_state,
-                                                                   critic_params, finite)
+                                                                   critic_params, finite & jnp.any(mb.completion_mask))
                 metrics.update(critic_metrics)
             metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, mb)
-            params, opt_state = _apply_if_finite(policy_optimizer, grads, opt_state, params, finite)
+            # A minibatch of padding rows only (dynamic sampling) has a zero gradient, but an
+            # AdamW step would still move the params by momentum: it takes no step.
+            has_tokens = jnp.any(mb.completion_mask)
+            params, opt_state = _apply_if_finite(policy_optimizer, grads, opt_state, params, finite & has_tokens)
             metrics.update(grad_norm=grad_norm, learning_rate=opt_state[1].hyperparams["learning_rate"])
             skipped = skipped + (~finite).astype(jnp.int32)
             return (params, opt_state, critic_params, critic_opt_state, skipped), metrics

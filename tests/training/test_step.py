@@ -201,3 +201,14 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     assert collected.refill_rounds >= 1 and kept.any()
     np.testing.assert_array_equal(kept, rewards.max(1) > rewards.min(1))  # exactly the groups with signal
     assert rollouts.tokens.shape == (RUN.batch_size, 8 + RUN.max_new_tokens)
+
+
+def test_a_minibatch_of_padding_rows_takes_no_optimizer_step():
+    model, params, score, update, state = _step(algorithms.GRPO)
+    batch = _batch(model, params)
+    state, _ = update(state, score(state, batch)[0])  # one real step: Adam has momentum now
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    empty = batch._replace(completion_mask=jnp.zeros_like(batch.completion_mask))
+    state, _ = update(state, score(state, empty)[0])
+    jax.tree.map(np.testing.assert_array_equal, (state.params, state.opt_state), before)
+    assert int(state.skipped_updates) == 0  # not a non-finite skip
