@@ -170,3 +170,27 @@ def test_empty_prompt_is_refused():
     mask = PROMPT_MASK.at[0].set(0)
     with pytest.raises(ValueError, match="every prompt needs at least one real token"):
         sampling.sample(model, params, PROMPTS, mask, jax.random.key(0), **kwargs())
+
+
+@pytest.mark.parametrize("vocab", [1, 24, 37, 512, 1000, 151936])
+def test_draw_inverts_the_cdf_of_the_weights(vocab):
+    """The two-level draw against a float64 NumPy inverse CDF (``searchsorted``), on a
+    grid of uniforms that includes 0 and the largest float32 below 1; zero weights
+    (a whole block of them included) are never drawn, whether or not ``V`` is padded."""
+    rng = np.random.default_rng(vocab)
+    weights = rng.gamma(0.3, size=(4, vocab)).astype(np.float32)
+    weights[:, rng.random(vocab) < 0.3] = 0.0
+    weights[:, : min(vocab - 1, 2 * sampling.cdf_block(vocab))] = 0.0  # whole blocks of zeros
+    weights[:, -1] = np.maximum(weights[:, -1], 1e-3)  # every row has some mass
+    uniforms = np.concatenate([[0.0, np.nextafter(np.float32(1), np.float32(0))], rng.random(254)]).astype(np.float32)
+    tokens = np.stack([np.asarray(sampling.draw(jnp.asarray(uniforms), jnp.broadcast_to(jnp.asarray(row), (256, vocab))))
+                       for row in weights])  # [4, 256]
+    for row, drawn in zip(weights, tokens):
+        cdf = np.cumsum(row.astype(np.float64))
+        targets = uniforms.astype(np.float64) * cdf[-1]
+        expected = np.minimum(np.searchsorted(cdf, targets, side="right"), vocab - 1)
+        # Away from a boundary of the CDF, float32 rounding cannot move the token.
+        clear = np.min(np.abs(targets[:, None] - cdf[None, :]), axis=1) > 1e-6 * cdf[-1]
+        assert clear.sum() > 150
+        np.testing.assert_array_equal(drawn[clear], expected[clear])
+        assert (row[drawn] > 0).all() and drawn.max() < vocab
