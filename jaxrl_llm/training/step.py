@@ -150,11 +150,18 @@ def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> Non
 
 
 def _apply_if_finite(optimizer, grads, opt_state, params, finite):
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep_if_not_finite = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    return jax.tree.map(keep_if_not_finite, new_params, params), jax.tree.map(keep_if_not_finite, new_opt_state,
-                                                                             opt_state)
+    """One optimizer step if ``finite``, else params and optimizer state unchanged.
+
+    A ``lax.cond``, not a ``jnp.where`` over the trees: the skipped branch is the
+    identity, and the taken one updates the donated buffers in place (a select would
+    keep the old state alive next to the new one, and XLA copies it).
+    """
+    def step(params_and_state):
+        params, opt_state = params_and_state
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.lax.cond(finite, step, lambda params_and_state: params_and_state, (params, opt_state))
 
 
 def _reduce(metrics: Metrics) -> Metrics:
