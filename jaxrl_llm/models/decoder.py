@@ -86,6 +86,40 @@ def _dense_backward(residuals, cotangent):
 dense.defvjp(_dense_forward, _dense_backward)
 
 
+@jax.custom_vjp
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    r""":math:`\operatorname{silu}(g) \odot u = g\,\sigma(g)\,u`, elementwise, with a backward pass
+    that keeps only ``gate`` and ``up``.
+
+    .. math::
+        \partial g = \partial h \, u \, \sigma(g)\big(1 + g(1 - \sigma(g))\big), \qquad
+        \partial u = \partial h \, g \, \sigma(g)
+
+    Differentiated by XLA, the forward pass also writes :math:`\sigma(g)` and
+    :math:`\operatorname{silu}(g)` out for the backward pass: two more passes over
+    ``[tokens, intermediate_size]`` tensors, the widest activations of the model. Here
+    the forward pass is one pass, and the backward pass one more that recomputes
+    :math:`\sigma(g)`.
+    """
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_forward(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_backward(residuals, d_out):
+    gate, up = residuals
+    g32, u32, d32 = gate.astype(jnp.float32), up.astype(jnp.float32), d_out.astype(jnp.float32)
+    sigmoid = jax.nn.sigmoid(g32)
+    d_gate = d32 * u32 * sigmoid * (1 + g32 * (1 - sigmoid))
+    d_up = d32 * g32 * sigmoid
+    return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_forward, _swiglu_backward)
+
+
 @functools.lru_cache(maxsize=None)
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """``[head_dim / 2]`` float32 RoPE inverse frequencies, with Llama 3 scaling if set."""
@@ -262,7 +296,7 @@ class MLP(nnx.Module):
         x = x.astype(self.dtype)
         gate = dense(x, self.gate_proj[...].astype(self.dtype))  # [B, S, F]
         up = dense(x, self.up_proj[...].astype(self.dtype))
-        return dense(jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
+        return dense(swiglu(gate, up), self.down_proj[...].astype(self.dtype))
 
 
 class DecoderLayer(nnx.Module):

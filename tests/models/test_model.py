@@ -147,6 +147,34 @@ def test_dense_has_the_value_and_gradient_of_a_plain_matmul():
     assert [g.dtype for g in bf16] == [jnp.bfloat16, jnp.bfloat16]
 
 
+def test_swiglu_has_the_value_and_gradient_of_autodiffed_silu_times_up():
+    from jaxrl_llm.models.decoder import swiglu
+
+    rng = np.random.default_rng(2)
+    gate, up = (jnp.asarray(rng.normal(scale=3.0, size=(3, 7)), jnp.float32) for _ in range(2))
+    weights = jnp.asarray(rng.normal(size=(3, 7)), jnp.float32)
+    plain = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+
+    np.testing.assert_allclose(swiglu(gate, up), plain(gate, up), rtol=1e-6)
+    loss = lambda f: lambda g, u: jnp.sum(weights * f(g, u))  # noqa: E731
+    got = jax.grad(loss(swiglu), argnums=(0, 1))(gate, up)
+    expected = jax.grad(loss(plain), argnums=(0, 1))(gate, up)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    # and by central differences in float64 (an independent check of the formula)
+    g64, u64, w64 = (np.asarray(a, np.float64) for a in (gate, up, weights))
+    f64 = lambda g, u: np.sum(w64 * g / (1 + np.exp(-g)) * u)  # noqa: E731
+    eps = 1e-6
+    numeric_gate = np.zeros_like(g64)
+    for index in np.ndindex(g64.shape):
+        step = np.zeros_like(g64)
+        step[index] = eps
+        numeric_gate[index] = (f64(g64 + step, u64) - f64(g64 - step, u64)) / (2 * eps)
+    np.testing.assert_allclose(got[0], numeric_gate, rtol=1e-4, atol=1e-5)
+    bf16 = jax.grad(loss(swiglu), argnums=(0, 1))(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16))
+    assert [g.dtype for g in bf16] == [jnp.bfloat16, jnp.bfloat16]
+
+
 def test_attend_has_the_value_and_gradient_of_autodiffed_softmax_attention():
     from jaxrl_llm.models.decoder import attend
 
