@@ -229,7 +229,7 @@ def draw(uniform: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: jax.Array) -> jax.Array:
-    """``[B]`` log-softmax of ``scaled`` ``[B, V]`` at ``token`` ``[B]``, given the row
+    r"""``[B]`` log-softmax of ``scaled`` ``[B, V]`` at ``token`` ``[B]``, given the row
     maximum ``top`` ``[B]`` and :math:`\log \sum_v e^{z_v - top}` ``log_total`` ``[B]``."""
     return jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0] - top - log_total
 

@@ -57,7 +57,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 @jax.custom_vjp
 def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``[..., E] @ [E, F] -> [..., F]``, with a backward pass that suits XLA's CPU backend.
+    r"""``[..., E] @ [E, F] -> [..., F]``, with a backward pass that suits XLA's CPU backend.
 
     The same numbers as ``x @ kernel`` in both directions. The backward pass first
     materialises the cotangent (an optimization barrier), then computes
@@ -105,7 +105,9 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def _swiglu_forward(gate, up):
-    return swiglu(gate, up), (gate, up)
+    # Not `swiglu(...)`: TRPO's Fisher-vector products differentiate this rule in forward
+    # mode, and a custom_vjp function cannot be.
+    return jax.nn.silu(gate) * up, (gate, up)
 
 
 def _swiglu_backward(residuals, d_out):

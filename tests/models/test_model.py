@@ -173,6 +173,9 @@ def test_swiglu_has_the_value_and_gradient_of_autodiffed_silu_times_up():
     np.testing.assert_allclose(got[0], numeric_gate, rtol=1e-4, atol=1e-5)
     bf16 = jax.grad(loss(swiglu), argnums=(0, 1))(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16))
     assert [g.dtype for g in bf16] == [jnp.bfloat16, jnp.bfloat16]
+    # forward over reverse, as TRPO's Fisher-vector products take it
+    hessian_vector = lambda f: jax.jvp(jax.grad(loss(f)), (gate, up), (up, gate))[1]  # noqa: E731
+    np.testing.assert_allclose(hessian_vector(swiglu), hessian_vector(plain), rtol=1e-5, atol=1e-5)
 
 
 def test_attend_has_the_value_and_gradient_of_autodiffed_softmax_attention():
