@@ -195,16 +195,19 @@ def _attend_forward(q, k, v, mask):
     scores = jnp.einsum("bkgsd,bktd->bkgst", q, k, preferred_element_type=jnp.float32) / root_d  # [B, KVH, G, S, K]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgst,bktd->bskgd", probs, v.astype(q.dtype))  # [B, S, KVH, G, D]
+    # A plain batched [S, K] @ [K, D] per (b, kv head), then the transpose: asked for
+    # "bskgd" directly, XLA's CPU backend runs the product as a slower transposed dot.
+    out = jnp.einsum("bkgst,bktd->bkgsd", probs, v.astype(q.dtype)).transpose(0, 3, 1, 2, 4)  # [B, S, KVH, G, D]
     return out, (q, k, v, mask, probs)
 
 
 def _attend_backward(residuals, d_out):
     q, k, v, mask, probs = residuals
     root_d = np.sqrt(q.shape[-1]).astype(np.float32)
-    d_out = jax.lax.optimization_barrier(d_out.astype(q.dtype))  # [B, S, KVH, G, D]
-    d_probs = jnp.einsum("bskgd,bktd->bkgst", d_out, v.astype(q.dtype), preferred_element_type=jnp.float32)
-    d_v = jnp.einsum("bkgst,bskgd->bktd", probs, d_out)  # [B, KVH, K, D]
+    d_out = d_out.astype(q.dtype).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, S, D], as the forward's product
+    d_out = jax.lax.optimization_barrier(d_out)
+    d_probs = jnp.einsum("bkgsd,bktd->bkgst", d_out, v.astype(q.dtype), preferred_element_type=jnp.float32)
+    d_v = jnp.einsum("bkgst,bkgsd->bktd", probs, d_out)  # [B, KVH, K, D]
     p32 = probs.astype(jnp.float32)
     d_scores = p32 * (d_probs - jnp.sum(d_probs * p32, axis=-1, keepdims=True))  # [B, KVH, G, S, K]
     d_scores = jnp.where(mask[:, None, None], d_scores / root_d, 0.0)
