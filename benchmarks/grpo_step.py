@@ -11,7 +11,8 @@ Model FLOPs count the matmuls of the model (projections, attention scores and va
 the output layer where it is used): the rollout's prefill and decode steps, the
 reference's forward pass, and 3x a forward pass for the update (forward + backward). The
 FLOP floor is that count at the float32 matmul peak measured in the same run (the best
-of a few square matmuls and of the model's own projection shapes), and MFU is model FLOPs / (seconds x peak).
+of a few square matmuls and of the model's own projection shapes), and MFU is model
+FLOPs / (seconds x peak).
 
     python benchmarks/grpo_step.py [--repeats 10]
 """
@@ -36,8 +37,8 @@ PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 4, 16, 32
 def matmul_peak_flops(config: models.ModelConfig, tokens: int) -> tuple[float, str]:
     """Best float32 matmul throughput, in FLOP/s, and the shape that reached it: square
     matmuls of a few sizes, and the model's own projections over ``tokens`` rows
-    (forward ``[T, E] @ [E, F]``, input gradient ``[T, F] @ [F, E]``), which on some CPUs
-    run faster than any square one."""
+    (forward ``[T, E] @ [E, F]``, input gradient ``[T, F] @ [F, E]``, and the three
+    ``[E, F]`` kernels side by side), which on some CPUs run faster than any square one."""
     d, f = config.hidden_size, config.intermediate_size
     shapes = [(n, n, n) for n in (512, 1024, 2048)] + [(tokens, d, f), (tokens, f, d), (tokens, d, 3 * f)]
     best, best_shape = 0.0, ""
