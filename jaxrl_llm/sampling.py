@@ -23,7 +23,9 @@ reports :math:`\log\pi_1` of the argmax token.
 up to a multiple of ``bucket`` and the completion buffer rounded up likewise; the
 completion budget itself is a traced loop bound, so different ``max_new_tokens`` within
 a bucket share a compilation. The KV cache is created inside the compiled function and
-carried by the ``lax.while_loop``, whose state buffers XLA updates in place.
+carried by the ``lax.while_loop``, whose state buffers XLA updates in place. The prefill
+runs once per distinct prompt (``P`` rows, last position's logits only) and its cache is
+copied to the ``G`` completions, not recomputed ``G`` times.
 """
 
 from __future__ import annotations
@@ -146,21 +148,22 @@ def sample(
     extra = padded_length - length
     tokens = jnp.pad(prompt_tokens.astype(jnp.int32), ((0, 0), (extra, 0)), constant_values=pad_id)
     mask = jnp.pad(prompt_mask, ((0, 0), (extra, 0)))
-    tokens = jnp.repeat(tokens, num_samples, axis=0)  # [P*G, S'], each prompt's copies adjacent
-    mask = jnp.repeat(mask, num_samples, axis=0)
 
     greedy = temperature == 0 or top_k == 1
     completion, logprobs, sampling_logprobs, lengths, finished = _generate(
         model, params, tokens, mask, key, jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-        slots=slots, top_k=None if greedy else top_k, use_top_p=top_p is not None and not greedy,
-        greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id),
+        num_samples=num_samples, slots=slots, top_k=None if greedy else top_k,
+        use_top_p=top_p is not None and not greedy, greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id),
     )
     completion_mask = jnp.arange(max_new_tokens)[None, :] < lengths[:, None]  # [B, N]
+    # [P*G, S], each prompt's copies adjacent
+    prompt_rows = jnp.repeat(tokens[:, extra:], num_samples, axis=0)
+    prompt_mask_rows = jnp.repeat(mask[:, extra:], num_samples, axis=0)
     return Rollout(
-        tokens=jnp.concatenate([tokens[:, extra:], completion[:, :max_new_tokens]], axis=1),
-        attention_mask=jnp.concatenate([mask[:, extra:], completion_mask], axis=1),
+        tokens=jnp.concatenate([prompt_rows, completion[:, :max_new_tokens]], axis=1),
+        attention_mask=jnp.concatenate([prompt_mask_rows, completion_mask], axis=1),
         completion_mask=completion_mask,
         logprobs=logprobs[:, :max_new_tokens],
         sampling_logprobs=sampling_logprobs[:, :max_new_tokens],
@@ -234,12 +237,20 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
     return jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0] - top - log_total
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id"))
-def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, slots, top_k, use_top_p,
-              greedy, eos_ids, pad_id):
-    """Prefill, then a ``while_loop`` of sample -> record -> decode step."""
-    batch = tokens.shape[0]
-    logits, cache = models.prefill(model, params, tokens, mask, cache_size=tokens.shape[1] + slots)
+@functools.partial(
+    jax.jit, static_argnames=("num_samples", "slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id")
+)
+def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, num_samples, slots, top_k,
+              use_top_p, greedy, eos_ids, pad_id):
+    """Prefill of the ``P`` distinct prompts ``[P, S']``, its cache and next-token logits
+    copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode step."""
+    logits, cache = models.prefill(
+        model, params, tokens, mask, cache_size=tokens.shape[1] + slots, last_logits_only=True
+    )  # [P, V], cache of P rows
+    copies = functools.partial(jnp.repeat, repeats=num_samples, axis=0)  # row p -> rows p*G ... p*G+G-1
+    logits = copies(logits)  # [B, V]
+    cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)  # the slot index stays []
+    batch = logits.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32)
     # Every random number of the rollout at once: inside the loop, the RNG's own rounds
     # would cost more per step than the sampling itself.
@@ -296,7 +307,7 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
 
     init = State(
         step=jnp.zeros((), jnp.int32),
-        logits=logits[:, -1],
+        logits=logits,
         cache=cache,
         tokens=jnp.full((batch, slots), pad_id, jnp.int32),
         logprobs=jnp.zeros((batch, slots), jnp.float32),

@@ -130,6 +130,27 @@ def test_groups_are_adjacent_and_keys_control_randomness():
     assert len({tuple(row) for row in np.asarray(a.completion_tokens[:4])}) > 1  # G samples differ
 
 
+def test_prompts_are_prefilled_once_and_their_copies_sample_like_repeated_prompts(monkeypatch):
+    model, params = peaked_model(scale=2.0)
+    key = jax.random.key(4)
+    repeated = np.repeat(np.asarray(PROMPTS), 3, axis=0), np.repeat(np.asarray(PROMPT_MASK), 3, axis=0)
+    expected = sampling.sample(model, params, *repeated, key, **kwargs(num_samples=1))
+    prefill_rows = []
+    prefill = models.prefill
+
+    def spy(model, params, tokens, *args, **kw):
+        prefill_rows.append(tokens.shape[0])
+        return prefill(model, params, tokens, *args, **kw)
+
+    monkeypatch.setattr(models, "prefill", spy)
+    sampling._generate.clear_cache()  # trace again, through the spy
+    got = sampling.sample(model, params, PROMPTS, PROMPT_MASK, key, **kwargs(num_samples=3))
+    assert prefill_rows == [len(PROMPTS)]  # P rows, not P * G
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_array_equal(got.attention_mask, expected.attention_mask)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+
+
 def test_lengths_in_one_bucket_share_a_compilation():
     model, params = peaked_model()
     sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(max_new_tokens=9))

@@ -217,6 +217,7 @@ def prefill(
     attention_mask: jax.Array | None = None,
     *,
     cache_size: int,
+    last_logits_only: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the prompt and returns its logits ``[B, S, V]`` and a cache holding it.
 
@@ -224,6 +225,9 @@ def prefill(
       tokens: ``[B, S]`` left-padded prompt ids.
       attention_mask: ``[B, S]``, 1 for real tokens.
       cache_size: slots to allocate: the prompt length plus the tokens to decode.
+      last_logits_only: return only the last position's logits ``[B, V]``, the
+        next-token distribution a sampler needs (``[B, S, V]`` logits of a long prompt
+        and a large vocabulary take gigabytes).
     """
     fn = "prefill"
     tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, None)
@@ -239,7 +243,7 @@ def prefill(
     cache = cache._replace(
         next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)
     )
-    return module.logits(hidden), cache
+    return module.logits(hidden[:, -1] if last_logits_only else hidden), cache
 
 
 def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

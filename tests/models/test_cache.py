@@ -39,6 +39,10 @@ def test_prefill_and_decode_match_full_forward(name):
     logits, cache = prefill(model, params, tokens[:, :prompt_len], jnp.asarray(prompt_mask))
     valid = np.asarray(prompt_mask)
     np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(expected[:, :prompt_len])[valid], atol=1e-5)
+    last, _ = jax.jit(functools.partial(models.prefill, cache_size=prompt_len + steps, last_logits_only=True))(
+        model, params, tokens[:, :prompt_len], jnp.asarray(prompt_mask)
+    )
+    np.testing.assert_allclose(last, expected[:, prompt_len - 1], atol=1e-5)  # [B, V]
     for t in range(prompt_len, prompt_len + steps):
         step_logits, cache = decode(params, tokens[:, t], cache)
         np.testing.assert_allclose(step_logits, expected[:, t], atol=1e-5, err_msg=f"step {t}")
