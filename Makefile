@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install run test bench lock clean
+.PHONY: install run test bench bench-trl lock clean
 
 install: $(INSTALLED)
 
@@ -26,9 +26,21 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/grpo_step.py
 
+# The same GRPO step in TRL's GRPOTrainer (PyTorch, CPU), in its own venv: .venv is untouched.
+TRL_VENV := .venv-trl
+TRL_INSTALLED := $(TRL_VENV)/.installed
+
+$(TRL_INSTALLED): benchmarks/trl/requirements.txt
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install --quiet --requirement benchmarks/trl/requirements.txt
+	touch $@
+
+bench-trl: $(TRL_INSTALLED)
+	$(TRL_VENV)/bin/python benchmarks/trl_grpo_step.py
+
 # Re-pin constraints.txt to what is installed now (after changing pyproject.toml ranges).
 lock: $(INSTALLED)
 	$(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//' > constraints.txt
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .hypothesis

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from timing import median_seconds
 
-from jaxrl_llm import algorithms, models, sampling, training
+from jaxrl_llm import algorithms, host, models, sampling, training
 
 CONFIG = models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
                             num_kv_heads=4, head_dim=64, max_position_embeddings=2048)
@@ -128,4 +128,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    host.reuse_freed_memory()  # before JAX's first computation
     main()

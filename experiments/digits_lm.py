@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import algorithms, cli, models, sampling, training
+from jaxrl_llm import algorithms, cli, host, models, sampling, training
 from jaxrl_llm.tasks import DigitSumTask
 
 
@@ -163,4 +163,5 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    host.reuse_freed_memory()  # before JAX's first computation
     main()
