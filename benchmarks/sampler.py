@@ -28,6 +28,8 @@ import transformers
 
 from jaxrl_llm import models, sampling
 
+transformers.logging.disable_progress_bar()  # "Loading weights" bars would break the table
+
 CONFIGS = {
     "tiny": models.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
                                num_kv_heads=2, head_dim=16, max_position_embeddings=2048),
