@@ -41,8 +41,9 @@ def reuse_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # glibc only  # noqa: B018
-    except (OSError, AttributeError):
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc
         return False
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM))
     return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)

@@ -158,12 +158,10 @@ def sample(
         use_top_p=top_p is not None and not greedy, greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id),
     )
     completion_mask = jnp.arange(max_new_tokens)[None, :] < lengths[:, None]  # [B, N]
-    # [P*G, S], each prompt's copies adjacent
-    prompt_rows = jnp.repeat(tokens[:, extra:], num_samples, axis=0)
-    prompt_mask_rows = jnp.repeat(mask[:, extra:], num_samples, axis=0)
+    prompt_rows = jnp.repeat(prompt_tokens.astype(jnp.int32), num_samples, axis=0)  # [P*G, S], copies adjacent
     return Rollout(
         tokens=jnp.concatenate([prompt_rows, completion[:, :max_new_tokens]], axis=1),
-        attention_mask=jnp.concatenate([prompt_mask_rows, completion_mask], axis=1),
+        attention_mask=jnp.concatenate([jnp.repeat(prompt_mask, num_samples, axis=0), completion_mask], axis=1),
         completion_mask=completion_mask,
         logprobs=logprobs[:, :max_new_tokens],
         sampling_logprobs=sampling_logprobs[:, :max_new_tokens],
