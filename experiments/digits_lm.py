@@ -5,8 +5,10 @@ the single digit ``(a + b) mod 10`` then EOS; reward 1 for the digit, +0.5 for t
 
 1. A 2-layer Llama-style decoder (:mod:`jaxrl_llm.models`) starts from random weights.
 2. Supervised warm start (:func:`jaxrl_llm.training.supervised_finetune`) on solved
-   examples, stopped on purpose once greedy decoding answers 40% of the prompts right.
-   From scratch, almost every group's rewards tie and group baselines give no gradient.
+   examples whose answers are half random digits, stopped once greedy decoding answers
+   80% of the prompts right: the model then knows the answers only as a mode (expected
+   reward about 0.5). From scratch, almost every group's rewards tie and group
+   baselines give no gradient.
 3. For each method, the same warm-started model is trained by
    :func:`jaxrl_llm.training.train`: jitted KV-cache rollouts, host rewards, then the
    jitted ``score`` / ``update`` halves of the train step. The table shows the mean
