@@ -8,8 +8,9 @@ completion 32 tokens, 4 layers, d_model 256, 4 heads of 64, MLP 1024, vocab 512,
 EOS is a token the random model rarely draws, so the decode loop runs all 32 steps.
 
 Model FLOPs count the matmuls of the model (projections, attention scores and values,
-the output layer where it is used): the rollout's prefill and decode steps, the
-reference's forward pass, and 3x a forward pass for the update (forward + backward). The
+the output layer where it is used): the rollout's prefill of each prompt (once, not once
+per completion: the sampler shares it) and decode steps, the reference's forward pass,
+and 3x a forward pass for the update (forward + backward). The
 FLOP floor is that count at the float32 matmul peak measured in the same run (the best
 of a few square matmuls and of the model's own projection shapes), and MFU is model
 FLOPs / (seconds x peak).
@@ -65,7 +66,8 @@ def step_flops(config: models.ModelConfig) -> dict[str, float]:
     prefill = forward_flops(config, queries=PROMPT_LEN, keys=PROMPT_LEN, logits=1)
     decode = sum(forward_flops(config, queries=1, keys=PROMPT_LEN + t + 1, logits=1) for t in range(NEW_TOKENS - 1))
     teacher_forced = forward_flops(config, queries=total, keys=total, logits=NEW_TOKENS)
-    return {"rollout": batch * (prefill + decode), "logprobs": batch * teacher_forced,
+    # The sampler prefills each of the P prompts once, then decodes B = P * G rows.
+    return {"rollout": PROMPTS * prefill + batch * decode, "logprobs": batch * teacher_forced,
             "update": 3 * batch * teacher_forced}
 
 
