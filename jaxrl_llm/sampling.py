@@ -241,7 +241,8 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
 def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, num_samples, slots, top_k,
               use_top_p, greedy, eos_ids, pad_id):
     """Prefill of the ``P`` distinct prompts ``[P, S']``, its cache and next-token logits
-    copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode step."""
+    copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode
+    step, and the last token's sample -> record."""
     logits, cache = models.prefill(
         model, params, tokens, mask, cache_size=tokens.shape[1] + slots, last_logits_only=True
     )  # [P, V], cache of P rows
@@ -265,9 +266,11 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
         finished: jax.Array  # [B] bool: emitted an EOS
 
     def keep_going(state: State) -> jax.Array:
-        return (state.step < max_new_tokens) & ~jnp.all(state.finished)
+        return (state.step < max_new_tokens - 1) & ~jnp.all(state.finished)
 
-    def step(state: State) -> State:
+    def sample_and_record(state: State) -> tuple[State, jax.Array]:
+        """Draws each row's next token from ``state.logits`` and writes it at column
+        ``state.step`` (pad, and log-prob 0, for finished rows)."""
         scaled = state.logits.astype(jnp.float32) / temperature  # [B, V]
         # One exponential pass serves both the draw and log pi_T of the drawn token.
         top = jnp.max(scaled, axis=-1)  # [B]
@@ -289,11 +292,8 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
         active = ~state.finished
         token = jnp.where(active, token, pad_id)
         column = (0, state.step)
-        next_logits, cache = models.decode_step(model, params, token, state.cache)
-        return State(
+        return state._replace(
             step=state.step + 1,
-            logits=next_logits,
-            cache=cache,
             tokens=jax.lax.dynamic_update_slice(state.tokens, token[:, None], column),
             logprobs=jax.lax.dynamic_update_slice(state.logprobs, jnp.where(active, logp, 0.0)[:, None], column),
             sampling_logprobs=jax.lax.dynamic_update_slice(
@@ -301,7 +301,12 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
             ),
             lengths=state.lengths + active.astype(jnp.int32),
             finished=state.finished | (active & jnp.any(token[:, None] == eos[None, :], axis=-1)),
-        )
+        ), token
+
+    def step(state: State) -> State:
+        state, token = sample_and_record(state)
+        logits, cache = models.decode_step(model, params, token, state.cache)
+        return state._replace(logits=logits, cache=cache)
 
     init = State(
         step=jnp.zeros((), jnp.int32),
@@ -313,7 +318,9 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
         lengths=jnp.zeros((batch,), jnp.int32),
         finished=jnp.zeros((batch,), bool),
     )
-    final = jax.lax.while_loop(keep_going, step, init)
+    # The loop stops one token short: the last token is only drawn, it needs no decode step.
+    # (If every row has finished, this draw records nothing.)
+    final, _ = sample_and_record(jax.lax.while_loop(keep_going, step, init))
     return final.tokens, final.logprobs, final.sampling_logprobs, final.lengths, final.finished
 
 

@@ -29,14 +29,16 @@ def kwargs(**overrides):
     return {"num_samples": 2, "max_new_tokens": 9, "eos_ids": (EOS,), "pad_id": PAD, **overrides}
 
 
-def test_greedy_equals_stepwise_argmax_of_full_forward_passes():
+@pytest.mark.parametrize("new_tokens", [9, 1])  # 1: the only token comes from the prefill's logits
+def test_greedy_equals_stepwise_argmax_of_full_forward_passes(new_tokens):
     model, params = peaked_model()
-    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(temperature=0.0))
+    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0),
+                              **kwargs(temperature=0.0, max_new_tokens=new_tokens))
     # Reference: no cache, re-run the whole sequence for every new token.
     tokens = np.repeat(np.asarray(PROMPTS), 2, axis=0)
     mask = np.repeat(np.asarray(PROMPT_MASK), 2, axis=0).astype(bool)
     done = np.zeros(len(tokens), bool)
-    for _ in range(9):
+    for _ in range(new_tokens):
         logits = models.forward(model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
         nxt = np.where(done, PAD, np.asarray(jnp.argmax(logits[:, -1], axis=-1)))
         tokens = np.concatenate([tokens, nxt[:, None]], axis=1)
