@@ -5,15 +5,16 @@ The step is what :func:`jaxrl_llm.training.train` runs: the jitted KV-cache roll
 advantages) and the donated ``update`` (the GRPO preset: k3 KL to the reference, mu = 1,
 one minibatch). Configuration (the issue's): 8 prompts x 4 completions, prompt 16 tokens,
 completion 32 tokens, 4 layers, d_model 256, 4 heads of 64, MLP 1024, vocab 512, float32.
-EOS is a token the random model rarely draws, so the decode loop runs all 32 steps.
+EOS is a token the random model rarely draws, so every completion has all 32 tokens
+(the prefill's logits give the first, 31 decode steps the rest).
 
 Model FLOPs count the matmuls of the model (projections, attention scores and values,
 the output layer where it is used): the rollout's prefill of each prompt (once, not once
-per completion: the sampler shares it) and decode steps, the reference's forward pass,
-and 3x a forward pass for the update (forward + backward). The
-FLOP floor is that count at the float32 matmul peak measured in the same run (the best
-of a few square matmuls and of the model's own projection shapes), and MFU is model
-FLOPs / (seconds x peak).
+per completion: the sampler shares it) and its 31 decode steps, the reference's forward
+pass, and 3x a forward pass for the update (forward + backward). The FLOP floor is that
+count at the float32 matmul peak measured in the same run (the best of a few square
+matmuls and of the model's own projection shapes), and MFU is model FLOPs / (seconds x
+peak).
 
     python benchmarks/grpo_step.py [--repeats 10]
 """
