@@ -8,15 +8,17 @@ completion 32 tokens, 4 layers, d_model 256, 4 heads of 64, MLP 1024, vocab 512,
 EOS is a token the random model rarely draws, so every completion has all 32 tokens
 (the prefill's logits give the first, 31 decode steps the rest).
 
-Model FLOPs count the matmuls of the model (projections, attention scores and values,
-the output layer where it is used): the rollout's prefill of each prompt (once, not once
-per completion: the sampler shares it) and its 31 decode steps, the reference's forward
-pass, and 3x a forward pass for the update (forward + backward). The FLOP floor is that
-count at the float32 matmul peak measured in the same run (the best of a few square
-matmuls and of the model's own projection shapes), and MFU is model FLOPs / (seconds x
-peak).
+Model FLOPs (``GFLOP``) count the matmuls of the model (projections, attention scores
+and values, the output layer where it is used): the rollout's prefill of each prompt
+(once, as one request for G samples) and its 31 decode steps, the reference's forward
+pass over every sequence, and 3x that for the update (forward + backward). The FLOP
+floor is that count at the float32 matmul peak measured in the same run (the best of a
+few square matmuls and of the model's own projection shapes), and MFU is model FLOPs /
+(seconds x peak). ``run GFLOP`` counts the matmuls that execute: with
+``TrainConfig.share_prompts`` (the default) the teacher-forced passes run each prompt
+once for its G completions, so they execute fewer FLOPs than the model count.
 
-    python benchmarks/grpo_step.py [--repeats 10]
+    python benchmarks/grpo_step.py [--repeats 10] [--no-share-prompts]
 """
 
 from __future__ import annotations
@@ -62,24 +64,30 @@ def forward_flops(config: models.ModelConfig, *, queries: int, keys: int, logits
     return 2.0 * (per_token * queries + attention + logits * d * config.vocab_size)
 
 
-def step_flops(config: models.ModelConfig) -> dict[str, float]:
+def step_flops(config: models.ModelConfig, *, executed: bool = False) -> dict[str, float]:
+    """Model FLOPs of each phase; with ``executed``, those of the shared-prompt passes."""
     batch, total = PROMPTS * GROUP, PROMPT_LEN + NEW_TOKENS
     prefill = forward_flops(config, queries=PROMPT_LEN, keys=PROMPT_LEN, logits=1)
     decode = sum(forward_flops(config, queries=1, keys=PROMPT_LEN + t + 1, logits=1) for t in range(NEW_TOKENS - 1))
-    teacher_forced = forward_flops(config, queries=total, keys=total, logits=NEW_TOKENS)
+    teacher_forced = batch * forward_flops(config, queries=total, keys=total, logits=NEW_TOKENS)
+    if executed:  # each prompt once (P rows), then the B rows' N - 1 completion inputs attending to all slots
+        teacher_forced = PROMPTS * prefill + batch * forward_flops(
+            config, queries=NEW_TOKENS - 1, keys=total - 1, logits=NEW_TOKENS - 1)
     # The sampler prefills each of the P prompts once, then decodes B = P * G rows.
-    return {"rollout": PROMPTS * prefill + batch * decode, "logprobs": batch * teacher_forced,
-            "update": 3 * batch * teacher_forced}
+    return {"rollout": PROMPTS * prefill + batch * decode, "logprobs": teacher_forced, "update": 3 * teacher_forced}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
+                        help="run every sequence's prompt in the teacher-forced passes (TrainConfig.share_prompts)")
     args = parser.parse_args(argv)
 
     model, params = models.init(CONFIG, jax.random.key(0))
     eos = CONFIG.vocab_size - 1
-    run = training.TrainConfig(num_prompts=PROMPTS, group_size=GROUP, max_new_tokens=NEW_TOKENS)
+    run = training.TrainConfig(num_prompts=PROMPTS, group_size=GROUP, max_new_tokens=NEW_TOKENS,
+                               share_prompts=args.share_prompts)
     halves = training.make_train_step(model, algorithms.GRPO, run)
     score, update = jax.jit(halves.score), jax.jit(halves.update, donate_argnums=0)
     state = training.init_state(model, params, algorithms.GRPO, run)
@@ -111,21 +119,24 @@ def main(argv=None) -> None:
 
     peak, peak_shape = matmul_peak_flops(CONFIG, PROMPTS * GROUP * (PROMPT_LEN + NEW_TOKENS))
     flops = step_flops(CONFIG)
-    flops["step"] = sum(flops.values())
+    executed = step_flops(CONFIG, executed=args.share_prompts)
+    flops["step"], executed["step"] = sum(flops.values()), sum(executed.values())
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device), "
           f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s (measured, {peak_shape})")
     print(f"GRPO step: {PROMPTS} prompts x {GROUP} completions, prompt {PROMPT_LEN}, completion {NEW_TOKENS}; "
           f"{CONFIG.num_layers} layers, d_model {CONFIG.hidden_size}, vocab {CONFIG.vocab_size}; "
-          f"median of {args.repeats} steps")
-    header = f"{'phase':<10} {'median s':>9} {'share':>7} {'GFLOP':>8} {'floor s':>8} {'MFU':>6} {'x floor':>8}"
+          f"median of {args.repeats} steps; prompts {'shared' if args.share_prompts else 'not shared'} in "
+          "teacher-forced passes")
+    header = (f"{'phase':<10} {'median s':>9} {'share':>7} {'GFLOP':>8} {'run GFLOP':>10} {'floor s':>8} {'MFU':>6} "
+              f"{'x floor':>8}")
     print(header)
     print("-" * len(header))
     step_s = float(np.median(timings["step"]))
     for name in ("rollout", "logprobs", "update", "step"):
         seconds = float(np.median(timings[name]))
         floor = flops[name] / peak
-        print(f"{name:<10} {seconds:>9.4f} {seconds / step_s:>6.0%} {flops[name] / 1e9:>8.2f} {floor:>8.4f} "
-              f"{floor / seconds:>5.0%} {seconds / floor:>7.2f}x")
+        print(f"{name:<10} {seconds:>9.4f} {seconds / step_s:>6.0%} {flops[name] / 1e9:>8.2f} "
+              f"{executed[name] / 1e9:>10.2f} {floor:>8.4f} {floor / seconds:>5.0%} {seconds / floor:>7.2f}x")
     print("targets: update MFU >= 50%; step <= 1.6x its FLOP floor. The same step in TRL 1.16's GRPOTrainer on "
           "this machine: make bench-trl (issue 5 quotes ~0.49 s for TRL, ~0.67 s for Tunix 0.1.7).")
 

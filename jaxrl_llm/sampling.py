@@ -19,13 +19,14 @@ log-probs under the truncated distribution the tokens were actually drawn from (
 to ``logprobs`` when neither top-k nor top-p is set). Greedy decoding (``temperature=0``)
 reports :math:`\log\pi_1` of the argmax token.
 
-**Compilation.** One jitted function per shape bucket: the prompt length is left-padded
-up to a multiple of ``bucket`` and the completion buffer rounded up likewise; the
-completion budget itself is a traced loop bound, so different ``max_new_tokens`` within
-a bucket share a compilation. The KV cache is created inside the compiled function and
-carried by the ``lax.while_loop``, whose state buffers XLA updates in place. The prefill
-runs once per distinct prompt (``P`` rows, last position's logits only) and its cache is
-copied to the ``G`` completions, not recomputed ``G`` times.
+**Compilation.** One jitted function per shape bucket, from the prompts to the
+:class:`Rollout`: the prompt length is left-padded up to a multiple of ``bucket`` and the
+completion buffer rounded up likewise; the completion budget itself is a traced loop
+bound, so different ``max_new_tokens`` within a bucket share a compilation (a budget
+off the buckets adds a small jitted slice). The KV cache is created inside the
+compiled function and carried by the ``lax.while_loop``, whose state buffers XLA updates
+in place. The prefill runs once per distinct prompt (``P`` rows, last position's logits
+only) and its cache is copied to the ``G`` completions, not recomputed ``G`` times.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_llm import _checks, models
 
@@ -113,7 +115,7 @@ def sample(
     fn = "sample"
     prompt_tokens = _checks.integer(fn, "prompt_tokens", prompt_tokens)
     _checks.rank(fn, "prompt_tokens", prompt_tokens, 2, "[P, S]")
-    prompt_mask = _checks.mask(fn, prompt_mask, "prompt_tokens", prompt_tokens, name="prompt_mask").astype(bool)
+    prompt_mask = _checks.mask(fn, prompt_mask, "prompt_tokens", prompt_tokens, name="prompt_mask")
     _checks.positive_int(fn, "num_samples", num_samples)
     _checks.positive_int(fn, "max_new_tokens", max_new_tokens)
     _checks.positive_int(fn, "bucket", bucket)
@@ -129,9 +131,9 @@ def sample(
     if any(not 0 <= e < vocab for e in (*eos_ids, pad_id)):
         raise ValueError(f"{fn}: `eos_ids` {eos_ids} and `pad_id` {pad_id} must be token ids in [0, {vocab}).")
     length = prompt_tokens.shape[1]
-    try:
-        empty = length == 0 or not bool(jnp.all(jnp.any(prompt_mask, axis=1)))
-    except jax.errors.ConcretizationTypeError:  # a traced mask cannot be checked here
+    try:  # on the host, where the mask is concrete (a traced one cannot be checked here)
+        empty = length == 0 or not np.asarray(prompt_mask).astype(bool).any(axis=1).all()
+    except jax.errors.TracerArrayConversionError:
         empty = length == 0
     if empty:
         raise ValueError(f"{fn}: every prompt needs at least one real token; got an empty prompt.")
@@ -145,28 +147,32 @@ def sample(
     # Shape buckets: extra left padding on the prompt, extra slots for the completion.
     padded_length = min(_round_up(length, bucket), limit - max_new_tokens)
     slots = min(_round_up(max_new_tokens, bucket), limit - padded_length)
-    extra = padded_length - length
-    tokens = jnp.pad(prompt_tokens.astype(jnp.int32), ((0, 0), (extra, 0)), constant_values=pad_id)
-    mask = jnp.pad(prompt_mask, ((0, 0), (extra, 0)))
-
+    padding = ((0, 0), (padded_length - length, 0))
     greedy = temperature == 0 or top_k == 1
-    completion, logprobs, sampling_logprobs, lengths, finished = _generate(
-        model, params, tokens, mask, key, jnp.asarray(max_new_tokens, jnp.int32),
+    rollout = _generate(
+        model, params, jnp.pad(prompt_tokens, padding, constant_values=pad_id) if padding[1][0] else prompt_tokens,
+        jnp.pad(prompt_mask, padding) if padding[1][0] else prompt_mask, key, jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
         num_samples=num_samples, slots=slots, top_k=None if greedy else top_k,
         use_top_p=top_p is not None and not greedy, greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id),
     )
-    completion_mask = jnp.arange(max_new_tokens)[None, :] < lengths[:, None]  # [B, N]
-    prompt_rows = jnp.repeat(prompt_tokens.astype(jnp.int32), num_samples, axis=0)  # [P*G, S], copies adjacent
-    return Rollout(
-        tokens=jnp.concatenate([prompt_rows, completion[:, :max_new_tokens]], axis=1),
-        attention_mask=jnp.concatenate([jnp.repeat(prompt_mask, num_samples, axis=0), completion_mask], axis=1),
-        completion_mask=completion_mask,
-        logprobs=logprobs[:, :max_new_tokens],
-        sampling_logprobs=sampling_logprobs[:, :max_new_tokens],
-        lengths=lengths,
-        truncated=~finished,
+    return rollout if (length, max_new_tokens) == (padded_length, slots) else _trim(
+        rollout, prompt_len=length, max_new_tokens=max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("prompt_len", "max_new_tokens"))
+def _trim(rollout: Rollout, *, prompt_len: int, max_new_tokens: int) -> Rollout:
+    """A rollout of bucket-sized buffers cut to the caller's sizes: the last ``prompt_len``
+    prompt columns (the bucket's left padding dropped) and the first ``max_new_tokens``
+    completion columns."""
+    slots = rollout.completion_mask.shape[1]
+    prompt_start = rollout.tokens.shape[1] - slots - prompt_len
+    keep = slice(prompt_start, rollout.tokens.shape[1] - slots + max_new_tokens)
+    return rollout._replace(
+        tokens=rollout.tokens[:, keep], attention_mask=rollout.attention_mask[:, keep],
+        **{name: getattr(rollout, name)[:, :max_new_tokens]
+           for name in ("completion_mask", "logprobs", "sampling_logprobs")},
     )
 
 
@@ -236,13 +242,16 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_samples", "slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id")
+    jax.jit,
+    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id"),
 )
 def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, num_samples, slots, top_k,
-              use_top_p, greedy, eos_ids, pad_id):
-    """Prefill of the ``P`` distinct prompts ``[P, S']``, its cache and next-token logits
-    copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode
-    step, and the last token's sample -> record."""
+              use_top_p, greedy, eos_ids, pad_id) -> Rollout:
+    """The whole rollout in bucket-sized buffers (``S'`` prompt columns, ``slots``
+    completion columns): the ``P`` distinct prompts ``[P, S']`` prefilled, the cache and
+    next-token logits copied to the ``B = P * G`` rows, then a ``while_loop`` of sample
+    -> record -> decode step, and the last token's sample -> record."""
+    tokens, mask = tokens.astype(jnp.int32), mask.astype(bool)
     logits, cache = models.prefill(
         model, params, tokens, mask, cache_size=tokens.shape[1] + slots, last_logits_only=True
     )  # [P, V], cache of P rows
@@ -321,7 +330,16 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
     # The loop stops one token short: the last token is only drawn, it needs no decode step.
     # (If every row has finished, this draw records nothing.)
     final, _ = sample_and_record(jax.lax.while_loop(keep_going, step, init))
-    return final.tokens, final.logprobs, final.sampling_logprobs, final.lengths, final.finished
+    completion_mask = jnp.arange(slots)[None, :] < final.lengths[:, None]  # [B, slots]
+    return Rollout(
+        tokens=jnp.concatenate([copies(tokens), final.tokens], axis=1),
+        attention_mask=jnp.concatenate([copies(mask), completion_mask], axis=1),
+        completion_mask=completion_mask,
+        logprobs=final.logprobs,
+        sampling_logprobs=final.sampling_logprobs,
+        lengths=final.lengths,
+        truncated=~final.finished,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ is pure and jit-able.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -130,19 +131,75 @@ def completion_hidden_states(
     tokens: jax.Array,
     attention_mask: jax.Array,
     completion_len: int,
+    *,
+    group_size: int = 1,
 ) -> jax.Array:
-    """``[B, N, E]`` hidden states of the states before each of the last ``N`` tokens.
+    r"""``[B, N, E]`` hidden states of the states before each of the last ``N`` tokens.
 
     Position ``j`` of a causal LM predicts token ``j + 1``, so these are the positions
     ``S - 1 ... S + N - 2``: the inputs of the completion's log-probs (and of a critic's
     values :math:`V(s_t)`).
 
+    **Shared prompts.** With ``group_size = G > 1`` the rows come in groups of ``G``
+    consecutive sequences with the same prompt (its first ``S`` tokens, where the mask is
+    set, and the same mask), the layout of :class:`jaxrl_llm.sampling.Rollout`. Prompt
+    positions attend only to the prompt, so their states are the same in every row of a
+    group: the prompt then runs once per group (``B / G`` rows), and the completions
+    attend to its keys and values, copied to the group's rows. Same numbers as ``G = 1``
+    up to float rounding, in both directions (the copies' gradients add up), for
+    :math:`(1 - 1/G)\,S / (S + N)` fewer token positions. A row whose prompt differs
+    from its group's first row gets NaN states: wrong loudly, never silently.
+
     Args:
       tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
       completion_len: ``N``.
+      group_size: ``G``, consecutive rows that share a prompt; must divide ``B``.
     """
-    hidden = hidden_states(model, params, tokens, attention_mask=attention_mask)  # [B, S + N, E]
-    return hidden[:, -completion_len - 1:-1]
+    fn = "completion_hidden_states"
+    _checks.positive_int(fn, "completion_len", completion_len)
+    _checks.positive_int(fn, "group_size", group_size)
+    if group_size == 1:
+        hidden = hidden_states(model, params, tokens, attention_mask=attention_mask)  # [B, S + N, E]
+        return hidden[:, -completion_len - 1:-1]
+    tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, None)
+    batch, length = tokens.shape
+    if batch % group_size:
+        raise ValueError(f"{fn}: `group_size` ({group_size}) must divide the batch ({batch} rows).")
+    if not completion_len < length:
+        raise ValueError(f"{fn}: `completion_len` ({completion_len}) must leave at least one prompt token in "
+                         f"sequences of length {length}.")
+    return _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size)
+
+
+def _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size):
+    """:func:`completion_hidden_states` with one prompt pass per group of ``G`` rows."""
+    batch, length = tokens.shape
+    prompt_len, inputs = length - completion_len, completion_len - 1  # the last token is never an input
+    copies = functools.partial(jnp.repeat, repeats=group_size, axis=0)  # [P, ...] -> [B, ...]
+    prompt, prompt_mask = tokens[::group_size, :prompt_len], mask[::group_size, :prompt_len]  # [P, S]
+    slots = prompt_len + inputs
+    module = model.module(params)
+    # The prompts, once per group, into a cache of S + N - 1 slots (P rows).
+    cache = init_cache(model, batch // group_size, slots)
+    cache = cache._replace(valid=cache.valid.at[:, :prompt_len].set(prompt_mask))
+    prompt_attention = jnp.zeros((prompt.shape[0], prompt_len, slots), bool).at[:, :, :prompt_len].set(
+        _causal(prompt_mask))  # [P, S, S + N - 1]
+    prompt_hidden, cache = module.hidden_states(prompt, positions[::group_size, :prompt_len], prompt_attention,
+                                                cache)  # [P, S, E]
+    hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
+    if inputs:
+        # The completions (B rows) attend to their group's prompt slots and causally to themselves.
+        cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)
+        cache = cache._replace(index=jnp.asarray(prompt_len, jnp.int32))
+        query_slot = prompt_len + jnp.arange(inputs)[:, None]  # [N - 1, 1]
+        attention = mask[:, None, :slots] & (jnp.arange(slots)[None, :] <= query_slot)[None]  # [B, N - 1, S + N - 1]
+        completion_hidden, _ = module.hidden_states(tokens[:, prompt_len:slots], positions[:, prompt_len:slots],
+                                                    attention, cache)  # [B, N - 1, E]
+        hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
+    # The contract, checked: every row's prompt is its group's first (tokens compared where real).
+    same_prompt = jnp.all((mask[:, :prompt_len] == copies(prompt_mask))
+                          & ((tokens[:, :prompt_len] == copies(prompt)) | ~mask[:, :prompt_len]), axis=1)  # [B]
+    return jnp.where(same_prompt[:, None, None], hidden, jnp.nan)
 
 
 def completion_logprobs(
@@ -154,6 +211,7 @@ def completion_logprobs(
     *,
     chunk_size: int = 256,
     temperature: float = 1.0,
+    group_size: int = 1,
 ) -> jax.Array:
     """``[B, N]`` log softmax(logits / T) of the last ``completion_len`` tokens.
 
@@ -164,8 +222,11 @@ def completion_logprobs(
     Args:
       tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
       completion_len: ``N``.
+      group_size: ``G`` consecutive rows share a prompt, which then runs once (see
+        :func:`completion_hidden_states`).
     """
-    hidden = completion_hidden_states(model, params, tokens, attention_mask, completion_len)  # [B, N, E]
+    hidden = completion_hidden_states(model, params, tokens, attention_mask, completion_len,
+                                      group_size=group_size)  # [B, N, E]
     return ops.chunked_token_logprobs(hidden, output_kernel(model, params), tokens[:, -completion_len:],
                                       chunk_size=chunk_size, temperature=temperature)
 

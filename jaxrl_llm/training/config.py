@@ -39,6 +39,12 @@ class TrainConfig:
     all equal; groups still missing after that are masked out of the loss."""
     seed: int = 0
     """Seeds the initial PRNG key (rollouts, shuffles) and the prompt stream."""
+    share_prompts: bool = True
+    """Teacher-forced passes over the whole batch (reference and old log-probs, critic
+    values, the update when there is one minibatch) run each group's prompt once for its
+    ``G`` completions (:func:`jaxrl_llm.models.completion_hidden_states`): the same
+    numbers, with a fraction ``(1 - 1/G) S / (S + N)`` of the token positions fewer.
+    Shuffled minibatches mix groups and always run every row in full."""
 
     def __post_init__(self):
         where = "TrainConfig"
@@ -46,6 +52,8 @@ class TrainConfig:
                       "max_consecutive_skips"):
             _checks.positive_int(where, field, getattr(self, field))
         _checks.nonnegative_int(where, "max_refill_rounds", self.max_refill_rounds)
+        if not isinstance(self.share_prompts, bool):
+            raise ValueError(f"TrainConfig: `share_prompts` must be True or False; got {self.share_prompts!r}.")
         for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "temperature"):
             _checks.positive(where, field, getattr(self, field))
         if self.minibatch_size is not None:

@@ -42,6 +42,8 @@ def completion_values(
     tokens: jax.Array,
     attention_mask: jax.Array,
     completion_len: int,
+    *,
+    group_size: int = 1,
 ) -> jax.Array:
     """``[B, N]`` float32 values :math:`V(s_t)` of the states before each completion token.
 
@@ -50,8 +52,10 @@ def completion_values(
       critic_params: from :func:`init_critic`.
       tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
       completion_len: ``N``.
+      group_size: ``G`` consecutive rows share a prompt, which then runs once (see
+        :func:`jaxrl_llm.models.completion_hidden_states`).
     """
     hidden = models.completion_hidden_states(model, critic_params["backbone"], tokens, attention_mask,
-                                             completion_len)  # [B, N, E]
+                                             completion_len, group_size=group_size)  # [B, N, E]
     head = critic_params["head"]
     return hidden.astype(jnp.float32) @ head["kernel"] + head["bias"]

@@ -17,6 +17,12 @@ taken at the params that sampled the batch, so :math:`\log\pi_{old} = \operatorn
 Otherwise ``score`` recomputes them at the snapshot (the same teacher-forced path as the
 update, so the first minibatch's ratios are exactly 1 too).
 
+**Shared prompts.** A batch holds ``P`` groups of ``G`` adjacent rows with one prompt
+each. With ``TrainConfig.share_prompts``, every teacher-forced pass over whole groups
+(``score``'s, the update's when there is one minibatch, TRPO's) runs each prompt once
+(:func:`jaxrl_llm.models.completion_hidden_states` with ``group_size=G``); with one
+minibatch the rows keep their order, which no full-batch loss depends on.
+
 **Non-finite updates.** A minibatch whose loss or gradient (policy's or critic's) is not
 finite changes nothing: params and optimizer states keep their values (``jnp.where`` on
 the whole pytree) and ``skipped_updates`` counts it. ``consecutive_skips`` counts the train
@@ -187,7 +193,11 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     policy_optimizer, critic_optimizer = _optimizers(a, config)
     num_steps = a.num_iterations * config.num_minibatches  # optimizer steps per batch
     on_policy = num_steps == 1  # the one gradient is taken at the sampling params
+    whole_batch = config.num_minibatches == 1  # every optimizer step sees the batch, groups intact
     logprob_options = dict(chunk_size=config.chunk_size, temperature=config.temperature)
+    # Passes over whole groups run each prompt once (TrainConfig.share_prompts).
+    group_rows = config.group_size if config.share_prompts else 1
+    minibatch_group_rows = group_rows if whole_batch else 1
 
     def completion_len(batch) -> int:
         return batch.completion_mask.shape[1]
@@ -195,17 +205,19 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     def score(state: TrainState, batch: Batch):
         n = completion_len(batch)
         completion_tokens = batch.tokens[:, -n:]
-        ref_hidden = models.completion_hidden_states(model, state.ref_params, batch.tokens, batch.attention_mask, n)
+        ref_hidden = models.completion_hidden_states(model, state.ref_params, batch.tokens, batch.attention_mask, n,
+                                                     group_size=group_rows)
         ref_logp = ops.chunked_token_logprobs(ref_hidden, models.output_kernel(model, state.ref_params),
                                               completion_tokens, **logprob_options)
         if on_policy or a.update == "trpo" or not a.needs_old_logp:
             old_logp = batch.sampling_logp  # TRPO recomputes its own in `update`
         else:
             old_logp = models.completion_logprobs(model, state.params, batch.tokens, batch.attention_mask, n,
-                                                  **logprob_options)
+                                                  group_size=group_rows, **logprob_options)
         old_values = None
         if a.needs_critic:
-            old_values = critic_lib.completion_values(model, state.critic_params, batch.tokens, batch.attention_mask, n)
+            old_values = critic_lib.completion_values(model, state.critic_params, batch.tokens, batch.attention_mask, n,
+                                                      group_size=group_rows)
         advantages, returns, baseline = algorithms.compute_advantages(
             a, batch.rewards, batch.completion_mask, group_size=config.group_size, logp=old_logp, ref_logp=ref_logp,
             values=old_values, baseline=state.baseline)
@@ -226,7 +238,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     def policy_loss(params, mb: ScoredBatch, old_logp=None):
         """``(loss, (metrics, hidden))`` on one minibatch; ``old_logp`` overrides the batch's."""
         n = completion_len(mb)
-        hidden = models.completion_hidden_states(model, params, mb.tokens, mb.attention_mask, n)  # [b, N, E]
+        hidden = models.completion_hidden_states(model, params, mb.tokens, mb.attention_mask, n,
+                                                 group_size=minibatch_group_rows)  # [b, N, E]
         logp, entropy = ops.chunked_token_logprobs(hidden, models.output_kernel(model, params), mb.tokens[:, -n:],
                                                    with_entropy=True, **logprob_options)
         if old_logp is None:
@@ -245,7 +258,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         return ops.masked_mean(jax.lax.stop_gradient(per_token), mb.completion_mask)
 
     def critic_loss(critic_params, mb: ScoredBatch):
-        values = critic_lib.completion_values(model, critic_params, mb.tokens, mb.attention_mask, completion_len(mb))
+        values = critic_lib.completion_values(model, critic_params, mb.tokens, mb.attention_mask, completion_len(mb),
+                                              group_size=minibatch_group_rows)
         return objectives.value_loss(values, mb.old_values, mb.returns, mb.completion_mask, clip=a.value_clip)
 
     def update(state: TrainState, scored: ScoredBatch):
@@ -253,8 +267,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
             return trpo_update(state, scored)
         key, shuffle_key = jax.random.split(state.key)
         batch_size = scored.tokens.shape[0]
-        if on_policy:
-            order = jnp.arange(batch_size)[None]  # [1, B]
+        if whole_batch:  # the rows' order changes no full-batch loss: keep the groups intact
+            order = jnp.broadcast_to(jnp.arange(batch_size), (a.num_iterations, batch_size))  # [mu, B]
         else:
             keys = jax.random.split(shuffle_key, a.num_iterations)
             permutations = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(keys)  # [mu, B]
@@ -262,7 +276,7 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
 
         def one_minibatch(carry, indices):
             params, opt_state, critic_params, critic_opt_state, skipped = carry
-            mb = scored if on_policy else jax.tree.map(lambda x: x[indices], scored)
+            mb = scored if whole_batch else jax.tree.map(lambda x: x[indices], scored)
             (loss, (metrics, hidden)), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, mb)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -297,8 +311,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     def trpo_update(state: TrainState, scored: ScoredBatch):
         n = completion_len(scored)
         old_params = state.params
-        old_hidden = jax.lax.stop_gradient(
-            models.completion_hidden_states(model, old_params, scored.tokens, scored.attention_mask, n))
+        old_hidden = jax.lax.stop_gradient(models.completion_hidden_states(
+            model, old_params, scored.tokens, scored.attention_mask, n, group_size=group_rows))
         old_kernel = jax.lax.stop_gradient(models.output_kernel(model, old_params))
         old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.tokens[:, -n:], **logprob_options)
 
@@ -306,7 +320,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
             return policy_loss(p, scored, old_logp=old_logp)[0]
 
         def kl_from_old(p):  # exact mean KL(pi_old || pi_p) over the batch's completion states
-            hidden = models.completion_hidden_states(model, p, scored.tokens, scored.attention_mask, n)
+            hidden = models.completion_hidden_states(model, p, scored.tokens, scored.attention_mask, n,
+                                                     group_size=group_rows)
             per_token = ops.chunked_categorical_kl(old_hidden, old_kernel, hidden, models.output_kernel(model, p),
                                                    **logprob_options)
             return ops.masked_mean(per_token, scored.completion_mask)

@@ -52,8 +52,10 @@ def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monk
 
     # Count the decoder passes each half traces: score runs the reference only.
     passes = []
-    real = models.functional.hidden_states
-    monkeypatch.setattr(models.functional, "hidden_states", lambda *a, **k: passes.append(1) or real(*a, **k))
+    real = models.functional.completion_hidden_states
+    counting = lambda *a, **k: passes.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(models, "completion_hidden_states", counting)  # what the train step calls
+    monkeypatch.setattr(models.functional, "completion_hidden_states", counting)  # completion_logprobs' call
     for mu, expected_score_passes in ((1, 1), (2, 2)):
         passes.clear()
         method = dataclasses.replace(algorithms.GRPO, num_iterations=mu)
@@ -73,6 +75,34 @@ def test_with_several_iterations_old_logprobs_come_from_the_snapshot():
     assert float(metrics["ratio_max"]) - float(metrics["ratio_min"]) > 1e-3  # later passes moved away
     after = models.completion_logprobs(model, state.params, batch.tokens, batch.attention_mask, RUN.max_new_tokens)
     assert float(jnp.max(jnp.abs(after - snapshot) * batch.completion_mask)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["GRPO", "PPO", "TRPO", "DAPO"])
+def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
+    """``share_prompts`` runs each prompt once in every whole-batch pass (score, the
+    update with one minibatch, PPO's critic, TRPO's KL): scores, metrics and the updated
+    params equal those of the plain per-row passes."""
+    method = getattr(algorithms, name)
+    model, params = models.init(CONFIG, jax.random.key(0))
+    batch = _batch(model, params, seed=2)
+    results = []
+    for share in (False, True):
+        run = dataclasses.replace(RUN, share_prompts=share)
+        halves = training.make_train_step(model, method, run)
+        state = training.init_state(model, params, method, run)
+        scored, baseline, score_metrics = jax.jit(halves.score)(state, batch)
+        state, metrics = jax.jit(halves.update)(state._replace(baseline=baseline), scored)
+        results.append((scored, {**score_metrics, **metrics}, state.params, state.critic_params))
+    (plain, plain_metrics, *plain_params), (shared, shared_metrics, *shared_params) = results
+    for field in ("old_logp", "ref_logp", "ref_hidden", "advantages", "returns", "old_values"):
+        if getattr(plain, field) is not None:
+            np.testing.assert_allclose(getattr(shared, field), getattr(plain, field), atol=2e-5, err_msg=field)
+    assert shared_metrics.keys() == plain_metrics.keys()
+    for key in plain_metrics:
+        np.testing.assert_allclose(shared_metrics[key], plain_metrics[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    for a, b in zip(jax.tree.leaves(plain_params), jax.tree.leaves(shared_params)):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    assert _changed(plain_params[0], params)  # the step did something to compare
 
 
 def test_minibatches_take_one_optimizer_step_each_per_pass():
@@ -97,6 +127,19 @@ def test_trpo_step_respects_the_kl_bound_on_its_batch():
     divergence = float(ops.masked_mean(kl.categorical(old, new), batch.completion_mask))
     assert 0 < divergence <= algorithms.TRPO.max_kl * (1 + 1e-4)
     np.testing.assert_allclose(divergence, float(metrics["trpo_kl"]), rtol=1e-3)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_prompts=0), r"`num_prompts` must be an integer >= 1; got 0"),
+    (dict(group_size=2.0), r"`group_size` must be an integer >= 1; got 2.0"),
+    (dict(minibatch_size=3), r"`minibatch_size` must divide the batch B = num_prompts \* group_size = 16; got 3"),
+    (dict(learning_rate=0.0), r"`learning_rate` must be > 0; got 0.0"),
+    (dict(max_refill_rounds=-1), r"`max_refill_rounds` must be an integer >= 0; got -1"),
+    (dict(share_prompts="yes"), r"`share_prompts` must be True or False; got 'yes'"),
+])
+def test_bad_train_configs_say_what_is_wrong(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(RUN, **changes)
 
 
 def test_combinations_the_step_cannot_honour_are_refused():
