@@ -18,7 +18,12 @@ few square matmuls and of the model's own projection shapes), and MFU is model F
 ``TrainConfig.share_prompts`` (the default) the teacher-forced passes run each prompt
 once for its G completions, so they execute fewer FLOPs than the model count.
 
-    python benchmarks/grpo_step.py [--repeats 10] [--no-share-prompts]
+The rollout is decoded data-parallel over ``--rollout-devices`` devices (default 2: on a
+CPU, the host split into two devices, one per core of the 2-core machines this targets;
+their programs run concurrently, which suits decode steps' small matmuls better than
+splitting each of them over both cores). ``score`` and ``update`` run on one device.
+
+    python benchmarks/grpo_step.py [--repeats 10] [--rollout-devices 2] [--no-share-prompts]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from timing import median_seconds
 
-from jaxrl_llm import algorithms, host, models, sampling, training
+from jaxrl_llm import algorithms, host, models, sampling, sharding, training
 
 CONFIG = models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
                             num_kv_heads=4, head_dim=64, max_position_embeddings=2048)
@@ -80,9 +85,14 @@ def step_flops(config: models.ModelConfig, *, executed: bool = False) -> dict[st
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rollout-devices", type=int, default=2,
+                        help="decode the rollout over a 'data' mesh of this many devices (1: one device)")
     parser.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
                         help="run every sequence's prompt in the teacher-forced passes (TrainConfig.share_prompts)")
     args = parser.parse_args(argv)
+    if args.rollout_devices > 1:
+        jax.config.update("jax_num_cpu_devices", args.rollout_devices)  # a CPU host as several devices
+    mesh = sharding.make_mesh(args.rollout_devices) if args.rollout_devices > 1 else None
 
     model, params = models.init(CONFIG, jax.random.key(0))
     eos = CONFIG.vocab_size - 1
@@ -91,7 +101,8 @@ def main(argv=None) -> None:
     halves = training.make_train_step(model, algorithms.GRPO, run)
     score, update = jax.jit(halves.score), jax.jit(halves.update, donate_argnums=0)
     state = training.init_state(model, params, algorithms.GRPO, run)
-    sampler = sampling.Sampler(model=model, eos_ids=(eos,), pad_id=0)
+    sampler = sampling.Sampler(model=model, eos_ids=(eos,), pad_id=0, mesh=mesh)
+    state_device = jax.devices()[0]
     rng = np.random.default_rng(0)
     prompts = jnp.asarray(rng.integers(0, eos, size=(PROMPTS, PROMPT_LEN)), jnp.int32)
     prompt_mask = jnp.ones(prompts.shape, bool)
@@ -101,6 +112,7 @@ def main(argv=None) -> None:
         started = time.perf_counter()
         rollout = sampler(state.params, prompts, prompt_mask, jax.random.key(repeat), num_samples=GROUP,
                           max_new_tokens=NEW_TOKENS)
+        rollout = jax.device_put(rollout, state_device)  # to score and update (a no-op without a mesh)
         completion = np.asarray(rollout.completion_tokens)  # waits for the rollout
         rewards = (completion[:, 0] % 2).astype(np.float32)  # a stand-in verifier on the host
         rolled = time.perf_counter()
@@ -121,12 +133,14 @@ def main(argv=None) -> None:
     flops = step_flops(CONFIG)
     executed = step_flops(CONFIG, executed=args.share_prompts)
     flops["step"], executed["step"] = sum(flops.values()), sum(executed.values())
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device), "
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device"
+          f"{'s' if jax.device_count() > 1 else ''}), "
           f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s (measured, {peak_shape})")
     print(f"GRPO step: {PROMPTS} prompts x {GROUP} completions, prompt {PROMPT_LEN}, completion {NEW_TOKENS}; "
           f"{CONFIG.num_layers} layers, d_model {CONFIG.hidden_size}, vocab {CONFIG.vocab_size}; "
-          f"median of {args.repeats} steps; prompts {'shared' if args.share_prompts else 'not shared'} in "
-          "teacher-forced passes")
+          f"median of {args.repeats} steps")
+    print(f"rollout on {args.rollout_devices} device{'s' if args.rollout_devices > 1 else ''}; prompts "
+          f"{'shared' if args.share_prompts else 'not shared'} in the teacher-forced passes")
     header = (f"{'phase':<10} {'median s':>9} {'share':>7} {'GFLOP':>8} {'run GFLOP':>10} {'floor s':>8} {'MFU':>6} "
               f"{'x floor':>8}")
     print(header)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import _checks, models
+from jaxrl_llm import _checks, models, sharding
 
 
 class Rollout(NamedTuple):
@@ -91,6 +91,7 @@ def sample(
     eos_ids: Sequence[int],
     pad_id: int,
     bucket: int = 16,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Rollout:
     """Samples ``num_samples`` completions of each prompt.
 
@@ -108,9 +109,13 @@ def sample(
       eos_ids: one or more end-of-sequence ids; a completion ends at the first.
       pad_id: written after EOS and in unused completion slots.
       bucket: prompt and completion buffers are rounded up to multiples of this.
+      mesh: decode data-parallel over the mesh's ``data`` axis: each device takes
+        ``P / D`` prompts and their completions, with the params replicated (see
+        :mod:`jaxrl_llm.sharding`). ``P`` must be a multiple of the axis size ``D``.
+        The samples are those of one device with the same key.
 
     Returns:
-      A :class:`Rollout` with ``B = P * G`` rows.
+      A :class:`Rollout` with ``B = P * G`` rows (split over ``mesh``'s devices if given).
     """
     fn = "sample"
     prompt_tokens = _checks.integer(fn, "prompt_tokens", prompt_tokens)
@@ -143,6 +148,14 @@ def sample(
             f"{fn}: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the model's "
             f"max_position_embeddings ({limit})."
         )
+
+    if mesh is not None:
+        devices = sharding.data_size(mesh)
+        if prompt_tokens.shape[0] % devices:
+            raise ValueError(f"{fn}: the {prompt_tokens.shape[0]} prompts must split evenly over the mesh's "
+                             f"{devices} {sharding.DATA!r} devices; pass a multiple of {devices} prompts.")
+        prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), sharding.rows(mesh))
+        params, key = jax.device_put((params, key), sharding.replicated(mesh))
 
     # Shape buckets: extra left padding on the prompt, extra slots for the completion.
     padded_length = min(_round_up(length, bucket), limit - max_new_tokens)
@@ -353,12 +366,13 @@ class Sampler:
     top_k: int | None = None
     top_p: float | None = None
     bucket: int = 16
+    mesh: jax.sharding.Mesh | None = None
 
     def __call__(self, params, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens) -> Rollout:
         return sample(
             self.model, params, prompt_tokens, prompt_mask, key, num_samples=num_samples,
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket,
+            eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket, mesh=self.mesh,
         )
 
 

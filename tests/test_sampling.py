@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxrl_llm import models, sampling
+from jaxrl_llm import models, sampling, sharding
 
 VOCAB, EOS, PAD = 24, 2, 0
 CONFIG = models.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -151,6 +151,35 @@ def test_prompts_are_prefilled_once_and_their_copies_sample_like_repeated_prompt
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     np.testing.assert_array_equal(got.attention_mask, expected.attention_mask)
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [2, 8])
+def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices):
+    """Eight prompts over a ``data`` mesh of the test's CPU devices: each device decodes
+    its rows, the rollout stays split over them, and it is the single-device rollout."""
+    model, params = peaked_model(scale=2.0)
+    rng = np.random.default_rng(3)
+    prompts = jnp.asarray(rng.integers(3, VOCAB, size=(8, 4)))
+    prompt_mask = jnp.asarray(np.arange(4)[None] >= rng.integers(0, 3, size=(8, 1)))  # left padding, 0-2 slots
+    key = jax.random.key(5)
+    expected = sampling.sample(model, params, prompts, prompt_mask, key, **kwargs(num_samples=3))
+    mesh = sharding.make_mesh(devices)
+    got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh)(
+        params, prompts, prompt_mask, key, num_samples=3, max_new_tokens=9)
+    assert got.tokens.sharding.is_equivalent_to(sharding.rows(mesh), got.tokens.ndim)
+    assert len(got.tokens.addressable_shards) == devices
+    for name in ("tokens", "attention_mask", "completion_mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+
+
+def test_prompts_must_split_evenly_over_the_mesh():
+    model, params = peaked_model()
+    with pytest.raises(ValueError, match=r"the 3 prompts must split evenly over the mesh's 2 'data' devices"):
+        sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), mesh=sharding.make_mesh(2),
+                        **kwargs())
+    with pytest.raises(ValueError, match=r"`num_devices` must be an integer in \[1, 8\]"):
+        sharding.make_mesh(9)
 
 
 def test_lengths_in_one_bucket_share_a_compilation():

@@ -189,6 +189,7 @@ def train(
     state: TrainState | None = None,
     ref_params: models.Params | None = None,
     prompt_bucket: int = 8,
+    rollout_mesh: jax.sharding.Mesh | None = None,
     callback=None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
@@ -202,6 +203,9 @@ def train(
       state: continue from this state instead of a fresh one (it is donated).
       ref_params: the frozen reference (default: a copy of ``params``).
       prompt_bucket: prompts are left-padded to a multiple of this many tokens.
+      rollout_mesh: decode the rollouts data-parallel over this mesh's ``data`` axis
+        (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
+        size); ``score`` and ``update`` run where the state is.
       callback: called as ``callback(step, metrics)`` after each step (logging, plots).
 
     Returns:
@@ -222,7 +226,8 @@ def train(
     halves = make_train_step(model, algorithm, config)
     score = jax.jit(counting("score", halves.score))
     update = jax.jit(counting("update", halves.update), donate_argnums=0)
-    sampler = sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id, temperature=config.temperature)
+    sampler = sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id, temperature=config.temperature,
+                               mesh=rollout_mesh)
     if state is None:
         state = init_state(model, params, algorithm, config, ref_params=ref_params)
     elif ref_params is not None:

@@ -24,8 +24,8 @@ each. With ``TrainConfig.share_prompts``, every teacher-forced pass over whole g
 minibatch the rows keep their order, which no full-batch loss depends on.
 
 **Non-finite updates.** A minibatch whose loss or gradient (policy's or critic's) is not
-finite changes nothing: params and optimizer states keep their values (``jnp.where`` on
-the whole pytree) and ``skipped_updates`` counts it. ``consecutive_skips`` counts the train
+finite changes nothing: params and optimizer states keep their values (a ``lax.cond``
+whose other branch is the identity) and ``skipped_updates`` counts it. ``consecutive_skips`` counts the train
 steps in a row with at least one skipped minibatch; the loop stops when that reaches
 ``TrainConfig.max_consecutive_skips``.
 

@@ -1,13 +1,14 @@
 """The train step's mechanics: old log-probs, minibatches, TRPO's bound, skips, resume."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms, kl, models, ops, training
+from jaxrl_llm import algorithms, kl, models, ops, sharding, training
 from jaxrl_llm.tasks import DigitSumTask
 
 TASK = DigitSumTask()
@@ -221,6 +222,16 @@ def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
     resumed, history = training.train(model, params, method, run, steps=2, task=TASK, state=half)
     assert int(resumed.step) == 4 and history[-1]["update_traces"] == 1
     jax.tree.map(np.testing.assert_array_equal, resumed.params, straight.params)
+
+
+def test_rollouts_split_over_a_mesh_train_exactly_like_single_device_ones():
+    model, params = models.init(CONFIG, jax.random.key(8))
+    single, single_history = training.train(model, params, algorithms.GRPO, RUN, steps=2, task=TASK)
+    split, split_history = training.train(model, params, algorithms.GRPO, RUN, steps=2, task=TASK,
+                                          rollout_mesh=sharding.make_mesh(4))
+    for ours, theirs in zip(split_history, single_history):
+        assert ours["reward"] == theirs["reward"] and ours["completion_length"] == theirs["completion_length"]
+    jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6), split.params, single.params)
 
 
 class _HalfSolvable(DigitSumTask):
