@@ -168,7 +168,7 @@ def sample(
         jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
         num_samples=num_samples, slots=slots, top_k=None if greedy else top_k,
-        use_top_p=top_p is not None and not greedy, greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id),
+        use_top_p=top_p is not None and not greedy, greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id), mesh=mesh,
     )
     return rollout if (length, max_new_tokens) == (padded_length, slots) else _trim(
         rollout, prompt_len=length, max_new_tokens=max_new_tokens)
@@ -256,14 +256,29 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id"),
+    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id", "mesh"),
 )
-def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, num_samples, slots, top_k,
-              use_top_p, greedy, eos_ids, pad_id) -> Rollout:
+def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, mesh, **settings) -> Rollout:
     """The whole rollout in bucket-sized buffers (``S'`` prompt columns, ``slots``
-    completion columns): the ``P`` distinct prompts ``[P, S']`` prefilled, the cache and
-    next-token logits copied to the ``B = P * G`` rows, then a ``while_loop`` of sample
-    -> record -> decode step, and the last token's sample -> record."""
+    completion columns); with a ``mesh``, each device runs :func:`_decode` on its rows
+    (``shard_map``: its own loop and stopping test, no communication)."""
+    # Every random number of the rollout at once, for all B rows (the same numbers with or
+    # without a mesh): inside the loop, the RNG's own rounds would cost more per step than
+    # the sampling itself.
+    uniforms = jax.random.uniform(key, (settings["slots"], tokens.shape[0] * settings["num_samples"]))  # [slots, B]
+    decode = functools.partial(_decode, model, **settings)
+    if mesh is not None:
+        rows, whole = jax.sharding.PartitionSpec(sharding.DATA), jax.sharding.PartitionSpec()
+        decode = jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, jax.sharding.PartitionSpec(
+            None, sharding.DATA), whole, whole, whole), out_specs=rows, check_vma=False)  # no collectives inside
+    return decode(params, tokens, mask, uniforms, max_new_tokens, temperature, top_p)
+
+
+def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, *, num_samples, slots, top_k,
+            use_top_p, greedy, eos_ids, pad_id) -> Rollout:
+    """The ``P`` distinct prompts ``[P, S']`` prefilled, the cache and next-token logits
+    copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode
+    step, and the last token's sample -> record. ``uniforms`` ``[slots, B]`` drive the draws."""
     tokens, mask = tokens.astype(jnp.int32), mask.astype(bool)
     logits, cache = models.prefill(
         model, params, tokens, mask, cache_size=tokens.shape[1] + slots, last_logits_only=True
@@ -273,9 +288,6 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
     cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)  # the slot index stays []
     batch = logits.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32)
-    # Every random number of the rollout at once: inside the loop, the RNG's own rounds
-    # would cost more per step than the sampling itself.
-    uniforms = jax.random.uniform(key, (slots, batch))  # [slots, B]
 
     class State(NamedTuple):
         step: jax.Array  # [] int32

@@ -2,9 +2,10 @@
 
 Today the library shards one thing: a rollout's rows, over a 1-D ``("data",)`` mesh,
 with the params replicated on it (``sampling.sample(..., mesh=mesh)``). Every row of a
-rollout is decoded independently, so each device decodes its share of the prompts and
-their ``G`` completions, and the samples are the ones a single device draws (the random
-numbers do not depend on the sharding).
+rollout is decoded independently, so each device runs its own prefill and decode loop
+(``shard_map``) on its share of the prompts and their ``G`` completions, stopping when
+its own rows have finished, with no communication; the random numbers are drawn for the
+whole batch first, so the samples are the ones a single device draws.
 
 .. code-block:: python
 
