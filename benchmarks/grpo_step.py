@@ -14,9 +14,11 @@ and values, the output layer where it is used): the rollout's prefill of each pr
 pass over every sequence, and 3x that for the update (forward + backward). The FLOP
 floor is that count at the float32 matmul peak measured in the same run (the best of a
 few square matmuls and of the model's own projection shapes), and MFU is model FLOPs /
-(seconds x peak). ``run GFLOP`` counts the matmuls that execute: with
-``TrainConfig.share_prompts`` (the default) the teacher-forced passes run each prompt
-once for its G completions, so they execute fewer FLOPs than the model count.
+(seconds x peak): the usual convention (PaLM's), which counts the model's FLOPs for the
+sequences processed whatever the implementation saves. ``run GFLOP`` counts the matmuls
+that execute, and HFU is their utilisation: with ``TrainConfig.share_prompts`` (the
+default) the teacher-forced passes run each prompt once for its G completions, so they
+execute fewer FLOPs than the model count.
 
 The rollout is decoded data-parallel over ``--rollout-devices`` devices (default 2: on a
 CPU, the host split into two devices, one per core of the 2-core machines this targets;
@@ -142,7 +144,7 @@ def main(argv=None) -> None:
     print(f"rollout on {args.rollout_devices} device{'s' if args.rollout_devices > 1 else ''}; prompts "
           f"{'shared' if args.share_prompts else 'not shared'} in the teacher-forced passes")
     header = (f"{'phase':<10} {'median s':>9} {'share':>7} {'GFLOP':>8} {'run GFLOP':>10} {'floor s':>8} {'MFU':>6} "
-              f"{'x floor':>8}")
+              f"{'HFU':>6} {'x floor':>8}")
     print(header)
     print("-" * len(header))
     step_s = float(np.median(timings["step"]))
@@ -150,7 +152,8 @@ def main(argv=None) -> None:
         seconds = float(np.median(timings[name]))
         floor = flops[name] / peak
         print(f"{name:<10} {seconds:>9.4f} {seconds / step_s:>6.0%} {flops[name] / 1e9:>8.2f} "
-              f"{executed[name] / 1e9:>10.2f} {floor:>8.4f} {floor / seconds:>5.0%} {seconds / floor:>7.2f}x")
+              f"{executed[name] / 1e9:>10.2f} {floor:>8.4f} {floor / seconds:>5.0%} "
+              f"{executed[name] / peak / seconds:>5.0%} {seconds / floor:>7.2f}x")
     print("targets: update MFU >= 50%; step <= 1.6x its FLOP floor. The same step in TRL 1.16's GRPOTrainer on "
           "this machine: make bench-trl (issue 5 quotes ~0.49 s for TRL, ~0.67 s for Tunix 0.1.7).")
 

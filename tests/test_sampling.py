@@ -153,8 +153,9 @@ def test_prompts_are_prefilled_once_and_their_copies_sample_like_repeated_prompt
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("devices", [2, 8])
-def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices):
+@pytest.mark.parametrize("devices, settings", [(2, {}), (8, {}), (2, dict(top_k=5, top_p=0.9)),
+                                               (4, dict(temperature=0.0))])
+def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices, settings):
     """Eight prompts over a ``data`` mesh of the test's CPU devices: each device decodes
     its rows, the rollout stays split over them, and it is the single-device rollout."""
     model, params = peaked_model(scale=2.0)
@@ -162,15 +163,16 @@ def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices):
     prompts = jnp.asarray(rng.integers(3, VOCAB, size=(8, 4)))
     prompt_mask = jnp.asarray(np.arange(4)[None] >= rng.integers(0, 3, size=(8, 1)))  # left padding, 0-2 slots
     key = jax.random.key(5)
-    expected = sampling.sample(model, params, prompts, prompt_mask, key, **kwargs(num_samples=3))
+    expected = sampling.sample(model, params, prompts, prompt_mask, key, **kwargs(num_samples=3, **settings))
     mesh = sharding.make_mesh(devices)
-    got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh)(
+    got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh, **settings)(
         params, prompts, prompt_mask, key, num_samples=3, max_new_tokens=9)
     assert got.tokens.sharding.is_equivalent_to(sharding.rows(mesh), got.tokens.ndim)
     assert len(got.tokens.addressable_shards) == devices
     for name in ("tokens", "attention_mask", "completion_mask", "lengths", "truncated"):
         np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+    np.testing.assert_allclose(got.sampling_logprobs, expected.sampling_logprobs, atol=1e-5)
 
 
 def test_prompts_must_split_evenly_over_the_mesh():
