@@ -16,14 +16,15 @@ floor is that count at the float32 matmul peak measured in the same run (the bes
 few square matmuls and of the model's own projection shapes), and MFU is model FLOPs /
 (seconds x peak): the usual convention (PaLM's), which counts the model's FLOPs for the
 sequences processed whatever the implementation saves. ``run GFLOP`` counts the matmuls
-that execute, and HFU is their utilisation: with ``TrainConfig.share_prompts`` (the
-default) the teacher-forced passes run each prompt once for its G completions, so they
-execute fewer FLOPs than the model count.
+that execute; HFU and ``x run floor`` measure the time against those. With
+``TrainConfig.share_prompts`` (the default) the teacher-forced passes run each prompt
+once for its G completions, so they execute fewer FLOPs than the model count.
 
-The rollout is decoded data-parallel over ``--rollout-devices`` devices (default 2: on a
-CPU, the host split into two devices, one per core of the 2-core machines this targets;
-their programs run concurrently, which suits decode steps' small matmuls better than
-splitting each of them over both cores). ``score`` and ``update`` run on one device.
+The rollout is decoded data-parallel over ``--rollout-devices`` devices (default: 2 on a
+CPU, the host split into two devices, one per core of the 2-core machines this targets,
+whose programs run concurrently, which suits decode steps' small matmuls better than
+splitting each of them over both cores; 1 on an accelerator). ``score`` and ``update``
+run on one device.
 
     python benchmarks/grpo_step.py [--repeats 10] [--rollout-devices 2] [--no-share-prompts]
 """
@@ -71,15 +72,20 @@ def forward_flops(config: models.ModelConfig, *, queries: int, keys: int, logits
     return 2.0 * (per_token * queries + attention + logits * d * config.vocab_size)
 
 
-def step_flops(config: models.ModelConfig, *, executed: bool = False) -> dict[str, float]:
-    """Model FLOPs of each phase; with ``executed``, those of the shared-prompt passes."""
+def step_flops(config: models.ModelConfig, *, executed: bool = False, share_prompts: bool = True) -> dict[str, float]:
+    """Model FLOPs of each phase or, with ``executed``, those of the matmuls that run: the
+    sampler's attention over every slot of its cache, and with ``share_prompts`` the
+    teacher-forced passes' prompts once per group (then ``N - 1`` completion inputs per
+    row attending to ``S + N - 1`` slots)."""
     batch, total = PROMPTS * GROUP, PROMPT_LEN + NEW_TOKENS
-    prefill = forward_flops(config, queries=PROMPT_LEN, keys=PROMPT_LEN, logits=1)
-    decode = sum(forward_flops(config, queries=1, keys=PROMPT_LEN + t + 1, logits=1) for t in range(NEW_TOKENS - 1))
+    cache = total  # the sampler's cache: prompt and completion buffers, both multiples of its bucket here
+    prefill = forward_flops(config, queries=PROMPT_LEN, keys=cache if executed else PROMPT_LEN, logits=1)
+    decode = sum(forward_flops(config, queries=1, keys=cache if executed else PROMPT_LEN + t + 1, logits=1)
+                 for t in range(NEW_TOKENS - 1))
     teacher_forced = batch * forward_flops(config, queries=total, keys=total, logits=NEW_TOKENS)
-    if executed:  # each prompt once (P rows), then the B rows' N - 1 completion inputs attending to all slots
-        teacher_forced = PROMPTS * prefill + batch * forward_flops(
-            config, queries=NEW_TOKENS - 1, keys=total - 1, logits=NEW_TOKENS - 1)
+    if executed and share_prompts:
+        teacher_forced = PROMPTS * forward_flops(config, queries=PROMPT_LEN, keys=total - 1, logits=1) + (
+            batch * forward_flops(config, queries=NEW_TOKENS - 1, keys=total - 1, logits=NEW_TOKENS - 1))
     # The sampler prefills each of the P prompts once, then decodes B = P * G rows.
     return {"rollout": PROMPTS * prefill + batch * decode, "logprobs": teacher_forced, "update": 3 * teacher_forced}
 
@@ -87,13 +93,17 @@ def step_flops(config: models.ModelConfig, *, executed: bool = False) -> dict[st
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--rollout-devices", type=int, default=2,
-                        help="decode the rollout over a 'data' mesh of this many devices (1: one device)")
+    parser.add_argument("--rollout-devices", type=int, default=None,
+                        help="decode the rollout over a 'data' mesh of this many devices (1: one device; default: "
+                             "2 on a CPU, else 1)")
     parser.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
                         help="run every sequence's prompt in the teacher-forced passes (TrainConfig.share_prompts)")
     args = parser.parse_args(argv)
-    if args.rollout_devices > 1:
-        jax.config.update("jax_num_cpu_devices", args.rollout_devices)  # a CPU host as several devices
+    if args.rollout_devices is not None and args.rollout_devices < 1:
+        parser.error(f"--rollout-devices must be >= 1; got {args.rollout_devices}")
+    jax.config.update("jax_num_cpu_devices", args.rollout_devices or 2)  # a CPU host as several devices
+    if args.rollout_devices is None:
+        args.rollout_devices = 2 if jax.default_backend() == "cpu" else 1
     mesh = sharding.make_mesh(args.rollout_devices) if args.rollout_devices > 1 else None
 
     model, params = models.init(CONFIG, jax.random.key(0))
@@ -133,7 +143,7 @@ def main(argv=None) -> None:
 
     peak, peak_shape = matmul_peak_flops(CONFIG, PROMPTS * GROUP * (PROMPT_LEN + NEW_TOKENS))
     flops = step_flops(CONFIG)
-    executed = step_flops(CONFIG, executed=args.share_prompts)
+    executed = step_flops(CONFIG, executed=True, share_prompts=args.share_prompts)
     flops["step"], executed["step"] = sum(flops.values()), sum(executed.values())
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device"
           f"{'s' if jax.device_count() > 1 else ''}), "
@@ -144,7 +154,7 @@ def main(argv=None) -> None:
     print(f"rollout on {args.rollout_devices} device{'s' if args.rollout_devices > 1 else ''}; prompts "
           f"{'shared' if args.share_prompts else 'not shared'} in the teacher-forced passes")
     header = (f"{'phase':<10} {'median s':>9} {'share':>7} {'GFLOP':>8} {'run GFLOP':>10} {'floor s':>8} {'MFU':>6} "
-              f"{'HFU':>6} {'x floor':>8}")
+              f"{'HFU':>6} {'x floor':>8} {'x run floor':>12}")
     print(header)
     print("-" * len(header))
     step_s = float(np.median(timings["step"]))
@@ -153,7 +163,8 @@ def main(argv=None) -> None:
         floor = flops[name] / peak
         print(f"{name:<10} {seconds:>9.4f} {seconds / step_s:>6.0%} {flops[name] / 1e9:>8.2f} "
               f"{executed[name] / 1e9:>10.2f} {floor:>8.4f} {floor / seconds:>5.0%} "
-              f"{executed[name] / peak / seconds:>5.0%} {seconds / floor:>7.2f}x")
+              f"{executed[name] / peak / seconds:>5.0%} {seconds / floor:>7.2f}x "
+              f"{seconds * peak / executed[name]:>11.2f}x")
     print("targets: update MFU >= 50%; step <= 1.6x its FLOP floor. The same step in TRL 1.16's GRPOTrainer on "
           "this machine: make bench-trl (issue 5 quotes ~0.49 s for TRL, ~0.67 s for Tunix 0.1.7).")
 

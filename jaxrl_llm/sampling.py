@@ -22,11 +22,12 @@ reports :math:`\log\pi_1` of the argmax token.
 **Compilation.** One jitted function per shape bucket, from the prompts to the
 :class:`Rollout`: the prompt length is left-padded up to a multiple of ``bucket`` and the
 completion buffer rounded up likewise; the completion budget itself is a traced loop
-bound, so different ``max_new_tokens`` within a bucket share a compilation (a budget
-off the buckets adds a small jitted slice). The KV cache is created inside the
-compiled function and carried by the ``lax.while_loop``, whose state buffers XLA updates
-in place. The prefill runs once per distinct prompt (``P`` rows, last position's logits
-only) and its cache is copied to the ``G`` completions, not recomputed ``G`` times.
+bound, so different ``max_new_tokens`` within a bucket share a compilation (a prompt
+width or budget off the buckets adds a small jitted slice back to the caller's sizes).
+The KV cache is created inside the compiled function and carried by the
+``lax.while_loop``, whose state buffers XLA updates in place. The prefill runs once per
+distinct prompt (``P`` rows, last position's logits only) and its cache is copied to the
+``G`` completions, not recomputed ``G`` times.
 """
 
 from __future__ import annotations
@@ -162,9 +163,11 @@ def sample(
     slots = min(_round_up(max_new_tokens, bucket), limit - padded_length)
     padding = ((0, 0), (padded_length - length, 0))
     greedy = temperature == 0 or top_k == 1
+    if padded_length > length:
+        prompt_tokens = jnp.pad(prompt_tokens.astype(jnp.int32), padding, constant_values=pad_id)
+        prompt_mask = jnp.pad(prompt_mask, padding)
     rollout = _generate(
-        model, params, jnp.pad(prompt_tokens, padding, constant_values=pad_id) if padding[1][0] else prompt_tokens,
-        jnp.pad(prompt_mask, padding) if padding[1][0] else prompt_mask, key, jnp.asarray(max_new_tokens, jnp.int32),
+        model, params, prompt_tokens, prompt_mask, key, jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
         num_samples=num_samples, slots=slots, top_k=None if greedy else top_k,

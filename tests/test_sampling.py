@@ -184,6 +184,16 @@ def test_prompts_must_split_evenly_over_the_mesh():
         sharding.make_mesh(9)
 
 
+def test_sampling_inside_jit_draws_the_eager_samples():
+    """Under an outer jit the mask is traced: the empty-prompt check is skipped, the rest runs."""
+    model, params = peaked_model(scale=2.0)
+    eager = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(3), **kwargs())
+    traced = jax.jit(lambda p, t, m, k: sampling.sample(model, p, t, m, k, **kwargs()))(
+        params, PROMPTS, PROMPT_MASK, jax.random.key(3))
+    np.testing.assert_array_equal(traced.tokens, eager.tokens)
+    np.testing.assert_allclose(traced.logprobs, eager.logprobs, atol=1e-5)
+
+
 def test_lengths_in_one_bucket_share_a_compilation():
     model, params = peaked_model()
     sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(max_new_tokens=9))

@@ -171,8 +171,25 @@ def completion_hidden_states(
     return _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size)
 
 
+def rows_share_group_prompt(tokens: jax.Array, attention_mask: jax.Array, completion_len: int,
+                            group_size: int) -> jax.Array:
+    """``[B]`` bool: the row's prompt (its first ``S`` tokens where the mask is set, and
+    the mask) is that of the first row of its group of ``group_size`` consecutive rows.
+
+    Args:
+      tokens: ``[B, S + N]`` ids; attention_mask: ``[B, S + N]``; completion_len: ``N``.
+    """
+    prompt_len = tokens.shape[1] - completion_len
+    tokens, mask = tokens[:, :prompt_len], attention_mask[:, :prompt_len].astype(bool)  # [B, S]
+    first = functools.partial(jnp.repeat, repeats=group_size, axis=0)  # each group's first row, G times
+    same_tokens = (tokens == first(tokens[::group_size])) | ~mask  # padding slots may hold anything
+    return jnp.all((mask == first(mask[::group_size])) & same_tokens, axis=1)
+
+
 def _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size):
-    """:func:`completion_hidden_states` with one prompt pass per group of ``G`` rows."""
+    """:func:`completion_hidden_states` with one prompt pass per group of ``G`` rows.
+
+    ``tokens``, ``mask`` (bool), ``positions``: ``[B, S + N]``; returns ``[B, N, E]``."""
     batch, length = tokens.shape
     prompt_len, inputs = length - completion_len, completion_len - 1  # the last token is never an input
     copies = functools.partial(jnp.repeat, repeats=group_size, axis=0)  # [P, ...] -> [B, ...]
@@ -196,9 +213,7 @@ def _shared_prompt_hidden_states(model, params, tokens, mask, positions, complet
         completion_hidden, _ = module.hidden_states(tokens[:, prompt_len:slots], positions[:, prompt_len:slots],
                                                     attention, cache)  # [B, N - 1, E]
         hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
-    # The contract, checked: every row's prompt is its group's first (tokens compared where real).
-    same_prompt = jnp.all((mask[:, :prompt_len] == copies(prompt_mask))
-                          & ((tokens[:, :prompt_len] == copies(prompt)) | ~mask[:, :prompt_len]), axis=1)  # [B]
+    same_prompt = rows_share_group_prompt(tokens, mask, completion_len, group_size)  # [B]: the contract, checked
     return jnp.where(same_prompt[:, None, None], hidden, jnp.nan)
 
 

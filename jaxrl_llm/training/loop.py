@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import algorithms, models, sampling
+from jaxrl_llm import algorithms, models, sampling, sharding
 from jaxrl_llm.tasks import DigitSumTask
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.step import Batch, TrainState, init_state, make_train_step
@@ -223,6 +223,9 @@ def train(
             return fn(*args)
         return traced
 
+    if rollout_mesh is not None and config.num_prompts % sharding.data_size(rollout_mesh):
+        raise ValueError(f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
+                         f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices.")
     halves = make_train_step(model, algorithm, config)
     score = jax.jit(counting("score", halves.score))
     update = jax.jit(counting("update", halves.update), donate_argnums=0)
@@ -281,8 +284,11 @@ def train(
         if callback is not None:
             callback(step, metrics)
         if metrics["consecutive_skips"] >= config.max_consecutive_skips:
+            mismatched = int(metrics["prompt_mismatch_rows"])
+            hint = (f" {mismatched} rows of the last batch do not share their group's prompt, which makes the "
+                    "shared-prompt passes NaN (TrainConfig.share_prompts)." if mismatched else "")
             raise NonFiniteUpdates(
                 f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite loss "
                 f"or gradient (max_consecutive_skips={config.max_consecutive_skips}); the state keeps the params of "
-                "the last finite update.", state, history)
+                f"the last finite update.{hint}", state, history)
     return state, history

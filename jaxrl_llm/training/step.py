@@ -224,6 +224,9 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         mask = batch.completion_mask
         token_advantages = jnp.broadcast_to(advantages.reshape(advantages.shape[0], -1), mask.shape)  # [B, N]
         metrics = {
+            # Rows whose prompt is not their group's: group baselines and shared-prompt passes assume it is.
+            "prompt_mismatch_rows": jnp.sum(~models.rows_share_group_prompt(
+                batch.tokens, batch.attention_mask, n, config.group_size)).astype(jnp.float32),
             "advantage_mean": ops.masked_mean(token_advantages, mask),
             "advantage_std": jnp.sqrt(ops.masked_mean(
                 jnp.square(token_advantages - ops.masked_mean(token_advantages, mask)), mask)),

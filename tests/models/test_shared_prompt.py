@@ -1,5 +1,6 @@
 """Completion states with each group's prompt run once equal those of the full forward pass."""
 
+import dataclasses
 import functools
 
 import jax
@@ -62,6 +63,16 @@ def test_shared_prompt_states_and_gradients_equal_the_full_pass(name):
         scale = float(jnp.max(jnp.abs(a)))
         assert scale > 0, path  # every parameter is reached, so the comparison means something
         np.testing.assert_allclose(b, a, atol=2e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_shared_prompt_states_match_in_bfloat16():
+    config = dataclasses.replace(CONFIGS["mistral-window-3"], dtype=jnp.bfloat16)
+    model, params = models.init(config, jax.random.key(0))
+    tokens, mask, _ = grouped_batch(config.vocab_size)
+    expected = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=1)
+    shared = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=GROUP)
+    assert shared.dtype == expected.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(shared, np.float32), np.asarray(expected, np.float32), atol=2e-2)
 
 
 def test_a_one_token_completion_needs_only_the_prompt_pass():

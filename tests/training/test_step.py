@@ -106,6 +106,26 @@ def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
     assert _changed(plain_params[0], params)  # the step did something to compare
 
 
+def test_a_row_whose_prompt_is_not_its_groups_is_counted_and_its_update_skipped():
+    model, params, score, update, state = _step(algorithms.GRPO)
+    batch = _batch(model, params)
+    assert float(score(state, batch)[2]["prompt_mismatch_rows"]) == 0
+    last_prompt_slot = batch.tokens.shape[1] - RUN.max_new_tokens - 1
+    tampered = batch._replace(tokens=batch.tokens.at[5, last_prompt_slot].set(  # row 1 of group 1
+        (batch.tokens[5, last_prompt_slot] + 1) % CONFIG.vocab_size))
+    scored, _, metrics = score(state, tampered)
+    assert float(metrics["prompt_mismatch_rows"]) == 1
+    new_state, _ = update(state, scored)  # the shared-prompt pass gives that row NaN: no update
+    assert int(new_state.skipped_updates) == 1
+    jax.tree.map(np.testing.assert_array_equal, new_state.params, params)
+
+
+def test_a_rollout_mesh_must_split_the_prompts_evenly():
+    model, params = models.init(CONFIG, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"num_prompts \(4\) must be a multiple of the rollout mesh's 8 'data'"):
+        training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK, rollout_mesh=sharding.make_mesh())
+
+
 def test_minibatches_take_one_optimizer_step_each_per_pass():
     run = dataclasses.replace(RUN, minibatch_size=4)  # B = 16: 4 minibatches
     method = dataclasses.replace(algorithms.RLOO, num_iterations=2)
