@@ -271,9 +271,10 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
     uniforms = jax.random.uniform(key, (settings["slots"], tokens.shape[0] * settings["num_samples"]))  # [slots, B]
     decode = functools.partial(_decode, model, **settings)
     if mesh is not None:
-        rows, whole = jax.sharding.PartitionSpec(sharding.DATA), jax.sharding.PartitionSpec()
-        decode = jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, jax.sharding.PartitionSpec(
-            None, sharding.DATA), whole, whole, whole), out_specs=rows, check_vma=False)  # no collectives inside
+        rows, whole = sharding.ROWS, sharding.WHOLE
+        by_row = jax.sharding.PartitionSpec(None, sharding.DATA)  # uniforms [slots, B]
+        decode = jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, by_row, whole, whole, whole),
+                               out_specs=rows, check_vma=False)  # no collectives inside
     return decode(params, tokens, mask, uniforms, max_new_tokens, temperature, top_p)
 
 

@@ -26,6 +26,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA = "data"
 """The mesh axis that batch rows are split over."""
+ROWS = PartitionSpec(DATA)
+"""Leading axis split over ``data``, the rest whole (as a ``shard_map`` spec too)."""
+WHOLE = PartitionSpec()
+"""Not split: a full copy on every device."""
 
 
 def make_mesh(num_devices: int | None = None, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -41,12 +45,12 @@ def make_mesh(num_devices: int | None = None, *, devices: Sequence[jax.Device] |
 
 def rows(mesh: Mesh) -> NamedSharding:
     """Leading axis split over the mesh's ``data`` axis, the rest whole."""
-    return NamedSharding(mesh, PartitionSpec(DATA))
+    return NamedSharding(mesh, ROWS)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device of the mesh."""
-    return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, WHOLE)
 
 
 def data_size(mesh: Mesh) -> int:
