@@ -190,24 +190,19 @@ def _shared_prompt_hidden_states(model, params, tokens, mask, positions, complet
     """:func:`completion_hidden_states` with one prompt pass per group of ``G`` rows.
 
     ``tokens``, ``mask`` (bool), ``positions``: ``[B, S + N]``; returns ``[B, N, E]``."""
-    batch, length = tokens.shape
+    length = tokens.shape[1]
     prompt_len, inputs = length - completion_len, completion_len - 1  # the last token is never an input
     copies = functools.partial(jnp.repeat, repeats=group_size, axis=0)  # [P, ...] -> [B, ...]
     prompt, prompt_mask = tokens[::group_size, :prompt_len], mask[::group_size, :prompt_len]  # [P, S]
     slots = prompt_len + inputs
     module = model.module(params)
-    # The prompts, once per group, into a cache of S + N - 1 slots (P rows).
-    cache = init_cache(model, batch // group_size, slots)
-    cache = cache._replace(valid=cache.valid.at[:, :prompt_len].set(prompt_mask))
-    prompt_attention = jnp.zeros((prompt.shape[0], prompt_len, slots), bool).at[:, :, :prompt_len].set(
-        _causal(prompt_mask))  # [P, S, S + N - 1]
-    prompt_hidden, cache = module.hidden_states(prompt, positions[::group_size, :prompt_len], prompt_attention,
-                                                cache)  # [P, S, E]
+    # The prompts, once per group (P rows), into a cache of S + N - 1 slots.
+    prompt_hidden, cache = _prefill_hidden(model, module, prompt, prompt_mask, positions[::group_size, :prompt_len],
+                                           slots)  # [P, S, E]
     hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
     if inputs:
         # The completions (B rows) attend to their group's prompt slots and causally to themselves.
-        cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)
-        cache = cache._replace(index=jnp.asarray(prompt_len, jnp.int32))
+        cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)  # the slot index stays S
         query_slot = prompt_len + jnp.arange(inputs)[:, None]  # [N - 1, 1]
         attention = mask[:, None, :slots] & (jnp.arange(slots)[None, :] <= query_slot)[None]  # [B, N - 1, S + N - 1]
         completion_hidden, _ = module.hidden_states(tokens[:, prompt_len:slots], positions[:, prompt_len:slots],
@@ -307,19 +302,25 @@ def prefill(
     """
     fn = "prefill"
     tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, None)
-    batch, length = tokens.shape
+    length = tokens.shape[1]
     if cache_size < length:
         raise ValueError(f"{fn}: `cache_size` ({cache_size}) must be >= the prompt length ({length}).")
+    module = model.module(params)
+    hidden, cache = _prefill_hidden(model, module, tokens, mask, positions, cache_size)
+    return module.logits(hidden[:, -1] if last_logits_only else hidden), cache
+
+
+def _prefill_hidden(model: Model, module: CausalLM, tokens, mask, positions, cache_size: int):
+    """Validated ``[B, S]`` prompt inputs through the decoder into a fresh cache of
+    ``cache_size`` slots: ``[B, S, E]`` hidden states and the cache, its next slot ``S``."""
+    batch, length = tokens.shape
     cache = init_cache(model, batch, cache_size)
     cache = cache._replace(valid=cache.valid.at[:, :length].set(mask))
-    causal = _causal(mask)  # [B, S, S]
-    full_mask = jnp.zeros((batch, length, cache_size), bool).at[:, :, :length].set(causal)
-    module = model.module(params)
+    full_mask = jnp.zeros((batch, length, cache_size), bool).at[:, :, :length].set(_causal(mask))  # [B, S, K]
     hidden, cache = module.hidden_states(tokens, positions, full_mask, cache)
-    cache = cache._replace(
+    return hidden, cache._replace(
         next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)
     )
-    return module.logits(hidden[:, -1] if last_logits_only else hidden), cache
 
 
 def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
