@@ -9,16 +9,22 @@ EOS is a token the random model rarely draws, so every completion has all 32 tok
 (the prefill's logits give the first, 31 decode steps the rest).
 
 Model FLOPs (``GFLOP``) count the matmuls of the model (projections, attention scores
-and values, the output layer where it is used): the rollout's prefill of each prompt
-(once, as one request for G samples) and its 31 decode steps, the reference's forward
-pass over every sequence, and 3x that for the update (forward + backward). The FLOP
-floor is that count at the float32 matmul peak measured in the same run (the best of a
-few square matmuls and of the model's own projection shapes), and MFU is model FLOPs /
-(seconds x peak): the usual convention (PaLM's), which counts the model's FLOPs for the
-sequences processed whatever the implementation saves. ``run GFLOP`` counts the matmuls
-that execute; HFU and ``x run floor`` measure the time against those. With
-``TrainConfig.share_prompts`` (the default) the teacher-forced passes run each prompt
-once for its G completions, so they execute fewer FLOPs than the model count.
+and values, the output layer where it is used) for every one of the B = P x G sequences:
+the rollout's prefill and 31 decode steps, the reference's forward pass, and 3x that for
+the update (forward + backward). The FLOP floor is that count at the float32 matmul peak
+measured in the same run (the best of a few square matmuls and of the model's own
+projection shapes), and MFU is model FLOPs / (seconds x peak): the usual convention
+(PaLM's), which counts the model's FLOPs for the sequences processed whatever the
+implementation saves. ``run GFLOP`` counts the matmuls that execute, and HFU and
+``x run floor`` measure the time against those: the sampler prefills each prompt once
+for its G samples and attends over every slot of its cache, and with
+``TrainConfig.share_prompts`` (the default) the teacher-forced passes also run each
+prompt once per group.
+
+A decode step multiplies only the rows one device decodes by each weight matrix, a shape
+no CPU kernel runs at the peak. The line under the table gives the rate of such
+products (a loop of ``[rows, E] @ [E, F]`` and ``[rows, F] @ [F, E]``, on every rollout
+device at once) and the rollout's time at that rate.
 
 The rollout is decoded data-parallel over ``--rollout-devices`` devices (default: 2 on a
 CPU, the host split into two devices, one per core of the 2-core machines this targets,
@@ -62,6 +68,22 @@ def matmul_peak_flops(config: models.ModelConfig, tokens: int) -> tuple[float, s
     return best, best_shape
 
 
+def decode_matmul_flops(config: models.ModelConfig, *, rows: int, devices: list[jax.Device]) -> float:
+    """Float32 FLOP/s of decode-shaped matmuls on ``devices`` at once: on each, a loop of
+    64 ``[rows, E] @ [E, F]``, ``tanh``, ``[rows, F] @ [F, E]``, the products of a decode
+    step's MLP for the ``rows`` it decodes."""
+    d, f, steps = config.hidden_size, config.intermediate_size, 64
+
+    @jax.jit
+    def loop(x, w_in, w_out):  # x [rows, E], w_in [E, F], w_out [F, E]
+        return jax.lax.fori_loop(0, steps, lambda _, x: jnp.tanh(x @ w_in) @ w_out, x)
+
+    operands = [jax.device_put((jnp.ones((rows, d)), jnp.full((d, f), 1 / d), jnp.full((f, d), 1 / f)), device)
+                for device in devices]
+    seconds = median_seconds(lambda: [loop(*args) for args in operands], repeats=30)  # dispatched concurrently
+    return len(devices) * steps * 2 * (2 * rows * d * f) / seconds
+
+
 def forward_flops(config: models.ModelConfig, *, queries: int, keys: int, logits: int) -> float:
     """Model FLOPs of one sequence's forward pass: ``queries`` new positions attending to
     ``keys`` positions, with output logits at ``logits`` of them."""
@@ -86,8 +108,9 @@ def step_flops(config: models.ModelConfig, *, executed: bool = False, share_prom
     if executed and share_prompts:
         teacher_forced = PROMPTS * forward_flops(config, queries=PROMPT_LEN, keys=total - 1, logits=1) + (
             batch * forward_flops(config, queries=NEW_TOKENS - 1, keys=total - 1, logits=NEW_TOKENS - 1))
-    # The sampler prefills each of the P prompts once, then decodes B = P * G rows.
-    return {"rollout": PROMPTS * prefill + batch * decode, "logprobs": teacher_forced, "update": 3 * teacher_forced}
+    # The model count prefills all B sequences; the sampler runs each of the P prompts once.
+    prefills = PROMPTS if executed else batch
+    return {"rollout": prefills * prefill + batch * decode, "logprobs": teacher_forced, "update": 3 * teacher_forced}
 
 
 def main(argv=None) -> None:
@@ -142,6 +165,9 @@ def main(argv=None) -> None:
                 timings[name].append(seconds)
 
     peak, peak_shape = matmul_peak_flops(CONFIG, PROMPTS * GROUP * (PROMPT_LEN + NEW_TOKENS))
+    rollout_devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
+    decode_rows = PROMPTS * GROUP // len(rollout_devices)
+    decode_rate = decode_matmul_flops(CONFIG, rows=decode_rows, devices=rollout_devices)
     flops = step_flops(CONFIG)
     executed = step_flops(CONFIG, executed=True, share_prompts=args.share_prompts)
     flops["step"], executed["step"] = sum(flops.values()), sum(executed.values())
@@ -165,6 +191,11 @@ def main(argv=None) -> None:
               f"{executed[name] / 1e9:>10.2f} {floor:>8.4f} {floor / seconds:>5.0%} "
               f"{executed[name] / peak / seconds:>5.0%} {seconds / floor:>7.2f}x "
               f"{seconds * peak / executed[name]:>11.2f}x")
+    print(f"decode-shaped matmuls ([{decode_rows}, {CONFIG.hidden_size}] @ [{CONFIG.hidden_size}, "
+          f"{CONFIG.intermediate_size}] and back, on {len(rollout_devices)} device"
+          f"{'s' if len(rollout_devices) > 1 else ''} at once): {decode_rate / 1e9:.1f} GFLOP/s, "
+          f"{decode_rate / peak:.0%} of the peak; the rollout's executed FLOPs at that rate: "
+          f"{executed['rollout'] / decode_rate:.4f} s")
     print("targets: update MFU >= 50%; step <= 1.6x its FLOP floor. The same step in TRL 1.16's GRPOTrainer on "
           "this machine: make bench-trl (issue 5 quotes ~0.49 s for TRL, ~0.67 s for Tunix 0.1.7).")
 
