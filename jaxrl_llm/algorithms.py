@@ -203,7 +203,7 @@ def sequence_advantages(
     Returns:
       ``(advantages [P * G], baseline)``: the flattened advantages, rows in the order of
       ``rewards.reshape(-1)``, and the baseline state after folding in this batch (the
-      input unchanged for other estimators).
+      input unchanged for other estimators, and for a batch with a non-finite reward).
     """
     estimator = algorithm.advantage
     if estimator == "gae":
@@ -219,7 +219,11 @@ def sequence_advantages(
         if baseline is None:
             raise ValueError(f"Algorithm {algorithm.name!r} needs the running baseline state (`baseline=`).")
         advantages = adv_lib.baseline(rewards, baseline.mean)  # the baseline from before this batch
-        baseline = adv_lib.running_mean_update(baseline, rewards, decay=algorithm.baseline_decay)
+        # A non-finite reward makes the advantages NaN, so the update skips this batch; it
+        # must not enter the baseline either, or every later batch would be skipped too.
+        folded = adv_lib.running_mean_update(baseline, rewards, decay=algorithm.baseline_decay)
+        finite = jnp.all(jnp.isfinite(rewards))
+        baseline = jax.tree.map(lambda new, old: jnp.where(finite, new, old), folded, baseline)
     elif estimator == "rloo":
         advantages = adv_lib.rloo(rewards)
     elif estimator == "grpo":

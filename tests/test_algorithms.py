@@ -56,6 +56,10 @@ def test_sequence_advantages_dispatch_to_the_named_estimator():
     for name, expected in cases.items():
         got, _ = algorithms.sequence_advantages(algorithms.get(name), rewards)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+    # REINFORCE with the batch-mean baseline instead of the running one.
+    batch_mean = dataclasses.replace(algorithms.REINFORCE_BASELINE, advantage="batch_mean_baseline")
+    got, _ = algorithms.sequence_advantages(batch_mean, rewards)
+    np.testing.assert_allclose(got, flat - flat.mean(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="uses GAE"):
         algorithms.sequence_advantages(algorithms.PPO, rewards)
 
@@ -68,6 +72,16 @@ def test_running_baseline_uses_the_mean_from_before_the_batch():
     adv, state = algorithms.sequence_advantages(algorithms.REINFORCE_BASELINE, jnp.array([[4.0, 0.0]]), state)
     np.testing.assert_allclose(adv, [2.0, -2.0])  # b = 2, the first batch's mean
     np.testing.assert_allclose(state.mean, 0.9 * 2.0 + 0.1 * 2.0)
+
+
+def test_a_batch_with_a_non_finite_reward_leaves_the_running_baseline_unchanged():
+    state = algorithms.sequence_advantages(algorithms.REINFORCE_BASELINE, jnp.array([[1.0, 3.0]]),
+                                           advantages.running_mean_init())[1]
+    for bad in (jnp.nan, jnp.inf):
+        adv, after = algorithms.sequence_advantages(algorithms.REINFORCE_BASELINE, jnp.array([[bad, 0.0]]), state)
+        assert not np.isfinite(adv[0])  # the update will skip this batch
+        np.testing.assert_array_equal(after.mean, state.mean)
+        np.testing.assert_array_equal(after.count, state.count)
 
 
 def test_policy_loss_kl_term_equals_objectives_grpo_with_beta():

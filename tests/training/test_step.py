@@ -226,6 +226,20 @@ def test_the_loop_stops_after_max_consecutive_skipped_steps_and_keeps_the_state(
     jax.tree.map(np.testing.assert_array_equal, error.value.state.params, params)
 
 
+def test_the_running_baseline_is_carried_across_steps_and_a_non_finite_batch_does_not_poison_it(monkeypatch):
+    model, params = models.init(CONFIG, jax.random.key(9))
+    step_rewards = iter([1.0, np.nan, 3.0, 5.0])  # one constant reward per step
+    monkeypatch.setattr(DigitSumTask, "reward_components",
+                        lambda self, c, lengths, a: {"constant": np.full(len(c), next(step_rewards), np.float32)})
+    state, history = training.train(model, params, algorithms.REINFORCE_BASELINE, RUN, steps=4, task=TASK)
+    assert [h["skipped_updates"] for h in history] == [0, 1, 1, 1]  # only the NaN step is skipped
+    decay, expected = algorithms.REINFORCE_BASELINE.baseline_decay, 1.0  # the first batch sets b
+    for reward in (3.0, 5.0):
+        expected = decay * expected + (1 - decay) * reward
+    np.testing.assert_allclose(float(state.baseline.mean), expected, rtol=1e-6)
+    assert int(state.baseline.count) == 3 * RUN.batch_size
+
+
 def test_reward_functions_must_return_one_number_per_completion(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(5))
     monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: {"short": np.zeros(3)})
