@@ -425,7 +425,8 @@ DAPO = Algorithm(
 )
 """DAPO: clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, soft overlong
 punishment over the last 4096 tokens (the paper's, for a 20480-token budget), no KL.
-Scale ``overlong_buffer`` with the generation budget (``dataclasses.replace``)."""
+Scale ``overlong_buffer`` with the generation budget (``dataclasses.replace``); the trainer
+turns one longer than the budget into a fifth of it (:func:`jaxrl_llm.training.fit_overlong_buffer`)."""
 
 GSPO = Algorithm(
     name="gspo", advantage="grpo", objective="grpo", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4,

@@ -14,8 +14,9 @@ Each step:
    up to ``max_refill_rounds`` extra rounds; groups still missing are masked out;
 3. **score** and **update**: the two jitted halves of :mod:`jaxrl_llm.training.step`.
 
-Prompts are left-padded to a multiple of ``prompt_bucket`` tokens so that both halves
-trace once per run; ``history[i]["score_traces"]`` and ``["update_traces"]`` count it.
+Prompts are left-padded to a multiple of ``prompt_bucket`` tokens, so both halves trace
+once per prompt width: once per run when the task's prompts fit one bucket (the digit
+task's do). ``history[i]["score_traces"]`` and ``["update_traces"]`` count the traces.
 The prompt stream is seeded by ``(seed, step)`` and every PRNG key lives in the state,
 so a run continued from a saved state (``state=``) draws what the uninterrupted run
 would have drawn.
@@ -48,10 +49,12 @@ class NonFiniteUpdates(FloatingPointError):
 
 
 def fit_overlong_buffer(algorithm: algorithms.Algorithm, max_new_tokens: int) -> algorithms.Algorithm:
-    """DAPO's soft overlong zone scaled to the budget: at most a fifth of it (the paper's
-    4096 of 20480 tokens); a budget under 5 tokens has no room for one and gets none."""
-    buffer = min(algorithm.overlong_buffer, max_new_tokens // 5)
-    return algorithm if buffer == algorithm.overlong_buffer else dataclasses.replace(algorithm, overlong_buffer=buffer)
+    """DAPO's soft overlong zone for a budget of ``max_new_tokens``: a buffer within the
+    budget is kept as set; a longer one (the preset's 4096, the paper's fifth of 20480
+    tokens) becomes a fifth of the budget, none under 5 tokens."""
+    if algorithm.overlong_buffer <= max_new_tokens:
+        return algorithm
+    return dataclasses.replace(algorithm, overlong_buffer=max_new_tokens // 5)
 
 
 def _left_pad(x: np.ndarray, width: int, value) -> np.ndarray:
@@ -264,7 +267,7 @@ def train(
         now = time.perf_counter()
 
         task_rewards = sum(components.values())
-        grouped = task_rewards.reshape(num_prompts, group)
+        grouped = first.rewards.reshape(num_prompts, group)  # as the advantages see them (overlong shaping in)
         metrics.update(
             reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
             **{f"reward_{name}": float(values.mean()) for name, values in components.items()},

@@ -291,6 +291,40 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     assert rollouts.tokens.shape == (RUN.batch_size, 8 + RUN.max_new_tokens)
 
 
+def dapo_overlong_penalty(lengths: np.ndarray, *, max_len: int, buffer: int, penalty: float) -> np.ndarray:
+    """Yu et al. (2025), eq. 13, one length at a time."""
+    def one(length):
+        if length <= max_len - buffer:
+            return 0.0
+        return ((max_len - buffer) - length) / buffer * penalty if length <= max_len else -penalty
+    return np.array([one(int(length)) for length in lengths], np.float32)
+
+
+def test_a_buffer_that_fits_the_budget_is_kept_and_the_presets_is_scaled_to_a_fifth():
+    assert training.fit_overlong_buffer(algorithms.DAPO, 10).overlong_buffer == 2
+    assert training.fit_overlong_buffer(algorithms.DAPO, 4).overlong_buffer == 0  # no room: off
+    own = dataclasses.replace(algorithms.DAPO, overlong_buffer=7)
+    assert training.fit_overlong_buffer(own, 10) is own
+    assert training.fit_overlong_buffer(own, 7) is own
+
+
+def test_overlong_shaping_enters_the_rewards_the_advantages_and_the_group_metric_see(monkeypatch):
+    model, params = models.init(CONFIG, jax.random.key(10))
+    monkeypatch.setattr(DigitSumTask, "reward_components",
+                        lambda self, c, lengths, a: {"zero": np.zeros(len(c), np.float32)})
+    run = dataclasses.replace(RUN, max_new_tokens=10)
+    method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5, dynamic_sampling=False)
+    sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
+    collected = training.loop.collect_batch(sampler, params, TASK, method, run, rng=np.random.default_rng(0),
+                                            key=jax.random.key(0))
+    expected = dapo_overlong_penalty(collected.rollouts.lengths, max_len=10, buffer=4, penalty=0.5)
+    assert np.any(expected < 0) and np.any(expected == 0)
+    np.testing.assert_allclose(collected.rollouts.rewards, expected, rtol=1e-6)
+    # The task's rewards are all 0, but the shaped ones, which the advantages use, differ in some groups.
+    _, history = training.train(model, params, method, run, steps=1, task=TASK)
+    assert history[0]["reward"] == 0 and history[0]["identical_reward_groups"] < 1
+
+
 def test_a_minibatch_of_padding_rows_takes_no_optimizer_step():
     model, params, score, update, state = _step(algorithms.GRPO)
     batch = _batch(model, params)
