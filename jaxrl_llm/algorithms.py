@@ -339,8 +339,8 @@ def policy_loss(
     Args:
       algorithm: the method.
       logp: ``[B, T]`` log-probs under the policy being optimised.
-      old_logp: ``[B, T]`` log-probs under the sampling policy (unused by
-        ``policy_gradient``).
+      old_logp: ``[B, T]`` log-probs under the sampling policy (``policy_gradient``
+        reads them for its ratio metrics only).
       advantages: ``[B]`` or ``[B, T]``.
       mask: ``[B, T]`` validity mask.
       ref_logp: ``[B, T]`` reference log-probs; required when ``kl_coef > 0``, reported
@@ -354,7 +354,7 @@ def policy_loss(
     a = algorithm
     common = dict(agg=a.agg, max_len=max_len)
     if a.objective == "policy_gradient":
-        loss, metrics = objectives.policy_gradient(logp, advantages, mask, **common)
+        loss, metrics = objectives.policy_gradient(logp, advantages, mask, old_logp=old_logp, **common)
     elif a.objective == "ppo_clip":
         loss, metrics = objectives.ppo_clip(
             logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, **common

@@ -139,6 +139,7 @@ def policy_gradient(
     *,
     agg: AggregationMode = "seq-mean-token-sum",
     max_len: int | None = None,
+    old_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     r"""REINFORCE: the spec's :math:`L = -A_i \sum_t \log \pi_\theta(a_{i,t} \mid s_{i,t})`.
 
@@ -153,15 +154,23 @@ def policy_gradient(
       mask: ``[B, T]`` validity mask.
       agg: aggregation mode, see :func:`jaxrl_llm.ops.aggregate`.
       max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      old_logp: ``[B, T]`` log-probs under the sampling policy, for diagnostics only: the
+        loss does not read them.
 
     Returns:
-      ``(loss, metrics)``; metrics: ``policy_loss``, ``logp_mean``.
+      ``(loss, metrics)``; metrics: ``policy_loss``, ``logp_mean``, and with ``old_logp``
+      the ratio metrics of the ratio-based objectives (how far the policy has moved
+      from the samples' policy) and ``clip_fraction`` 0, as nothing is clipped.
     """
     fn = "policy_gradient"
     _check_agg(fn, agg, max_len)
-    batch = _Batch(fn, logp, advantages, mask)
+    batch = _Batch(fn, logp, advantages, mask, old_logp)
     loss = aggregation.aggregate(-batch.advantages * batch.logp, batch.mask, mode=agg, max_len=max_len)
-    return loss, {"policy_loss": loss, "logp_mean": batch.mean(jax.lax.stop_gradient(batch.logp))}
+    metrics = {"policy_loss": loss, "logp_mean": batch.mean(jax.lax.stop_gradient(batch.logp))}
+    if old_logp is not None:
+        metrics.update(_ratio_metrics(batch, _ratio(jax.lax.stop_gradient(batch.logp - batch.old_logp))),
+                       clip_fraction=jnp.zeros((), jnp.float32))
+    return loss, metrics
 
 
 def ppo_clip(

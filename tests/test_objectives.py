@@ -56,6 +56,23 @@ def test_policy_gradient(agg, per_token):
     )
 
 
+def test_policy_gradient_reports_the_ratio_to_the_sampling_policy_without_using_it():
+    b = make_batch(2, ratio_noise=0.5)
+
+    def loss(lp, old_logp=None):
+        return objectives.policy_gradient(lp, b["advantages"], b["mask"], old_logp=old_logp)
+
+    (plain, _), plain_grad = jax.value_and_grad(loss, has_aux=True)(b["logp"])
+    (with_old, metrics), with_old_grad = jax.value_and_grad(loss, has_aux=True)(b["logp"], b["old_logp"])
+    np.testing.assert_array_equal(with_old, plain)
+    np.testing.assert_array_equal(with_old_grad, plain_grad)
+    ratio = np.exp(b["logp"] - b["old_logp"])[b["mask"] > 0]
+    np.testing.assert_allclose([metrics["ratio_min"], metrics["ratio_mean"], metrics["ratio_max"]],
+                               [ratio.min(), ratio.mean(), ratio.max()], rtol=1e-5)
+    np.testing.assert_allclose(metrics["approx_kl"], np.mean(ratio - 1 - np.log(ratio)), rtol=1e-4)
+    assert metrics["clip_fraction"] == 0
+
+
 @pytest.mark.parametrize("agg", MODES)
 @pytest.mark.parametrize("eps_high, dual_clip", [(None, None), (0.28, None), (None, 1.5), (0.28, 3.0)])
 def test_ppo_clip(agg, eps_high, dual_clip):

@@ -336,7 +336,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, scored)
         metrics.update({f"trpo_{name}": value.astype(jnp.float32) for name, value in info.items()})
         finite = jnp.isfinite(info["grad_norm"])  # not finite: no candidate was accepted
-        metrics["grad_norm"] = info["grad_norm"]
+        # theta' = theta + step_size * s, s the natural-gradient direction: its learning rate.
+        metrics.update(grad_norm=info["grad_norm"], learning_rate=metrics["trpo_step_size"])
         state = state._replace(
             params=params, step=state.step + 1,
             skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),

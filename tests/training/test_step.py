@@ -195,8 +195,9 @@ def test_ppo_critic_starts_at_zero_and_its_value_loss_falls_on_a_batch():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_non_finite_updates_are_skipped_counted_and_leave_params_unchanged():
-    model, params, score, update, state = _step(algorithms.GRPO)
+@pytest.mark.parametrize("name", ["GRPO", "TRPO"])
+def test_non_finite_updates_are_skipped_counted_and_leave_params_unchanged(name):
+    model, params, score, update, state = _step(getattr(algorithms, name))
     batch = _batch(model, params)
     poisoned = batch._replace(rewards=batch.rewards.at[0].set(jnp.nan))  # a NaN reward: NaN advantages
     before = jax.tree.map(np.asarray, state.params)
@@ -255,6 +256,9 @@ def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
     half, _ = training.train(model, params, method, run, steps=2, task=TASK)
     resumed, history = training.train(model, params, method, run, steps=2, task=TASK, state=half)
     assert int(resumed.step) == 4 and history[-1]["update_traces"] == 1
+    # The update donates the state: the buffers passed in were reused, not copied.
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves((half.params, half.opt_state)))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))  # `params` is copied, never donated
     jax.tree.map(np.testing.assert_array_equal, resumed.params, straight.params)
 
 
