@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm import advantages as adv_lib, algorithms, cli, kl, objectives, ops, trpo
+from jaxrl_llm import advantages as adv_lib, algorithms, cli, kl, objectives, ops, training, trpo
 
 NUM_DIGITS = 10
 EOS = NUM_DIGITS  # token ids 0..9 are digits, 10 is EOS
@@ -290,12 +290,11 @@ def greedy_accuracy(params: Params, *, max_len: int) -> float:
 
 def train(config: ToyConfig, algorithm: algorithms.Algorithm) -> dict[str, Any]:
     """Trains one method; returns its reward curve and final numbers."""
-    if algorithm.overlong_buffer >= config.max_new_tokens:
-        # DAPO's buffer is 20% of its 20480-token budget; keep that fraction here.
-        buffer = max(1, config.max_new_tokens // 5)
-        print(f"  ({algorithm.name}: overlong_buffer {algorithm.overlong_buffer} -> {buffer} tokens "
+    fitted = training.fit_overlong_buffer(algorithm, config.max_new_tokens)  # DAPO's 20% of its budget
+    if fitted.overlong_buffer != algorithm.overlong_buffer:
+        print(f"  ({algorithm.name}: overlong_buffer {algorithm.overlong_buffer} -> {fitted.overlong_buffer} tokens "
               f"for a {config.max_new_tokens}-token budget)")
-        algorithm = dataclasses.replace(algorithm, overlong_buffer=buffer)
+        algorithm = fitted
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(config.learning_rate))
     state = init_state(config, algorithm, optimizer)
     step_fn = jax.jit(make_train_step(config, algorithm, optimizer), donate_argnums=0)
