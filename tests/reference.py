@@ -164,6 +164,15 @@ def finite_difference_grad(f, x: np.ndarray, h: float = 1e-6) -> np.ndarray:
     return grad
 
 
+def overlong_penalty(lengths, *, max_len: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13), one length at a time."""
+    def one(length):
+        if length <= max_len - buffer:
+            return 0.0
+        return ((max_len - buffer) - length) / buffer * penalty if length <= max_len else -penalty
+    return np.array([one(int(length)) for length in lengths])
+
+
 def rloo(rewards) -> np.ndarray:
     rewards = np.asarray(rewards, np.float64)
     out = np.zeros_like(rewards)

@@ -10,6 +10,7 @@ import pytest
 
 from jaxrl_llm import algorithms, kl, models, ops, sharding, training
 from jaxrl_llm.tasks import DigitSumTask
+from tests import reference
 
 TASK = DigitSumTask()
 CONFIG = models.ModelConfig(vocab_size=len(TASK.tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
@@ -295,15 +296,6 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     assert rollouts.tokens.shape == (RUN.batch_size, 8 + RUN.max_new_tokens)
 
 
-def dapo_overlong_penalty(lengths: np.ndarray, *, max_len: int, buffer: int, penalty: float) -> np.ndarray:
-    """Yu et al. (2025), eq. 13, one length at a time."""
-    def one(length):
-        if length <= max_len - buffer:
-            return 0.0
-        return ((max_len - buffer) - length) / buffer * penalty if length <= max_len else -penalty
-    return np.array([one(int(length)) for length in lengths], np.float32)
-
-
 def test_a_buffer_that_fits_the_budget_is_kept_and_the_presets_is_scaled_to_a_fifth():
     assert training.fit_overlong_buffer(algorithms.DAPO, 10).overlong_buffer == 2
     assert training.fit_overlong_buffer(algorithms.DAPO, 4).overlong_buffer == 0  # no room: off
@@ -321,7 +313,7 @@ def test_overlong_shaping_enters_the_rewards_the_advantages_and_the_group_metric
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
     collected = training.loop.collect_batch(sampler, params, TASK, method, run, rng=np.random.default_rng(0),
                                             key=jax.random.key(0))
-    expected = dapo_overlong_penalty(collected.rollouts.lengths, max_len=10, buffer=4, penalty=0.5)
+    expected = reference.overlong_penalty(collected.rollouts.lengths, max_len=10, buffer=4, penalty=0.5)
     assert np.any(expected < 0) and np.any(expected == 0)
     np.testing.assert_allclose(collected.rollouts.rewards, expected, rtol=1e-6)
     # The task's rewards are all 0, but the shaped ones, which the advantages use, differ in some groups.
