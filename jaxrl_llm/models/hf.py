@@ -1,13 +1,16 @@
 """Hugging Face checkpoints in both directions, through safetensors.
 
 :func:`from_pretrained` reads ``config.json`` with ``transformers.AutoConfig`` (which also
-upgrades transformers-4 files) and the weights tensor by tensor, from one
-``*.safetensors`` file or many with an index, straight into a params tree built
-abstractly: no random initialisation and no second full copy in host memory.
+upgrades transformers-4 files) and the weights tensor by tensor, from ``model.safetensors``
+or the shards an index lists, straight into a params tree built abstractly: no random
+initialisation and no second full copy in host memory.
 
 :func:`save_pretrained` writes a directory that ``transformers.AutoModelForCausalLM``
-loads. It writes into a temporary sibling directory and swaps it in at the end, so an
-interrupted save never leaves a half-written checkpoint behind.
+loads. It writes into a hidden staging directory next to the target and swaps it in
+with two renames when complete, so an interrupted save never leaves a half-written
+checkpoint at the path. Leftovers of a save whose process died (its staging directory,
+or the previous checkpoint moved aside by the swap) are cleaned up, or the previous
+checkpoint renamed back, by the next save or load of that path on the same machine.
 
 The layouts differ only by transposes and head reshapes: Hugging Face stores a linear
 layer as ``[out, in]``; we store ``[in, out]``, with the head axis split out of q/k/v/o.
@@ -15,11 +18,14 @@ layer as ``[out, in]``; we store ``[in, out]``, with the head axis split out of 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import re
+import secrets
 import shutil
-import tempfile
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +40,7 @@ from jaxrl_llm.models.config import ModelConfig, dtype_from_name
 from jaxrl_llm.models.functional import Model, Params, abstract
 
 INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # Per layout: (our shape -> HF shape, HF array -> ours, ours -> HF array).
@@ -77,12 +84,14 @@ def hf_name(path: tuple[Any, ...]) -> tuple[str, str]:
 
 
 def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Tensor name -> the safetensors file that holds it."""
+    """Tensor name -> the safetensors file that holds it: the index's map, else every tensor of
+    ``model.safetensors``, else of every ``*.safetensors`` file."""
     index = directory / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: directory / file for name, file in weight_map.items()}
-    files = sorted(directory.glob("*.safetensors"))
+    single = directory / WEIGHTS_FILE
+    files = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"No weights in {directory}: expected *.safetensors files (or {INDEX_FILE}).")
     names = {}
@@ -100,8 +109,14 @@ def from_pretrained(
 ) -> tuple[Model, Params]:
     """Loads a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3).
 
+    Leftovers of a save to ``path`` that died on this machine are cleaned up first, as
+    :func:`save_pretrained` describes; a checkpoint moved aside by a save that died
+    mid-swap is renamed back to ``path``.
+
     Args:
-      path: a directory with ``config.json`` and ``*.safetensors`` weights.
+      path: a directory with ``config.json`` and the weights: ``model.safetensors``, or
+        ``model.safetensors.index.json`` and the files it lists, else every ``*.safetensors``
+        file there. Symlinks are resolved.
       dtype: the parameters' dtype (``jnp.float32``, ``jnp.bfloat16``, or its name).
       compute_dtype: the activations' dtype; defaults to ``dtype``.
 
@@ -113,7 +128,8 @@ def from_pretrained(
       ValueError: an unsupported architecture or option, a missing or unexpected
         tensor, or a tensor whose shape does not match the config (names both shapes).
     """
-    directory = pathlib.Path(path)
+    directory = pathlib.Path(path).resolve()
+    _recover(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
     if not (directory / "config.json").is_file():
@@ -182,14 +198,48 @@ def save_pretrained(
 ) -> None:
     """Writes ``config.json`` and safetensors weights that transformers loads.
 
-    Weights beyond ``max_shard_bytes`` are split over several files with an index. The
-    directory is written next to ``path`` and swapped in when complete; an existing
-    checkpoint at ``path`` is replaced only then, and the other files there (tokenizer,
-    generation config, ...) are kept. Token ids (bos, eos, pad) travel in the config.
+    ``path`` is resolved first: ``"."`` and ``".."`` work, and for a symlink the directory it
+    points to is written (the link stays). The weights go to ``model.safetensors`` or, beyond
+    ``max_shard_bytes``, to ``model-XXXXX-of-YYYYY.safetensors`` shards listed in
+    ``model.safetensors.index.json``. Token ids (bos, eos, pad) travel in the config.
+
+    The checkpoint is written into a hidden staging directory next to ``path``
+    (``.{name}.saving.*``) and swapped in when complete: the existing directory is renamed
+    aside (``.{name}.old.*``), the staging directory renamed to ``path``, the old one removed.
+    An interrupted save therefore never leaves a half-written checkpoint at ``path``.
+
+    What an existing directory at ``path`` keeps: everything except the previous
+    checkpoint's ``config.json``, ``model.safetensors``, index and the shards that index
+    lists, which the new files replace. Tokenizer files, ``generation_config.json``, other
+    ``*.safetensors`` files (a critic, an optimizer state), subdirectories and symlinks (as
+    symlinks) are carried into the new directory by hard link, or copied across file
+    systems. A process whose working directory was ``path`` or inside it is moved into the
+    new directory.
+
+    Recovery: every save and :func:`from_pretrained` of ``path`` first cleans up after saves
+    to it whose process died on this machine (same host name and pid namespace; a pid reused
+    by a later process counts as dead). Their staging directories are removed; a previous
+    checkpoint they renamed aside goes back to ``path`` if ``path`` is missing (a death
+    between the two renames), else is removed. Leftovers of running processes and of other
+    machines are never touched.
+
+    Permissions: new files get ``0o666 & ~umask`` and the directory ``0o777 & ~umask``, as
+    with transformers; carried-over files keep theirs.
+
+    Raises:
+      ValueError: ``path`` resolves to the file system root.
+      NotADirectoryError: ``path`` exists and is not a directory.
     """
-    target = pathlib.Path(path)
+    target = pathlib.Path(path).resolve()
+    if not target.name:
+        raise ValueError(f"Cannot save a checkpoint as the file system root {target}; pass a directory below it.")
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"Cannot save a checkpoint to {target}: it is a file, not a directory.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    _recover(target)
+    file_mode = 0o666 & ~_umask()
+    staging = _sibling(target, "saving")
+    staging.mkdir()  # 0o777 & ~umask
     try:
         model.config.to_hf().save_pretrained(staging)
         shards: list[dict[str, np.ndarray]] = [{}]
@@ -202,7 +252,7 @@ def save_pretrained(
             sizes[-1] += array.nbytes
         metadata = {"format": "pt"}  # what transformers expects of a safetensors file
         if len(shards) == 1:
-            save_file(shards[0], staging / "model.safetensors", metadata=metadata)
+            save_file(shards[0], staging / WEIGHTS_FILE, metadata=metadata)
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
@@ -211,38 +261,62 @@ def save_pretrained(
                 weight_map.update({name: file for name in shard})
             index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        for file in staging.iterdir():
+            os.chmod(file, file_mode)  # safetensors creates its files 0o600
         _swap_in(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def _is_model_file(name: str) -> bool:
-    return name == "config.json" or name == INDEX_FILE or name.endswith(".safetensors")
-
-
 def _swap_in(staging: pathlib.Path, target: pathlib.Path) -> None:
     """Moves the finished ``staging`` directory to ``target``.
 
-    The previous model files at ``target`` (config, weights, index) are replaced as a
-    whole; anything else there (a tokenizer, ``generation_config.json``, training state)
-    is carried into the new directory first, by hard link where possible.
+    An existing ``target``'s entries other than the previous checkpoint's model files
+    (:func:`_replaced_names`) and the names ``staging`` holds are carried into ``staging``
+    first: symlinks as symlinks, files by hard link where possible. Then ``target`` is
+    renamed aside, ``staging`` renamed to ``target`` (the old directory goes back if that
+    fails) and the old directory removed. A working directory inside ``target`` is re-entered.
     """
-    if target.exists():
-        for entry in target.iterdir():
-            if _is_model_file(entry.name) or (staging / entry.name).exists():
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    replaced = _replaced_names(target)
+    with os.scandir(target) as entries:
+        for entry in entries:
+            destination = staging / entry.name
+            if entry.name in replaced or os.path.lexists(destination):
                 continue
-            if entry.is_dir():
-                shutil.copytree(entry, staging / entry.name, copy_function=_link_or_copy)
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry.path), destination)
+            elif entry.is_dir():
+                shutil.copytree(entry.path, destination, symlinks=True, copy_function=_link_or_copy)
             else:
-                _link_or_copy(entry, staging / entry.name)
-        retired = target.with_name(f".{target.name}.old")
-        shutil.rmtree(retired, ignore_errors=True)
-        os.replace(target, retired)
+                _link_or_copy(entry.path, destination)
+    try:
+        cwd = pathlib.Path(os.getcwd())
+    except OSError:  # the working directory was deleted
+        cwd = None
+    retired = _sibling(target, "old")
+    os.replace(target, retired)
+    try:
         os.replace(staging, target)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.replace(staging, target)
+    except BaseException:
+        _put_back(retired, target)
+        raise
+    if cwd is not None and (cwd == target or target in cwd.parents):
+        os.chdir(cwd)  # the old inode is going: enter the same path in the new directory
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _replaced_names(target: pathlib.Path) -> set[str]:
+    """The previous checkpoint's model files in ``target``, which a save drops: ``config.json``,
+    ``model.safetensors``, the index and the shards the index lists."""
+    names = {"config.json", WEIGHTS_FILE, INDEX_FILE}
+    # No index, or an unreadable one: it lists nothing.
+    with contextlib.suppress(OSError, ValueError, LookupError, TypeError, AttributeError):
+        names.update(json.loads((target / INDEX_FILE).read_text())["weight_map"].values())
+    return names
 
 
 def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> None:
@@ -250,3 +324,92 @@ def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> 
         os.link(source, destination)
     except OSError:
         shutil.copy2(source, destination)
+
+
+# --- Leftovers of interrupted saves --------------------------------------------------------------
+
+
+def _sibling(target: pathlib.Path, kind: str) -> pathlib.Path:
+    """A fresh hidden name next to ``target`` that records this process as its owner:
+    ``.{name}.{kind}.{host name}.{pid namespace}.{pid}.{start time}.{8 hex digits}``."""
+    pid = os.getpid()
+    owner = f"{_machine()}.{pid}.{_start_time(pid) or 0}"
+    return target.with_name(f".{target.name}.{kind}.{owner}.{secrets.token_hex(4)}")
+
+
+def _machine() -> str:
+    """``{host name}.{pid namespace}``: the scope in which a pid names one process."""
+    try:
+        namespace = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid"))
+    except OSError:  # no Linux /proc
+        namespace = "0"
+    return f"{socket.gethostname()}.{namespace}"
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot), ``"zombie"`` once it has exited;
+    None where unknown (no such process, or no Linux /proc)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return "zombie" if fields[0] in ("Z", "X") else fields[19]
+
+
+def _ended(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` that started at ``start`` has ended: the pid is free, a
+    zombie's, or a later process's (another start time). Unknown counts as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        pass
+    now = _start_time(pid)
+    return now is not None and now != start
+
+
+def _put_back(retired: pathlib.Path, target: pathlib.Path) -> None:
+    """A previous checkpoint renamed aside goes back to ``target`` if that is missing, else away."""
+    if os.path.lexists(target):
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):  # another process put one back first; else the next recovery retries
+            os.replace(retired, target)
+
+
+def _recover(target: pathlib.Path) -> None:
+    """Cleans up after saves to ``target`` whose process died on this machine.
+
+    Their staging directories are removed; a previous checkpoint they renamed aside goes back
+    to ``target`` if that is missing (the save died between its two renames), else is
+    removed. Leftovers whose owner (:func:`_sibling`) runs, or ran on another machine, stay.
+    """
+    leftover = re.compile(
+        rf"\.{re.escape(target.name)}\.(saving|old)\.{re.escape(_machine())}\.(\d{{1,9}})\.(\d+)\.[0-9a-f]{{8}}"
+    )
+    try:
+        names = sorted(os.listdir(target.parent))
+    except OSError:  # no parent directory, or an unreadable one
+        return
+    for name in names:
+        match = leftover.fullmatch(name)
+        if match is None or not _ended(int(match[2]), match[3]):
+            continue
+        if match[1] == "old":
+            _put_back(target.parent / name, target)
+        else:
+            shutil.rmtree(target.parent / name, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process's umask: from /proc on Linux, else by setting and restoring it."""
+    try:
+        match = re.search(r"^Umask:\s+([0-7]+)$", pathlib.Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        match = None
+    if match:
+        return int(match[1], 8)
+    mask = os.umask(0o077)  # not race-free: a file another thread creates meanwhile gets the strictest mask
+    os.umask(mask)
+    return mask
