@@ -120,8 +120,8 @@ def categorical(logits_p: jax.Array, logits_q: jax.Array) -> jax.Array:
     ``-inf``) contribute zero. Differentiable with respect to both arguments.
 
     Args:
-      logits_p: ``[B, T, V]`` logits of :math:`p` (e.g. :math:`\pi_{\text{old}}` for TRPO's
-        constraint, or :math:`\pi_\theta` for a penalty to the reference).
+      logits_p: ``[B, T, V]`` logits of :math:`p`, ``V >= 1`` (e.g. :math:`\pi_{\text{old}}`
+        for TRPO's constraint, or :math:`\pi_\theta` for a penalty to the reference).
       logits_q: ``[B, T, V]`` logits of :math:`q`.
 
     Returns:
@@ -131,6 +131,7 @@ def categorical(logits_p: jax.Array, logits_q: jax.Array) -> jax.Array:
     logits_p = _checks.floating(fn, "logits_p", logits_p)
     logits_q = _checks.floating(fn, "logits_q", logits_q)
     _checks.rank(fn, "logits_p", logits_p, 3, "[B, T, V]")
+    _checks.nonempty(fn, "logits_p", logits_p, "a vocabulary of at least one token", axes=(-1,))
     _checks.same_shape(fn, "logits_q", logits_q, "logits_p", logits_p)
     log_p = jax.nn.log_softmax(logits_p.astype(jnp.float32), axis=-1)  # [B, T, V]
     log_q = jax.nn.log_softmax(logits_q.astype(jnp.float32), axis=-1)  # [B, T, V]

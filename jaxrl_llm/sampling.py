@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 import jax
@@ -77,6 +78,25 @@ def _round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
 
 
+def _eos_tuple(fn: str, eos_ids: int | Iterable[int] | None) -> tuple[int, ...]:
+    """``eos_ids`` as a non-empty tuple of ints. One int is one id: Hugging Face's
+    ``generation_config.eos_token_id`` is an int or a list of them."""
+    if isinstance(eos_ids, (np.ndarray, jax.Array)) and jnp.issubdtype(eos_ids.dtype, jnp.integer):
+        eos_ids = np.asarray(eos_ids).tolist()  # an int, or a (nested) list of them
+
+    def is_int(value: object) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if is_int(eos_ids):
+        return (int(eos_ids),)
+    ids = () if eos_ids is None else tuple(eos_ids) if isinstance(eos_ids, Iterable) else None
+    if ids is None or isinstance(eos_ids, (str, bytes)) or not all(is_int(e) for e in ids):
+        raise TypeError(f"{fn}: `eos_ids` must be a token id (an int) or a sequence of them; got {eos_ids!r}.")
+    if not ids:
+        raise ValueError(f"{fn}: `eos_ids` must name at least one end-of-sequence token id; got {eos_ids!r}.")
+    return tuple(int(e) for e in ids)
+
+
 def sample(
     model: models.Model,
     params: models.Params,
@@ -98,8 +118,11 @@ def sample(
 
     Args:
       model, params: from :func:`jaxrl_llm.models.from_pretrained` or ``init``.
-      prompt_tokens: ``[P, S]`` left-padded prompt ids.
-      prompt_mask: ``[P, S]``, 1 for real tokens; every prompt needs at least one.
+      prompt_tokens: ``[P, S]`` left-padded prompt ids in ``[0, V)`` (padding included),
+        ``P, S >= 1``.
+      prompt_mask: ``[P, S]``, bool or 0/1, true for real tokens; every prompt needs at
+        least one, and must be left-padded: padding first, then the prompt (with a Hugging
+        Face tokenizer, ``tokenizer.padding_side = "left"``).
       key: a PRNG key; the same key gives the same samples.
       num_samples: ``G >= 1`` completions per prompt.
       max_new_tokens: ``N >= 1``, the completion budget.
@@ -107,7 +130,8 @@ def sample(
       top_k: sample among the ``k`` most likely tokens (``None``: all).
       top_p: sample from the smallest set of most likely tokens with mass ``>= p``
         (nucleus; ``None``: all).
-      eos_ids: one or more end-of-sequence ids; a completion ends at the first.
+      eos_ids: one end-of-sequence id (an int) or a sequence of them; a completion ends
+        at the first.
       pad_id: written after EOS and in unused completion slots.
       bucket: prompt and completion buffers are rounded up to multiples of this.
       mesh: decode data-parallel over the mesh's ``data`` axis: each device takes
@@ -117,11 +141,19 @@ def sample(
 
     Returns:
       A :class:`Rollout` with ``B = P * G`` rows (split over ``mesh``'s devices if given).
+
+    Raises:
+      ValueError: on bad settings, and on prompts that would be misread: ids outside
+        ``[0, V)``, a mask with values other than 0/1, a prompt without a real token, or
+        one not left-padded. The prompts are checked on the host when they are concrete
+        (NumPy, or eager arrays, read back once); called under ``jit`` they cannot be.
     """
     fn = "sample"
+    given_tokens, given_mask = prompt_tokens, prompt_mask  # checked where they are (NumPy: on the host)
     prompt_tokens = _checks.integer(fn, "prompt_tokens", prompt_tokens)
     _checks.rank(fn, "prompt_tokens", prompt_tokens, 2, "[P, S]")
-    prompt_mask = _checks.mask(fn, prompt_mask, "prompt_tokens", prompt_tokens, name="prompt_mask")
+    _checks.nonempty(fn, "prompt_tokens", prompt_tokens, "at least one prompt of at least one token")
+    prompt_mask = _checks.mask(fn, given_mask, "prompt_tokens", prompt_tokens, name="prompt_mask")
     _checks.positive_int(fn, "num_samples", num_samples)
     _checks.positive_int(fn, "max_new_tokens", max_new_tokens)
     _checks.positive_int(fn, "bucket", bucket)
@@ -130,19 +162,19 @@ def sample(
         _checks.positive_int(fn, "top_k", top_k)
     if top_p is not None:
         _checks.in_range(fn, "top_p", top_p, 0.0, 1.0, closed="(]")
-    eos_ids = tuple(int(e) for e in (eos_ids or ()))
-    if not eos_ids:
-        raise ValueError(f"{fn}: `eos_ids` must name at least one end-of-sequence token id.")
+    eos_ids = _eos_tuple(fn, eos_ids)
     vocab = model.config.vocab_size
     if any(not 0 <= e < vocab for e in (*eos_ids, pad_id)):
         raise ValueError(f"{fn}: `eos_ids` {eos_ids} and `pad_id` {pad_id} must be token ids in [0, {vocab}).")
+    _checks.token_ids(fn, "prompt_tokens", given_tokens, vocab)
+    host_mask = _checks.host_values(given_mask)  # None when traced: not checked
+    if host_mask is not None:
+        real = host_mask.astype(bool).any(axis=1)  # [P]
+        if not real.all():
+            raise ValueError(f"{fn}: every prompt needs at least one real token; prompt {int(np.argmin(real))} "
+                             f"has none.")
+        _checks.left_padded(fn, "prompt_mask", host_mask)
     length = prompt_tokens.shape[1]
-    try:  # on the host, where the mask is concrete (a traced one cannot be checked here)
-        empty = length == 0 or not np.asarray(prompt_mask).astype(bool).any(axis=1).all()
-    except jax.errors.TracerArrayConversionError:
-        empty = length == 0
-    if empty:
-        raise ValueError(f"{fn}: every prompt needs at least one real token; got an empty prompt.")
     limit = model.config.max_position_embeddings
     if length + max_new_tokens > limit:
         raise ValueError(
@@ -376,13 +408,16 @@ class Sampler:
     """This module's :class:`RolloutBackend`: :func:`sample` with its settings bound."""
 
     model: models.Model
-    eos_ids: tuple[int, ...]
+    eos_ids: int | tuple[int, ...]  # one int is one id; stored as a tuple
     pad_id: int
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     bucket: int = 16
     mesh: jax.sharding.Mesh | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_ids", _eos_tuple("Sampler", self.eos_ids))  # frozen: set once, here
 
     def __call__(self, params, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens) -> Rollout:
         return sample(

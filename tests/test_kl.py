@@ -95,6 +95,17 @@ def test_errors_name_the_argument():
         kl.categorical(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 4)))
 
 
+def test_an_empty_vocabulary_is_refused_not_a_zero_kl():
+    with pytest.raises(ValueError, match=r"kl.categorical: `logits_p` is empty, shape \[2, 3, 0\]: need a vocabulary"):
+        kl.categorical(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3, 0)))
+
+
+def test_estimators_of_empty_batches_are_empty():
+    """Per-token and elementwise: nothing to refuse (reductions over them are refused)."""
+    for name in kl.KL_ESTIMATORS:
+        assert kl.estimate(jnp.zeros((0, 5)), jnp.zeros((0, 5)), estimator=name).shape == (0, 5)
+
+
 def test_k3_of_extreme_log_ratios_is_finite():
     logp = jnp.array([[-100.0, -0.1]])
     ref_logp = jnp.array([[-0.1, -100.0]])

@@ -254,3 +254,127 @@ def test_chunked_categorical_kl_refuses_mismatched_models():
         ops.chunked_categorical_kl(jnp.zeros((1, 2, 4)), jnp.zeros((4, 5)), jnp.zeros((1, 2, 4)), jnp.zeros((4, 6)))
     with pytest.raises(ValueError, match=r"`output_kernel_q` must have shape \[E, V\] with E = 3"):
         ops.chunked_categorical_kl(jnp.zeros((1, 2, 4)), jnp.zeros((4, 5)), jnp.zeros((1, 2, 3)), jnp.zeros((4, 5)))
+
+
+# Masks select tokens, they never weight them: bool, or numbers that are all 0 or 1.
+BAD_MASK_VALUES = [
+    (np.float32, 2.0, r"\[2.0\]"), (np.float32, 0.5, r"\[0.5\]"), (np.float32, -1.0, r"\[-1.0\]"),
+    (np.uint8, 255, r"\[255\]"), (np.int32, -1, r"\[-1\]"), (np.float32, np.nan, r"\[nan\]"),
+]
+MASKED_OPS = {
+    **{mode: lambda v, m, mode=mode: ops.aggregate(v, m, mode=mode) for mode in MODES},
+    "masked_mean": ops.masked_mean, "masked_min": ops.masked_min, "masked_max": ops.masked_max,
+    "whiten": ops.whiten,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKED_OPS))
+@pytest.mark.parametrize("dtype, bad, listed", BAD_MASK_VALUES)
+def test_masks_other_than_0_1_are_refused_when_concrete(name, dtype, bad, listed):
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    mask = np.array([[1, 0, 1], [1, 1, 0]], dtype)
+    mask[1, 1] = bad
+    for concrete in (mask, jnp.asarray(mask)):  # NumPy, or an eager jax.Array
+        with pytest.raises(ValueError, match=r"`mask` must be boolean or 0/1; got values " + listed):
+            MASKED_OPS[name](values, concrete)
+    with pytest.raises(ValueError, match=r"got values \[-1.0, 2.0\]"):
+        MASKED_OPS[name](values, np.array([[2.0, -1.0, 1.0], [2.0, 0.0, 1.0]], np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(MASKED_OPS))
+@pytest.mark.parametrize("dtype, one", [(np.float32, 2.0), (np.uint8, 255), (np.int32, 7), (np.float32, -1.0)])
+def test_a_traced_numeric_mask_selects_like_the_bool_mask(name, dtype, one):
+    """Under jit the values cannot be checked: nonzero is valid, and a 2, a 255 or a -1
+    weighs what a 1 weighs."""
+    rng = np.random.default_rng(11)
+    values = rng.normal(size=(4, 5)).astype(np.float32)
+    valid = _random_mask(rng, 4, 5).astype(bool)
+    numeric = np.where(valid & (rng.random((4, 5)) < 0.5), one, valid).astype(dtype)  # mixes 1 and `one`
+    assert (numeric == one).any()
+    jitted = jax.jit(MASKED_OPS[name])
+    np.testing.assert_allclose(jitted(values, numeric), jitted(values, valid), rtol=1e-6)
+    np.testing.assert_allclose(jitted(values, numeric), MASKED_OPS[name](values, valid), rtol=1e-6)
+
+
+def test_a_negative_mask_entry_cannot_put_the_mean_above_the_max():
+    values = jnp.array([[1.0, 2.0, 3.0]])
+    mask = jnp.array([[1.0, -1.0, 1.0]])
+    with pytest.raises(ValueError, match=r"got values \[-1.0\]"):
+        ops.masked_mean(values, mask)
+    mean, largest = jax.jit(lambda v, m: (ops.masked_mean(v, m), ops.masked_max(v, m)))(values, mask)
+    assert float(mean) == 2.0 and float(largest) == 3.0  # -1 is read as valid, not as a weight of -1
+
+
+EMPTY_OPS = {
+    **{f"aggregate {mode}": lambda v, m, mode=mode: ops.aggregate(v, m, mode=mode) for mode in MODES},
+    "masked_mean": ops.masked_mean, "masked_min": ops.masked_min, "masked_max": ops.masked_max,
+    "whiten": ops.whiten, "whiten without mask": lambda v, m: ops.whiten(v),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_OPS))
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+def test_empty_values_are_refused_with_a_clear_error(name, shape):
+    need = "at least one value" if name.startswith("whiten") else "at least one sequence and one token"
+    message = rf"`values` is empty, shape \[{shape[0]}, {shape[1]}\]: need {need}"
+    with pytest.raises(ValueError, match=message):
+        EMPTY_OPS[name](jnp.zeros(shape), jnp.ones(shape, bool))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0)])
+def test_chunked_ops_refuse_empty_batches(shape):
+    hidden, kernel, tokens = jnp.zeros((*shape, 4)), jnp.zeros((4, 7)), jnp.zeros(shape, jnp.int32)
+    empty = rf"is empty, shape \[{shape[0]}, {shape[1]}, 4\]: need at least one sequence and one token"
+    with pytest.raises(ValueError, match="chunked_token_logprobs: `hidden` " + empty):
+        ops.chunked_token_logprobs(hidden, kernel, tokens)
+    with pytest.raises(ValueError, match="chunked_categorical_kl: `hidden_p` " + empty):
+        ops.chunked_categorical_kl(hidden, kernel, hidden, kernel)
+
+
+def test_an_empty_vocabulary_is_refused():
+    need = "need a vocabulary of at least one token"
+    with pytest.raises(ValueError, match=r"token_logprobs: `logits` is empty, shape \[2, 3, 0\]: " + need):
+        ops.token_logprobs(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match=r"entropy: `logits` is empty, shape \[2, 3, 0\]: " + need):
+        ops.entropy(jnp.zeros((2, 3, 0)))
+    with pytest.raises(ValueError, match=r"`output_kernel` is empty, shape \[4, 0\]: " + need):
+        ops.chunked_token_logprobs(jnp.zeros((2, 3, 4)), jnp.zeros((4, 0)), jnp.zeros((2, 3), jnp.int32))
+
+
+@pytest.mark.parametrize("bad, listed", [(-1, r"\[-1\]"), (11, r"\[11\]"), (300, r"\[300\]")])
+def test_out_of_range_token_ids_are_refused_when_concrete(bad, listed):
+    rng = np.random.default_rng(12)
+    logits = rng.normal(size=(2, 3, 11)).astype(np.float32)
+    tokens = rng.integers(0, 11, size=(2, 3))
+    tokens[1, 2] = bad
+    message = r"`tokens` must hold token ids in \[0, 11\) \(the vocabulary\); got " + listed
+    for concrete in (tokens, jnp.asarray(tokens)):
+        with pytest.raises(ValueError, match="token_logprobs: " + message):
+            ops.token_logprobs(logits, concrete)
+        with pytest.raises(ValueError, match="chunked_token_logprobs: " + message):
+            ops.chunked_token_logprobs(np.zeros((2, 3, 4), np.float32), np.ones((4, 11), np.float32), concrete)
+
+
+@pytest.mark.parametrize("bad", [-1, 11, 300])
+def test_a_traced_out_of_range_id_has_a_nan_logprob_that_masking_removes(bad):
+    """Under jit, no plausible number: -1 no longer wraps to V - 1 (nor 11 to anything),
+    and the masked NaN reaches neither the aggregate nor its gradient."""
+    rng = np.random.default_rng(13)
+    logits = jnp.asarray(rng.normal(size=(2, 3, 11)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 11, size=(2, 3))).at[1, 2].set(bad)
+    mask = jnp.ones((2, 3), bool).at[1, 2].set(False)
+    logp = jax.jit(ops.token_logprobs)(logits, tokens)
+    assert np.isnan(logp[1, 2]) and np.isfinite(np.asarray(logp)[mask]).all()
+    in_range = ops.token_logprobs(logits, jnp.where(mask, tokens, 0))
+    np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(in_range)[mask])
+    hidden = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(4, 11)), jnp.float32)
+    chunked = jax.jit(lambda h, w, t: ops.chunked_token_logprobs(h, w, t, chunk_size=2))(hidden, kernel, tokens)
+    assert np.isnan(chunked[1, 2]) and np.isfinite(np.asarray(chunked)[mask]).all()
+
+    def loss(z, t):  # ids passed in, so traced (closed-over concrete ids are checked at trace time)
+        return ops.aggregate(ops.token_logprobs(z, t), mask, mode="token-mean")
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(logits, tokens)
+    assert np.isfinite(value) and np.isfinite(grad).all()
+    np.testing.assert_array_equal(grad[1, 2], 0.0)

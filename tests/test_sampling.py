@@ -220,7 +220,7 @@ def test_sampler_backend_binds_the_settings():
         (dict(eos_ids=(99,)), r"must be token ids in \[0, 24\)"),
         (dict(max_new_tokens=61), r"prompt length 4 \+ max_new_tokens 61 exceeds the model's max_position_embeddings"),
         (dict(top_p=0.0), r"`top_p` must be in \(0.0, 1.0\]"),
-        (dict(temperature=-1.0), "`temperature` must be >= 0"),
+        (dict(temperature=-1.0), "`temperature` must be a finite number >= 0"),
     ],
 )
 def test_bad_input_is_refused(changes, message):
@@ -258,3 +258,76 @@ def test_draw_inverts_the_cdf_of_the_weights(vocab):
         assert clear.sum() > 150
         np.testing.assert_array_equal(drawn[clear], expected[clear])
         assert (row[drawn] > 0).all() and drawn.max() < vocab
+
+
+def test_right_padded_prompts_are_refused_with_how_to_left_pad():
+    """A Hugging Face tokenizer pads on the right by default; the sampler would continue
+    each short prompt after its padding. Left padding is what it needs."""
+    model, params = peaked_model()
+    tokenizer = models.build_char_tokenizer(models.DIGITS_AND_OPERATORS)
+    assert len(tokenizer) <= VOCAB
+    texts = ["12+7=", "3+4="]
+    tokenizer.padding_side = "right"
+    right = tokenizer(texts, padding=True, return_tensors="np")
+    with pytest.raises(ValueError, match=r"`prompt_mask` row 1 has padding at position 4, after a real token: "
+                                         r"prompts must be left-padded.*tokenizer.padding_side = \"left\""):
+        sampling.sample(model, params, right["input_ids"], right["attention_mask"], jax.random.key(0), **kwargs())
+    hole = np.array([[1, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])  # a pad between real tokens
+    with pytest.raises(ValueError, match=r"row 0 has padding at position 1, after a real token"):
+        sampling.sample(model, params, PROMPTS, hole, jax.random.key(0), **kwargs())
+    tokenizer.padding_side = "left"
+    left = tokenizer(texts, padding=True, return_tensors="np")
+    rollout = sampling.sample(model, params, left["input_ids"], left["attention_mask"], jax.random.key(0), **kwargs())
+    assert rollout.tokens.shape == (4, 5 + 9)
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB, 1000])
+def test_out_of_range_prompt_ids_are_refused_not_clamped(bad):
+    model, params = peaked_model()
+    prompts = np.array(PROMPTS)
+    prompts[1, 2] = bad
+    for given in (prompts, jnp.asarray(prompts)):  # host NumPy, or an eager jax.Array
+        with pytest.raises(ValueError, match=rf"sample: `prompt_tokens` must hold token ids in \[0, {VOCAB}\) "
+                                             rf"\(the vocabulary\); got \[{bad}\]"):
+            sampling.sample(model, params, given, PROMPT_MASK, jax.random.key(0), **kwargs())
+
+
+@pytest.mark.parametrize("dtype, bad", [(np.float32, 2.0), (np.uint8, 255), (np.int32, -1)])
+def test_prompt_masks_other_than_0_1_are_refused(dtype, bad):
+    model, params = peaked_model()
+    mask = np.asarray(PROMPT_MASK).astype(dtype)
+    mask[1, 0] = bad
+    with pytest.raises(ValueError, match=r"sample: `prompt_mask` must be boolean or 0/1; got values"):
+        sampling.sample(model, params, PROMPTS, mask, jax.random.key(0), **kwargs())
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0)])
+def test_empty_prompt_batches_are_refused(shape):
+    model, params = peaked_model()
+    with pytest.raises(ValueError, match=rf"sample: `prompt_tokens` is empty, shape \[{shape[0]}, {shape[1]}\]: "
+                                         r"need at least one prompt of at least one token"):
+        sampling.sample(model, params, np.zeros(shape, np.int32), np.ones(shape, bool), jax.random.key(0),
+                        **kwargs())
+
+
+def test_a_single_eos_id_may_be_an_int():
+    """Hugging Face's ``generation_config.eos_token_id`` is an int or a list of ints."""
+    model, params = peaked_model(eos_bias=3.0)
+    expected = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(eos_ids=(EOS,)))
+    for eos in (EOS, np.int64(EOS), [EOS], np.array([EOS])):
+        rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(eos_ids=eos))
+        np.testing.assert_array_equal(rollout.tokens, expected.tokens)
+    sampler = sampling.Sampler(model=model, eos_ids=EOS, pad_id=PAD)
+    assert sampler.eos_ids == (EOS,)
+    rollout = sampler(params, PROMPTS, PROMPT_MASK, jax.random.key(0), num_samples=2, max_new_tokens=9)
+    np.testing.assert_array_equal(rollout.tokens, expected.tokens)
+
+
+@pytest.mark.parametrize("eos", ["2", 2.0, (2, 2.5), True, [[2]], object()])
+def test_eos_ids_that_are_not_ints_are_refused(eos):
+    model, params = peaked_model()
+    message = r"`eos_ids` must be a token id \(an int\) or a sequence of them; got "
+    with pytest.raises(TypeError, match="sample: " + message):
+        sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(eos_ids=eos))
+    with pytest.raises(TypeError, match="Sampler: " + message):
+        sampling.Sampler(model=model, eos_ids=eos, pad_id=PAD)

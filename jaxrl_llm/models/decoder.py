@@ -357,7 +357,13 @@ class CausalLM(nnx.Module):
         mask: jax.Array,  # [B, S, K] bool
         cache: KVCache | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Final-norm hidden states ``[B, S, E]`` (and the updated cache)."""
+        """Final-norm hidden states ``[B, S, E]`` (and the updated cache).
+
+        ``tokens`` are not checked here (they may be traced): the embedding lookup is a
+        JAX gather, so an id outside ``[0, V)`` reads another row (a negative id counts
+        from the end, the rest are clamped). The public functions of
+        :mod:`jaxrl_llm.models.functional` refuse such ids when they are concrete.
+        """
         x = self.embed_tokens[...][tokens].astype(self.config.dtype)  # [B, S, E]
         rope = rope_angles(positions, inverse_frequencies(self.config.rope, self.config.head_dim))  # shared by layers
         new_keys, new_values = [], []

@@ -12,6 +12,15 @@
 optax, orbax and sharding. Policy, old and reference parameters are three such pytrees
 sharing one ``Model``. Every function merges ``graphdef`` and ``params`` inside, so each
 is pure and jit-able.
+
+**Checked inputs.** Token ids must be in ``[0, V)`` (``V = config.vocab_size``), padding
+included, and masks bool or 0/1. Concrete arguments (NumPy, eager ``jax.Array``s) are
+checked when the function is called and refused with a ``ValueError``; traced ones (under
+``jit``) cannot be read: there the embedding lookup keeps JAX's gather semantics (a
+negative id counts from the end, the rest are clamped into range, so a bad id silently
+reads another token's embedding) and a numeric mask is taken as ``mask != 0``. Validate
+ids on the host before a jitted call. :func:`prefill` also refuses a concrete mask that is
+not left-padded.
 """
 
 from __future__ import annotations
@@ -62,10 +71,15 @@ def logical_axes(params: Params) -> Any:
     return nnx.get_partition_spec(params)
 
 
-def _inputs(fn: str, model: Model, tokens, attention_mask, positions, *, extra_length: int = 0):
-    tokens = _checks.integer(fn, "tokens", tokens)
-    _checks.rank(fn, "tokens", tokens, 2, "[B, S]")
-    length = tokens.shape[1] + extra_length
+def _inputs(fn: str, model: Model, tokens, attention_mask, positions):
+    """Validated ``[B, S]`` ids, bool mask (default all ones) and positions (default: each
+    row's first real token at 0). Values are checked only when concrete (see the module)."""
+    ids = _checks.integer(fn, "tokens", tokens)
+    _checks.rank(fn, "tokens", ids, 2, "[B, S]")
+    _checks.nonempty(fn, "tokens", ids, "at least one sequence and one token")
+    _checks.token_ids(fn, "tokens", tokens, model.config.vocab_size)
+    tokens = ids
+    length = tokens.shape[1]
     limit = model.config.max_position_embeddings
     if length > limit:
         raise ValueError(
@@ -73,7 +87,7 @@ def _inputs(fn: str, model: Model, tokens, attention_mask, positions, *, extra_l
         )
     if attention_mask is None:
         attention_mask = jnp.ones(tokens.shape, bool)
-    attention_mask = _checks.mask(fn, attention_mask, "tokens", tokens, name="attention_mask").astype(bool)
+    attention_mask = _checks.mask(fn, attention_mask, "tokens", tokens, name="attention_mask")
     if positions is None:
         # Left padding: the first real token is position 0.
         positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
@@ -109,8 +123,10 @@ def hidden_states(
 
     Args:
       model, params: from :func:`init` or :func:`jaxrl_llm.models.from_pretrained`.
-      tokens: ``[B, S]`` token ids, left-padded.
-      attention_mask: ``[B, S]``, 1 for real tokens; defaults to all ones.
+      tokens: ``[B, S]`` token ids in ``[0, V)``, left-padded, ``B, S >= 1``. Concrete
+        ids outside raise ``ValueError``; under ``jit`` the embedding lookup clamps them.
+      attention_mask: ``[B, S]``, bool or 0/1, true for real tokens; defaults to all ones.
+        A concrete mask with other values raises; under ``jit`` it is read as ``!= 0``.
       positions: ``[B, S]`` RoPE positions; defaults to ``cumsum(mask) - 1`` so that each
         row's first real token is at position 0.
     """
@@ -151,23 +167,25 @@ def completion_hidden_states(
     from its group's first row gets NaN states: wrong loudly, never silently.
 
     Args:
-      tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
-      completion_len: ``N``.
+      tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``
+        (checked as in :func:`hidden_states`).
+      completion_len: ``N``, at most ``S + N - 1``.
       group_size: ``G``, consecutive rows that share a prompt; must divide ``B``.
     """
     fn = "completion_hidden_states"
     _checks.positive_int(fn, "completion_len", completion_len)
     _checks.positive_int(fn, "group_size", group_size)
-    if group_size == 1:
-        hidden = hidden_states(model, params, tokens, attention_mask=attention_mask)  # [B, S + N, E]
-        return hidden[:, -completion_len - 1:-1]
     tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, None)
     batch, length = tokens.shape
-    if batch % group_size:
-        raise ValueError(f"{fn}: `group_size` ({group_size}) must divide the batch ({batch} rows).")
     if not completion_len < length:
         raise ValueError(f"{fn}: `completion_len` ({completion_len}) must leave at least one prompt token in "
                          f"sequences of length {length}.")
+    if group_size == 1:
+        module = model.module(params)
+        hidden, _ = module.hidden_states(tokens, positions, _causal(mask))  # [B, S + N, E]
+        return hidden[:, -completion_len - 1:-1]
+    if batch % group_size:
+        raise ValueError(f"{fn}: `group_size` ({group_size}) must divide the batch ({batch} rows).")
     return _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size)
 
 
@@ -230,7 +248,9 @@ def completion_logprobs(
     exist. Values at masked positions are meaningless; mask them.
 
     Args:
-      tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
+      tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``
+        (checked as in :func:`hidden_states`, by :func:`completion_hidden_states`, which
+        names itself in the errors).
       completion_len: ``N``.
       group_size: ``G`` consecutive rows share a prompt, which then runs once (see
         :func:`completion_hidden_states`).
@@ -293,8 +313,11 @@ def prefill(
     """Runs the prompt and returns its logits ``[B, S, V]`` and a cache holding it.
 
     Args:
-      tokens: ``[B, S]`` left-padded prompt ids.
-      attention_mask: ``[B, S]``, 1 for real tokens.
+      tokens: ``[B, S]`` left-padded prompt ids, checked as in :func:`hidden_states`.
+      attention_mask: ``[B, S]``, true for real tokens. Each row must be left-padded
+        (padding, then the prompt): decoding continues after the last slot, so a
+        right-padded prompt would be continued after its padding. A concrete mask with a
+        real token after a pad raises ``ValueError``; under ``jit`` it is not checked.
       cache_size: slots to allocate: the prompt length plus the tokens to decode.
       last_logits_only: return only the last position's logits ``[B, V]``, the
         next-token distribution a sampler needs (``[B, S, V]`` logits of a long prompt
@@ -302,6 +325,8 @@ def prefill(
     """
     fn = "prefill"
     tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, None)
+    if attention_mask is not None:
+        _checks.left_padded(fn, "attention_mask", attention_mask)
     length = tokens.shape[1]
     if cache_size < length:
         raise ValueError(f"{fn}: `cache_size` ({cache_size}) must be >= the prompt length ({length}).")
@@ -327,13 +352,17 @@ def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache)
     """Feeds one token per sequence and returns next-token logits ``[B, V]`` and the cache.
 
     Args:
-      tokens: ``[B]`` token ids, written to slot ``cache.index`` at each row's next position.
+      tokens: ``[B]`` token ids in ``[0, V)``, written to slot ``cache.index`` at each row's
+        next position. Concrete ids outside raise ``ValueError``; under ``jit`` the
+        embedding lookup clamps them.
       cache: from :func:`prefill` or a previous step, with a free slot left. A step on a
         full cache cannot raise under ``jit``; it returns NaN logits instead (loudly wrong,
         never silently: a clamped write would overwrite the last slot).
     """
-    tokens = _checks.integer("decode_step", "tokens", tokens)
-    _checks.rank("decode_step", "tokens", tokens, 1, "[B]")
+    ids = _checks.integer("decode_step", "tokens", tokens)
+    _checks.rank("decode_step", "tokens", ids, 1, "[B]")
+    _checks.token_ids("decode_step", "tokens", tokens, model.config.vocab_size)
+    tokens = ids
     slots = cache.valid.shape[1]
     valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((tokens.shape[0], 1), bool), (0, cache.index))
     cache = cache._replace(valid=valid)

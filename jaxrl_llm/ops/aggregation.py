@@ -15,7 +15,12 @@ mode                        loss                                                
 
 Convention (ours, where the papers are silent): a row whose mask is all zero is padding,
 not a response. It adds nothing to any numerator and is not counted in ``B``, so padding
-a batch with empty rows never changes the loss.
+a batch with empty rows never changes the loss. An *empty* batch (``B = 0`` or ``T = 0``)
+is refused with a ``ValueError``: it is a bug upstream, not a batch of padding.
+
+Masks are bool, or numbers that are all 0 or 1 (checked when the mask is concrete; any
+other value raises ``ValueError``). Under ``jit`` a numeric mask cannot be read and is
+taken as ``mask != 0``: a mask never weights tokens, it only selects them.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 
 
 def _prepare(fn: str, values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Validated ``[B, T]`` values and their mask as 0/1 in ``values``' dtype."""
     values = _checks.floating(fn, "values", values)
     _checks.rank(fn, "values", values, 2, "[B, T]")
+    _checks.nonempty(fn, "values", values, "at least one sequence and one token")
     mask = _checks.mask(fn, mask, "values", values)
     return values, mask.astype(values.dtype)
 
@@ -62,8 +69,9 @@ def aggregate(
     Training"), where :math:`L` is the generation budget ``max_len``.
 
     Args:
-      values: ``[B, T]`` per-token values.
-      mask: ``[B, T]`` validity mask (bool or 0/1).
+      values: ``[B, T]`` per-token values, ``B, T >= 1``.
+      mask: ``[B, T]`` validity mask: bool, or 0/1 numbers (any other value raises when
+        the mask is concrete; under ``jit`` it is read as ``mask != 0``).
       mode: one of :data:`AGGREGATION_MODES`.
       max_len: :math:`L` for ``seq-mean-token-sum-norm``; defaults to ``T``. Ignored by
         the other modes.
@@ -71,7 +79,11 @@ def aggregate(
     Returns:
       A scalar in ``values``' dtype. Zero when no token is valid (never NaN).
     """
-    fn = "aggregate"
+    return _aggregate("aggregate", values, mask, mode=mode, max_len=max_len)
+
+
+def _aggregate(fn: str, values: jax.Array, mask: jax.Array, *, mode: str, max_len: int | None) -> jax.Array:
+    """:func:`aggregate`, its errors naming ``fn``."""
     _checks.one_of(fn, "mode", mode, AGGREGATION_MODES)
     values, mask = _prepare(fn, values, mask)
     if max_len is not None:
@@ -93,12 +105,14 @@ def aggregate(
 
 
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean over valid entries (``token-mean``); 0 when none are valid. Shapes ``[B, T]``."""
-    return aggregate(values, mask, mode="token-mean")
+    """Mean over valid entries (``token-mean``); 0 when none are valid. Shapes ``[B, T]``,
+    masks as in :func:`aggregate`."""
+    return _aggregate("masked_mean", values, mask, mode="token-mean", max_len=None)
 
 
 def masked_min(values: jax.Array, mask: jax.Array) -> jax.Array:
-    """Minimum over valid entries of ``[B, T]`` values; 0 when none are valid."""
+    """Minimum over valid entries of ``[B, T]`` values; 0 when none are valid. Masks as
+    in :func:`aggregate`."""
     values, mask = _prepare("masked_min", values, mask)
     valid = mask > 0
     smallest = jnp.min(jnp.where(valid, values, jnp.inf))
@@ -106,7 +120,8 @@ def masked_min(values: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def masked_max(values: jax.Array, mask: jax.Array) -> jax.Array:
-    """Maximum over valid entries of ``[B, T]`` values; 0 when none are valid."""
+    """Maximum over valid entries of ``[B, T]`` values; 0 when none are valid. Masks as
+    in :func:`aggregate`."""
     values, mask = _prepare("masked_max", values, mask)
     valid = mask > 0
     largest = jnp.max(jnp.where(valid, values, -jnp.inf))
@@ -131,8 +146,8 @@ def whiten(
     as 0, and equal valid values as exactly 0.
 
     Args:
-      values: any shape ``[...]``.
-      mask: same shape as ``values`` or ``None``.
+      values: any shape ``[...]`` with at least one entry.
+      mask: same shape as ``values`` or ``None``; bool or 0/1 numbers as in :func:`aggregate`.
       eps: added to the standard deviation; keeps a constant input finite (it maps to 0).
       shift_mean: subtract the mean (True) or only rescale (False).
 
@@ -141,6 +156,7 @@ def whiten(
     """
     fn = "whiten"
     values = _checks.floating(fn, "values", values)
+    _checks.nonempty(fn, "values", values, "at least one value")
     _checks.nonnegative(fn, "eps", eps)
     weights = jnp.ones_like(values) if mask is None else _checks.mask(fn, mask, "values", values).astype(values.dtype)
     valid = weights > 0

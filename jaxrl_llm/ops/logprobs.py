@@ -2,6 +2,11 @@
 
 Both compute in float32 whatever the logits' dtype: a bfloat16 log-softmax loses the
 precision that importance ratios ``exp(logp - old_logp)`` depend on.
+
+Token ids must be in ``[0, V)``. Concrete ids (NumPy, eager ``jax.Array``) are checked and
+an id outside raises ``ValueError``; traced ids (under ``jit``) cannot be, and an
+out-of-range one gets a NaN log-prob: loudly wrong, never a plausible number (a masked
+NaN never reaches a loss, since :func:`jaxrl_llm.ops.aggregate` selects).
 """
 
 from __future__ import annotations
@@ -25,25 +30,35 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
     Args:
       logits: ``[B, T, V]`` next-token logits (any float dtype; upcast to float32).
-      tokens: ``[B, T]`` integer token ids ``a_t`` in ``[0, V)``. Ids are not checked
-        (they are traced values): an id outside the range gives a meaningless value, so
-        padding positions should hold a real id (e.g. the pad id) and be masked.
+      tokens: ``[B, T]`` integer token ids ``a_t`` in ``[0, V)``, padding positions
+        included (give them a real id, e.g. the pad id, and mask them). Concrete ids
+        outside the range raise ``ValueError``; under ``jit`` their log-prob is NaN.
 
     Returns:
       ``[B, T]`` float32 log-probabilities.
     """
     fn = "token_logprobs"
     logits = _checks.floating(fn, "logits", logits)
-    tokens = _checks.integer(fn, "tokens", tokens)
+    ids = _checks.integer(fn, "tokens", tokens)
     _checks.rank(fn, "logits", logits, 3, "[B, T, V]")
-    if tokens.shape != logits.shape[:2]:
+    _checks.nonempty(fn, "logits", logits, "a vocabulary of at least one token", axes=(-1,))
+    if ids.shape != logits.shape[:2]:
         raise ValueError(
             f"{fn}: `tokens` must have shape [B, T] = {list(logits.shape[:2])} to match "
-            f"`logits` {list(logits.shape)}; got {list(tokens.shape)}."
+            f"`logits` {list(logits.shape)}; got {list(ids.shape)}."
         )
+    _checks.token_ids(fn, "tokens", tokens, logits.shape[-1])
+    return _token_logprobs(logits, ids)
+
+
+def _token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """:func:`token_logprobs` of validated ``[B, T, V]`` logits and ``[B, T]`` ids; NaN
+    where an id is outside ``[0, V)``."""
+    vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)
-    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]  # [B, T]
-    return chosen - jax.nn.logsumexp(logits, axis=-1)
+    in_range = (tokens >= 0) & (tokens < vocab)  # [B, T]
+    chosen = jnp.take_along_axis(logits, jnp.clip(tokens, 0, vocab - 1)[..., None], axis=-1)[..., 0]  # [B, T]
+    return jnp.where(in_range, chosen - jax.nn.logsumexp(logits, axis=-1), jnp.nan)
 
 
 def entropy(logits: jax.Array) -> jax.Array:
@@ -63,6 +78,7 @@ def entropy(logits: jax.Array) -> jax.Array:
     fn = "entropy"
     logits = _checks.floating(fn, "logits", logits)
     _checks.rank(fn, "logits", logits, 3, "[B, T, V]")
+    _checks.nonempty(fn, "logits", logits, "a vocabulary of at least one token", axes=(-1,))
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, T, V]
     # 0 * -inf is NaN: zero-probability entries are replaced before the product.
@@ -91,7 +107,9 @@ def chunked_token_logprobs(
       hidden: ``[B, T, E]`` final-norm hidden states (e.g. ``models.hidden_states``).
       output_kernel: ``[E, V]`` output projection (the tied embedding transposed, or the
         LM head).
-      tokens: ``[B, T]`` the tokens whose log-probs to return.
+      tokens: ``[B, T]`` the tokens whose log-probs to return, ids in ``[0, V)``: checked
+        when concrete (``ValueError``); under ``jit`` an id outside gets a NaN log-prob.
+        ``B, T >= 1``.
       chunk_size: tokens per chunk; ``T`` is padded up to a multiple.
       temperature: logits are divided by it (the sampling temperature; see
         :mod:`jaxrl_llm.sampling`).
@@ -102,9 +120,10 @@ def chunked_token_logprobs(
     """
     fn = "chunked_token_logprobs"
     _check_hidden_and_kernel(fn, hidden, output_kernel)
-    tokens = _checks.integer(fn, "tokens", tokens)
-    if tokens.shape != hidden.shape[:2]:
-        raise ValueError(f"{fn}: `tokens` must have shape [B, T] = {list(hidden.shape[:2])}; got {list(tokens.shape)}.")
+    ids = _checks.integer(fn, "tokens", tokens)
+    if ids.shape != hidden.shape[:2]:
+        raise ValueError(f"{fn}: `tokens` must have shape [B, T] = {list(hidden.shape[:2])}; got {list(ids.shape)}.")
+    _checks.token_ids(fn, "tokens", tokens, output_kernel.shape[1])
     _checks.positive_int(fn, "chunk_size", chunk_size)
     _checks.positive(fn, "temperature", temperature)
 
@@ -113,11 +132,11 @@ def chunked_token_logprobs(
     @jax.checkpoint
     def one_chunk(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits = _logits(h, output_kernel, temperature)  # [B, chunk, V]
-        logp = token_logprobs(logits, t)  # [B, chunk]
+        logp = _token_logprobs(logits, t)  # [B, chunk]
         return logp, (entropy(logits) if with_entropy else jnp.zeros_like(logp))
 
     _, (logp, ent) = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None,
-                                  (chunks.split(hidden), chunks.split(tokens)))
+                                  (chunks.split(hidden), chunks.split(ids)))
     if not with_entropy:
         return chunks.join(logp)
     return chunks.join(logp), chunks.join(ent)
@@ -145,7 +164,8 @@ def chunked_categorical_kl(
     products go through it, and so does the exact KL-to-reference metric.
 
     Args:
-      hidden_p, hidden_q: ``[B, T, E_p]`` and ``[B, T, E_q]`` final-norm hidden states.
+      hidden_p, hidden_q: ``[B, T, E_p]`` and ``[B, T, E_q]`` final-norm hidden states,
+        ``B, T >= 1``.
       output_kernel_p, output_kernel_q: ``[E_p, V]`` and ``[E_q, V]`` output projections.
       chunk_size: tokens per chunk.
       temperature: both models' logits are divided by it.
@@ -178,6 +198,8 @@ def chunked_categorical_kl(
 def _check_hidden_and_kernel(fn: str, hidden: jax.Array, kernel: jax.Array, *, suffix: str = "") -> None:
     _checks.rank(fn, f"hidden{suffix}", _checks.floating(fn, f"hidden{suffix}", hidden), 3, "[B, T, E]")
     _checks.rank(fn, f"output_kernel{suffix}", _checks.floating(fn, f"output_kernel{suffix}", kernel), 2, "[E, V]")
+    _checks.nonempty(fn, f"hidden{suffix}", hidden, "at least one sequence and one token", axes=(0, 1))
+    _checks.nonempty(fn, f"output_kernel{suffix}", kernel, "a vocabulary of at least one token", axes=(1,))
     if kernel.shape[0] != hidden.shape[-1]:
         raise ValueError(
             f"{fn}: `output_kernel{suffix}` must have shape [E, V] with E = {hidden.shape[-1]} (the hidden width); "

@@ -66,3 +66,29 @@ def test_decoding_into_a_full_cache_returns_nan_not_overwritten_slots():
     assert np.all(np.isfinite(logits))
     logits, _ = models.decode_step(model, params, jnp.ones((2,), jnp.int32), cache)
     assert np.all(np.isnan(logits))
+
+
+def test_right_padded_prompts_are_refused_when_the_mask_is_concrete():
+    """Decoding continues after the last slot: a right-padded prompt would be continued
+    after its padding."""
+    model, params = models.init(CONFIGS["llama-gqa"], jax.random.key(0))
+    tokens = jnp.ones((3, 4), jnp.int32)
+    right = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [0, 1, 1, 0]], bool)
+    for mask in (right, jnp.asarray(right), right.astype(np.int32)):
+        with pytest.raises(ValueError, match=r"prefill: `attention_mask` row 1 has padding at position 2, after a "
+                                             r"real token: prompts must be left-padded.*padding_side = \"left\""):
+            models.prefill(model, params, tokens, mask, cache_size=6)
+    left = np.array([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]], bool)
+    models.prefill(model, params, tokens, left, cache_size=6)
+    # Under jit the mask is traced and cannot be read: not checked.
+    jax.jit(functools.partial(models.prefill, cache_size=6))(model, params, tokens, jnp.asarray(right))
+
+
+def test_prefill_and_decode_refuse_out_of_range_ids_when_concrete():
+    model, params = models.init(CONFIGS["llama-gqa"], jax.random.key(0))
+    message = r"`tokens` must hold token ids in \[0, 61\) \(the vocabulary\); got \[-1, 61\]"
+    with pytest.raises(ValueError, match="prefill: " + message):
+        models.prefill(model, params, np.array([[1, -1, 61]]), cache_size=4)
+    _, cache = models.prefill(model, params, jnp.ones((2, 3), jnp.int32), cache_size=4)
+    with pytest.raises(ValueError, match="decode_step: " + message):
+        models.decode_step(model, params, jnp.array([61, -1]), cache)

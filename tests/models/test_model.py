@@ -199,3 +199,64 @@ def test_attend_has_the_value_and_gradient_of_autodiffed_softmax_attention():
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
     assert np.isfinite(np.asarray(got[0])).all()
+
+
+def _model_calls(model, params):
+    """Every public entry point that takes ``[B, S]`` token ids, by the name its errors give
+    (``completion_logprobs`` checks through ``completion_hidden_states``)."""
+    return {
+        "forward": lambda t, m: models.forward(model, params, t, attention_mask=m),
+        "hidden_states": lambda t, m: models.hidden_states(model, params, t, attention_mask=m),
+        "prefill": lambda t, m: models.prefill(model, params, t, m, cache_size=t.shape[1] + 1),
+        "completion_hidden_states": lambda t, m: models.completion_hidden_states(model, params, t, m, 1),
+        "completion_hidden_states, logprobs": lambda t, m: models.completion_logprobs(model, params, t, m, 1),
+        "completion_hidden_states, logprobs with shared prompts": lambda t, m: models.completion_logprobs(
+            model, params, t, m, 1, group_size=2),
+    }
+
+
+@pytest.mark.parametrize("name", list(_model_calls(None, None)))
+@pytest.mark.parametrize("bad, listed", [(-1, r"\[-1\]"), (50, r"\[50\]"), (10**6, r"\[1000000\]")])
+def test_out_of_range_ids_are_refused_when_concrete(name, bad, listed):
+    model, params = models.init(SMALL, jax.random.key(0))
+    tokens = np.ones((2, 4), np.int32)
+    tokens[1, 1] = bad
+    fn = name.split(",")[0]
+    for given in (tokens, jnp.asarray(tokens)):
+        with pytest.raises(ValueError, match=fn + r": `tokens` must hold token ids in \[0, 50\) \(the vocabulary\); "
+                                                  r"got " + listed):
+            _model_calls(model, params)[name](given, np.ones((2, 4), bool))
+
+
+def test_under_jit_out_of_range_ids_keep_the_gathers_clamping():
+    """Traced ids cannot be checked: the embedding lookup clamps (as documented), so
+    validate ids on the host before a jitted call."""
+    model, params = models.init(SMALL, jax.random.key(0))
+    forward = jax.jit(lambda p, t: models.forward(model, p, t))
+    tokens = jnp.array([[3, 7, 50, 1000]])
+    np.testing.assert_array_equal(forward(params, tokens), forward(params, jnp.array([[3, 7, 49, 49]])))
+
+
+@pytest.mark.parametrize("name", list(_model_calls(None, None)))
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
+def test_empty_batches_are_refused(name, shape):
+    model, params = models.init(SMALL, jax.random.key(0))
+    with pytest.raises(ValueError, match=rf"{name.split(',')[0]}: `tokens` is empty, shape \[{shape[0]}, {shape[1]}\]"
+                                         r": need at least one sequence and one token"):
+        _model_calls(model, params)[name](np.zeros(shape, np.int32), np.ones(shape, bool))
+
+
+@pytest.mark.parametrize("name", list(_model_calls(None, None)))
+@pytest.mark.parametrize("dtype, bad", [(np.float32, 2.0), (np.uint8, 255), (np.float32, -1.0)])
+def test_attention_masks_other_than_0_1_are_refused(name, dtype, bad):
+    model, params = models.init(SMALL, jax.random.key(0))
+    mask = np.ones((2, 4), dtype)
+    mask[0, 3] = bad
+    with pytest.raises(ValueError, match=r"`attention_mask` must be boolean or 0/1; got values"):
+        _model_calls(model, params)[name](np.ones((2, 4), np.int32), mask)
+
+
+def test_completion_len_must_leave_a_prompt_token():
+    model, params = models.init(SMALL, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"`completion_len` \(4\) must leave at least one prompt token"):
+        models.completion_hidden_states(model, params, jnp.ones((2, 4), jnp.int32), jnp.ones((2, 4), bool), 4)
