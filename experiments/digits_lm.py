@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import algorithms, cli, host, models, sampling, training
+from jaxrl_llm import _checks, algorithms, cli, host, models, sampling, training
 from jaxrl_llm.tasks import DigitSumTask
 
 
@@ -56,6 +56,27 @@ class DigitsConfig:
     max_new_tokens: int = 2
     """Room for the answer digit and EOS."""
     seed: int = 0
+
+    def __post_init__(self):
+        where = "DigitsConfig"
+        for field in ("hidden_size", "num_layers", "sft_steps", "rl_steps", "num_prompts", "group_size",
+                      "max_new_tokens"):
+            _checks.positive_int(where, field, getattr(self, field))
+        if self.hidden_size % 4:
+            raise ValueError(f"{where}: `hidden_size` must be a multiple of the 4 heads; got {self.hidden_size}.")
+        _checks.nonnegative_int(where, "seed", self.seed)
+        for field in ("sft_label_noise", "sft_accuracy"):
+            _checks.finite_number(where, field, getattr(self, field))
+            _checks.in_range(where, field, getattr(self, field), 0.0, 1.0)
+        _checks.finite_number(where, "sft_learning_rate", self.sft_learning_rate)
+        _checks.positive(where, "sft_learning_rate", self.sft_learning_rate)
+        self.train_config()  # validates the RL settings (learning rate, batch shape) before any compute
+
+    def train_config(self) -> training.TrainConfig:
+        """The settings of each method's RL run."""
+        return training.TrainConfig(
+            num_prompts=self.num_prompts, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
+            learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate, seed=self.seed)
 
 
 def warm_started_model(config: DigitsConfig, task: DigitSumTask) -> tuple[models.Model, models.Params, list[float]]:
@@ -110,11 +131,8 @@ def _all_solved_examples(task: DigitSumTask):
 def run(config: DigitsConfig, algorithm: algorithms.Algorithm, model: models.Model, params: models.Params,
         task: DigitSumTask) -> dict[str, Any]:
     """Trains one method from the warm start; returns its curve and summary numbers."""
-    train_config = training.TrainConfig(
-        num_prompts=config.num_prompts, group_size=config.group_size, max_new_tokens=config.max_new_tokens,
-        learning_rate=config.learning_rate, critic_learning_rate=config.learning_rate, seed=config.seed)
     started = time.perf_counter()
-    state, history = training.train(model, params, algorithm, train_config, steps=config.rl_steps, task=task)
+    state, history = training.train(model, params, algorithm, config.train_config(), steps=config.rl_steps, task=task)
     seconds = time.perf_counter() - started
     rewards = np.array([h["reward"] for h in history])
     window = min(5, len(rewards))
@@ -144,8 +162,14 @@ def format_table(results: list[dict[str, Any]], accuracy_start: float) -> str:
     return "\n".join(lines)
 
 
+def check_supported(config: DigitsConfig, methods: list[algorithms.Algorithm]) -> None:
+    """Raises if a method cannot run with these settings (before the warm start, not after it)."""
+    for method in methods:
+        training.check_supported(method, config.train_config())
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    config, methods = cli.parse(DigitsConfig, __doc__.split("\n\n")[0], argv)
+    config, methods = cli.parse(DigitsConfig, __doc__.split("\n\n")[0], argv, check=check_supported)
     task = DigitSumTask()
     started = time.perf_counter()
     model, params, losses = warm_started_model(config, task)

@@ -10,8 +10,8 @@ and scored in parallel with teacher forcing, so the sampled and recomputed log-p
 a response are the same numbers.
 
 Each step is one jitted function, built once per method: sample ``G`` completions for
-``P`` prompts, score them, compute advantages (``algorithms.sequence_advantages``, or
-GAE with a critic for PPO), then ``num_iterations`` optax updates of
+``P`` prompts, score them, compute advantages (``algorithms.compute_advantages``: GAE
+with a critic for PPO), then ``num_iterations`` optax updates of
 ``algorithms.policy_loss`` (or one TRPO natural-gradient step). Policy, old and
 reference parameters are separate immutable pytrees.
 
@@ -197,20 +197,12 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimize
         ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
         ref_logp = ops.token_logprobs(ref_logits, rollout.tokens) * mask if a.needs_reference else None
 
-        # Advantages. A KL penalty in the reward is per token for GAE and summed over
-        # the response for the sequence-level estimators.
-        kl_reward = 0.0 if ref_logp is None else a.kl_reward_coef * kl.k1(old_logp, ref_logp) * mask  # [B, T]
-        baseline = state.baseline
+        # Advantages, with the KL penalty in the reward where the method has one.
         critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
-        if a.needs_critic:
-            last = jnp.maximum(rollout.lengths - 1, 0)
-            token_rewards = jax.nn.one_hot(last, length) * rewards[:, None] - kl_reward  # [B, T]
-            old_values = teacher_forced(critic_params, prompts, rollout.tokens)[..., 0] * mask
-            advantages, returns = adv_lib.gae(token_rewards, old_values, mask, gamma=a.gamma, lam=a.lam)
-            advantages = ops.whiten(advantages, mask)
-        else:
-            seq_rewards = rewards - (jnp.sum(kl_reward, axis=1) if a.kl_reward_coef > 0 else 0.0)
-            advantages, baseline = algorithms.sequence_advantages(a, seq_rewards.reshape(num_prompts, group), baseline)
+        old_values = teacher_forced(critic_params, prompts, rollout.tokens)[..., 0] * mask if a.needs_critic else None
+        advantages, returns, baseline = algorithms.compute_advantages(
+            a, rewards, mask, group_size=group, logp=old_logp, ref_logp=ref_logp, values=old_values,
+            baseline=state.baseline)
 
         if a.dynamic_sampling:
             # DAPO drops groups with identical rewards. This toy drops them from the loss

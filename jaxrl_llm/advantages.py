@@ -4,7 +4,8 @@ Sequence-level estimators take rewards ``[B]`` or, when they compare within a gr
 ``[P, G]`` (``P`` prompts, ``G`` responses each, row ``p`` holding prompt ``p``'s group);
 they return advantages of the same shape. Reshape ``[P, G] -> [B = P * G]`` to feed an
 objective, which broadcasts a per-sequence advantage over the response's tokens.
-:func:`gae` is the token-level estimator for PPO with a critic.
+:func:`gae` (PPO with a critic) and :func:`reinforce_plus_plus` are token-level: they
+take a ``[B, T]`` completion mask and return ``[B, T]``.
 
 Everything is computed in float32 and is meant to be used under ``stop_gradient``
 (the objectives apply it): advantages are constants of the policy update.
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _checks
+from jaxrl_llm.ops import aggregation
 
 GroupScale = Literal["group", "batch", "none"]
 GROUP_SCALES: tuple[str, ...] = get_args(GroupScale)
@@ -236,36 +238,56 @@ def grpo(
 
 def reinforce_plus_plus(
     rewards: jax.Array,
+    mask: jax.Array,
     *,
+    kl_penalty: jax.Array | None = None,
+    gamma: float = 1.0,
     eps: float = 1e-6,
     subtract_group_mean: bool = False,
 ) -> jax.Array:
-    r"""REINFORCE++ (Hu et al., 2025): advantages whitened across the whole batch.
+    r"""REINFORCE++ (Hu et al., 2025): returns to go, whitened over the batch's valid tokens.
 
     .. math::
-        A_i = \frac{R'_i - \operatorname{mean}_{\text{batch}}(R')}{\operatorname{std}_{\text{batch}}(R') + \epsilon},
-        \qquad R'_i = \begin{cases} R_i - \mu_{G(i)} & \text{subtract\_group\_mean} \\ R_i & \text{otherwise} \end{cases}
+        r_{i,t} = R'_i\,[t = |o_i|] - \kappa_{i,t}, \qquad
+        G_{i,t} = \sum_{s \ge t} \gamma^{s-t} r_{i,s}, \qquad
+        A_{i,t} = rac{G_{i,t} - \operatorname{mean}(G)}{\operatorname{std}(G) + \epsilon}
 
-    ``subtract_group_mean=True`` is "REINFORCE++-baseline" and needs ``[P, G]`` rewards.
-    The population standard deviation is used. The token-level variant (a KL penalty in
-    a per-token reward, returns to go, then whitening over valid tokens) composes from
-    :func:`gae` with ``values=0, gamma=1, lam=1`` and :func:`jaxrl_llm.ops.whiten`.
+    with :math:`R'_i = R_i - \mu_{G(i)}` (the group mean subtracted, "REINFORCE++-baseline")
+    if ``subtract_group_mean`` and :math:`R_i` otherwise, :math:`\kappa` the per-token
+    KL penalty (``c * k1`` in the paper), sums over valid tokens, and the mean and
+    population std taken over every valid token of the batch. Without a penalty and with
+    :math:`\gamma = 1` every token of a response carries :math:`R'_i`, so longer
+    responses weigh more in the statistics; one estimator for any penalty, continuous as
+    it goes to 0. Rows whose mask is all zero are left out of the statistics.
 
     Args:
-      rewards: ``[B]`` or ``[P, G]`` rewards.
+      rewards: ``[B]`` sequence rewards, or ``[P, G]`` (groups in rows, ``B = P * G``;
+        required for ``subtract_group_mean``).
+      mask: ``[B, T]`` completion mask (right-padded).
+      kl_penalty: ``[B, T]`` per-token penalty :math:`\kappa` (``None``: 0).
+      gamma: discount per token, in ``[0, 1]``.
       eps: added to the standard deviation.
-      subtract_group_mean: subtract each prompt's group mean first.
+      subtract_group_mean: subtract each prompt's group mean from its rewards first.
 
     Returns:
-      float32 advantages of ``rewards``' shape, zero mean over the batch.
+      ``[B, T]`` float32 advantages, 0 at masked positions.
     """
     fn = "reinforce_plus_plus"
     _checks.nonnegative(fn, "eps", eps)
-    if subtract_group_mean:
-        rewards = _centered(_grouped(fn, rewards, min_group=1), axis=1)
-    else:
-        rewards = _rewards(fn, rewards)
-    return _safe_divide(_centered(rewards, axis=None), jnp.std(rewards) + eps)
+    rewards = _centered(_grouped(fn, rewards, min_group=1), axis=1) if subtract_group_mean else _rewards(fn, rewards)
+    rewards = rewards.reshape(-1)  # [B]
+    mask = _checks.mask(fn, mask, "mask", mask)  # [B, T] bool
+    _checks.rank(fn, "mask", mask, 2, "[B, T]")
+    if mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"{fn}: `mask` must have one row per reward, [B, T] with B = {rewards.shape[0]}; got "
+                         f"{list(mask.shape)}.")
+    penalty = jnp.zeros(mask.shape, jnp.float32) if kl_penalty is None else _checks.floating(fn, "kl_penalty",
+                                                                                           kl_penalty)
+    _checks.same_shape(fn, "kl_penalty", penalty, "mask", mask)
+    at_last_token = jax.nn.one_hot(jnp.sum(mask, axis=1) - 1, mask.shape[1], dtype=jnp.float32)  # [B, T]
+    token_rewards = at_last_token * rewards[:, None] - jnp.where(mask, penalty, 0.0)  # [B, T]
+    returns_to_go, _ = gae(token_rewards, jnp.zeros_like(token_rewards), mask, gamma=gamma, lam=1.0)
+    return aggregation.whiten(returns_to_go, mask, eps=eps)
 
 
 def gae(
@@ -308,10 +330,9 @@ def gae(
     _checks.rank(fn, "rewards", rewards, 2, "[B, T]")
     values = _checks.floating(fn, "values", values)
     _checks.same_shape(fn, "values", values, "rewards", rewards)
-    mask = _checks.mask(fn, mask, "rewards", rewards)
+    valid = _checks.mask(fn, mask, "rewards", rewards)  # [B, T] bool
     _checks.in_range(fn, "gamma", gamma, 0.0, 1.0)
     _checks.in_range(fn, "lam", lam, 0.0, 1.0)
-    valid = mask.astype(bool)
     rewards = jnp.where(valid, rewards.astype(jnp.float32), 0.0)
     values = jnp.where(valid, jax.lax.stop_gradient(values).astype(jnp.float32), 0.0)
 

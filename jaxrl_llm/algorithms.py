@@ -55,7 +55,8 @@ class Algorithm:
     advantage: AdvantageEstimator
     """How advantages are estimated: ``reinforce`` (A = R), ``batch_mean_baseline``,
     ``running_mean_baseline`` (state carried across steps), ``rloo``, ``grpo``,
-    ``reinforce_pp`` (batch whitening) or ``gae`` (a learned critic)."""
+    ``reinforce_pp`` (returns to go whitened over the batch's tokens) or ``gae`` (a
+    learned critic)."""
     group_scale: adv_lib.GroupScale = "group"
     """``grpo`` only: divide by the group std, the batch std, or not at all (Dr. GRPO)."""
     std_ddof: int = 0
@@ -67,7 +68,7 @@ class Algorithm:
     subtract_group_mean: bool = False
     """``reinforce_pp`` only: subtract each group's mean before whitening (-baseline)."""
     gamma: float = 1.0
-    """``gae`` only: discount per token."""
+    """``gae`` and ``reinforce_pp``: discount per token."""
     lam: float = 0.95
     """``gae`` only: GAE lambda."""
 
@@ -139,14 +140,17 @@ class Algorithm:
         one_of("group_scale", adv_lib.GROUP_SCALES)
         one_of("ratio_level", objectives.RATIO_LEVELS)
         one_of("kl_estimator", kl_lib.KL_ESTIMATORS)
-        for field in ("advantage_eps", "kl_coef", "kl_reward_coef", "entropy_coef", "cg_damping", "overlong_penalty"):
-            if not getattr(self, field) >= 0:
-                fail(f"`{field}` must be >= 0; got {getattr(self, field)}.")
-        for field in ("eps_low", "eps_high"):
-            value = getattr(self, field)
-            if value is not None and not value >= 0:
-                fail(f"`{field}` must be >= 0 or None; got {value}.")
         where = f"Algorithm {self.name!r}"
+        optional = ("eps_low", "eps_high", "dual_clip", "value_clip", "baseline_decay")  # None: off or unbounded
+        for field in ("advantage_eps", "gamma", "lam", "kl_coef", "kl_reward_coef", "entropy_coef", "max_kl",
+                      "cg_damping", "backtrack_coef", "overlong_penalty", *optional):
+            if not (field in optional and getattr(self, field) is None):
+                _checks.finite_number(where, field, getattr(self, field))
+        for field in ("advantage_eps", "kl_coef", "kl_reward_coef", "entropy_coef", "cg_damping", "overlong_penalty"):
+            _checks.nonnegative(where, field, getattr(self, field))
+        for field in ("eps_low", "eps_high"):
+            if getattr(self, field) is not None:
+                _checks.nonnegative(where, field, getattr(self, field))
         for field in ("num_iterations", "cg_iters"):
             _checks.positive_int(where, field, getattr(self, field))
         for field in ("std_ddof", "max_backtracks", "overlong_buffer"):
@@ -164,8 +168,7 @@ class Algorithm:
         if self.value_clip is not None and not self.value_clip > 0:
             fail(f"`value_clip` must be > 0 or None; got {self.value_clip}.")
         if self.update == "trpo":
-            if not self.max_kl > 0:
-                fail(f"`max_kl` must be > 0; got {self.max_kl}.")
+            _checks.positive(where, "max_kl", self.max_kl)
             if not 0 < self.backtrack_coef < 1:
                 fail(f"`backtrack_coef` must be in (0, 1); got {self.backtrack_coef}.")
             if self.num_iterations != 1:
@@ -182,6 +185,13 @@ class Algorithm:
         return self.kl_coef > 0 or self.kl_reward_coef > 0
 
     @property
+    def compares_within_groups(self) -> bool:
+        """Whether the method compares each completion with the others of its prompt's group
+        (group baselines, dynamic sampling): it needs ``G >= 2`` completions per prompt."""
+        return (self.advantage in ("rloo", "grpo") or (self.advantage == "reinforce_pp" and self.subtract_group_mean)
+                or self.dynamic_sampling)
+
+    @property
     def needs_old_logp(self) -> bool:
         """Whether the objective reads log-probs of the sampling policy. With mu = 1 they
         equal the current ones at the single update, so a trainer may reuse them."""
@@ -193,7 +203,7 @@ def sequence_advantages(
     rewards: jax.Array,
     baseline: adv_lib.RunningMeanState | None = None,
 ) -> tuple[jax.Array, adv_lib.RunningMeanState | None]:
-    """Advantages per response for every estimator but ``gae``.
+    """Advantages per response for every estimator but the token-level ``gae`` and ``reinforce_pp``.
 
     Args:
       algorithm: the method.
@@ -211,6 +221,11 @@ def sequence_advantages(
             f"Algorithm {algorithm.name!r} uses GAE: its advantages come from "
             "`advantages.gae` with a critic's per-token values, not from sequence rewards."
         )
+    if estimator == "reinforce_pp":
+        raise ValueError(
+            f"Algorithm {algorithm.name!r} uses REINFORCE++, whose advantages are per token (returns to go "
+            "whitened over the batch's tokens): use `compute_advantages` with the completion mask."
+        )
     if estimator == "reinforce":
         advantages = adv_lib.reinforce(rewards)
     elif estimator == "batch_mean_baseline":
@@ -226,13 +241,9 @@ def sequence_advantages(
         baseline = jax.tree.map(lambda new, old: jnp.where(finite, new, old), folded, baseline)
     elif estimator == "rloo":
         advantages = adv_lib.rloo(rewards)
-    elif estimator == "grpo":
+    else:  # grpo
         advantages = adv_lib.grpo(
             rewards, eps=algorithm.advantage_eps, ddof=algorithm.std_ddof, scale=algorithm.group_scale
-        )
-    else:  # reinforce_pp
-        advantages = adv_lib.reinforce_plus_plus(
-            rewards, eps=algorithm.advantage_eps, subtract_group_mean=algorithm.subtract_group_mean
         )
     return advantages.reshape(-1), baseline
 
@@ -257,11 +268,12 @@ def compute_advantages(
     * ``gae`` (PPO): :math:`A = \operatorname{whiten}(\operatorname{GAE}_{\gamma,\lambda}(r, V))`
       over the batch's valid tokens; ``returns`` :math:`= \operatorname{GAE} + V` are the
       critic's targets (unwhitened).
-    * ``reinforce_pp`` with :math:`c > 0` (REINFORCE++, Hu 2025): the return to go
+    * ``reinforce_pp`` (REINFORCE++, Hu 2025): the return to go
       :math:`A_t = \sum_{s \ge t} \gamma^{s-t} r_s` (after subtracting the group mean from
-      :math:`R` if ``subtract_group_mean``), whitened over the batch's valid tokens.
-    * every other estimator (and ``reinforce_pp`` with :math:`c = 0`) works on sequence
-      rewards :math:`R - c\sum_t k_{1,t}` through :func:`sequence_advantages`.
+      :math:`R` if ``subtract_group_mean``), whitened over the batch's valid tokens, for
+      any :math:`c \ge 0` (:func:`jaxrl_llm.advantages.reinforce_plus_plus`).
+    * every other estimator works on sequence rewards :math:`R - c\sum_t k_{1,t}` through
+      :func:`sequence_advantages`.
 
     Args:
       algorithm: the method.
@@ -274,8 +286,8 @@ def compute_advantages(
       baseline: the running-mean state (``running_mean_baseline``).
 
     Rows whose mask is all zero are excluded from the per-token statistics (whitening);
-    the sequence estimators' batch-wide statistics (batch mean, running mean, batch
-    whitening, GRPO's ``group_scale="batch"``) take every row.
+    the sequence estimators' batch-wide statistics (batch mean, running mean, GRPO's
+    ``group_scale="batch"``) take every row.
 
     Returns:
       ``(advantages, returns, baseline)``: advantages ``[B]`` (sequence estimators) or
@@ -283,7 +295,8 @@ def compute_advantages(
       and the baseline state after this batch.
     """
     a = algorithm
-    mask = mask.astype(bool)
+    mask = _checks.mask("compute_advantages", mask, "mask", mask)  # [B, N] bool
+    _checks.rank("compute_advantages", "mask", mask, 2, "[B, N]")
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 1 or rewards.shape[0] != mask.shape[0]:
         raise ValueError(f"compute_advantages: `rewards` must have shape [B] with B = {mask.shape[0]} (the mask's "
@@ -306,13 +319,11 @@ def compute_advantages(
         token_rewards = at_last_token * rewards[:, None] - penalty
         advantages, returns = adv_lib.gae(token_rewards, values, mask, gamma=a.gamma, lam=a.lam)
         return aggregation.whiten(advantages, mask), returns, baseline
-    if a.advantage == "reinforce_pp" and a.kl_reward_coef > 0:
-        grouped = rewards.reshape(-1, group_size)
-        if a.subtract_group_mean:
-            grouped = grouped - jnp.mean(grouped, axis=1, keepdims=True)
-        token_rewards = at_last_token * grouped.reshape(-1)[:, None] - penalty
-        returns_to_go, _ = adv_lib.gae(token_rewards, jnp.zeros_like(token_rewards), mask, gamma=a.gamma, lam=1.0)
-        return aggregation.whiten(returns_to_go, mask), None, baseline
+    if a.advantage == "reinforce_pp":
+        advantages = adv_lib.reinforce_plus_plus(
+            rewards.reshape(-1, group_size), mask, kl_penalty=penalty, gamma=a.gamma, eps=a.advantage_eps,
+            subtract_group_mean=a.subtract_group_mean)
+        return advantages, None, baseline
     sequence_rewards = rewards - jnp.sum(penalty, axis=1)
     advantages, baseline = sequence_advantages(a, sequence_rewards.reshape(-1, group_size), baseline)
     return advantages, None, baseline
@@ -441,7 +452,8 @@ upper bound 0.28 is our choice (MiniMax-M1 does not publish its value)."""
 REINFORCE_PP = Algorithm(
     name="reinforce++", advantage="reinforce_pp", objective="ppo_clip", agg="token-mean", kl_reward_coef=0.01
 )
-"""REINFORCE++: batch-whitened advantages, PPO clipping, k1 KL in the reward."""
+"""REINFORCE++: returns to go of k1-KL-penalised token rewards, whitened over the batch's
+tokens; PPO clipping."""
 
 PRESETS: dict[str, Algorithm] = {
     a.name: a for a in (PG, REINFORCE_BASELINE, RLOO, PPO, TRPO, GRPO, DR_GRPO, DAPO, GSPO, CISPO, REINFORCE_PP)

@@ -8,9 +8,14 @@ import dataclasses
 from jaxrl_llm import algorithms
 
 
-def parse(config_class: type, description: str, argv: list[str] | None = None):
+def parse(config_class: type, description: str, argv: list[str] | None = None, *, check=None):
     """``(config, methods)`` from ``--field-name value`` flags (defaults: the dataclass's)
-    and ``--algorithms a,b`` (default: every preset)."""
+    and ``--algorithms a,b`` (default: every preset).
+
+    Every setting is validated before the caller computes anything: the config's own
+    checks, the method names and ``check(config, methods)`` if given. A bad one ends the
+    program with argparse's usage line, the message and exit status 2, not a traceback.
+    """
     parser = argparse.ArgumentParser(description=description)
     defaults = config_class()
     for field in dataclasses.fields(config_class):
@@ -19,5 +24,13 @@ def parse(config_class: type, description: str, argv: list[str] | None = None):
     parser.add_argument("--algorithms", default=",".join(algorithms.PRESETS),
                         help=f"comma-separated presets (default: all): {', '.join(algorithms.PRESETS)}")
     args = vars(parser.parse_args(argv))
-    methods = [algorithms.get(name) for name in args.pop("algorithms").split(",") if name]
-    return config_class(**args), methods
+    try:
+        methods = [algorithms.get(name) for name in args.pop("algorithms").split(",") if name]
+        if not methods:
+            raise ValueError(f"--algorithms names no method; known: {', '.join(algorithms.PRESETS)}.")
+        config = config_class(**args)
+        if check is not None:
+            check(config, methods)
+    except ValueError as error:
+        parser.error(str(error))
+    return config, methods

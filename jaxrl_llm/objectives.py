@@ -57,9 +57,8 @@ class _Batch:
     def __init__(self, fn: str, logp, advantages, mask, old_logp=None):
         logp = _checks.floating(fn, "logp", logp)
         _checks.rank(fn, "logp", logp, 2, "[B, T]")
-        mask = _checks.mask(fn, mask, "logp", logp)
-        valid = mask.astype(bool)  # [B, T]
-        self.mask = mask.astype(jnp.float32)  # [B, T]
+        valid = _checks.mask(fn, mask, "logp", logp)  # [B, T] bool
+        self.mask = valid.astype(jnp.float32)  # [B, T]
         self.logp = jnp.where(valid, logp.astype(jnp.float32), 0.0)  # [B, T]
         advantages = _checks.per_sequence_or_token(fn, "advantages", advantages, "logp", logp)
         self.advantages = jax.lax.stop_gradient(jnp.where(valid, advantages.astype(jnp.float32), 0.0))  # [B, T]
@@ -387,7 +386,7 @@ def value_loss(
 
     .. math::
         \ell_t = \tfrac12 \max\!\big((V_t - \hat R_t)^2,\;
-            (V^{old}_t + \operatorname{clip}(V_t - V^{old}_t, -c, c) - \hat R_t)^2\big)
+            (\operatorname{clip}(V_t, V^{old}_t - c, V^{old}_t + c) - \hat R_t)^2\big)
 
     (without ``clip``: :math:`\tfrac12 (V_t - \hat R_t)^2`).
 
@@ -425,7 +424,9 @@ def value_loss(
         per_token = 0.5 * error
         clipped = jnp.zeros_like(error)
     else:
-        clipped_values = old_values + jnp.clip(values - old_values, -clip, clip)
+        # Clip the value itself: old + clip(values - old, -c, c) can land an ulp off `values`
+        # inside the band, and would count as clipped.
+        clipped_values = jnp.clip(values, old_values - clip, old_values + clip)
         clipped_error = jnp.square(clipped_values - returns)
         per_token = 0.5 * jnp.maximum(error, clipped_error)
         clipped = (clipped_error > error).astype(jnp.float32)

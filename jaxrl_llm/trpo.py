@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax.tree_utils as otu
 
-from jaxrl_llm import _checks
+from jaxrl_llm import _checks, ops
 
 PyTree = Any
 MatVec = Callable[[PyTree], PyTree]
@@ -163,8 +163,8 @@ def natural_gradient_step(
 
     The first :math:`\theta_k` with :math:`\mathrm{kl\_fn}(\theta_k) \le \delta` and
     :math:`\mathrm{surrogate\_fn}(\theta_k) < \mathrm{surrogate\_fn}(\theta)` (both
-    finite) is returned; if none of the :math:`K+1` candidates qualifies, ``params`` is
-    returned unchanged.
+    finite, and every parameter of :math:`\theta_k` finite) is returned; if none of the
+    :math:`K+1` candidates qualifies, ``params`` is returned unchanged.
 
     Args:
       params: :math:`\theta_{\text{old}}`, the parameters that sampled the batch.
@@ -209,7 +209,8 @@ def natural_gradient_step(
         new_params = _step(params, scale, direction)
         kl_value = kl_fn(new_params)
         improvement = loss_old - surrogate_fn(new_params)
-        ok = (kl_value <= max_kl) & (improvement > 0) & jnp.isfinite(kl_value) & jnp.isfinite(improvement)
+        ok = (kl_value <= max_kl) & (improvement > 0) & jnp.isfinite(kl_value) & jnp.isfinite(improvement) & (
+            ops.all_finite(new_params))
         return scale, kl_value, improvement, ok & (full_scale > 0)
 
     # Carry (k, accepted, scale, kl, improvement): try k = 0, shrink while rejected.

@@ -146,7 +146,7 @@ def value_loss(values, old_values, returns, mask, clip_range, agg, max_len=None)
             v, v_old, r = values[i, t], float(old_values[i, t]), float(returns[i, t])
             error = (v - r) ** 2
             if clip_range is not None:
-                v_clipped = v_old + min(max(v - v_old, -clip_range), clip_range)
+                v_clipped = min(max(v, v_old - clip_range), v_old + clip_range)
                 error = max(error, (v_clipped - r) ** 2)
             per[i, t] = 0.5 * error
     return aggregate(per, mask, agg, max_len)
@@ -216,12 +216,12 @@ def gae(rewards, values, mask, gamma, lam) -> tuple[np.ndarray, np.ndarray]:
     return advantages, returns
 
 
-def whiten(values, mask) -> np.ndarray:
+def whiten(values, mask, eps=1e-8) -> np.ndarray:
     """Population-std whitening over the valid entries; 0 elsewhere."""
     values, mask = np.asarray(values, np.float64), np.asarray(mask) > 0
     valid = values[mask]
     out = np.zeros_like(values)
-    out[mask] = (valid - valid.mean()) / (valid.std() + 1e-8)
+    out[mask] = (valid - valid.mean()) / (valid.std() + eps)
     return out
 
 

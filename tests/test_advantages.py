@@ -139,16 +139,50 @@ def test_running_mean_baseline_cumulative_and_exponential():
         np.testing.assert_allclose(state.mean, expected, rtol=1e-6)
 
 
-def test_reinforce_plus_plus_whitens_across_the_batch():
+@pytest.mark.parametrize("subtract_group_mean", [False, True])
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_whitens_returns_to_go_over_the_batch_tokens(subtract_group_mean, gamma):
     rng = np.random.default_rng(0)
-    rewards = rng.normal(2.0, 3.0, size=(4, 3)).astype(np.float32)
-    adv = np.asarray(advantages.reinforce_plus_plus(rewards, eps=0.0))
-    np.testing.assert_allclose(adv, (rewards - rewards.mean()) / rewards.std(), rtol=1e-5)
-    centred = rewards - rewards.mean(axis=1, keepdims=True)
-    adv = np.asarray(advantages.reinforce_plus_plus(rewards, eps=0.0, subtract_group_mean=True))
-    np.testing.assert_allclose(adv, (centred - centred.mean()) / centred.std(), rtol=1e-4, atol=1e-6)
-    np.testing.assert_array_equal(advantages.reinforce_plus_plus(jnp.full(5, 1.8471311)), np.zeros(5))
-    np.testing.assert_array_equal(advantages.reinforce_plus_plus(jnp.full((2, 3), 1.8471311), subtract_group_mean=True), 0.0)
+    rewards = rng.normal(2.0, 3.0, size=(3, 4)).astype(np.float32)  # [P, G]
+    lengths = rng.integers(1, 6, size=12)
+    lengths[5] = 0  # a padding row: left out of the statistics
+    mask = np.arange(5)[None, :] < lengths[:, None]  # [B, T]
+    penalty = rng.normal(0.0, 0.1, size=(12, 5)).astype(np.float32)
+    adv = jax.jit(lambda r, m, k: advantages.reinforce_plus_plus(
+        r, m, kl_penalty=k, gamma=gamma, eps=0.0, subtract_group_mean=subtract_group_mean))(rewards, mask, penalty)
+    scores = rewards.astype(np.float64)
+    if subtract_group_mean:
+        scores = scores - scores.mean(axis=1, keepdims=True)
+    token_rewards = np.zeros((12, 5))
+    for i, length in enumerate(lengths):
+        token_rewards[i, :length] = -penalty[i, :length]
+        if length:
+            token_rewards[i, length - 1] += scores.ravel()[i]
+    expected = reference.whiten(reference.returns_to_go(token_rewards, mask, gamma), mask, eps=0.0)
+    assert adv.shape == (12, 5)
+    np.testing.assert_allclose(adv, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_reinforce_plus_plus_is_continuous_as_the_kl_penalty_goes_to_zero():
+    rng = np.random.default_rng(1)
+    rewards = rng.normal(size=8).astype(np.float32)
+    mask = np.arange(6)[None, :] < rng.integers(1, 7, size=8)[:, None]
+    k1 = rng.normal(size=(8, 6)).astype(np.float32)
+    without = np.asarray(advantages.reinforce_plus_plus(rewards, mask))
+    for coef in (1e-9, 1e-6):
+        with_penalty = np.asarray(advantages.reinforce_plus_plus(rewards, mask, kl_penalty=coef * k1))
+        np.testing.assert_allclose(with_penalty, without, atol=20 * coef + 1e-6)
+    # Without a penalty every token of a response carries its reward, whitened over tokens.
+    per_token = np.broadcast_to(rewards[:, None], mask.shape)
+    np.testing.assert_allclose(without, reference.whiten(per_token, mask, eps=1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_plus_plus_of_equal_rewards_is_zero():
+    mask = np.ones((5, 3), bool)
+    np.testing.assert_array_equal(advantages.reinforce_plus_plus(jnp.full(5, 1.8471311), mask), np.zeros((5, 3)))
+    np.testing.assert_array_equal(
+        advantages.reinforce_plus_plus(jnp.full((2, 3), 1.8471311), np.ones((6, 3), bool), subtract_group_mean=True),
+        0.0)
 
 
 @pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 1.0), (0.99, 0.0), (1.0, 1.0)])
@@ -195,7 +229,7 @@ def test_zero_eps_with_constant_groups_gives_zero_not_nan():
     constant = jnp.full((2, 4), 1.0)
     for scale in ("group", "batch"):
         np.testing.assert_array_equal(advantages.grpo(constant, eps=0.0, scale=scale), 0.0)
-    np.testing.assert_array_equal(advantages.reinforce_plus_plus(constant, eps=0.0), 0.0)
+    np.testing.assert_array_equal(advantages.reinforce_plus_plus(constant, np.ones((8, 2), bool), eps=0.0), 0.0)
     mixed = jnp.array([[1.0, 1.0, 1.0], [0.0, 1.0, 2.0]])
     adv = advantages.grpo(mixed, eps=0.0)
     np.testing.assert_array_equal(adv[0], 0.0)
@@ -205,5 +239,5 @@ def test_zero_eps_with_constant_groups_gives_zero_not_nan():
 def test_a_nan_reward_propagates_instead_of_becoming_a_zero_advantage():
     rewards = jnp.array([[1.0, jnp.nan, 0.0], [1.0, 1.0, 1.0]])
     for adv in (advantages.rloo(rewards), advantages.grpo(rewards), advantages.grpo(rewards, scale="none"),
-                advantages.reinforce_plus_plus(rewards)):
+                advantages.reinforce_plus_plus(rewards, np.ones((6, 2), bool)).reshape(2, 3, 2)):
         assert np.isnan(np.asarray(adv)[0]).all()

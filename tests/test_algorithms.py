@@ -24,12 +24,18 @@ def test_all_eleven_presets_exist_and_are_frozen():
     [
         (dict(advantage="ppo"), "`advantage` must be one of 'reinforce', 'batch_mean_baseline'"),
         (dict(agg="mean"), "`agg` must be one of 'token-mean'"),
-        (dict(kl_coef=-1.0), "`kl_coef` must be >= 0; got -1.0"),
+        (dict(kl_coef=-1.0), "`kl_coef` must be a finite number >= 0; got -1.0"),
         (dict(num_iterations=0), "`num_iterations` must be an integer >= 1; got 0"),
         (dict(dual_clip=3.0), "`dual_clip` applies to objective='ppo_clip' only"),
         (dict(objective="ppo_clip", ratio_level="sequence"), "needs objective='grpo'"),
         (dict(update="trpo", num_iterations=2), "`num_iterations` must be 1"),
         (dict(baseline_decay=1.0), r"`baseline_decay` must be in \[0, 1\) or None"),
+        (dict(kl_coef=float("inf")), "`kl_coef` must be a finite number; got inf"),
+        (dict(kl_coef=float("nan")), "`kl_coef` must be a finite number; got nan"),
+        (dict(eps_high=float("inf")), "`eps_high` must be a finite number; got inf"),
+        (dict(update="trpo", max_kl=float("inf")), "`max_kl` must be a finite number; got inf"),
+        (dict(value_clip=float("inf")), "`value_clip` must be a finite number; got inf"),
+        (dict(kl_coef="0.1"), "`kl_coef` must be a finite number; got '0.1'"),
     ],
 )
 def test_bad_configs_say_what_is_wrong(changes, message):
@@ -51,7 +57,6 @@ def test_sequence_advantages_dispatch_to_the_named_estimator():
         "rloo": reference.rloo(rewards).reshape(-1),
         "grpo": reference.grpo_advantages(rewards, 1e-6, 0, "group").reshape(-1),
         "dr-grpo": reference.grpo_advantages(rewards, 0.0, 0, "none").reshape(-1),
-        "reinforce++": (flat - flat.mean()) / (flat.std() + 1e-6),
     }
     for name, expected in cases.items():
         got, _ = algorithms.sequence_advantages(algorithms.get(name), rewards)
@@ -62,6 +67,8 @@ def test_sequence_advantages_dispatch_to_the_named_estimator():
     np.testing.assert_allclose(got, flat - flat.mean(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="uses GAE"):
         algorithms.sequence_advantages(algorithms.PPO, rewards)
+    with pytest.raises(ValueError, match=r"uses REINFORCE\+\+, whose advantages are per token"):
+        algorithms.sequence_advantages(algorithms.REINFORCE_PP, rewards)
 
 
 def test_running_baseline_uses_the_mean_from_before_the_batch():
@@ -166,9 +173,15 @@ def test_compute_advantages_reinforce_pp_is_the_whitened_return_to_go(subtract_g
     if subtract_group_mean:
         scores = scores - scores.mean(1, keepdims=True)
     token_rewards = reference.kl_penalised_token_rewards(scores.ravel(), mask, logp, ref_logp, method.kl_reward_coef)
-    expected = reference.whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask)
+    expected = reference.whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask, eps=method.advantage_eps)
     assert returns is None and adv.shape == mask.shape
     np.testing.assert_allclose(adv, expected, rtol=1e-4, atol=1e-5)
+    # One estimator for every coefficient: no jump when it leaves 0.
+    at_zero, _, _ = algorithms.compute_advantages(dataclasses.replace(method, kl_reward_coef=0.0), rewards, mask,
+                                                  group_size=4, logp=logp, ref_logp=ref_logp)
+    near_zero, _, _ = algorithms.compute_advantages(dataclasses.replace(method, kl_reward_coef=1e-9), rewards, mask,
+                                                    group_size=4, logp=logp, ref_logp=ref_logp)
+    np.testing.assert_allclose(near_zero, at_zero, atol=1e-6)
 
 
 def test_compute_advantages_sequence_estimators_pay_the_summed_kl_penalty():

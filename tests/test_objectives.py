@@ -183,6 +183,26 @@ def test_value_loss(agg, clip):
     np.testing.assert_allclose(metrics["explained_variance"], 1 - residual.var() / target.var(), rtol=1e-4)
 
 
+def test_value_clip_fraction_counts_only_values_outside_the_band():
+    # float32 values inside the band [old - c, old + c]: the clipped value is the value
+    # itself, so no token is clipped (old + clip(v - old) can round an ulp away from v).
+    rng = np.random.default_rng(11)
+    old_values = rng.normal(0.0, 3.0, size=(64, 64)).astype(np.float32)
+    values = (old_values + rng.uniform(-0.19, 0.19, size=(64, 64))).astype(np.float32)
+    returns = rng.normal(0.0, 3.0, size=(64, 64)).astype(np.float32)
+    mask = np.ones((64, 64), bool)
+    _, metrics = objectives.value_loss(values, old_values, returns, mask, clip=0.2)
+    assert float(metrics["value_clip_fraction"]) == 0.0
+    # Outside the band, exactly the tokens whose clipped error is the larger count (float64).
+    values = (old_values + rng.uniform(-0.6, 0.6, size=(64, 64))).astype(np.float32)
+    _, metrics = objectives.value_loss(values, old_values, returns, mask, clip=0.2)
+    v, old, r = (x.astype(np.float64) for x in (values, old_values, returns))
+    clipped = np.clip(v, old - 0.2, old + 0.2)
+    expected = np.mean((clipped - r) ** 2 > (v - r) ** 2)
+    assert 0.1 < expected < 0.5
+    np.testing.assert_allclose(float(metrics["value_clip_fraction"]), expected, atol=2 / 64**2)
+
+
 def test_entropy_bonus_rewards_entropy():
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(B, T, 6)).astype(np.float32)
@@ -312,7 +332,7 @@ def test_errors_name_the_argument_and_expected_shape():
         objectives.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], level="seq")
     with pytest.raises(ValueError, match="`kl` must be one of 'k1', 'k2', 'k3'"):
         objectives.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], kl="exact")
-    with pytest.raises(ValueError, match="`eps_low` must be >= 0; got -0.1"):
+    with pytest.raises(ValueError, match="`eps_low` must be a finite number >= 0; got -0.1"):
         objectives.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], eps_low=-0.1)
     with pytest.raises(ValueError, match=r"`dual_clip` must be in \(1.0, inf\); got 0.5"):
         objectives.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], dual_clip=0.5)

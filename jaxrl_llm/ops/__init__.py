@@ -14,11 +14,13 @@ from jaxrl_llm.ops.aggregation import (
     whiten,
 )
 from jaxrl_llm.ops.logprobs import chunked_categorical_kl, chunked_token_logprobs, entropy, token_logprobs
+from jaxrl_llm.ops.trees import all_finite
 
 __all__ = [
     "AGGREGATION_MODES",
     "AggregationMode",
     "aggregate",
+    "all_finite",
     "chunked_categorical_kl",
     "chunked_token_logprobs",
     "entropy",

@@ -10,21 +10,25 @@
 
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.critic import CriticParams, completion_values, init_critic
-from jaxrl_llm.training.loop import NonFiniteUpdates, fit_overlong_buffer, train
+from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, fit_overlong_buffer, train
 from jaxrl_llm.training.sft import sft_loss, supervised_finetune
 from jaxrl_llm.training.step import (
     Batch,
     ScoredBatch,
     TrainState,
     TrainStep,
+    check_params,
+    check_state,
     check_supported,
+    in_float32,
     init_state,
     make_optimizer,
     make_train_step,
 )
 
 __all__ = [
-    "Batch", "CriticParams", "NonFiniteUpdates", "ScoredBatch", "TrainConfig", "TrainState", "TrainStep",
-    "check_supported", "completion_values", "fit_overlong_buffer", "init_critic", "init_state", "make_optimizer",
-    "make_train_step", "sft_loss", "supervised_finetune", "train",
+    "Batch", "CriticParams", "NonFiniteUpdates", "RunInterrupted", "RunStopped", "ScoredBatch", "TrainConfig",
+    "TrainState", "TrainStep", "check_params", "check_state", "check_supported", "completion_values",
+    "fit_overlong_buffer", "in_float32", "init_critic", "init_state", "make_optimizer", "make_train_step", "sft_loss",
+    "supervised_finetune", "train",
 ]

@@ -55,6 +55,7 @@ class TrainConfig:
         if not isinstance(self.share_prompts, bool):
             raise ValueError(f"TrainConfig: `share_prompts` must be True or False; got {self.share_prompts!r}.")
         for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "temperature"):
+            _checks.finite_number(where, field, getattr(self, field))
             _checks.positive(where, field, getattr(self, field))
         if self.minibatch_size is not None:
             _checks.positive_int(where, "minibatch_size", self.minibatch_size)

@@ -20,32 +20,58 @@ task's do). ``history[i]["score_traces"]`` and ``["update_traces"]`` count the t
 The prompt stream is seeded by ``(seed, step)`` and every PRNG key lives in the state,
 so a run continued from a saved state (``state=``) draws what the uninterrupted run
 would have drawn.
+
+A run that ends early loses nothing: an exception inside a step, Ctrl-C, or too many
+non-finite updates in a row raise :class:`RunStopped`, :class:`RunInterrupted` or
+:class:`NonFiniteUpdates`, each carrying the state after the last completed step and the
+history, from which ``train(..., state=error.state)`` continues the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import algorithms, models, sampling, sharding
+from jaxrl_llm import _checks, algorithms, models, sampling, sharding
 from jaxrl_llm.tasks import DigitSumTask
 from jaxrl_llm.training.config import TrainConfig
-from jaxrl_llm.training.step import Batch, TrainState, init_state, make_train_step
+from jaxrl_llm.training.step import Batch, TrainState, check_params, check_state, init_state, make_train_step
 
 
-class NonFiniteUpdates(FloatingPointError):
-    """Raised after ``max_consecutive_skips`` non-finite updates in a row. ``state`` holds the
-    run's state (params of the last finite update) and ``history`` the metrics so far."""
+class _StoppedRun:
+    """What is left of a run that ended before its last step."""
 
     def __init__(self, message: str, state: TrainState, history: list[dict[str, float]]):
         super().__init__(message)
+        # The state after the last completed step, or the one the run started from (the
+        # caller's, intact) if none completed; `train(..., state=error.state)` continues
+        # the run, drawing the stopped step again.
         self.state = state
-        self.history = history
+        self.history = history  # one dict of metrics per completed step
+
+
+class RunStopped(_StoppedRun, RuntimeError):
+    """:func:`train` ended early because a step raised (a reward function, the task, a
+    callback, ...): the original exception is ``__cause__``; ``state`` and ``history``
+    hold the run up to its last completed step."""
+
+
+class RunInterrupted(_StoppedRun, KeyboardInterrupt):
+    """:func:`train` was interrupted (Ctrl-C, a notebook's stop button); ``state`` and
+    ``history`` hold the run up to its last completed step. A ``KeyboardInterrupt``, so
+    code that stops on Ctrl-C still does."""
+
+
+class NonFiniteUpdates(RunStopped, FloatingPointError):
+    """Raised after ``max_consecutive_skips`` non-finite updates in a row. ``state`` holds the
+    run's state (params of the last finite update) and ``history`` the metrics so far."""
 
 
 def fit_overlong_buffer(algorithm: algorithms.Algorithm, max_new_tokens: int) -> algorithms.Algorithm:
@@ -62,6 +88,9 @@ def _left_pad(x: np.ndarray, width: int, value) -> np.ndarray:
 
 
 def _validated_rewards(components: dict[str, Any], batch: int) -> dict[str, np.ndarray]:
+    if not isinstance(components, Mapping):
+        raise TypeError(f"The task's reward_components must return a dict of reward function name -> [B] numbers; "
+                        f"got {type(components).__name__}.")
     if not components:
         raise ValueError("The task's reward_components returned no reward functions; it must return at least one "
                          "name -> [B] array.")
@@ -203,7 +232,8 @@ def train(
       config: the run's settings.
       steps: train steps (rollout batches) to run.
       task: prompts and reward functions (default: :class:`DigitSumTask`).
-      state: continue from this state instead of a fresh one (it is donated).
+      state: continue from this state instead of a fresh one (it is donated: its
+        buffers are reused by the first update).
       ref_params: the frozen reference (default: a copy of ``params``).
       prompt_bucket: prompts are left-padded to a multiple of this many tokens.
       rollout_mesh: decode the rollouts data-parallel over this mesh's ``data`` axis
@@ -215,8 +245,19 @@ def train(
       The final state and one dict of float metrics per step.
 
     Raises:
+      ValueError: settings that cannot work together, or a ``state`` / ``params`` that
+        does not fit the model and method (before any compute).
       NonFiniteUpdates: after ``config.max_consecutive_skips`` non-finite updates in a row.
+      RunStopped: a step raised (a reward function, the task, the callback): the original
+        exception is its ``__cause__``.
+      RunInterrupted: ``KeyboardInterrupt`` during the run.
+
+    The last three carry ``.state``, the state after the last completed step (the caller's
+    ``state``, intact, if none completed), and ``.history``, so nothing is lost: continue
+    with ``train(..., state=error.state)``.
     """
+    _checks.nonnegative_int("train", "steps", steps)
+    _checks.positive_int("train", "prompt_bucket", prompt_bucket)
     task = task or DigitSumTask()
     traces = {"score": 0, "update": 0}
 
@@ -230,68 +271,94 @@ def train(
         raise ValueError(f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
                          f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices.")
     halves = make_train_step(model, algorithm, config)
+    check_params(model, params)
+    if state is None:
+        if ref_params is not None:
+            check_params(model, ref_params, name="ref_params")
+        state = init_state(model, params, algorithm, config, ref_params=ref_params)
+    elif ref_params is not None:
+        raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
+    else:
+        check_state(state, model, params, algorithm, config)
     score = jax.jit(counting("score", halves.score))
     update = jax.jit(counting("update", halves.update), donate_argnums=0)
     sampler = sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id, temperature=config.temperature,
                                mesh=rollout_mesh)
-    if state is None:
-        state = init_state(model, params, algorithm, config, ref_params=ref_params)
-    elif ref_params is not None:
-        raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
     num_prompts, group = config.num_prompts, config.group_size
     history: list[dict[str, float]] = []
 
-    for _ in range(steps):
-        started = time.perf_counter()
-        step = int(state.step)
-        rng = np.random.default_rng((config.seed, step))
-        key, rollout_key = jax.random.split(state.key)
-        state = state._replace(key=key)
-
-        # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
-        collected = collect_batch(sampler, state.params, task, algorithm, config, rng=rng, key=rollout_key,
-                                  prompt_bucket=prompt_bucket)
-        rollouts, first, components = collected.rollouts, collected.first_round, collected.components
-        reward_seconds = collected.reward_seconds
-        rollout_seconds = time.perf_counter() - started - reward_seconds
-
-        # 3. Score (reference / old log-probs, values, advantages) and update.
-        batch = Batch(tokens=jnp.asarray(rollouts.tokens), attention_mask=jnp.asarray(rollouts.attention_mask),
-                      completion_mask=jnp.asarray(rollouts.completion_mask),
-                      sampling_logp=jnp.asarray(rollouts.logprobs), rewards=jnp.asarray(rollouts.rewards))
-        score_started = time.perf_counter()
-        scored, baseline, score_metrics = jax.block_until_ready(score(state, batch))
-        update_started = time.perf_counter()
-        state, update_metrics = update(state._replace(baseline=baseline), scored)
+    def record(started, update_started, collected, host_metrics, score_metrics, update_metrics) -> dict[str, float]:
+        """The step's metrics, once its update has run (waits for it)."""
         metrics = {k: float(v) for k, v in jax.device_get({**score_metrics, **update_metrics}).items()}
         now = time.perf_counter()
-
-        task_rewards = sum(components.values())
-        grouped = first.rewards.reshape(num_prompts, group)  # as the advantages see them (overlong shaping in)
-        metrics.update(
-            reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
-            **{f"reward_{name}": float(values.mean()) for name, values in components.items()},
-            nonfinite_rewards=float(np.sum(~np.isfinite(task_rewards))),
-            completion_length=float(first.lengths.mean()), completion_length_max=float(first.lengths.max()),
-            truncated_fraction=float(np.mean(first.truncated)),
-            identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
-            refill_rounds=float(collected.refill_rounds),
-            skipped_updates=float(state.skipped_updates), consecutive_skips=float(state.consecutive_skips),
-            rollout_seconds=rollout_seconds, reward_seconds=reward_seconds,
-            logprob_seconds=update_started - score_started, update_seconds=now - update_started,
-            step_seconds=now - started,
-            tokens_per_second=collected.sampled_tokens / (now - started),
-            score_traces=float(traces["score"]), update_traces=float(traces["update"]),
-        )
+        metrics.update(host_metrics, update_seconds=now - update_started, step_seconds=now - started,
+                       tokens_per_second=collected.sampled_tokens / (now - started),
+                       skipped_updates=float(state.skipped_updates), consecutive_skips=float(state.consecutive_skips),
+                       score_traces=float(traces["score"]), update_traces=float(traces["update"]))
         history.append(metrics)
-        if callback is not None:
-            callback(step, metrics)
-        if metrics["consecutive_skips"] >= config.max_consecutive_skips:
-            mismatched = int(metrics["prompt_mismatch_rows"])
-            hint = (f" {mismatched} rows of the last batch do not share their group's prompt, which makes the "
-                    "shared-prompt passes NaN (TrainConfig.share_prompts)." if mismatched else "")
-            raise NonFiniteUpdates(
-                f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite loss "
-                f"or gradient (max_consecutive_skips={config.max_consecutive_skips}); the state keeps the params of "
-                f"the last finite update.{hint}", state, history)
+        return metrics
+
+    pending = None  # the arguments of `record` for a step whose update is dispatched but not recorded
+    try:
+        for _ in range(steps):
+            started = time.perf_counter()
+            step = int(state.step)
+            rng = np.random.default_rng((config.seed, step))
+            key, rollout_key = jax.random.split(state.key)
+
+            # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
+            collected = collect_batch(sampler, state.params, task, algorithm, config, rng=rng, key=rollout_key,
+                                      prompt_bucket=prompt_bucket)
+            rollouts, first, components = collected.rollouts, collected.first_round, collected.components
+            reward_seconds = collected.reward_seconds
+            rollout_seconds = time.perf_counter() - started - reward_seconds
+
+            # 3. Score (reference / old log-probs, values, advantages) and update.
+            batch = Batch(tokens=jnp.asarray(rollouts.tokens), attention_mask=jnp.asarray(rollouts.attention_mask),
+                          completion_mask=jnp.asarray(rollouts.completion_mask),
+                          sampling_logp=jnp.asarray(rollouts.logprobs), rewards=jnp.asarray(rollouts.rewards))
+            score_started = time.perf_counter()
+            scored, baseline, score_metrics = jax.block_until_ready(score(state, batch))
+            update_started = time.perf_counter()
+
+            task_rewards = sum(components.values())
+            grouped = first.rewards.reshape(num_prompts, group)  # as the advantages see them (overlong shaping in)
+            host_metrics = dict(
+                reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
+                **{f"reward_{name}": float(values.mean()) for name, values in components.items()},
+                nonfinite_rewards=float(np.sum(~np.isfinite(task_rewards))),
+                completion_length=float(first.lengths.mean()), completion_length_max=float(first.lengths.max()),
+                truncated_fraction=float(np.mean(first.truncated)),
+                identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
+                refill_rounds=float(collected.refill_rounds),
+                rollout_seconds=rollout_seconds, reward_seconds=reward_seconds,
+                logprob_seconds=update_started - score_started,
+            )
+            # The update consumes (donates) the state: from here on only its result is valid.
+            state, update_metrics = update(state._replace(key=key, baseline=baseline), scored)
+            pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
+            metrics = record(*pending)
+            pending = None
+            if callback is not None:
+                callback(step, metrics)
+            if metrics["consecutive_skips"] >= config.max_consecutive_skips:
+                mismatched = int(metrics["prompt_mismatch_rows"])
+                hint = (f" {mismatched} rows of the last batch do not share their group's prompt, which makes the "
+                        "shared-prompt passes NaN (TrainConfig.share_prompts)." if mismatched else "")
+                raise NonFiniteUpdates(
+                    f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite "
+                    f"loss, gradient or update (max_consecutive_skips={config.max_consecutive_skips}); the state "
+                    f"keeps the params of the last finite update.{hint}", state, history)
+    except RunStopped:
+        raise
+    except (Exception, KeyboardInterrupt) as error:
+        if pending is not None:  # the update ran: its step is part of the state, so of the history
+            with contextlib.suppress(Exception):  # what failed may have been this; the state is what counts
+                record(*pending)
+        where = f"train stopped at step {int(state.step)} ({len(history)} of {steps} steps done)"
+        if isinstance(error, KeyboardInterrupt):
+            raise RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state,
+                                 history) from error
+        raise RunStopped(f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.",
+                         state, history) from error
     return state, history

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from jaxrl_llm import _checks, models, ops
+from jaxrl_llm.training.step import in_float32
 
 
 def sft_loss(model: models.Model, params: models.Params, tokens: jax.Array, attention_mask: jax.Array,
@@ -71,7 +72,7 @@ def supervised_finetune(
     _checks.positive_int(fn, "batch_size", batch_size)
     _checks.positive(fn, "learning_rate", learning_rate)
     _checks.positive_int(fn, "check_every", check_every)
-    optimizer = optax.adam(learning_rate)
+    optimizer = in_float32(optax.adam(learning_rate))  # bfloat16 params get float32 moments
 
     @jax.jit
     def step(params, opt_state, tokens, attention_mask, completion_mask):

@@ -23,11 +23,16 @@ each. With ``TrainConfig.share_prompts``, every teacher-forced pass over whole g
 (:func:`jaxrl_llm.models.completion_hidden_states` with ``group_size=G``); with one
 minibatch the rows keep their order, which no full-batch loss depends on.
 
-**Non-finite updates.** A minibatch whose loss or gradient (policy's or critic's) is not
-finite changes nothing: params and optimizer states keep their values (a ``lax.cond``
-whose other branch is the identity) and ``skipped_updates`` counts it. ``consecutive_skips`` counts the train
-steps in a row with at least one skipped minibatch; the loop stops when that reaches
+**Non-finite updates.** A minibatch whose loss, gradient or new parameters (policy's or
+critic's) would not all be finite changes nothing: params and optimizer states keep their
+values (a ``lax.cond`` whose other branch is the identity) and ``skipped_updates`` counts
+it; TRPO keeps its params when no finite candidate passes the line search. So the state
+only ever holds finite params. ``consecutive_skips`` counts the train steps in a row with
+at least one skipped minibatch; the loop stops when that reaches
 ``TrainConfig.max_consecutive_skips``.
+
+**Precision.** Optimizer moments, hyperparameters and updates are float32 whatever the
+parameters' dtype (:func:`in_float32`); bfloat16 params take each update rounded once.
 
 **The reference.** Every step runs the reference model once: its log-probs feed the KL
 terms and the ``kl_k3`` metric, and its ``[B, N, E]`` hidden states the exact
@@ -92,13 +97,40 @@ class ScoredBatch(NamedTuple):
 
 def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: float) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW whose learning rate warms up linearly from
-    ``lr / warmup_steps`` (not 0: the first update would do nothing) to ``lr``. The rate
-    in use is ``state[1].hyperparams["learning_rate"]``."""
+    ``lr / warmup_steps`` (not 0: the first update would do nothing) to ``lr``, all in
+    float32 whatever the parameters' dtype (:func:`in_float32`). The rate in use is
+    ``state[1].hyperparams["learning_rate"]``."""
     schedule = optax.linear_schedule(learning_rate / warmup_steps, learning_rate, warmup_steps - 1)
-    return optax.chain(
+    return in_float32(optax.chain(
         optax.clip_by_global_norm(max_grad_norm),
-        optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.0),
-    )
+        optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(learning_rate=schedule,
+                                                                            weight_decay=0.0),
+    ))
+
+
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    r"""``inner`` with its state, its inputs and its updates in float32.
+
+    Optimizer state takes its dtype from the params it is initialised with, so bfloat16
+    params would get bfloat16 moments and hyperparameters: :math:`\beta_2 = 0.999` rounds
+    to 1, the bias correction :math:`1 - \beta_2^t` is 0 and the first update 0/0. Here
+    the state is initialised from float32 copies of the params, gradients and params are
+    cast to float32 before each update, and the float32 updates are rounded once, by
+    ``optax.apply_updates``, when :math:`\theta + u` is cast back to each parameter's
+    dtype. An update smaller than half a unit in the last place of a bfloat16 weight is
+    lost in that rounding: for float32 master weights, keep ``param_dtype`` float32 and
+    compute in bfloat16 (``ModelConfig(param_dtype=jnp.float32, dtype=jnp.bfloat16)``).
+    """
+    def to_float32(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params):
+        return inner.init(to_float32(params))
+
+    def update(updates, state, params=None):
+        return inner.update(to_float32(updates), state, None if params is None else to_float32(params))
+
+    return optax.GradientTransformation(init, update)
 
 
 def _copy(tree):
@@ -126,6 +158,54 @@ def init_state(model: models.Model, params: models.Params, algorithm: algorithms
     )
 
 
+def check_params(model: models.Model, params: models.Params, *, name: str = "params") -> None:
+    """Raises ValueError naming the first parameter whose path or shape is not the model's."""
+    _check_tree(name, params, models.abstract(model.config)[1], "the model's config", dtypes=False,
+                advice="Are they the params of another model?")
+
+
+def check_state(state: TrainState, model: models.Model, params: models.Params, algorithm: algorithms.Algorithm,
+                config: TrainConfig) -> None:
+    """Raises ValueError, naming the first field, path, shape or dtype that differs, when
+    ``state`` is not a state of this run: made for another method (a critic or an
+    optimizer it lacks), another model size, or another optimizer."""
+    if not isinstance(state, TrainState):
+        raise ValueError(f"`state` must be a TrainState (from init_state or a previous train); got "
+                         f"{type(state).__name__}.")
+    expected = jax.eval_shape(lambda p: init_state(model, p, algorithm, config), params)
+    for field in TrainState._fields:
+        _check_tree(f"state.{field}", getattr(state, field), getattr(expected, field),
+                    f"algorithm {algorithm.name!r} on this model", dtypes=True,
+                    advice="Was the state made for another method, model or TrainConfig?")
+
+
+def _check_tree(name: str, tree, expected, what: str, *, dtypes: bool, advice: str) -> None:
+    """Raises ValueError at the first difference of structure, shape (or dtype) between
+    ``tree`` and ``expected`` (abstract leaves)."""
+    def describe(leaf) -> str:
+        return f"{list(leaf.shape)}" + (f" {leaf.dtype}" if dtypes else "")
+
+    if (tree is None) != (expected is None):
+        needs = "has none" if expected is None else "needs one"
+        raise ValueError(f"`{name}` is {'None' if tree is None else 'set'}, but {what} {needs}. {advice}")
+    got_leaves, got_structure = jax.tree_util.tree_flatten_with_path(tree)
+    want_leaves, want_structure = jax.tree_util.tree_flatten_with_path(expected)
+    if got_structure != want_structure:
+        got_paths = {jax.tree_util.keystr(path) for path, _ in got_leaves}
+        want_paths = {jax.tree_util.keystr(path) for path, _ in want_leaves}
+        if want_paths - got_paths:
+            detail = f"it lacks {', '.join(sorted(want_paths - got_paths)[:3])}"
+        elif got_paths - want_paths:
+            detail = f"it has {', '.join(sorted(got_paths - want_paths)[:3])}, which {what} does not"
+        else:
+            detail = f"its structure is {got_structure}, not {want_structure}"
+        raise ValueError(f"`{name}` does not fit {what}: {detail}. {advice}")
+    for (path, got), (_, want) in zip(got_leaves, want_leaves):
+        if got.shape != want.shape or (dtypes and got.dtype != want.dtype):
+            raise ValueError(f"`{name}{jax.tree_util.keystr(path)}` is {describe(got)}, but {what} needs "
+                             f"{describe(want)}. {advice}")
+
+
 def _optimizers(algorithm, config):
     policy = None if algorithm.update == "trpo" else make_optimizer(
         learning_rate=config.learning_rate, warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm)
@@ -145,7 +225,13 @@ def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> Non
     if algorithm.update == "trpo" and algorithm.needs_critic:
         raise ValueError(f"Algorithm {name!r}: the TRPO update trains no critic, so GAE is not available with "
                          "update='trpo'; use a critic-free advantage (rloo, grpo, ...).")
-    batch_statistics = algorithm.advantage in ("batch_mean_baseline", "running_mean_baseline", "reinforce_pp") or (
+    if config.group_size < 2 and algorithm.compares_within_groups:
+        raise ValueError(
+            f"Algorithm {name!r} compares each completion with the others sampled for its prompt (advantage="
+            f"{algorithm.advantage!r}{', dynamic sampling' if algorithm.dynamic_sampling else ''}): with "
+            "TrainConfig.group_size=1 every advantage is 0. Set group_size >= 2, or use a method without group "
+            "baselines (pg, reinforce-baseline, ppo).")
+    batch_statistics = algorithm.advantage in ("batch_mean_baseline", "running_mean_baseline") or (
         algorithm.advantage == "grpo" and algorithm.group_scale == "batch")
     if algorithm.dynamic_sampling and batch_statistics:
         raise ValueError(
@@ -155,8 +241,20 @@ def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> Non
             "or 'none').")
 
 
-def _apply_if_finite(optimizer, grads, opt_state, params, finite):
-    """One optimizer step if ``finite``, else params and optimizer state unchanged.
+def _step_is_finite(optimizer, grads, opt_state, params) -> jax.Array:
+    """``[]`` bool: one step of ``optimizer`` would leave every parameter finite.
+
+    The step is computed only to be checked and dropped: XLA fuses it into the reduction,
+    and :func:`_apply_if` then takes it for real, in place. Checking the loss and the
+    gradient is not enough: finite gradients can still give a non-finite update (a learning
+    rate of inf, optimizer arithmetic that overflows or divides 0 by 0).
+    """
+    updates, _ = optimizer.update(grads, opt_state, params)
+    return ops.all_finite(optax.apply_updates(params, updates))
+
+
+def _apply_if(ok, optimizer, grads, opt_state, params):
+    """One optimizer step if ``ok``, else params and optimizer state unchanged.
 
     A ``lax.cond``, not a ``jnp.where`` over the trees: the skipped branch is the
     identity, and the taken one updates the donated buffers in place (a select would
@@ -167,7 +265,7 @@ def _apply_if_finite(optimizer, grads, opt_state, params, finite):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return jax.lax.cond(finite, step, lambda params_and_state: params_and_state, (params, opt_state))
+    return jax.lax.cond(ok, step, lambda params_and_state: params_and_state, (params, opt_state))
 
 
 def _reduce(metrics: Metrics) -> Metrics:
@@ -282,20 +380,23 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
             mb = scored if whole_batch else jax.tree.map(lambda x: x[indices], scored)
             (loss, (metrics, hidden)), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, mb)
             grad_norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            if a.needs_critic:
-                (_, critic_metrics), critic_grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params, mb)
-                finite = finite & jnp.isfinite(optax.tree.norm(critic_grads)) & jnp.isfinite(
-                    critic_metrics["value_loss"])
-                # Policy and critic step together or not at all.
-                critic_params, critic_opt_state = _apply_if_finite(critic_optimizer, critic_grads, critic_opt_state,
-                                                                   critic_params, finite & jnp.any(mb.completion_mask))
-                metrics.update(critic_metrics)
-            metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, mb)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _step_is_finite(
+                policy_optimizer, grads, opt_state, params)
             # A minibatch of padding rows only (dynamic sampling) has a zero gradient, but an
             # AdamW step would still move the params by momentum: it takes no step.
             has_tokens = jnp.any(mb.completion_mask)
-            params, opt_state = _apply_if_finite(policy_optimizer, grads, opt_state, params, finite & has_tokens)
+            if a.needs_critic:
+                (critic_loss_value, critic_metrics), critic_grads = jax.value_and_grad(critic_loss, has_aux=True)(
+                    critic_params, mb)
+                finite = finite & jnp.isfinite(critic_loss_value) & jnp.isfinite(
+                    optax.tree.norm(critic_grads)) & _step_is_finite(critic_optimizer, critic_grads, critic_opt_state,
+                                                                     critic_params)
+                # Policy and critic step together or not at all.
+                critic_params, critic_opt_state = _apply_if(finite & has_tokens, critic_optimizer, critic_grads,
+                                                            critic_opt_state, critic_params)
+                metrics.update(critic_metrics)
+            metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, mb)
+            params, opt_state = _apply_if(finite & has_tokens, policy_optimizer, grads, opt_state, params)
             metrics.update(grad_norm=grad_norm, learning_rate=opt_state[1].hyperparams["learning_rate"])
             skipped = skipped + (~finite).astype(jnp.int32)
             return (params, opt_state, critic_params, critic_opt_state, skipped), metrics

@@ -1,5 +1,7 @@
 """Every preset improves a warm-started language model on the digit task (experiments/digits_lm.py)."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -55,3 +57,18 @@ def test_the_main_job_runs_and_prints_its_table(capsys):
     assert [r["algorithm"] for r in results] == ["grpo", "ppo"]
     out = capsys.readouterr().out
     assert "SFT warm start: 3 steps" in out and "greedy acc" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rl-steps", "0"], "`rl_steps` must be an integer >= 1; got 0"),
+    (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
+    (["--group-size", "1", "--algorithms", "grpo"], "Algorithm 'grpo' compares each completion"),
+    (["--algorithms", "grpo2"], "Unknown algorithm 'grpo2'"),
+    (["--sft-accuracy", "1.5"], r"`sft_accuracy` must be in \[0.0, 1.0\]; got 1.5"),
+])
+def test_the_main_job_refuses_bad_settings_before_any_compute(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(digits_lm, "warm_started_model", lambda *a: pytest.fail("the warm start ran"))
+    with pytest.raises(SystemExit) as exit_:
+        digits_lm.main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

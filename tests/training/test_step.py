@@ -155,7 +155,7 @@ def test_trpo_step_respects_the_kl_bound_on_its_batch():
     (dict(num_prompts=0), r"`num_prompts` must be an integer >= 1; got 0"),
     (dict(group_size=2.0), r"`group_size` must be an integer >= 1; got 2.0"),
     (dict(minibatch_size=3), r"`minibatch_size` must divide the batch B = num_prompts \* group_size = 16; got 3"),
-    (dict(learning_rate=0.0), r"`learning_rate` must be > 0; got 0.0"),
+    (dict(learning_rate=0.0), r"`learning_rate` must be a finite number > 0; got 0.0"),
     (dict(max_refill_rounds=-1), r"`max_refill_rounds` must be an integer >= 0; got -1"),
     (dict(share_prompts="yes"), r"`share_prompts` must be True or False; got 'yes'"),
 ])
@@ -245,7 +245,8 @@ def test_the_running_baseline_is_carried_across_steps_and_a_non_finite_batch_doe
 def test_reward_functions_must_return_one_number_per_completion(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(5))
     monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: {"short": np.zeros(3)})
-    with pytest.raises(ValueError, match=r"Reward function 'short' must return \[B\] = \[16\] numbers; got shape \[3\]"):
+    with pytest.raises(training.RunStopped,
+                       match=r"Reward function 'short' must return \[B\] = \[16\] numbers; got shape \[3\]"):
         training.train(model, params, algorithms.RLOO, RUN, steps=1, task=TASK)
 
 

@@ -1,0 +1,288 @@
+"""Nothing silently wrong, nothing lost: low precision, non-finite updates, bad settings,
+and runs that end early."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_llm import algorithms, models, ops, training, trpo
+from jaxrl_llm.tasks import DigitSumTask
+
+TASK = DigitSumTask()
+CONFIG = models.ModelConfig(vocab_size=len(TASK.tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+RUN = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
+
+
+def _finite(tree) -> bool:
+    return all(bool(np.all(np.isfinite(np.asarray(leaf, np.float32)))) for leaf in jax.tree.leaves(tree))
+
+
+def _changed(tree_a, tree_b) -> bool:
+    return any(bool(np.any(np.asarray(a) != np.asarray(b))) for a, b in zip(jax.tree.leaves(tree_a),
+                                                                          jax.tree.leaves(tree_b)))
+
+
+# --- Low precision ----------------------------------------------------------------------------
+
+
+def test_the_optimizer_keeps_float32_moments_and_hyperparameters_for_bfloat16_params():
+    params = {"w": jnp.full((3,), 0.5, jnp.bfloat16)}
+    optimizer = training.make_optimizer(learning_rate=1e-2, warmup_steps=1, max_grad_norm=1.0)
+    state = optimizer.init(params)
+    adam = state[1]
+    assert adam.hyperparams["b2"].dtype == jnp.float32 and float(adam.hyperparams["b2"]) == np.float32(0.999)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((adam.inner_state[0].mu, adam.inner_state[0].nu)))
+    grads = {"w": jnp.array([1.0, -2.0, 0.5], jnp.bfloat16)}
+    updates, state = optimizer.update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    # Adam's first step moves each weight by the learning rate against its gradient's sign.
+    assert new["w"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(new["w"], np.float32), np.asarray([0.49, 0.51, 0.49], jnp.bfloat16),
+                               rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(algorithms.PRESETS))
+def test_every_preset_trains_bfloat16_params_to_finite_values_that_change(name):
+    config = dataclasses.replace(CONFIG, num_layers=1, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    model, params = models.init(config, jax.random.key(0))
+    state, history = training.train(model, params, algorithms.get(name), RUN, steps=2, task=TASK)
+    assert history[-1]["skipped_updates"] == 0, name
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(state.params))
+    assert _finite(state.params) and _changed(state.params, params), name
+    if state.critic_params is not None:
+        assert _finite(state.critic_params) and _changed(state.critic_params["backbone"], params)
+
+
+# --- The non-finite guard -----------------------------------------------------------------------
+
+
+def _poisoned(make_optimizer, *, learning_rate: float):
+    """``make_optimizer`` whose optimizers of ``learning_rate`` turn finite gradients into
+    NaN updates, as bfloat16 AdamW hyperparameters once did."""
+    def factory(**kwargs):
+        optimizer = make_optimizer(**kwargs)
+        if kwargs["learning_rate"] != learning_rate:
+            return optimizer
+
+        def update(grads, state, params=None):
+            updates, state = optimizer.update(grads, state, params)
+            return jax.tree.map(lambda u: u * jnp.nan, updates), state
+        return optax.GradientTransformation(optimizer.init, update)
+    return factory
+
+
+@pytest.mark.parametrize("name, poisoned", [("grpo", "learning_rate"), ("ppo", "learning_rate"),
+                                            ("ppo", "critic_learning_rate")])
+def test_an_update_that_would_make_params_non_finite_is_skipped(monkeypatch, name, poisoned):
+    # Loss and gradients are finite; only the step would not be. Policy and critic move
+    # together or not at all.
+    run = dataclasses.replace(RUN, max_consecutive_skips=2, learning_rate=3e-3, critic_learning_rate=1e-3)
+    monkeypatch.setattr(training.step, "make_optimizer",
+                        _poisoned(training.step.make_optimizer, learning_rate=getattr(run, poisoned)))
+    model, params = models.init(CONFIG, jax.random.key(1))
+    with pytest.raises(training.NonFiniteUpdates, match="the state keeps the params of the last finite update") as e:
+        training.train(model, params, algorithms.get(name), run, steps=3, task=TASK)
+    state, history = e.value.state, e.value.history
+    assert len(history) == 2 and all(np.isfinite(h["grad_norm"]) and np.isfinite(h["loss"]) for h in history)
+    jax.tree.map(np.testing.assert_array_equal, state.params, params)
+    if state.critic_params is not None:
+        jax.tree.map(np.testing.assert_array_equal, state.critic_params["backbone"], params)
+        assert _finite(state.critic_params)
+
+
+def test_trpo_rejects_a_candidate_with_a_non_finite_parameter(monkeypatch):
+    # A parameter neither the surrogate nor the KL reads, which the step would make NaN.
+    params = {"used": jnp.array([0.3, -0.2]), "unused": jnp.ones(2)}
+    target = jnp.array([1.0, 0.5])
+
+    def surrogate(p):
+        return jnp.sum((p["used"] - target) ** 2)
+
+    def kl(p):
+        return 0.5 * jnp.sum((p["used"] - params["used"]) ** 2)
+
+    real_step = trpo._step
+    monkeypatch.setattr(trpo, "_step", lambda p, scale, d: {**real_step(p, scale, d), "unused": jnp.full(2, jnp.nan)})
+    new, info = trpo.natural_gradient_step(params, surrogate_fn=surrogate, kl_fn=kl, max_kl=0.01)
+    assert not bool(info["accepted"])
+    jax.tree.map(np.testing.assert_array_equal, new, params)
+    monkeypatch.setattr(trpo, "_step", real_step)
+    new, info = trpo.natural_gradient_step(params, surrogate_fn=surrogate, kl_fn=kl, max_kl=0.01)
+    assert bool(info["accepted"]) and _changed(new["used"], params["used"])
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(learning_rate=float("inf")), "`learning_rate` must be a finite number; got inf"),
+    (dict(critic_learning_rate=float("nan")), "`critic_learning_rate` must be a finite number; got nan"),
+    (dict(temperature=float("inf")), "`temperature` must be a finite number; got inf"),
+    (dict(max_grad_norm=float("inf")), "`max_grad_norm` must be a finite number; got inf"),
+    (dict(learning_rate="3e-3"), "`learning_rate` must be a finite number; got '3e-3'"),
+])
+def test_non_finite_rates_and_temperatures_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(RUN, **changes)
+
+
+@pytest.mark.parametrize("name", ["rloo", "grpo", "dr-grpo", "dapo", "gspo", "cispo", "trpo"])
+def test_group_methods_refuse_a_group_of_one_before_any_compute(monkeypatch, name):
+    model, params = models.init(CONFIG, jax.random.key(2))
+    monkeypatch.setattr(training.loop, "collect_batch", lambda *a, **k: pytest.fail("a rollout was drawn"))
+    with pytest.raises(ValueError, match=f"Algorithm {name!r} compares each completion with the others .*"
+                                         "group_size=1 every advantage is 0"):
+        training.train(model, params, algorithms.get(name), dataclasses.replace(RUN, group_size=1), steps=1,
+                       task=TASK)
+
+
+def test_methods_without_group_baselines_run_with_a_group_of_one(monkeypatch):
+    model, params = models.init(CONFIG, jax.random.key(2))
+    monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: {"one": np.ones(len(c))})
+    state, history = training.train(model, params, algorithms.PG, dataclasses.replace(RUN, group_size=1), steps=1,
+                                    task=TASK)
+    assert int(state.step) == 1 and _changed(state.params, params)
+
+
+# --- Runs that end early keep their state and history -------------------------------------------
+
+
+class _FailsAtCall(DigitSumTask):
+    """The digit task whose reward functions raise on their ``fail_at``-th call."""
+
+    def __init__(self, fail_at: int, error: BaseException):
+        super().__init__()
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+
+    def reward_components(self, completion_tokens, lengths, answers):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return super().reward_components(completion_tokens, lengths, answers)
+
+
+def test_an_exception_in_a_reward_function_keeps_the_state_and_history_of_the_steps_done():
+    model, params = models.init(CONFIG, jax.random.key(3))
+    straight, straight_history = training.train(model, params, algorithms.GRPO, RUN, steps=3, task=TASK)
+    start = training.init_state(model, params, algorithms.GRPO, RUN)
+    with pytest.raises(training.RunStopped, match=r"stopped at step 3 \(3 of 5 steps done\): ZeroDivisionError: "
+                                                   "broken reward") as error:
+        training.train(model, params, algorithms.GRPO, RUN, steps=5, task=_FailsAtCall(4, ZeroDivisionError(
+            "broken reward")), state=start)
+    stopped = error.value
+    assert isinstance(stopped.__cause__, ZeroDivisionError)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(stopped.state))
+    # The state after the 3 steps done, exactly, key included: continued from it
+    # (`train(..., state=stopped.state)`), the run is the uninterrupted one.
+    jax.tree.map(np.testing.assert_array_equal, jax.random.key_data(stopped.state.key),
+                 jax.random.key_data(straight.key))
+    jax.tree.map(np.testing.assert_array_equal, stopped.state._replace(key=None), straight._replace(key=None))
+    assert [h["reward"] for h in stopped.history] == [h["reward"] for h in straight_history]
+
+
+def test_a_failure_before_the_first_update_leaves_the_callers_state_intact():
+    model, params = models.init(CONFIG, jax.random.key(3))
+    start = training.init_state(model, params, algorithms.GRPO, RUN)
+    with pytest.raises(training.RunStopped) as error:
+        training.train(model, params, algorithms.GRPO, RUN, steps=2, task=_FailsAtCall(1, RuntimeError("down")),
+                       state=start)
+    assert error.value.state is start and error.value.history == []
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(start))
+    state, _ = training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK, state=start)
+    assert int(state.step) == 1
+
+
+def test_a_keyboard_interrupt_stops_the_run_as_a_keyboard_interrupt_with_its_state():
+    model, params = models.init(CONFIG, jax.random.key(3))
+
+    def interrupt_after_step_1(step, metrics):
+        if step == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as error:
+        training.train(model, params, algorithms.RLOO, RUN, steps=4, task=TASK, callback=interrupt_after_step_1)
+    assert isinstance(error.value, training.RunInterrupted)
+    assert int(error.value.state.step) == 2 and len(error.value.history) == 2  # step 1 completed before its callback
+
+
+def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import jax
+        from jaxrl_llm import algorithms, models, training
+        from jaxrl_llm.tasks import DigitSumTask
+        task = DigitSumTask()
+        config = models.ModelConfig(vocab_size=len(task.tokenizer), hidden_size=32, intermediate_size=64,
+                                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+        model, params = models.init(config, jax.random.key(0))
+        run = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
+        def started(step, metrics):
+            if step == 1:
+                print("running", flush=True)
+        try:
+            training.train(model, params, algorithms.GRPO, run, steps=100000, task=task, callback=started)
+        except training.RunInterrupted as stop:
+            steps = int(stop.state.step)
+            assert steps == len(stop.history) >= 2, (steps, len(stop.history))
+            assert all(not leaf.is_deleted() and bool(jax.numpy.isfinite(leaf).all())
+                       for leaf in jax.tree.leaves(stop.state.params))
+            print("stopped", steps, flush=True)
+    """))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    assert process.stdout.readline().strip() == "running", process.stderr.read()
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert out.split()[0] == "stopped", out
+
+
+# --- Inputs that do not fit ---------------------------------------------------------------------
+
+
+def test_a_reward_function_must_return_a_dict_of_arrays(monkeypatch):
+    model, params = models.init(CONFIG, jax.random.key(5))
+    monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: np.zeros(len(c)))
+    with pytest.raises(training.RunStopped, match="reward_components must return a dict of reward function name "
+                                                   "-> \\[B\\] numbers; got ndarray"):
+        training.train(model, params, algorithms.RLOO, RUN, steps=1, task=TASK)
+
+
+def test_a_state_from_another_method_or_model_is_refused_by_name_before_any_compute(monkeypatch):
+    model, params = models.init(CONFIG, jax.random.key(6))
+    big_model, big_params = models.init(dataclasses.replace(CONFIG, hidden_size=64, intermediate_size=128),
+                                        jax.random.key(6))
+    grpo_state = training.init_state(model, params, algorithms.GRPO, RUN)
+    monkeypatch.setattr(training.loop, "collect_batch", lambda *a, **k: pytest.fail("a rollout was drawn"))
+    cases = [
+        (model, params, algorithms.PPO, "`state.critic_params` is None, but algorithm 'ppo' on this model needs one"),
+        (model, params, algorithms.TRPO, r"`state.opt_state` does not fit algorithm 'trpo' on this model: it has "
+                                         r"\[1\].count"),
+        (big_model, big_params, algorithms.GRPO, r"`state.params\['embed_tokens'\].value` is \[21, 32\] float32, but "
+                                                 r"algorithm 'grpo' on this model needs \[21, 64\] float32"),
+    ]
+    for run_model, run_params, method, message in cases:
+        with pytest.raises(ValueError, match=message):
+            training.train(run_model, run_params, method, RUN, steps=1, task=TASK, state=grpo_state)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(grpo_state))
+    with pytest.raises(ValueError, match=r"`params\['embed_tokens'\].value` is \[21, 64\], but the model's config "
+                                         r"needs \[21, 32\]. Are they the params of another model\?"):
+        training.train(model, big_params, algorithms.GRPO, RUN, steps=1, task=TASK)
+    with pytest.raises(ValueError, match="`state` must be a TrainState"):
+        training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK, state=params)
+
+
+def test_all_finite_is_exact_for_large_values_and_ignores_integers():
+    assert bool(ops.all_finite({"a": jnp.full(3, 3e38), "b": jnp.arange(3)}))  # a norm would overflow
+    assert not bool(ops.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+    assert not bool(ops.all_finite([jnp.array([jnp.nan], jnp.bfloat16)]))
+    assert bool(ops.all_finite({}))
