@@ -3,7 +3,7 @@
 The step is what :func:`jaxrl_llm.training.train` runs: the jitted KV-cache rollout
 (``G`` completions per prompt), host rewards, ``score`` (reference log-probs and
 advantages) and the donated ``update`` (the GRPO preset: k3 KL to the reference, mu = 1,
-one minibatch). Configuration (the issue's): 8 prompts x 4 completions, prompt 16 tokens,
+one minibatch). Configuration: 8 prompts x 4 completions, prompt 16 tokens,
 completion 32 tokens, 4 layers, d_model 256, 4 heads of 64, MLP 1024, vocab 512, float32.
 EOS is a token the random model rarely draws, so every completion has all 32 tokens
 (the prefill's logits give the first, 31 decode steps the rest).
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
           f"{decode_rate / peak:.0%} of the peak; the rollout's executed FLOPs at that rate: "
           f"{executed['rollout'] / decode_rate:.4f} s")
     print("targets: update MFU >= 50%; step <= 1.6x its FLOP floor. The same step in TRL 1.16's GRPOTrainer on "
-          "this machine: make bench-trl (issue 5 quotes ~0.49 s for TRL, ~0.67 s for Tunix 0.1.7).")
+          "this machine: make bench-trl (an earlier spell measured ~0.49 s for TRL, ~0.67 s for Tunix 0.1.7).")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ CONFIG = digits_lm.DigitsConfig()  # the `make run` defaults: 30 RL steps from a
 # The policy's exact expected reward over all 100 prompts (rewards are in [0, 1.5]),
 # after 30 steps minus before: free of the prompt-sampling noise of the training reward.
 MARGIN = {name: 0.1 for name in algorithms.PRESETS}
-# The metrics issue 5 asks of every step, for every method (the digit task's reward
+# The metrics the training engine reports every step, for every method (the digit task's reward
 # functions are "correct" and "stops").
 EVERY_STEP_METRICS = {
     "reward", "reward_std", "reward_correct", "reward_stops",
