@@ -31,6 +31,9 @@ import numpy as np
 from jaxrl_llm import _checks, algorithms, cli, host, models, sampling, training
 from jaxrl_llm.tasks import DigitSumTask
 
+PROMPT_WIDTH = 8
+"""Prompt positions in training: ``"a+b="`` left-padded to ``train``'s 8-token bucket."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DigitsConfig:
@@ -84,7 +87,8 @@ def warm_started_model(config: DigitsConfig, task: DigitSumTask) -> tuple[models
     model_config = models.ModelConfig(
         vocab_size=len(task.tokenizer), hidden_size=config.hidden_size, intermediate_size=4 * config.hidden_size,
         num_layers=config.num_layers, num_heads=4, num_kv_heads=2, head_dim=config.hidden_size // 4,
-        max_position_embeddings=32, bos_token_id=task.tokenizer.bos_token_id, eos_token_ids=(task.eos_id,),
+        max_position_embeddings=max(32, PROMPT_WIDTH + config.max_new_tokens),
+        bos_token_id=task.tokenizer.bos_token_id, eos_token_ids=(task.eos_id,),
         pad_token_id=task.pad_id)
     model, params = models.init(model_config, jax.random.key(config.seed))
     demonstrations = task.demonstrations(np.random.default_rng(config.seed), 4096, config.max_new_tokens,

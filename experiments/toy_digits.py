@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm import advantages as adv_lib, algorithms, cli, kl, objectives, ops, training, trpo
+from jaxrl_llm import _checks, advantages as adv_lib, algorithms, cli, kl, objectives, ops, training, trpo
 
 NUM_DIGITS = 10
 EOS = NUM_DIGITS  # token ids 0..9 are digits, 10 is EOS
@@ -59,13 +59,14 @@ class ToyConfig:
     """PRNG seed: initial params and every rollout derive from it."""
 
     def __post_init__(self):
+        where = "ToyConfig"
         for field in ("steps", "num_prompts", "group_size", "max_new_tokens", "hidden"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"ToyConfig: `{field}` must be >= 1; got {getattr(self, field)}.")
+            _checks.positive_int(where, field, getattr(self, field))
         if self.group_size < 2:
-            raise ValueError(f"ToyConfig: `group_size` must be >= 2 for group baselines; got {self.group_size}.")
-        if not self.learning_rate > 0:
-            raise ValueError(f"ToyConfig: `learning_rate` must be > 0; got {self.learning_rate}.")
+            raise ValueError(f"{where}: `group_size` must be >= 2 for group baselines; got {self.group_size}.")
+        _checks.nonnegative_int(where, "seed", self.seed)
+        _checks.finite_number(where, "learning_rate", self.learning_rate)
+        _checks.positive(where, "learning_rate", self.learning_rate)
 
 
 # --- Model ----------------------------------------------------------------------------------

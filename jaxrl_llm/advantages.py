@@ -250,7 +250,7 @@ def reinforce_plus_plus(
     .. math::
         r_{i,t} = R'_i\,[t = |o_i|] - \kappa_{i,t}, \qquad
         G_{i,t} = \sum_{s \ge t} \gamma^{s-t} r_{i,s}, \qquad
-        A_{i,t} = rac{G_{i,t} - \operatorname{mean}(G)}{\operatorname{std}(G) + \epsilon}
+        A_{i,t} = \frac{G_{i,t} - \operatorname{mean}(G)}{\operatorname{std}(G) + \epsilon}
 
     with :math:`R'_i = R_i - \mu_{G(i)}` (the group mean subtracted, "REINFORCE++-baseline")
     if ``subtract_group_mean`` and :math:`R_i` otherwise, :math:`\kappa` the per-token

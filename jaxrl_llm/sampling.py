@@ -164,6 +164,8 @@ def sample(
         _checks.in_range(fn, "top_p", top_p, 0.0, 1.0, closed="(]")
     eos_ids = _eos_tuple(fn, eos_ids)
     vocab = model.config.vocab_size
+    if not isinstance(pad_id, numbers.Integral) or isinstance(pad_id, bool):
+        raise TypeError(f"{fn}: `pad_id` must be an integer token id; got {pad_id!r}.")
     if any(not 0 <= e < vocab for e in (*eos_ids, pad_id)):
         raise ValueError(f"{fn}: `eos_ids` {eos_ids} and `pad_id` {pad_id} must be token ids in [0, {vocab}).")
     _checks.token_ids(fn, "prompt_tokens", given_tokens, vocab)

@@ -221,11 +221,13 @@ def test_sampler_backend_binds_the_settings():
         (dict(max_new_tokens=61), r"prompt length 4 \+ max_new_tokens 61 exceeds the model's max_position_embeddings"),
         (dict(top_p=0.0), r"`top_p` must be in \(0.0, 1.0\]"),
         (dict(temperature=-1.0), "`temperature` must be a finite number >= 0"),
+        (dict(temperature=float("inf")), "`temperature` must be a finite number >= 0; got inf"),
+        (dict(pad_id=2.5), "`pad_id` must be an integer token id; got 2.5"),
     ],
 )
 def test_bad_input_is_refused(changes, message):
     model, params = peaked_model()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(**changes))
 
 

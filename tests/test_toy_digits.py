@@ -49,3 +49,13 @@ def test_main_prints_a_table(capsys):
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="`group_size` must be >= 2"):
         toy_digits.ToyConfig(group_size=1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
+    (["--group-size", "1"], "`group_size` must be >= 2"),
+])
+def test_bad_settings_exit_with_usage_before_any_compute(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        toy_digits.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

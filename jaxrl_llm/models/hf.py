@@ -298,11 +298,12 @@ def _swap_in(staging: pathlib.Path, target: pathlib.Path) -> None:
     except OSError:  # the working directory was deleted
         cwd = None
     retired = _sibling(target, "old")
-    os.replace(target, retired)
     try:
+        os.replace(target, retired)
         os.replace(staging, target)
-    except BaseException:
-        _put_back(retired, target)
+    except BaseException:  # an interrupt too: never leave the path without a checkpoint
+        if os.path.lexists(retired):
+            _put_back(retired, target)
         raise
     if cwd is not None and (cwd == target or target in cwd.parents):
         os.chdir(cwd)  # the old inode is going: enter the same path in the new directory

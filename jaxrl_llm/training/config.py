@@ -27,7 +27,7 @@ class TrainConfig:
     warmup_steps: int = 5
     """Optimizer steps of linear warm-up, from ``lr / warmup_steps`` to ``lr``."""
     max_grad_norm: float = 1.0
-    """Global gradient-norm clip, before AdamW."""
+    """Global gradient-norm clip, before AdamW (finite: a very large value turns it off)."""
     temperature: float = 1.0
     """Sampling temperature; the policy trained is ``softmax(logits / T)`` (see sampling)."""
     chunk_size: int = 256

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -56,6 +58,9 @@ class _StoppedRun:
         self.state = state
         self.history = history  # one dict of metrics per completed step
 
+    def __reduce__(self):  # pickles whole (multiprocessing), cause aside
+        return type(self), (str(self), self.state, self.history)
+
 
 class RunStopped(_StoppedRun, RuntimeError):
     """:func:`train` ended early because a step raised (a reward function, the task, a
@@ -72,6 +77,31 @@ class RunInterrupted(_StoppedRun, KeyboardInterrupt):
 class NonFiniteUpdates(RunStopped, FloatingPointError):
     """Raised after ``max_consecutive_skips`` non-finite updates in a row. ``state`` holds the
     run's state (params of the last finite update) and ``history`` the metrics so far."""
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Holds Ctrl-C (SIGINT) while the body runs and delivers it after.
+
+    The update consumes (donates) the state it is given: an interrupt between its dispatch
+    and the assignment of its result would lose both states. Only the main thread receives
+    signals; elsewhere, and under a handler not set from Python, this does nothing.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if callable(previous):
+            previous(signal.SIGINT, received[0])
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def fit_overlong_buffer(algorithm: algorithms.Algorithm, max_new_tokens: int) -> algorithms.Algorithm:
@@ -299,6 +329,7 @@ def train(
         return metrics
 
     pending = None  # the arguments of `record` for a step whose update is dispatched but not recorded
+    first_step = int(state.step)
     try:
         for _ in range(steps):
             started = time.perf_counter()
@@ -335,8 +366,9 @@ def train(
                 logprob_seconds=update_started - score_started,
             )
             # The update consumes (donates) the state: from here on only its result is valid.
-            state, update_metrics = update(state._replace(key=key, baseline=baseline), scored)
-            pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
+            with _interrupts_held():
+                state, update_metrics = update(state._replace(key=key, baseline=baseline), scored)
+                pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
             metrics = record(*pending)
             pending = None
             if callback is not None:
@@ -355,7 +387,7 @@ def train(
         if pending is not None:  # the update ran: its step is part of the state, so of the history
             with contextlib.suppress(Exception):  # what failed may have been this; the state is what counts
                 record(*pending)
-        where = f"train stopped at step {int(state.step)} ({len(history)} of {steps} steps done)"
+        where = f"train stopped at step {first_step + len(history)} ({len(history)} of {steps} steps done)"
         if isinstance(error, KeyboardInterrupt):
             raise RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state,
                                  history) from error

@@ -32,7 +32,8 @@ at least one skipped minibatch; the loop stops when that reaches
 ``TrainConfig.max_consecutive_skips``.
 
 **Precision.** Optimizer moments, hyperparameters and updates are float32 whatever the
-parameters' dtype (:func:`in_float32`); bfloat16 params take each update rounded once.
+parameters' dtype, and low-precision params take their steps on float32 master copies
+kept in the optimizer state (:func:`in_float32`).
 
 **The reference.** Every step runs the reference model once: its log-probs feed the KL
 terms and the ``kl_k3`` metric, and its ``[B, N, E]`` hidden states the exact
@@ -98,8 +99,9 @@ class ScoredBatch(NamedTuple):
 def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: float) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW whose learning rate warms up linearly from
     ``lr / warmup_steps`` (not 0: the first update would do nothing) to ``lr``, all in
-    float32 whatever the parameters' dtype (:func:`in_float32`). The rate in use is
-    ``state[1].hyperparams["learning_rate"]``."""
+    float32 whatever the parameters' dtype, with float32 master weights for low-precision
+    params (:func:`in_float32`). The rate in use is
+    ``state.inner[1].hyperparams["learning_rate"]``."""
     schedule = optax.linear_schedule(learning_rate / warmup_steps, learning_rate, warmup_steps - 1)
     return in_float32(optax.chain(
         optax.clip_by_global_norm(max_grad_norm),
@@ -108,27 +110,59 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: fl
     ))
 
 
+class Float32State(NamedTuple):
+    """The state of :func:`in_float32`."""
+
+    inner: Any  # the wrapped optimizer's state, float32
+    master: Any  # float32 master copies of the low-precision params; None at float32 params
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
 def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    r"""``inner`` with its state, its inputs and its updates in float32.
+    r"""``inner`` run in float32, with float32 master weights for low-precision params.
 
     Optimizer state takes its dtype from the params it is initialised with, so bfloat16
     params would get bfloat16 moments and hyperparameters: :math:`\beta_2 = 0.999` rounds
-    to 1, the bias correction :math:`1 - \beta_2^t` is 0 and the first update 0/0. Here
-    the state is initialised from float32 copies of the params, gradients and params are
-    cast to float32 before each update, and the float32 updates are rounded once, by
-    ``optax.apply_updates``, when :math:`\theta + u` is cast back to each parameter's
-    dtype. An update smaller than half a unit in the last place of a bfloat16 weight is
-    lost in that rounding: for float32 master weights, keep ``param_dtype`` float32 and
-    compute in bfloat16 (``ModelConfig(param_dtype=jnp.float32, dtype=jnp.bfloat16)``).
+    to 1, the bias correction :math:`1 - \beta_2^t` is 0 and the first update 0/0. And a
+    bfloat16 weight cannot take a step under half its unit in the last place (about
+    :math:`4 \cdot 10^{-3}` of its size): at RL's learning rates most steps would round
+    away. So ``inner`` sees float32 gradients and float32 params, its state is float32,
+    and every parameter of a narrower float dtype has a float32 master copy :math:`m` in
+    the state (:class:`Float32State`) that takes the steps:
+
+    .. math::
+        m' = m + u, \qquad \theta' = \operatorname{round}(m')
+
+    The updates returned are :math:`\operatorname{round}(m') - \theta`, so
+    ``optax.apply_updates`` lands on :math:`\operatorname{round}(m')` exactly. Float32
+    (and wider) params have no master copy: nothing changes for them. A bfloat16 parameter costs 4
+    more bytes in the optimizer state (the master) besides its two float32 moments.
     """
     def to_float32(tree):
         return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
     def init(params):
-        return inner.init(to_float32(params))
+        master = jax.tree.map(
+            lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
+            else None, params)
+        return Float32State(inner=inner.init(to_float32(params)), master=master)
 
-    def update(updates, state, params=None):
-        return inner.update(to_float32(updates), state, None if params is None else to_float32(params))
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("in_float32: `params` are required (low-precision params take their steps on float32 "
+                             "master copies).")
+        full = jax.tree.map(lambda master, p: p if master is None else master, state.master, params,
+                            is_leaf=_is_none)  # the params at full precision
+        steps, inner_state = inner.update(to_float32(grads), state.inner, full)
+        master = jax.tree.map(lambda master, u: None if master is None else master + u, state.master, steps,
+                              is_leaf=_is_none)
+        updates = jax.tree.map(  # round(m') - theta, exact in float32
+            lambda master, u, p: u if master is None else master.astype(p.dtype).astype(jnp.float32) - p.astype(
+                jnp.float32), master, steps, params, is_leaf=_is_none)
+        return updates, Float32State(inner=inner_state, master=master)
 
     return optax.GradientTransformation(init, update)
 
@@ -397,7 +431,7 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
                 metrics.update(critic_metrics)
             metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, mb)
             params, opt_state = _apply_if(finite & has_tokens, policy_optimizer, grads, opt_state, params)
-            metrics.update(grad_norm=grad_norm, learning_rate=opt_state[1].hyperparams["learning_rate"])
+            metrics.update(grad_norm=grad_norm, learning_rate=opt_state.inner[1].hyperparams["learning_rate"])
             skipped = skipped + (~finite).astype(jnp.int32)
             return (params, opt_state, critic_params, critic_opt_state, skipped), metrics
 
@@ -436,7 +470,9 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         _, (metrics, hidden) = policy_loss(params, scored, old_logp=old_logp)  # diagnostics after the step
         metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, scored)
         metrics.update({f"trpo_{name}": value.astype(jnp.float32) for name, value in info.items()})
-        finite = jnp.isfinite(info["grad_norm"])  # not finite: no candidate was accepted
+        # A non-finite gradient counts as a skip; a candidate with a non-finite parameter, KL
+        # or surrogate is rejected by the line search and the params stay.
+        finite = jnp.isfinite(info["grad_norm"])
         # theta' = theta + step_size * s, s the natural-gradient direction: its learning rate.
         metrics.update(grad_norm=info["grad_norm"], learning_rate=metrics["trpo_step_size"])
         state = state._replace(

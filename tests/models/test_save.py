@@ -169,7 +169,11 @@ def test_a_save_killed_at_any_point_is_recovered_by_the_next_load_and_save(tiny,
     assert (second / "ckpt" / "tokenizer.json").exists() and hidden(second) == []
 
 
-def test_a_save_that_fails_between_its_renames_puts_the_previous_checkpoint_back(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("after_first", [False, True])
+def test_a_save_that_fails_between_its_renames_puts_the_previous_checkpoint_back(tiny, tmp_path, monkeypatch,
+                                                                                after_first):
+    # Interrupted as the swap starts (staging -> target fails) or just after the old
+    # directory went aside (the first rename done, then Ctrl-C).
     model, (v0, v1, _) = tiny
     target = tmp_path / "ckpt"
     models.save_pretrained(target, model, v0)
@@ -177,7 +181,10 @@ def test_a_save_that_fails_between_its_renames_puts_the_previous_checkpoint_back
 
     def failing(*args):
         calls.append(args)
-        if len(calls) == 2:  # staging -> target
+        if after_first and len(calls) == 1:  # target -> aside, then an interrupt
+            replace(*args)
+            raise KeyboardInterrupt
+        if len(calls) == 2 and not after_first:  # staging -> target
             raise KeyboardInterrupt
         replace(*args)
 
@@ -185,7 +192,7 @@ def test_a_save_that_fails_between_its_renames_puts_the_previous_checkpoint_back
     with pytest.raises(KeyboardInterrupt):
         models.save_pretrained(target, model, v1)
     monkeypatch.undo()
-    assert len(calls) == 3  # target aside, the failed swap, target back
+    assert len(calls) == (2 if after_first else 3)  # target aside, (the failed swap,) target back
     assert hidden(tmp_path) == []
     assert_saved(target, v0)
 

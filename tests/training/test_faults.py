@@ -3,10 +3,12 @@ and runs that end early."""
 
 import dataclasses
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -36,19 +38,37 @@ def _changed(tree_a, tree_b) -> bool:
 
 
 def test_the_optimizer_keeps_float32_moments_and_hyperparameters_for_bfloat16_params():
-    params = {"w": jnp.full((3,), 0.5, jnp.bfloat16)}
+    params = {"w": jnp.full((3,), 0.5, jnp.bfloat16), "b": jnp.zeros((2,), jnp.float32)}
     optimizer = training.make_optimizer(learning_rate=1e-2, warmup_steps=1, max_grad_norm=1.0)
     state = optimizer.init(params)
-    adam = state[1]
+    adam = state.inner[1]
     assert adam.hyperparams["b2"].dtype == jnp.float32 and float(adam.hyperparams["b2"]) == np.float32(0.999)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((adam.inner_state[0].mu, adam.inner_state[0].nu)))
-    grads = {"w": jnp.array([1.0, -2.0, 0.5], jnp.bfloat16)}
+    assert state.master["w"].dtype == jnp.float32 and state.master["b"] is None  # float32 params need no copy
+    grads = {"w": jnp.array([1.0, -2.0, 0.5], jnp.bfloat16), "b": jnp.ones(2)}
     updates, state = optimizer.update(grads, state, params)
     new = optax.apply_updates(params, updates)
     # Adam's first step moves each weight by the learning rate against its gradient's sign.
     assert new["w"].dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(new["w"], np.float32), np.asarray([0.49, 0.51, 0.49], jnp.bfloat16),
-                               rtol=0)
+    np.testing.assert_allclose(np.asarray(state.master["w"]), [0.49, 0.51, 0.49], rtol=1e-6)
+    np.testing.assert_array_equal(new["w"], state.master["w"].astype(jnp.bfloat16))
+    np.testing.assert_allclose(new["b"], [-0.01, -0.01], rtol=1e-5)
+
+
+def test_bfloat16_params_take_steps_smaller_than_their_precision_through_float32_master_weights():
+    # 1.0 - 1e-4 rounds back to 1.0 in bfloat16 (its spacing there is 2^-7): without a
+    # master copy, 100 such steps would leave the weight at 1.0.
+    params = {"w": jnp.ones((), jnp.bfloat16)}
+    optimizer = training.in_float32(optax.sgd(1e-4))
+    state = optimizer.init(params)
+    step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*optimizer.update({"w": jnp.ones((), jnp.bfloat16)}, s, p)))
+    for _ in range(100):
+        params, state = step(params, state)
+    master = np.float32(1.0)
+    for _ in range(100):  # the same float32 steps, one at a time
+        master = np.float32(master + np.float32(-1e-4))
+    assert float(state.master["w"]) == master and abs(master - 0.99) < 1e-5
+    assert params["w"] == jnp.asarray(master, jnp.bfloat16) == jnp.asarray(0.98828125, jnp.bfloat16)
 
 
 @pytest.mark.slow
@@ -211,6 +231,19 @@ def test_a_keyboard_interrupt_stops_the_run_as_a_keyboard_interrupt_with_its_sta
         training.train(model, params, algorithms.RLOO, RUN, steps=4, task=TASK, callback=interrupt_after_step_1)
     assert isinstance(error.value, training.RunInterrupted)
     assert int(error.value.state.step) == 2 and len(error.value.history) == 2  # step 1 completed before its callback
+    copy = pickle.loads(pickle.dumps(error.value))  # e.g. across processes
+    assert copy.history == error.value.history and int(copy.state.step) == 2
+
+
+def test_ctrl_c_during_the_update_dispatch_is_delivered_once_its_result_is_held():
+    done, handler = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with training.loop._interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs between bytecodes: here, if it were not held
+            done.append(True)
+    assert done == [True]
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
