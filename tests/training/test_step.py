@@ -133,7 +133,7 @@ def test_minibatches_take_one_optimizer_step_each_per_pass():
     model, params, score, update, state = _step(method, run)
     scored, _, _ = score(state, _batch(model, params))
     state, metrics = update(state, scored)
-    assert int(state.opt_state[1].count) == 8  # mu * M Adam steps
+    assert int(state.opt_state.inner[1].count) == 8  # mu * M Adam steps
     assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
 
 
