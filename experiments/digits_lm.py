@@ -181,14 +181,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"SFT warm start: {len(losses)} steps, loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.2f}, "
           f"greedy accuracy {accuracy:.2f} ({time.perf_counter() - started:.1f}s)")
     print(f"RL: P={config.num_prompts} prompts x G={config.group_size} completions, {config.rl_steps} steps per method")
-    results = []
+    results, interrupted = [], None
     for method in methods:
-        results.append(run(config, method, model, params, task))
+        try:
+            results.append(run(config, method, model, params, task))
+        except training.RunInterrupted as stop:  # Ctrl-C: the methods done so far still get their table
+            interrupted = f"Interrupted: {method.name} after {len(stop.history)} of {config.rl_steps} steps."
+            break
         r = results[-1]
         print(f"  {r['algorithm']:<20} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f}  ({r['seconds']:.1f}s)",
               flush=True)
     print()
-    print(format_table(results, accuracy))
+    if interrupted:
+        print(interrupted)
+    if results:
+        print(format_table(results, accuracy))
+    if interrupted:
+        raise SystemExit(130)  # the shell's status for a run ended by SIGINT
     return results
 
 

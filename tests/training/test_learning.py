@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from experiments import digits_lm
-from jaxrl_llm import algorithms
+from jaxrl_llm import algorithms, training
 from jaxrl_llm.tasks import DigitSumTask
 
 CONFIG = digits_lm.DigitsConfig()  # the `make run` defaults: 30 RL steps from a fixed seed
@@ -57,6 +57,22 @@ def test_the_main_job_runs_and_prints_its_table(capsys):
     assert [r["algorithm"] for r in results] == ["grpo", "ppo"]
     out = capsys.readouterr().out
     assert "SFT warm start: 3 steps" in out and "greedy acc" in out
+
+
+def test_the_main_job_interrupted_prints_the_methods_done_and_exits_130(monkeypatch, capsys):
+    real_run = digits_lm.run
+
+    def interrupted_at_grpo(config, method, *args):
+        if method.name == "grpo":
+            raise training.RunInterrupted("stopped", None, [{}])
+        return real_run(config, method, *args)
+
+    monkeypatch.setattr(digits_lm, "run", interrupted_at_grpo)
+    with pytest.raises(SystemExit) as exit_:
+        digits_lm.main(["--sft-steps", "3", "--rl-steps", "2", "--algorithms", "pg,grpo,ppo"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 130
+    assert "Interrupted: grpo after 1 of 2 steps." in out and "\npg " in out and "ppo" not in out.split("Interrupted")[1]
 
 
 @pytest.mark.parametrize("argv, message", [
