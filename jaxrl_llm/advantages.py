@@ -236,6 +236,19 @@ def grpo(
     return _safe_divide(centered, std + eps)
 
 
+def token_rewards(rewards: jax.Array, mask: jax.Array, *, kl_penalty: jax.Array | None = None) -> jax.Array:
+    r"""``[B, T]`` per-token rewards: :math:`r_{i,t} = R_i\,[t = |o_i|] - \kappa_{i,t}`.
+
+    The sequence reward ``[B]`` goes on each response's last valid token of a right-padded
+    ``[B, T]`` mask (nowhere for an empty row), minus the per-token penalty
+    :math:`\kappa` (``[B, T]``, e.g. ``c * k1``) at valid tokens; 0 at masked ones.
+    """
+    mask = mask.astype(bool)
+    at_last_token = jax.nn.one_hot(jnp.sum(mask, axis=1) - 1, mask.shape[1], dtype=jnp.float32)  # [B, T]
+    penalty = 0.0 if kl_penalty is None else jnp.where(mask, kl_penalty, 0.0)
+    return at_last_token * jnp.asarray(rewards, jnp.float32)[:, None] - penalty
+
+
 def reinforce_plus_plus(
     rewards: jax.Array,
     mask: jax.Array,
@@ -284,9 +297,8 @@ def reinforce_plus_plus(
     penalty = jnp.zeros(mask.shape, jnp.float32) if kl_penalty is None else _checks.floating(fn, "kl_penalty",
                                                                                            kl_penalty)
     _checks.same_shape(fn, "kl_penalty", penalty, "mask", mask)
-    at_last_token = jax.nn.one_hot(jnp.sum(mask, axis=1) - 1, mask.shape[1], dtype=jnp.float32)  # [B, T]
-    token_rewards = at_last_token * rewards[:, None] - jnp.where(mask, penalty, 0.0)  # [B, T]
-    returns_to_go, _ = gae(token_rewards, jnp.zeros_like(token_rewards), mask, gamma=gamma, lam=1.0)
+    rewards_per_token = token_rewards(rewards, mask, kl_penalty=penalty)  # [B, T]
+    returns_to_go, _ = gae(rewards_per_token, jnp.zeros_like(rewards_per_token), mask, gamma=gamma, lam=1.0)
     return aggregation.whiten(returns_to_go, mask, eps=eps)
 
 

@@ -310,13 +310,10 @@ def compute_advantages(
             raise ValueError(f"Algorithm {a.name!r} has kl_reward_coef={a.kl_reward_coef} > 0: pass `logp` and "
                              "`ref_logp`.")
         penalty = jnp.where(mask, a.kl_reward_coef * kl_lib.k1(logp, ref_logp), 0.0)
-    lengths = jnp.sum(mask, axis=1)
-    at_last_token = jax.nn.one_hot(lengths - 1, mask.shape[1], dtype=jnp.float32)  # [B, N]; zero row if empty
-
     if a.advantage == "gae":
         if values is None:
             raise ValueError(f"Algorithm {a.name!r} uses GAE: pass the critic's `values`.")
-        token_rewards = at_last_token * rewards[:, None] - penalty
+        token_rewards = adv_lib.token_rewards(rewards, mask, kl_penalty=penalty)  # [B, N]
         advantages, returns = adv_lib.gae(token_rewards, values, mask, gamma=a.gamma, lam=a.lam)
         return aggregation.whiten(advantages, mask), returns, baseline
     if a.advantage == "reinforce_pp":
