@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from jaxrl_llm import _checks, advantages as adv_lib, algorithms, cli, kl, objectives, ops, training, trpo
+from jaxrl_llm.rewards.length import overlong_penalty
 
 NUM_DIGITS = 10
 EOS = NUM_DIGITS  # token ids 0..9 are digits, 10 is EOS
@@ -188,7 +189,7 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimize
         rewards = rewards_of(prompts, rollout)  # [B]
         task_rewards = rewards
         if a.overlong_buffer:
-            rewards = rewards + algorithms.overlong_penalty(
+            rewards = rewards + overlong_penalty(
                 rollout.lengths, max_len=length, buffer=a.overlong_buffer, penalty=a.overlong_penalty
             )
         # Sampling was at temperature 1 from old_params, so its log-probs are the old

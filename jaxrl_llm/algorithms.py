@@ -465,35 +465,8 @@ def get(name: str) -> Algorithm:
     return PRESETS[name]
 
 
-def overlong_penalty(lengths: jax.Array, *, max_len: int, buffer: int, penalty: float = 1.0) -> jax.Array:
-    r"""DAPO's soft overlong punishment, added to the reward (Yu et al., 2025, eq. 13).
-
-    .. math::
-        R_{\text{length}}(y) = \begin{cases}
-          0 & |y| \le L_{max} - L_{cache} \\
-          \frac{(L_{max} - L_{cache}) - |y|}{L_{cache}} \cdot p & L_{max} - L_{cache} < |y| \le L_{max} \\
-          -p & |y| > L_{max}
-        \end{cases}
-
-    Args:
-      lengths: ``[B]`` completion lengths in tokens.
-      max_len: :math:`L_{max}`, the token limit.
-      buffer: :math:`L_{cache}`, the length of the soft zone (``0 < buffer <= max_len``).
-      penalty: :math:`p`, the penalty at the limit.
-
-    Returns:
-      ``[B]`` float32 penalties in ``[-p, 0]``.
-    """
-    if not (isinstance(buffer, int) and 0 < buffer <= max_len):
-        raise ValueError(f"overlong_penalty: `buffer` must be an integer in [1, max_len={max_len}]; got {buffer!r}.")
-    lengths = jnp.asarray(lengths).astype(jnp.float32)
-    soft_start = max_len - buffer
-    ramp = (soft_start - lengths) / buffer * penalty
-    return jnp.where(lengths <= soft_start, 0.0, jnp.where(lengths <= max_len, ramp, -penalty))
-
-
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "Algorithm", "CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "PG", "POLICY_OBJECTIVES",
     "PPO", "PRESETS", "REINFORCE_BASELINE", "REINFORCE_PP", "RLOO", "TRPO", "UPDATE_RULES", "compute_advantages", "get",
-    "overlong_penalty", "policy_loss", "sequence_advantages",
+    "policy_loss", "sequence_advantages",
 ]

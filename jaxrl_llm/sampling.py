@@ -13,11 +13,24 @@ Completions of prompt ``p`` are rows ``p*G ... p*G+G-1``.
 **Log-prob convention.** The policy being trained is :math:`\pi_T = \operatorname{softmax}(z/T)`,
 the model's logits at the sampling temperature ``T`` (``T = 1`` by default), as in TRL and
 verl. ``logprobs`` are :math:`\log\pi_T(a_t)` of the sampled tokens, without top-k /
-top-p truncation, so a trainer that recomputes log-probs from ``logits / T`` gets the
-same numbers (old log-probs are free when ``mu = 1``). ``sampling_logprobs`` are the
+top-p / min-p truncation, so a trainer that recomputes log-probs from ``logits / T`` gets
+the same numbers (old log-probs are free when ``mu = 1``). ``sampling_logprobs`` are the
 log-probs under the truncated distribution the tokens were actually drawn from (equal
-to ``logprobs`` when neither top-k nor top-p is set). Greedy decoding (``temperature=0``)
-reports :math:`\log\pi_1` of the argmax token.
+to ``logprobs`` when none of top-k, top-p, min-p is set). Greedy decoding
+(``temperature=0``) reports :math:`\log\pi_1` of the argmax token.
+
+**Truncation order.** :func:`filter_logits` applies top-k, then top-p to the top-k
+distribution, then min-p: the order of transformers' ``generate`` (and of vLLM's V0
+sampler). Min-p's test :math:`p_v \ge p_{\min} \max_u p_u` compares two probabilities of one
+distribution, so renormalising does not move it: it gives the same set before or after
+top-k, and after top-p (the order here) it is the top-p set intersected with the min-p set
+of :math:`\pi_T`. Only min-p *before* top-p (vLLM's V1 sampler) differs: there top-p
+measures mass on the min-p-renormalised distribution and can keep fewer tokens.
+
+**Stop strings** are applied after generation, on the host: :func:`stop_at_strings`
+cuts each completion after the first token whose text completes a stop string. The
+jitted loop has no detokenizer, so a row keeps decoding to its EOS or the budget and the
+tokens after its stop string are wasted compute (they are masked out, never trained on).
 
 **Compilation.** One jitted function per shape bucket, from the prompts to the
 :class:`Rollout`: the prompt length is left-padded up to a multiple of ``bucket`` and the
@@ -53,7 +66,7 @@ class Rollout(NamedTuple):
     attention_mask: jax.Array  # [B, S + N] bool: real prompt tokens and valid completion tokens
     completion_mask: jax.Array  # [B, N] bool: completion tokens up to and including the first EOS
     logprobs: jax.Array  # [B, N] float32: log softmax(z / T) of each sampled token, 0 where masked
-    sampling_logprobs: jax.Array  # [B, N] float32: under the top-k/top-p distribution sampled from
+    sampling_logprobs: jax.Array  # [B, N] float32: under the top-k/top-p/min-p distribution sampled from
     lengths: jax.Array  # [B] int32: valid completion tokens (EOS included)
     truncated: jax.Array  # [B] bool: hit max_new_tokens without EOS
 
@@ -97,6 +110,28 @@ def _eos_tuple(fn: str, eos_ids: int | Iterable[int] | None) -> tuple[int, ...]:
     return tuple(int(e) for e in ids)
 
 
+def _probability(fn: str, name: str, value: object, *, closed: str) -> None:
+    """Requires ``None`` or a number in the interval ``closed`` (``"[]"``, ``"(]"``, ...) of
+    ``[0, 1]``. A traced value (``sample`` under an outer ``jit``) passes unchecked."""
+    if value is None or isinstance(value, jax.core.Tracer):
+        return
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.floating):
+        value = float(value)  # a concrete scalar array
+    if not _checks.is_number(value):
+        raise TypeError(f"{fn}: `{name}` must be a number or None; got {value!r}.")
+    _checks.in_range(fn, name, value, 0.0, 1.0, closed=closed)
+
+
+def _check_settings(fn: str, *, temperature: float, top_k: int | None, top_p: float | None,
+                    min_p: float | None) -> None:
+    """The sampling settings shared by :func:`sample` and :class:`Sampler`."""
+    _checks.nonnegative(fn, "temperature", temperature)
+    if top_k is not None:
+        _checks.positive_int(fn, "top_k", top_k)
+    _probability(fn, "top_p", top_p, closed="(]")
+    _probability(fn, "min_p", min_p, closed="[]")
+
+
 def sample(
     model: models.Model,
     params: models.Params,
@@ -109,12 +144,13 @@ def sample(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     eos_ids: Sequence[int],
     pad_id: int,
     bucket: int = 16,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Rollout:
-    """Samples ``num_samples`` completions of each prompt.
+    r"""Samples ``num_samples`` completions of each prompt.
 
     Args:
       model, params: from :func:`jaxrl_llm.models.from_pretrained` or ``init``.
@@ -130,6 +166,11 @@ def sample(
       top_k: sample among the ``k`` most likely tokens (``None``: all).
       top_p: sample from the smallest set of most likely tokens with mass ``>= p``
         (nucleus; ``None``: all).
+      min_p: sample among the tokens at least ``min_p`` times as likely as the most
+        likely one, :math:`\pi_T(v) \ge p_{\min} \max_u \pi_T(u)` (Nguyen et al. 2024,
+        "min-p sampling"), in ``[0, 1]`` (``None``: all; 0 keeps all, 1 only the ties
+        with the top token). Applied after top-k and top-p (see :func:`filter_logits`).
+        Traced like ``top_p``: changing it does not recompile.
       eos_ids: one end-of-sequence id (an int) or a sequence of them; a completion ends
         at the first.
       pad_id: written after EOS and in unused completion slots.
@@ -157,11 +198,7 @@ def sample(
     _checks.positive_int(fn, "num_samples", num_samples)
     _checks.positive_int(fn, "max_new_tokens", max_new_tokens)
     _checks.positive_int(fn, "bucket", bucket)
-    _checks.nonnegative(fn, "temperature", temperature)
-    if top_k is not None:
-        _checks.positive_int(fn, "top_k", top_k)
-    if top_p is not None:
-        _checks.in_range(fn, "top_p", top_p, 0.0, 1.0, closed="(]")
+    _check_settings(fn, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     eos_ids = _eos_tuple(fn, eos_ids)
     vocab = model.config.vocab_size
     if not isinstance(pad_id, numbers.Integral) or isinstance(pad_id, bool):
@@ -204,8 +241,10 @@ def sample(
         model, params, prompt_tokens, prompt_mask, key, jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+        jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
         num_samples=num_samples, slots=slots, top_k=None if greedy else top_k,
-        use_top_p=top_p is not None and not greedy, greedy=greedy, eos_ids=eos_ids, pad_id=int(pad_id), mesh=mesh,
+        use_top_p=top_p is not None and not greedy, use_min_p=min_p is not None and not greedy, greedy=greedy,
+        eos_ids=eos_ids, pad_id=int(pad_id), mesh=mesh,
     )
     return rollout if (length, max_new_tokens) == (padded_length, slots) else _trim(
         rollout, prompt_len=length, max_new_tokens=max_new_tokens)
@@ -226,11 +265,23 @@ def _trim(rollout: Rollout, *, prompt_len: int, max_new_tokens: int) -> Rollout:
     )
 
 
-def filter_logits(logits: jax.Array, *, top_k: int | None, top_p: jax.Array | None) -> jax.Array:
-    """Sets logits outside the top-k / top-p (nucleus) set to ``-inf``. ``[B, V] -> [B, V]``.
+def filter_logits(logits: jax.Array, *, top_k: int | None = None, top_p: jax.Array | float | None = None,
+                  min_p: jax.Array | float | None = None) -> jax.Array:
+    r"""Sets logits outside the top-k, top-p and min-p sets to ``-inf``. ``[B, V] -> [B, V]``.
 
-    Nucleus: the smallest set of most likely tokens whose probability reaches ``top_p``
-    (the token that crosses it included; ties at the boundary are all kept).
+    Applied in this order, each to what the previous one kept (transformers' order; the
+    module docstring says why the order matters only between top-p and min-p), with
+    :math:`p = \operatorname{softmax}(z)` of the logits kept so far; ``None`` skips a step:
+
+    - top-k: :math:`z_v \ge z_{(k)}`, the ``k``-th largest logit (ties with it all kept);
+    - top-p (nucleus): the smallest set of most likely tokens whose probability reaches
+      ``top_p``, :math:`\sum_{u:\, z_u > z_v} p_u < \text{top\_p}` (the token that crosses it
+      included; ties at the boundary are all kept);
+    - min-p (Nguyen et al. 2024): :math:`p_v \ge p_{\min} \max_u p_u`, i.e.
+      :math:`z_v \ge \max_u z_u + \log p_{\min}`. A ratio of probabilities of one
+      distribution, so the same for the kept logits as for the full row.
+
+    The most likely token is always kept. ``top_p`` and ``min_p`` may be traced scalars.
     """
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
@@ -242,6 +293,9 @@ def filter_logits(logits: jax.Array, *, top_k: int | None, top_p: jax.Array | No
         kept = mass_before < top_p  # the first token is always kept
         threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)  # [B, 1]
         logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    if min_p is not None:
+        floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)  # [B, 1]; -inf when min_p = 0
+        logits = jnp.where(logits >= floor, logits, -jnp.inf)
     return logits
 
 
@@ -293,9 +347,10 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "greedy", "eos_ids", "pad_id", "mesh"),
+    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "use_min_p", "greedy", "eos_ids", "pad_id", "mesh"),
 )
-def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, *, mesh, **settings) -> Rollout:
+def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, min_p, *, mesh,
+              **settings) -> Rollout:
     """The whole rollout in bucket-sized buffers (``S'`` prompt columns, ``slots``
     completion columns); with a ``mesh``, each device runs :func:`_decode` on its rows
     (``shard_map``: its own loop and stopping test, no communication)."""
@@ -307,13 +362,13 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
     if mesh is not None:
         rows, whole = sharding.ROWS, sharding.WHOLE
         by_row = jax.sharding.PartitionSpec(None, sharding.DATA)  # uniforms [slots, B]
-        decode = jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, by_row, whole, whole, whole),
+        decode = jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, by_row, whole, whole, whole, whole),
                                out_specs=rows, check_vma=False)  # no collectives inside
-    return decode(params, tokens, mask, uniforms, max_new_tokens, temperature, top_p)
+    return decode(params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, min_p)
 
 
-def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, *, num_samples, slots, top_k,
-            use_top_p, greedy, eos_ids, pad_id) -> Rollout:
+def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, min_p, *, num_samples, slots,
+            top_k, use_top_p, use_min_p, greedy, eos_ids, pad_id) -> Rollout:
     """The ``P`` distinct prompts ``[P, S']`` prefilled, the cache and next-token logits
     copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode
     step, and the last token's sample -> record. ``uniforms`` ``[slots, B]`` drive the draws."""
@@ -348,13 +403,14 @@ def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, 
         top = jnp.max(scaled, axis=-1)  # [B]
         weights = jnp.exp(scaled - top[:, None])  # [B, V], softmax up to its normaliser
         log_total = jnp.log(jnp.sum(weights, axis=-1))
-        truncated = top_k is not None or use_top_p
+        truncated = top_k is not None or use_top_p or use_min_p
         if greedy:
             token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
         else:
             uniform = jax.lax.dynamic_index_in_dim(uniforms, state.step, keepdims=False)  # [B]
             if truncated:
-                filtered = filter_logits(scaled, top_k=top_k, top_p=top_p if use_top_p else None)
+                filtered = filter_logits(scaled, top_k=top_k, top_p=top_p if use_top_p else None,
+                                         min_p=min_p if use_min_p else None)
                 weights = jnp.exp(filtered - top[:, None])  # 0 outside the kept set; the top token is kept
             token = draw(uniform, weights)
         logp = _logprob_of(scaled, top, log_total, token)
@@ -415,17 +471,20 @@ class Sampler:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     bucket: int = 16
     mesh: jax.sharding.Mesh | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "eos_ids", _eos_tuple("Sampler", self.eos_ids))  # frozen: set once, here
+        _check_settings("Sampler", temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                        min_p=self.min_p)
 
     def __call__(self, params, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens) -> Rollout:
         return sample(
             self.model, params, prompt_tokens, prompt_mask, key, num_samples=num_samples,
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket, mesh=self.mesh,
+            min_p=self.min_p, eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket, mesh=self.mesh,
         )
 
 
@@ -436,3 +495,115 @@ def recompute_logprobs(model: models.Model, params: models.Params, rollout: Roll
     logp = models.completion_logprobs(model, params, rollout.tokens, rollout.attention_mask,
                                       rollout.completion_mask.shape[1], temperature=temperature or 1.0)
     return jnp.where(rollout.completion_mask, logp, 0.0)
+
+
+def _stop_tuple(fn: str, stop_strings: str | Sequence[str]) -> tuple[str, ...]:
+    """``stop_strings`` as a non-empty tuple of non-empty strings; one string is one stop
+    string (as with transformers' ``stop_strings``)."""
+    if isinstance(stop_strings, str):
+        stop_strings = (stop_strings,)
+    if not isinstance(stop_strings, Iterable) or isinstance(stop_strings, bytes):
+        raise TypeError(f"{fn}: `stop_strings` must be a string or a sequence of strings; got {stop_strings!r}.")
+    stops = tuple(stop_strings)
+    if not stops:
+        raise ValueError(f"{fn}: `stop_strings` must name at least one stop string; got {stop_strings!r}.")
+    if bad := [s for s in stops if not isinstance(s, str)]:
+        raise TypeError(f"{fn}: `stop_strings` must hold strings; got {bad[0]!r} in {stops!r}.")
+    if "" in stops:
+        raise ValueError(f"{fn}: `stop_strings` must be non-empty strings (an empty one would stop every "
+                         f"completion at its first token); got {stops!r}.")
+    return stops
+
+
+def stop_at_strings(rollout: Rollout, *, tokenizer, stop_strings: str | Sequence[str], pad_id: int) -> Rollout:
+    r"""Cuts each completion after the first token at which its text contains a stop string.
+
+    For row ``b`` with valid completion ids :math:`a_{1..n}` (``n = lengths[b]``) and text
+    :math:`d(a_{1..k})` = ``tokenizer.decode(ids[:k], skip_special_tokens=True)`` (the text
+    the rewards see), the cut is
+
+    .. math::  k^* = \min\{k \le n : \text{some } s \in \text{stop\_strings} \text{ occurs in } d(a_{1..k})\}.
+
+    Tokens ``1..k*`` stay, the stop string included (as transformers' ``StopStringCriteria``
+    leaves it in the output); the rest of the completion becomes ``pad_id``, with
+    ``completion_mask`` and the completion part of ``attention_mask`` false, ``logprobs``
+    and ``sampling_logprobs`` 0, ``lengths = k*`` and ``truncated`` false (the row stopped).
+    Rows whose text has no stop string are left as they are, and so are ids beyond a row's
+    ``lengths`` (after its EOS). Special tokens (EOS) are skipped in the text, so a stop
+    string never matches their spelling.
+
+    Generation is not shortened: :func:`sample` decodes each row to its EOS or the
+    budget, since its jitted loop has no detokenizer, and this cut discards the tokens
+    after the stop string. Cost: one batched decode of all rows, then, for a row whose
+    text contains a stop string, a binary search over prefix lengths (:math:`\lceil\log_2
+    n\rceil` decodes of at most ``n`` ids). It finds :math:`k^*` when a longer prefix's text
+    keeps every stop string a shorter prefix's text has: true of byte-level BPE,
+    SentencePiece and character tokenizers (an unfinished UTF-8 character decodes to
+    U+FFFD until its last byte arrives). Only a stop string holding U+FFFD, or a tokenizer
+    that rewrites spaces across tokens (``clean_up_tokenization_spaces``), can break it;
+    then the cut is still a ``k`` whose text has a stop string and whose ``k - 1`` has not.
+
+    Args:
+      rollout: a :class:`Rollout`, best a host copy (``jax.device_get(rollout)``); device
+        arrays are copied to the host.
+      tokenizer: a Hugging Face tokenizer (anything with ``decode(ids, skip_special_tokens=)``;
+        ``batch_decode`` is used when present).
+      stop_strings: one non-empty string, or a non-empty sequence of them.
+      pad_id: written into the cut completion slots.
+
+    Returns:
+      A new :class:`Rollout` of NumPy arrays (the input is not modified).
+
+    Raises:
+      TypeError, ValueError: on an empty stop string or none, a non-string, a tokenizer
+        without ``decode``, a non-integer ``pad_id``, or a rollout whose shapes disagree.
+    """
+    fn = "stop_at_strings"
+    stops = _stop_tuple(fn, stop_strings)
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"{fn}: `rollout` must be a sampling.Rollout; got {type(rollout).__name__}.")
+    if not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"{fn}: `tokenizer` must have a `decode(ids, skip_special_tokens=True)` method (a Hugging "
+                        f"Face tokenizer); got {type(tokenizer).__name__}.")
+    if not isinstance(pad_id, numbers.Integral) or isinstance(pad_id, bool):
+        raise TypeError(f"{fn}: `pad_id` must be an integer token id; got {pad_id!r}.")
+    out = Rollout(*(np.array(x) for x in jax.device_get(tuple(rollout))))  # host copies, written below
+    batch, slots = out.completion_mask.shape
+    if out.tokens.ndim != 2 or out.tokens.shape[0] != batch or out.tokens.shape[1] < slots:
+        raise ValueError(f"{fn}: `rollout.tokens` must have shape [B, S + N] = [{batch}, S + {slots}] to match "
+                         f"`completion_mask` [B, N]; got {list(out.tokens.shape)}.")
+    if out.lengths.shape != (batch,) or ((out.lengths < 0) | (out.lengths > slots)).any():
+        raise ValueError(f"{fn}: `rollout.lengths` must have shape [{batch}] with values in [0, {slots}]; got "
+                         f"shape {list(out.lengths.shape)}, values {_checks._listed(out.lengths)}.")
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def stopped(text: str) -> bool:
+        return any(stop in text for stop in stops)
+
+    start = out.tokens.shape[1] - slots  # the first completion column
+    completion = out.tokens[:, start:]  # [B, N], a view: writes go to out.tokens
+    ids = [row[:n].tolist() for row, n in zip(completion, out.lengths.tolist())]  # valid ids, EOS included
+    batch_decode = getattr(tokenizer, "batch_decode", None)
+    texts = batch_decode(ids, skip_special_tokens=True) if callable(batch_decode) else [decode(i) for i in ids]
+    cut = out.lengths.astype(np.int64)  # [B] tokens kept
+    hit = np.array([stopped(text) for text in texts], bool)  # [B]
+    for row in np.flatnonzero(hit):
+        low, high = 1, len(ids[row])  # the text of ids[:high] contains a stop string
+        while low < high:  # invariant: the first stop is in (low - 1, high]
+            middle = (low + high) // 2
+            if stopped(decode(ids[row][:middle])):
+                high = middle
+            else:
+                low = middle + 1
+        cut[row] = high
+    beyond = hit[:, None] & (np.arange(slots)[None, :] >= cut[:, None])  # [B, N] slots a stop cleared
+    completion[beyond] = pad_id
+    out.attention_mask[:, start:][beyond] = False
+    out.completion_mask[beyond] = False
+    out.logprobs[beyond] = 0.0
+    out.sampling_logprobs[beyond] = 0.0
+    out.lengths[hit] = cut[hit]
+    out.truncated[hit] = False
+    return out

@@ -135,14 +135,6 @@ def test_trpo_preset_surrogate_is_the_unclipped_importance_ratio():
     assert float(metrics["clip_fraction"]) == 0.0
 
 
-def test_overlong_penalty_matches_dapo_equation():
-    lengths = jnp.array([10, 16, 17, 18, 20, 21])
-    got = algorithms.overlong_penalty(lengths, max_len=20, buffer=4, penalty=1.0)
-    np.testing.assert_allclose(got, [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
-    with pytest.raises(ValueError, match=r"`buffer` must be an integer in \[1, max_len=20\]; got 21"):
-        algorithms.overlong_penalty(lengths, max_len=20, buffer=21)
-
-
 def _kl_reward_batch(seed=0, num_prompts=3, group=4, length=5):
     rng = np.random.default_rng(seed)
     batch = num_prompts * group

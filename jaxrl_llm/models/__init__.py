@@ -29,10 +29,11 @@ from jaxrl_llm.models.functional import (
     rows_share_group_prompt,
 )
 from jaxrl_llm.models.hf import from_pretrained, save_pretrained
-from jaxrl_llm.models.tokenizer import DIGITS_AND_OPERATORS, build_char_tokenizer, load_tokenizer, save_tokenizer
+from jaxrl_llm.models.tokenizer import load_tokenizer, save_tokenizer
 
 __all__ = [
-    "ARCHITECTURES", "DIGITS_AND_OPERATORS", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract", "completion_hidden_states", "completion_logprobs", "decode_step",
-    "forward", "from_pretrained", "hidden_states", "init", "init_cache", "logical_axes", "logits_from_hidden",
-    "output_kernel", "prefill", "rows_share_group_prompt", "save_pretrained", "build_char_tokenizer", "load_tokenizer", "save_tokenizer",
+    "ARCHITECTURES", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract", "completion_hidden_states",
+    "completion_logprobs", "decode_step", "forward", "from_pretrained", "hidden_states", "init", "init_cache",
+    "load_tokenizer", "logical_axes", "logits_from_hidden", "output_kernel", "prefill", "rows_share_group_prompt",
+    "save_pretrained", "save_tokenizer",
 ]

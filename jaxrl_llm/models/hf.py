@@ -128,22 +128,67 @@ def from_pretrained(
       ValueError: an unsupported architecture or option, a missing or unexpected
         tensor, or a tensor whose shape does not match the config (names both shapes).
     """
+    directory = checkpoint_directory(path)
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    dtype = dtype_from_name(dtype)
+    config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype_from_name(compute_dtype or dtype))
+    model, params, _ = read_weights(directory, config)
+    return model, params
+
+
+def checkpoint_directory(path: str | os.PathLike) -> pathlib.Path:
+    """``path`` resolved, after the recovery :func:`from_pretrained` describes.
+
+    Raises:
+      FileNotFoundError: the directory or its ``config.json`` is missing.
+    """
     directory = pathlib.Path(path).resolve()
     _recover(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"No config.json in {directory}.")
-    import transformers
+    return directory
 
-    hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    dtype = dtype_from_name(dtype)
-    config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype_from_name(compute_dtype or dtype))
+
+def read_weights(
+    directory: pathlib.Path,
+    config: ModelConfig,
+    *,
+    extra: tuple[str, ...] = (),
+) -> tuple[Model, Params, dict[str, np.ndarray]]:
+    """The decoder of ``config`` read from the safetensors files in ``directory``.
+
+    Tensors are read one at a time into an abstract params tree (no random init). The
+    ``extra`` tensors (e.g. a sequence-classification head, ``score.weight``) are returned
+    as stored, in the Hugging Face layout, instead of counting as unexpected.
+
+    Returns:
+      ``(model, params, {name: array})`` for the ``extra`` names.
+
+    Raises:
+      FileNotFoundError: no weights in ``directory``.
+      ValueError: a missing tensor (``extra`` included), a tensor the config does not use,
+        or a tensor whose shape does not match the config (names both shapes).
+    """
+    dtype = config.param_dtype
     files = _weight_files(directory)
     model, shapes = abstract(config)
+    if missing := [name for name in extra if name not in files]:
+        raise ValueError(f"Checkpoint {directory} is missing tensor(s) {', '.join(map(repr, missing))}.")
 
-    loaded, used = [], set()
+    loaded, used = [], set(extra)
+    extras: dict[str, np.ndarray] = {}
     open_files: dict[pathlib.Path, Any] = {}
+
+    def tensor(name: str) -> np.ndarray:
+        file = files[name]
+        if file not in open_files:
+            open_files[file] = safe_open(file, framework="numpy").__enter__()
+        return open_files[file].get_tensor(name)
+
     try:
         for path_, variable in nnx.to_flat_state(shapes):
             name, layout = hf_name(path_)
@@ -151,18 +196,16 @@ def from_pretrained(
             expected = to_hf_shape(tuple(variable.get_value().shape))
             if name not in files:
                 raise ValueError(f"Checkpoint {directory} is missing tensor {name!r} (shape {list(expected)}).")
-            file = files[name]
-            if file not in open_files:
-                open_files[file] = safe_open(file, framework="numpy").__enter__()
-            tensor = open_files[file].get_tensor(name)
-            if tuple(tensor.shape) != expected:
+            array = tensor(name)
+            if tuple(array.shape) != expected:
                 raise ValueError(
-                    f"Tensor {name!r} has shape {list(tensor.shape)} in the checkpoint, but the config implies "
+                    f"Tensor {name!r} has shape {list(array.shape)} in the checkpoint, but the config implies "
                     f"{list(expected)}."
                 )
-            value = jnp.asarray(to_ours(tensor, tuple(variable.get_value().shape)), dtype=dtype)
+            value = jnp.asarray(to_ours(array, tuple(variable.get_value().shape)), dtype=dtype)
             loaded.append((path_, variable.replace(value)))
             used.add(name)
+        extras = {name: tensor(name) for name in extra}
     finally:
         for handle in open_files.values():
             handle.__exit__(None, None, None)
@@ -177,7 +220,7 @@ def from_pretrained(
             f"Checkpoint {directory} has {len(unexpected)} tensor(s) the {config.architecture} config does not "
             f"use: {shown}."
         )
-    return model, nnx.from_flat_state(loaded)
+    return model, nnx.from_flat_state(loaded), extras
 
 
 def hf_tensors(model: Model, params: Params) -> Iterator[tuple[str, np.ndarray]]:

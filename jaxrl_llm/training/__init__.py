@@ -4,13 +4,16 @@
 * :mod:`~jaxrl_llm.training.step`: :class:`TrainState` and the pure ``score`` /
   ``update`` halves of a train step (:func:`make_train_step`);
 * :mod:`~jaxrl_llm.training.critic`: PPO's value model;
-* :mod:`~jaxrl_llm.training.loop`: :func:`train`, the host loop with rewards and metrics;
+* :mod:`~jaxrl_llm.training.collect`: a task's prompts to scored rollouts (the loop's and
+  the evaluator's one path), DAPO's dynamic sampling;
+* :mod:`~jaxrl_llm.training.loop`: :func:`train`, the host loop with metrics;
 * :mod:`~jaxrl_llm.training.sft`: a supervised warm start.
 """
 
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.critic import CriticParams, completion_values, init_critic
-from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, fit_overlong_buffer, train
+from jaxrl_llm.training.collect import collect_batch, fit_overlong_buffer, rollout_and_score
+from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, train
 from jaxrl_llm.training.sft import sft_loss, supervised_finetune
 from jaxrl_llm.training.step import (
     Batch,
@@ -28,7 +31,7 @@ from jaxrl_llm.training.step import (
 
 __all__ = [
     "Batch", "CriticParams", "NonFiniteUpdates", "RunInterrupted", "RunStopped", "ScoredBatch", "TrainConfig",
-    "TrainState", "TrainStep", "check_params", "check_state", "check_supported", "completion_values",
-    "fit_overlong_buffer", "in_float32", "init_critic", "init_state", "make_optimizer", "make_train_step", "sft_loss",
-    "supervised_finetune", "train",
+    "TrainState", "TrainStep", "check_params", "check_state", "check_supported", "collect_batch", "completion_values",
+    "fit_overlong_buffer", "in_float32", "init_critic", "init_state", "make_optimizer", "make_train_step", "rollout_and_score",
+    "sft_loss", "supervised_finetune", "train",
 ]

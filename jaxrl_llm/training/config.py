@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_llm import _checks
+from jaxrl_llm.rewards.combine import ON_ERROR
+
+PROMPT_TRUNCATION = ("error", "left")
+"""What a prompt longer than ``max_prompt_length`` does: stop with an error, or lose its first tokens."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +34,28 @@ class TrainConfig:
     """Global gradient-norm clip, before AdamW (finite: a very large value turns it off)."""
     temperature: float = 1.0
     """Sampling temperature; the policy trained is ``softmax(logits / T)`` (see sampling)."""
+    top_k: int | None = None
+    """Rollouts sample among the ``k`` most likely tokens (``None``: all)."""
+    top_p: float | None = None
+    """Rollouts sample from the smallest set of tokens with mass ``>= top_p`` (``None``: all)."""
+    min_p: float | None = None
+    """Rollouts sample among tokens at least ``min_p`` times as likely as the most likely
+    one (``None``: all). With top-k, top-p or min-p, the old policy's log-probs are still
+    those of ``softmax(logits / T)`` (see :mod:`jaxrl_llm.sampling`)."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens. Prompts are padded to one of a few widths up to this
+    (``8, 16, 32, ...``), so the train step compiles a bounded number of times."""
+    prompt_truncation: str = "error"
+    """A longer prompt: ``"error"`` stops the run naming it; ``"left"`` drops its first
+    tokens (counted in the ``truncated_prompts`` metric)."""
+    on_reward_error: str = "raise"
+    """A reward function that raises: ``"raise"`` stops the run naming the function and the
+    example; ``"zero"`` scores those completions 0 (counted in ``reward_errors``)."""
+    eval_every: int = 0
+    """Evaluate on the task's test split every this many steps (0: never); the results
+    join that step's metrics as ``eval_*``."""
+    eval_samples: int = 0
+    """Samples per test prompt at ``temperature`` for the evaluation's pass@k (0: greedy only)."""
     chunk_size: int = 256
     """Tokens per chunk when log-probs and KLs are computed from hidden states."""
     max_consecutive_skips: int = 3
@@ -51,7 +77,17 @@ class TrainConfig:
         for field in ("num_prompts", "group_size", "max_new_tokens", "warmup_steps", "chunk_size",
                       "max_consecutive_skips"):
             _checks.positive_int(where, field, getattr(self, field))
-        _checks.nonnegative_int(where, "max_refill_rounds", self.max_refill_rounds)
+        for field in ("max_refill_rounds", "eval_every", "eval_samples"):
+            _checks.nonnegative_int(where, field, getattr(self, field))
+        _checks.positive_int(where, "max_prompt_length", self.max_prompt_length)
+        if self.top_k is not None:
+            _checks.positive_int(where, "top_k", self.top_k)
+        for field, closed in (("top_p", "(]"), ("min_p", "[]")):
+            if getattr(self, field) is not None:
+                _checks.finite_number(where, field, getattr(self, field))
+                _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
+        _checks.one_of(where, "prompt_truncation", self.prompt_truncation, PROMPT_TRUNCATION)
+        _checks.one_of(where, "on_reward_error", self.on_reward_error, ON_ERROR)
         if not isinstance(self.share_prompts, bool):
             raise ValueError(f"TrainConfig: `share_prompts` must be True or False; got {self.share_prompts!r}.")
         for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "temperature"):

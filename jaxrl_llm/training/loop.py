@@ -6,20 +6,23 @@ r"""The host loop: rollout -> rewards -> score -> update, with metrics and timin
 
 Each step:
 
-1. **rollout**: the sampler draws ``G`` completions for each of ``P`` prompts from the
-   current params (the old policy; a snapshot is free, arrays are immutable);
-2. **rewards**: the task's reward functions run on the host; each must return ``[B]``
-   numbers. DAPO's soft overlong penalty is added here. With dynamic sampling (DAPO) the
-   groups whose rewards are all equal are dropped and more rollouts refill the batch,
-   up to ``max_refill_rounds`` extra rounds; groups still missing are masked out;
+1. **rollout**: ``P`` prompts from the task's train stream; the rollout backend draws ``G``
+   completions of each from the current params (the old policy; a snapshot is free,
+   arrays are immutable);
+2. **rewards**: the completions are decoded and the task's reward functions run on the
+   host, in TRL's convention (:mod:`jaxrl_llm.rewards`). DAPO's soft overlong penalty is
+   added here. With dynamic sampling (DAPO) the groups whose rewards are all equal are
+   dropped and more rollouts refill the batch, up to ``max_refill_rounds`` extra rounds;
+   groups still missing are masked out (:mod:`jaxrl_llm.training.collect`);
 3. **score** and **update**: the two jitted halves of :mod:`jaxrl_llm.training.step`.
 
-Prompts are left-padded to a multiple of ``prompt_bucket`` tokens, so both halves trace
-once per prompt width: once per run when the task's prompts fit one bucket (the digit
-task's do). ``history[i]["score_traces"]`` and ``["update_traces"]`` count the traces.
-The prompt stream is seeded by ``(seed, step)`` and every PRNG key lives in the state,
-so a run continued from a saved state (``state=``) draws what the uninterrupted run
-would have drawn.
+Prompts are left-padded to one of a few widths (``8, 16, 32, ...`` up to
+``max_prompt_length``), so both halves trace at most once per width: once per run when
+the task's prompts fit one (the digit task's do). ``history[i]["score_traces"]`` and
+``["update_traces"]`` count the traces. The prompt stream is addressed by
+``(seed, state.prompts_drawn)`` and every PRNG key lives in the state, so a run
+continued from a saved state (``state=``) sees the prompts and draws the samples the
+uninterrupted run would have.
 
 A run that ends early loses nothing: an exception inside a step, Ctrl-C, or too many
 non-finite updates in a row raise :class:`RunStopped`, :class:`RunInterrupted` or
@@ -30,19 +33,16 @@ history, from which ``train(..., state=error.state)`` continues the run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import _checks, algorithms, models, sampling, sharding
-from jaxrl_llm.tasks import DigitSumTask
+from jaxrl_llm import _checks, algorithms, models, sampling, sharding, tasks
+from jaxrl_llm.training.collect import collect_batch
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.step import Batch, TrainState, check_params, check_state, init_state, make_train_step
 
@@ -104,140 +104,18 @@ def _interrupts_held():
             raise KeyboardInterrupt
 
 
-def fit_overlong_buffer(algorithm: algorithms.Algorithm, max_new_tokens: int) -> algorithms.Algorithm:
-    """DAPO's soft overlong zone for a budget of ``max_new_tokens``: a buffer within the
-    budget is kept as set; a longer one (the preset's 4096, the paper's fifth of 20480
-    tokens) becomes a fifth of the budget, none under 5 tokens."""
-    if algorithm.overlong_buffer <= max_new_tokens:
-        return algorithm
-    return dataclasses.replace(algorithm, overlong_buffer=max_new_tokens // 5)
+def _evaluate(model, params, task, config: TrainConfig, prompt_bucket: int) -> dict[str, float]:
+    """The task's test split evaluated with the run's sampling settings, as ``eval_*`` metrics."""
+    from jaxrl_llm import evaluation  # evaluation imports training
 
-
-def _left_pad(x: np.ndarray, width: int, value) -> np.ndarray:
-    return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
-
-
-def _validated_rewards(components: dict[str, Any], batch: int) -> dict[str, np.ndarray]:
-    if not isinstance(components, Mapping):
-        raise TypeError(f"The task's reward_components must return a dict of reward function name -> [B] numbers; "
-                        f"got {type(components).__name__}.")
-    if not components:
-        raise ValueError("The task's reward_components returned no reward functions; it must return at least one "
-                         "name -> [B] array.")
-    checked = {}
-    for name, values in components.items():
-        values = np.asarray(values)
-        if values.shape != (batch,) or not np.issubdtype(values.dtype, np.number):
-            raise ValueError(f"Reward function {name!r} must return [B] = [{batch}] numbers; got shape "
-                             f"{list(values.shape)} of dtype {values.dtype}.")
-        checked[name] = values.astype(np.float32)
-    return checked
-
-
-@dataclasses.dataclass
-class _Rollouts:
-    """Host copies of one or more rollout rounds, concatenated along the batch."""
-
-    tokens: np.ndarray  # [R, S + N]
-    attention_mask: np.ndarray  # [R, S + N]
-    completion_mask: np.ndarray  # [R, N]
-    logprobs: np.ndarray  # [R, N]
-    lengths: np.ndarray  # [R]
-    truncated: np.ndarray  # [R]
-    rewards: np.ndarray  # [R]
-
-    def take(self, rows: np.ndarray) -> _Rollouts:
-        return _Rollouts(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
-
-    @staticmethod
-    def concatenate(parts: list[_Rollouts], pad_id: int) -> _Rollouts:
-        width = max(p.tokens.shape[1] for p in parts)  # prompt buckets can differ between rounds
-        return _Rollouts(
-            tokens=np.concatenate([_left_pad(p.tokens, width, pad_id) for p in parts]),
-            attention_mask=np.concatenate([_left_pad(p.attention_mask, width, False) for p in parts]),
-            **{name: np.concatenate([getattr(p, name) for p in parts])
-               for name in ("completion_mask", "logprobs", "lengths", "truncated", "rewards")},
-        )
-
-
-@dataclasses.dataclass
-class CollectedBatch:
-    """What :func:`collect_batch` returns."""
-
-    rollouts: _Rollouts
-    """The batch to train on: ``P`` groups (groups without signal masked out, with dynamic sampling)."""
-    first_round: _Rollouts
-    """The first rollout round, unfiltered: the policy's own statistics."""
-    components: dict[str, np.ndarray]
-    """Each reward function's ``[B]`` values on the first round."""
-    refill_rounds: int
-    """Extra rounds drawn by dynamic sampling."""
-    sampled_tokens: int
-    """Completion tokens generated over all rounds."""
-    reward_seconds: float
-    """Host time spent in reward functions."""
-
-
-def collect_batch(
-    sampler: sampling.RolloutBackend,
-    params: models.Params,
-    task: DigitSumTask,
-    algorithm: algorithms.Algorithm,
-    config: TrainConfig,
-    *,
-    rng: np.random.Generator,
-    key: jax.Array,
-    prompt_bucket: int = 8,
-) -> CollectedBatch:
-    """Rollouts and rewards for one train step.
-
-    Without dynamic sampling: one round of ``P`` prompts times ``G`` completions. With it
-    (DAPO): groups whose rewards are all equal are dropped and rounds of ``P`` new prompts
-    are drawn until ``P`` groups with signal are collected or ``config.max_refill_rounds``
-    extra rounds are spent; the batch is the first ``P`` groups with signal, then groups
-    without it with an all-zero completion mask (padding rows: they change no loss).
-    """
-    algorithm = fit_overlong_buffer(algorithm, config.max_new_tokens)
-    num_prompts, group = config.num_prompts, config.group_size
-    rounds: list[_Rollouts] = []
-    informative = np.zeros(0, bool)  # [groups so far]
-    reward_seconds = 0.0
-    max_rounds = 1 + (config.max_refill_rounds if algorithm.dynamic_sampling else 0)
-    for round_index in range(max_rounds):
-        prompt_ids, prompt_mask, answers = task.prompts(rng, num_prompts)
-        width = -(-prompt_ids.shape[1] // prompt_bucket) * prompt_bucket
-        rollout = sampler(params, _left_pad(prompt_ids, width, task.pad_id), _left_pad(prompt_mask, width, False),
-                          jax.random.fold_in(key, round_index), num_samples=group,
-                          max_new_tokens=config.max_new_tokens)
-        host = jax.device_get(rollout)
-        reward_started = time.perf_counter()
-        round_components = _validated_rewards(
-            task.reward_components(np.asarray(host.completion_tokens), host.lengths, np.repeat(answers, group)),
-            num_prompts * group)
-        rewards = sum(round_components.values())
-        if algorithm.overlong_buffer:
-            rewards = rewards + np.asarray(algorithms.overlong_penalty(
-                host.lengths, max_len=config.max_new_tokens, buffer=algorithm.overlong_buffer,
-                penalty=algorithm.overlong_penalty))
-        reward_seconds += time.perf_counter() - reward_started
-        if round_index == 0:
-            components = round_components
-        rounds.append(_Rollouts(tokens=host.tokens, attention_mask=host.attention_mask,
-                                completion_mask=host.completion_mask, logprobs=host.logprobs,
-                                lengths=host.lengths, truncated=host.truncated, rewards=rewards))
-        grouped = rewards.reshape(num_prompts, group)
-        informative = np.concatenate([informative, grouped.max(1) > grouped.min(1)])
-        if not algorithm.dynamic_sampling or informative.sum() >= num_prompts:
-            break
-    rollouts = rounds[0]
-    if algorithm.dynamic_sampling:
-        rollouts = _Rollouts.concatenate(rounds, task.pad_id)
-        order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:num_prompts]
-        rollouts = rollouts.take((order[:, None] * group + np.arange(group)).reshape(-1))
-        rollouts.completion_mask = rollouts.completion_mask & np.repeat(informative[order], group)[:, None]
-    return CollectedBatch(rollouts=rollouts, first_round=rounds[0], components=components,
-                          refill_rounds=len(rounds) - 1, sampled_tokens=int(sum(r.lengths.sum() for r in rounds)),
-                          reward_seconds=reward_seconds)
+    started = time.perf_counter()
+    results = evaluation.evaluate(
+        model, params, task, num_samples=config.eval_samples, temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length,
+        prompt_truncation=config.prompt_truncation, prompt_bucket=prompt_bucket, top_k=config.top_k,
+        top_p=config.top_p, min_p=config.min_p, seed=config.seed, on_reward_error=config.on_reward_error,
+        progress=False)
+    return {**{f"eval_{name}": value for name, value in results.items()}, "eval_seconds": time.perf_counter() - started}
 
 
 def train(
@@ -247,9 +125,10 @@ def train(
     config: TrainConfig,
     *,
     steps: int,
-    task: DigitSumTask | None = None,
+    task: tasks.Task | None = None,
     state: TrainState | None = None,
     ref_params: models.Params | None = None,
+    rollout: sampling.RolloutBackend | None = None,
     prompt_bucket: int = 8,
     rollout_mesh: jax.sharding.Mesh | None = None,
     callback=None,
@@ -261,14 +140,21 @@ def train(
       algorithm: the method (a preset from :mod:`jaxrl_llm.algorithms` or any config).
       config: the run's settings.
       steps: train steps (rollout batches) to run.
-      task: prompts and reward functions (default: :class:`DigitSumTask`).
+      task: prompts, tokenizer, stop ids and reward functions: any
+        :class:`jaxrl_llm.tasks.Task` (default: :class:`~jaxrl_llm.tasks.DigitSumTask`).
       state: continue from this state instead of a fresh one (it is donated: its
         buffers are reused by the first update).
       ref_params: the frozen reference (default: a copy of ``params``).
-      prompt_bucket: prompts are left-padded to a multiple of this many tokens.
+      rollout: the :class:`~jaxrl_llm.sampling.RolloutBackend` that samples completions
+        (default: the built-in KV-cache sampler with the task's stop ids and the config's
+        temperature, top-k, top-p and min-p). The evaluation of ``config.eval_every``
+        uses the built-in sampler.
+      prompt_bucket: the narrowest prompt width; wider ones double it (``8, 16, 32, ...``
+        up to ``config.max_prompt_length``).
       rollout_mesh: decode the rollouts data-parallel over this mesh's ``data`` axis
         (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
-        size); ``score`` and ``update`` run where the state is.
+        size); ``score`` and ``update`` run where the state is. Only with the built-in
+        sampler.
       callback: called as ``callback(step, metrics)`` after each step (logging, plots).
 
     Returns:
@@ -288,7 +174,15 @@ def train(
     """
     _checks.nonnegative_int("train", "steps", steps)
     _checks.positive_int("train", "prompt_bucket", prompt_bucket)
-    task = task or DigitSumTask()
+    task = tasks.DigitSumTask() if task is None else task
+    tasks.check_task(task)
+    if config.eval_every and not task.split_size("test"):
+        raise ValueError(f"train: eval_every={config.eval_every} evaluates on the task's test split, but it has "
+                         f"{'no end' if task.split_size('test') is None else 'no examples'}; give the task a test "
+                         f"split (test_records=, test_fraction=) or set eval_every=0.")
+    if rollout is not None and rollout_mesh is not None:
+        raise ValueError("train: pass `rollout_mesh` or your own `rollout` backend (which places its own work), "
+                         "not both.")
     traces = {"score": 0, "update": 0}
 
     def counting(name, fn):
@@ -312,8 +206,10 @@ def train(
         check_state(state, model, params, algorithm, config)
     score = jax.jit(counting("score", halves.score))
     update = jax.jit(counting("update", halves.update), donate_argnums=0)
-    sampler = sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id, temperature=config.temperature,
-                               mesh=rollout_mesh)
+    if rollout is None:
+        rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id,
+                                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                                   min_p=config.min_p, mesh=rollout_mesh)
     num_prompts, group = config.num_prompts, config.group_size
     history: list[dict[str, float]] = []
 
@@ -334,13 +230,12 @@ def train(
         for _ in range(steps):
             started = time.perf_counter()
             step = int(state.step)
-            rng = np.random.default_rng((config.seed, step))
             key, rollout_key = jax.random.split(state.key)
 
             # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
-            collected = collect_batch(sampler, state.params, task, algorithm, config, rng=rng, key=rollout_key,
-                                      prompt_bucket=prompt_bucket)
-            rollouts, first, components = collected.rollouts, collected.first_round, collected.components
+            collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key,
+                                      position=int(state.prompts_drawn), prompt_bucket=prompt_bucket)
+            rollouts, first = collected.rollouts, collected.first_round
             reward_seconds = collected.reward_seconds
             rollout_seconds = time.perf_counter() - started - reward_seconds
 
@@ -352,25 +247,30 @@ def train(
             scored, baseline, score_metrics = jax.block_until_ready(score(state, batch))
             update_started = time.perf_counter()
 
-            task_rewards = sum(components.values())
-            grouped = first.rewards.reshape(num_prompts, group)  # as the advantages see them (overlong shaping in)
+            task_rewards = first.result.total  # [P * G]: the task's weighted sum, shaping aside
+            lengths = first.rollouts.lengths
+            grouped = first.rollouts.rewards.reshape(num_prompts, group)  # as the advantages see them
             host_metrics = dict(
                 reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
-                **{f"reward_{name}": float(values.mean()) for name, values in components.items()},
-                nonfinite_rewards=float(np.sum(~np.isfinite(task_rewards))),
-                completion_length=float(first.lengths.mean()), completion_length_max=float(first.lengths.max()),
-                truncated_fraction=float(np.mean(first.truncated)),
+                **{f"reward_{name}": mean for name, mean in first.result.means().items()},
+                reward_errors=float(collected.reward_errors), truncated_prompts=float(collected.truncated_prompts),
+                completion_length=float(lengths.mean()), completion_length_max=float(lengths.max()),
+                truncated_fraction=float(np.mean(first.rollouts.truncated)),
                 identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
                 refill_rounds=float(collected.refill_rounds),
                 rollout_seconds=rollout_seconds, reward_seconds=reward_seconds,
                 logprob_seconds=update_started - score_started,
             )
+            prompts_drawn = jnp.asarray(int(state.prompts_drawn) + collected.prompts_drawn, jnp.int32)
             # The update consumes (donates) the state: from here on only its result is valid.
             with _interrupts_held():
-                state, update_metrics = update(state._replace(key=key, baseline=baseline), scored)
+                state, update_metrics = update(state._replace(key=key, baseline=baseline, prompts_drawn=prompts_drawn),
+                                               scored)
                 pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
             metrics = record(*pending)
             pending = None
+            if config.eval_every and (step + 1) % config.eval_every == 0:
+                metrics.update(_evaluate(model, state.params, task, config, prompt_bucket))
             if callback is not None:
                 callback(step, metrics)
             if metrics["consecutive_skips"] >= config.max_consecutive_skips:

@@ -70,6 +70,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # [] int32: train steps (rollout batches) done
     skipped_updates: jax.Array  # [] int32: non-finite minibatch updates skipped in all
     consecutive_skips: jax.Array  # [] int32: train steps in a row with a skipped update
+    prompts_drawn: jax.Array  # [] int32: positions of the task's train stream consumed (tasks.draw)
 
 
 class Batch(NamedTuple):
@@ -188,7 +189,7 @@ def init_state(model: models.Model, params: models.Params, algorithm: algorithms
         critic_opt_state=critic_optimizer.init(critic_params) if critic_params is not None else None,
         baseline=adv_lib.running_mean_init(),
         key=jax.random.key(config.seed),
-        step=zero(), skipped_updates=zero(), consecutive_skips=zero(),
+        step=zero(), skipped_updates=zero(), consecutive_skips=zero(), prompts_drawn=zero(),
     )
 
 

@@ -10,7 +10,7 @@ import safetensors.numpy
 import torch
 import transformers
 
-from jaxrl_llm import models
+from jaxrl_llm import models, tasks
 from jaxrl_llm.models import hf as hf_io
 from tests.models.hf_fixtures import hf_logits, left_padded_batch, tiny_hf_model
 
@@ -146,7 +146,7 @@ def test_saving_over_a_checkpoint_keeps_tokenizer_and_other_files_and_token_ids(
     assert (model.config.bos_token_id, model.config.eos_token_ids, model.config.pad_token_id) == (90, (91, 92), 0)
     models.save_pretrained(tmp_path, model, params, max_shard_bytes=20_000)  # sharded, with an index
     assert (tmp_path / hf_io.INDEX_FILE).exists()
-    tokenizer = models.build_char_tokenizer("abc")
+    tokenizer = tasks.build_char_tokenizer("abc")
     models.save_tokenizer(tokenizer, tmp_path)
     (tmp_path / "training_state.json").write_text("{}")
 

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_llm import algorithms, models, ops, training, trpo
+from jaxrl_llm import algorithms, models, ops, rewards, training, trpo
 from jaxrl_llm.tasks import DigitSumTask
 
 TASK = DigitSumTask()
@@ -165,7 +165,8 @@ def test_group_methods_refuse_a_group_of_one_before_any_compute(monkeypatch, nam
 
 def test_methods_without_group_baselines_run_with_a_group_of_one(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(2))
-    monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: {"one": np.ones(len(c))})
+    monkeypatch.setattr(DigitSumTask, "reward_components",
+                        lambda self, c, lengths, a: {"correct": np.ones(len(c)), "stops": np.zeros(len(c))})
     state, history = training.train(model, params, algorithms.PG, dataclasses.replace(RUN, group_size=1), steps=1,
                                     task=TASK)
     assert int(state.step) == 1 and _changed(state.params, params)
@@ -175,29 +176,31 @@ def test_methods_without_group_baselines_run_with_a_group_of_one(monkeypatch):
 
 
 class _FailsAtCall(DigitSumTask):
-    """The digit task whose reward functions raise on their ``fail_at``-th call."""
+    """The digit task whose `correct` reward function raises from its ``fail_at``-th call on."""
 
     def __init__(self, fail_at: int, error: BaseException):
         super().__init__()
-        self.calls, self.fail_at, self.error = 0, fail_at, error
+        object.__setattr__(self, "state", {"calls": 0, "fail_at": fail_at, "error": error})
 
-    def reward_components(self, completion_tokens, lengths, answers):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise self.error
-        return super().reward_components(completion_tokens, lengths, answers)
+    def correct(self, **kwargs):
+        self.state["calls"] += 1
+        if self.state["calls"] >= self.state["fail_at"]:
+            raise self.state["error"]
+        return super().correct(**kwargs)
 
 
 def test_an_exception_in_a_reward_function_keeps_the_state_and_history_of_the_steps_done():
     model, params = models.init(CONFIG, jax.random.key(3))
     straight, straight_history = training.train(model, params, algorithms.GRPO, RUN, steps=3, task=TASK)
     start = training.init_state(model, params, algorithms.GRPO, RUN)
-    with pytest.raises(training.RunStopped, match=r"stopped at step 3 \(3 of 5 steps done\): ZeroDivisionError: "
-                                                   "broken reward") as error:
+    with pytest.raises(training.RunStopped, match=r"stopped at step 3 \(3 of 5 steps done\): RewardFunctionError: "
+                                                   "Reward function 'correct' raised ZeroDivisionError: broken reward "
+                                                   r"at row 0 \(prompt '\d\+\d=', completion") as error:
         training.train(model, params, algorithms.GRPO, RUN, steps=5, task=_FailsAtCall(4, ZeroDivisionError(
             "broken reward")), state=start)
     stopped = error.value
-    assert isinstance(stopped.__cause__, ZeroDivisionError)
+    assert isinstance(stopped.__cause__, rewards.RewardFunctionError)
+    assert isinstance(stopped.__cause__.__cause__, ZeroDivisionError)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(stopped.state))
     # The state after the 3 steps done, exactly, key included: continued from it
     # (`train(..., state=stopped.state)`), the run is the uninterrupted one.
@@ -279,14 +282,6 @@ def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
 
 
 # --- Inputs that do not fit ---------------------------------------------------------------------
-
-
-def test_a_reward_function_must_return_a_dict_of_arrays(monkeypatch):
-    model, params = models.init(CONFIG, jax.random.key(5))
-    monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: np.zeros(len(c)))
-    with pytest.raises(training.RunStopped, match="reward_components must return a dict of reward function name "
-                                                   "-> \\[B\\] numbers; got ndarray"):
-        training.train(model, params, algorithms.RLOO, RUN, steps=1, task=TASK)
 
 
 def test_a_state_from_another_method_or_model_is_refused_by_name_before_any_compute(monkeypatch):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms, kl, models, ops, sharding, training
+from jaxrl_llm import algorithms, kl, models, ops, rewards, sharding, training
 from jaxrl_llm.tasks import DigitSumTask
 from tests import reference
 
@@ -21,14 +21,43 @@ RUN = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
 def _batch(model, params, seed=0, run=RUN):
     """A rollout of the digit task as the train step consumes it."""
     rng = np.random.default_rng(seed)
-    prompts, mask, answers = TASK.prompts(rng, run.num_prompts)
+    prompts = TASK.prompts(rng, run.num_prompts)
+    answers = np.asarray(prompts.columns["answer"])
     rollout = jax.device_get(training.loop.sampling.sample(
-        model, params, prompts, mask, jax.random.key(seed), num_samples=run.group_size,
+        model, params, prompts.tokens, prompts.mask, jax.random.key(seed), num_samples=run.group_size,
         max_new_tokens=run.max_new_tokens, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id))
     rewards = TASK.rewards(np.asarray(rollout.completion_tokens), rollout.lengths, np.repeat(answers, run.group_size))
     return training.Batch(tokens=jnp.asarray(rollout.tokens), attention_mask=jnp.asarray(rollout.attention_mask),
                           completion_mask=jnp.asarray(rollout.completion_mask),
                           sampling_logp=jnp.asarray(rollout.logprobs), rewards=jnp.asarray(rewards))
+
+
+class _Scored(DigitSumTask):
+    """The digit task with one reward function of its own."""
+
+    def __init__(self, fn):
+        super().__init__()
+        object.__setattr__(self, "fn", fn)
+
+    @property
+    def reward_fns(self):
+        return (self.fn,)
+
+    @property
+    def reward_weights(self):
+        return (1.0,)
+
+
+def _rewards_reach_the_step(monkeypatch, values):
+    """Each train step's rewards are the next of ``values``, as the jitted step receives them:
+    past the reward functions' checks (which refuse NaN), as a bug in the loop would pass them."""
+    values = iter(values)
+
+    def constant(fns, weights, *, completions, **kwargs):
+        reward = np.full(len(completions), next(values), np.float32)
+        return rewards.RewardResult(total=reward, values={"constant": reward}, errors={})
+
+    monkeypatch.setattr(training.collect.rewards, "compute_rewards", constant)
 
 
 def _step(algorithm, run=RUN, seed=0):
@@ -216,23 +245,20 @@ def test_non_finite_updates_are_skipped_counted_and_leave_params_unchanged(name)
 @pytest.mark.parametrize("mu, minibatch_size", [(1, None), (2, 8)])
 def test_the_loop_stops_after_max_consecutive_skipped_steps_and_keeps_the_state(monkeypatch, mu, minibatch_size):
     model, params = models.init(CONFIG, jax.random.key(4))
-    monkeypatch.setattr(DigitSumTask, "reward_components",
-                        lambda self, c, lengths, a: {"broken": np.full(len(c), np.nan, np.float32)})
+    _rewards_reach_the_step(monkeypatch, [np.nan] * 5)
     method = dataclasses.replace(algorithms.RLOO, num_iterations=mu)
     run = dataclasses.replace(RUN, max_consecutive_skips=2, minibatch_size=minibatch_size)
     with pytest.raises(training.NonFiniteUpdates, match="2 updates in a row had a non-finite loss") as error:
         training.train(model, params, method, run, steps=5, task=TASK)
     history = error.value.history
-    assert len(history) == 2 and history[-1]["nonfinite_rewards"] == 16  # train steps, not minibatches
+    assert len(history) == 2  # train steps, not minibatches
     assert history[-1]["skipped_updates"] == 2 * mu * run.num_minibatches
     jax.tree.map(np.testing.assert_array_equal, error.value.state.params, params)
 
 
 def test_the_running_baseline_is_carried_across_steps_and_a_non_finite_batch_does_not_poison_it(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(9))
-    step_rewards = iter([1.0, np.nan, 3.0, 5.0])  # one constant reward per step
-    monkeypatch.setattr(DigitSumTask, "reward_components",
-                        lambda self, c, lengths, a: {"constant": np.full(len(c), next(step_rewards), np.float32)})
+    _rewards_reach_the_step(monkeypatch, [1.0, np.nan, 3.0, 5.0])  # one constant reward per step
     state, history = training.train(model, params, algorithms.REINFORCE_BASELINE, RUN, steps=4, task=TASK)
     assert [h["skipped_updates"] for h in history] == [0, 1, 1, 1]  # only the NaN step is skipped
     decay, expected = algorithms.REINFORCE_BASELINE.baseline_decay, 1.0  # the first batch sets b
@@ -242,12 +268,16 @@ def test_the_running_baseline_is_carried_across_steps_and_a_non_finite_batch_doe
     assert int(state.baseline.count) == 3 * RUN.batch_size
 
 
-def test_reward_functions_must_return_one_number_per_completion(monkeypatch):
+def test_reward_functions_must_return_one_number_per_completion():
     model, params = models.init(CONFIG, jax.random.key(5))
-    monkeypatch.setattr(DigitSumTask, "reward_components", lambda self, c, lengths, a: {"short": np.zeros(3)})
+
+    def short(completions, **kwargs):
+        return [0.0] * 3
+
     with pytest.raises(training.RunStopped,
-                       match=r"Reward function 'short' must return \[B\] = \[16\] numbers; got shape \[3\]"):
-        training.train(model, params, algorithms.RLOO, RUN, steps=1, task=TASK)
+                       match=r"Reward function 'short' returned 3 values for 16 completions") as error:
+        training.train(model, params, algorithms.RLOO, RUN, steps=1, task=_Scored(short))
+    assert isinstance(error.value.__cause__, rewards.RewardFunctionError)
 
 
 def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
@@ -279,7 +309,7 @@ class _HalfSolvable(DigitSumTask):
 
     def reward_components(self, completion_tokens, lengths, answers):
         components = super().reward_components(completion_tokens, lengths, answers)
-        return {name: np.where(answers < 5, values, 0.0) for name, values in components.items()}
+        return {name: np.where(np.asarray(answers) < 5, values, 0.0) for name, values in components.items()}
 
 
 def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
@@ -287,12 +317,13 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     task = _HalfSolvable()
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id)
     run = dataclasses.replace(RUN, max_refill_rounds=6)
-    collected = training.loop.collect_batch(sampler, params, task, algorithms.DAPO, run,
-                                            rng=np.random.default_rng(0), key=jax.random.key(0))
+    collected = training.collect_batch(sampler, params, task, algorithms.DAPO, run, key=jax.random.key(0),
+                                       position=0)
     rollouts = collected.rollouts
     rewards = rollouts.rewards.reshape(RUN.num_prompts, RUN.group_size)
     kept = rollouts.completion_mask.reshape(RUN.num_prompts, RUN.group_size, -1).any(axis=(1, 2))
     assert collected.refill_rounds >= 1 and kept.any()
+    assert collected.prompts_drawn == (1 + collected.refill_rounds) * RUN.num_prompts
     np.testing.assert_array_equal(kept, rewards.max(1) > rewards.min(1))  # exactly the groups with signal
     assert rollouts.tokens.shape == (RUN.batch_size, 8 + RUN.max_new_tokens)
 
@@ -307,18 +338,18 @@ def test_a_buffer_that_fits_the_budget_is_kept_and_the_presets_is_scaled_to_a_fi
 
 def test_overlong_shaping_enters_the_rewards_the_advantages_and_the_group_metric_see(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(10))
-    monkeypatch.setattr(DigitSumTask, "reward_components",
-                        lambda self, c, lengths, a: {"zero": np.zeros(len(c), np.float32)})
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
     run = dataclasses.replace(RUN, max_new_tokens=10)
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5, dynamic_sampling=False)
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
-    collected = training.loop.collect_batch(sampler, params, TASK, method, run, rng=np.random.default_rng(0),
-                                            key=jax.random.key(0))
+    collected = training.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
     expected = reference.overlong_penalty(collected.rollouts.lengths, max_len=10, buffer=4, penalty=0.5)
     assert np.any(expected < 0) and np.any(expected == 0)
     np.testing.assert_allclose(collected.rollouts.rewards, expected, rtol=1e-6)
     # The task's rewards are all 0, but the shaped ones, which the advantages use, differ in some groups.
-    _, history = training.train(model, params, method, run, steps=1, task=TASK)
+    _, history = training.train(model, params, method, run, steps=1, task=_Scored(zero))
     assert history[0]["reward"] == 0 and history[0]["identical_reward_groups"] < 1
 
 

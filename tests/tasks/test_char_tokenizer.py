@@ -7,12 +7,8 @@ import transformers
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxrl_llm.models.tokenizer import (
-    DIGITS_AND_OPERATORS,
-    build_char_tokenizer,
-    load_tokenizer,
-    save_tokenizer,
-)
+from jaxrl_llm.models import load_tokenizer, save_tokenizer
+from jaxrl_llm.tasks import DIGITS_AND_OPERATORS, build_char_tokenizer
 
 # Includes the characters around which ``clean_up_tokenization_spaces`` would drop spaces.
 ALPHABET = DIGITS_AND_OPERATORS + "abc.,!?'\n"

@@ -1,0 +1,293 @@
+r"""Evaluation over a task's split: greedy accuracy, mean reward and unbiased pass@k.
+
+.. code-block:: python
+
+    metrics = evaluation.evaluate(model, params, task, max_new_tokens=256, num_samples=16)
+    metrics["greedy_accuracy"], metrics["pass@1"], metrics["pass@16"]
+
+:func:`evaluate` walks the *whole* split in order, in batches of prompts, through
+:func:`jaxrl_llm.training.collect.rollout_and_score` (the trainer's own path from prompts
+to rewards: prompt fitting, sampling, stop strings, decoding, reward functions), once
+greedily and, when asked, once more with ``n`` samples per prompt at a temperature.
+
+**Solved.** An example (or a sample) is *solved* when the reward function named by
+``correct_reward`` returns at least ``threshold`` for it:
+:math:`\text{solved} = r_{\text{correct}} \ge \text{threshold}`. A function that returns
+``None`` ("does not apply") for a completion leaves it unsolved. The default, the task's
+first reward function with threshold 1, fits the usual 0/1 correctness reward listed
+first; a task whose correctness is another function names it (by index or by its logged
+name, :func:`jaxrl_llm.rewards.reward_names`).
+
+**pass@k** is the unbiased estimator of Chen et al. (2021), :func:`pass_at_k`, averaged
+over the split's examples: with ``n`` samples per example of which ``c`` are solved,
+the probability that ``k`` of them drawn without replacement hold a solved one.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxrl_llm import _checks, models, rewards, sampling, tasks
+from jaxrl_llm.training import collect
+
+
+def pass_at_k(num_samples: int | np.ndarray, num_correct: int | np.ndarray, k: int) -> float | np.ndarray:
+    r"""The unbiased pass@k estimate of each problem (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code", eq. 1).
+
+    With :math:`n` samples of a problem, :math:`c` of them correct, the probability that a
+    draw of :math:`k` of the samples without replacement holds at least one correct one:
+
+    .. math::
+        \text{pass@}k = 1 - \frac{\binom{n - c}{k}}{\binom{n}{k}}
+                      = 1 - \prod_{i = n - c + 1}^{n} \left(1 - \frac{k}{i}\right),
+
+    computed in the product form, which neither overflows nor cancels (the binomials of
+    :math:`n = 200` reach :math:`10^{58}`). It is 1 when :math:`n - c < k` (the product then
+    has the factor :math:`i = k`, exactly 0) and 0 when :math:`c = 0` (an empty product).
+    Averaged over problems it is an unbiased estimate of the expected pass@k; its
+    special case :math:`k = 1` is the fraction correct, :math:`c / n`.
+
+    Args:
+      num_samples: ``n >= 1``, one int or an integer array ``[M]`` (any shape; one per problem).
+      num_correct: ``0 <= c <= n``, an int or an integer array broadcastable with ``num_samples``.
+      k: ``1 <= k <= n`` for every problem.
+
+    Returns:
+      A float for scalar inputs, else a float64 array of the broadcast shape.
+
+    Raises:
+      ValueError: a non-integer input, ``n < 1``, ``c`` outside ``[0, n]``, or ``k`` outside
+        ``[1, n]`` (naming the first such problem).
+    """
+    fn = "pass_at_k"
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"{fn}: `k` must be an integer >= 1; got {k!r}.")
+    k = int(k)
+    arrays = []
+    for name, value in (("num_samples", num_samples), ("num_correct", num_correct)):
+        array = np.asarray(value)
+        if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"{fn}: `{name}` must be an integer or an integer array; got {value!r} "
+                             f"(dtype {array.dtype}).")
+        arrays.append(array.astype(np.int64))
+    try:
+        n, c = np.broadcast_arrays(*arrays)
+    except ValueError:
+        raise ValueError(f"{fn}: `num_samples` {list(arrays[0].shape)} and `num_correct` {list(arrays[1].shape)} "
+                         f"must have broadcastable shapes.") from None
+
+    def first(bad: np.ndarray) -> str:
+        where = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))  # () for scalars
+        at = f" at problem {where[0] if len(where) == 1 else where}" if where else ""
+        return f"n = {int(n[where])}, c = {int(c[where])}{at}"
+
+    if (bad := n < 1).any():
+        raise ValueError(f"{fn}: `num_samples` must be >= 1; got {first(bad)}.")
+    if (bad := (c < 0) | (c > n)).any():
+        raise ValueError(f"{fn}: `num_correct` must be in [0, num_samples]; got {first(bad)}.")
+    if (bad := k > n).any():
+        raise ValueError(f"{fn}: `k` must be <= num_samples (k of the n samples are drawn); got k = {k} with "
+                         f"{first(bad)}.")
+    if n.size == 0:
+        return np.zeros(n.shape, np.float64)
+    # The estimate depends on (n, c) alone: compute it once per distinct pair (at most n + 1
+    # of them for one n), so the work does not grow with the number of problems.
+    pairs, inverse = np.unique(np.stack([n.ravel(), c.ravel()], axis=1), axis=0, return_inverse=True)  # [U, 2]
+    distinct_n, distinct_c = pairs[:, 0], pairs[:, 1]  # [U]
+    i = np.arange(1, int(distinct_n.max()) + 1, dtype=np.float64)  # [I]
+    in_product = (i > (distinct_n - distinct_c)[:, None]) & (i <= distinct_n[:, None])  # [U, I]: n - c < i <= n
+    factors = np.where(in_product, 1.0 - k / i, 1.0)  # [U, I]
+    estimate = (1.0 - np.prod(factors, axis=1))[inverse.reshape(-1)].reshape(n.shape)  # [...]
+    return float(estimate) if estimate.ndim == 0 else estimate
+
+
+def pass_at_k_values(num_samples: int) -> tuple[int, ...]:
+    """The ``k`` that :func:`evaluate` reports for ``n = num_samples``: the powers of two
+    up to ``n``, and ``n`` itself (``n = 12``: 1, 2, 4, 8, 12)."""
+    _checks.positive_int("pass_at_k_values", "num_samples", num_samples)
+    num_samples = int(num_samples)
+    ks = [1 << j for j in range(num_samples.bit_length()) if 1 << j <= num_samples]
+    return tuple(ks if ks[-1] == num_samples else [*ks, num_samples])
+
+
+def _correct_name(task: tasks.Task, correct_reward: int | str) -> str:
+    """The logged name of the reward function that decides whether a completion is solved."""
+    names = rewards.reward_names(task.reward_fns)
+    allowed = (f"an index in [0, {len(names)}) into the task's reward functions or one of their names "
+               f"{names}")
+    if isinstance(correct_reward, str):
+        if correct_reward not in names:
+            raise ValueError(f"evaluate: `correct_reward` must be {allowed}; got {correct_reward!r}.")
+        return correct_reward
+    if not isinstance(correct_reward, numbers.Integral) or isinstance(correct_reward, bool) or not (
+            0 <= correct_reward < len(names)):
+        raise ValueError(f"evaluate: `correct_reward` must be {allowed}; got {correct_reward!r}.")
+    return names[int(correct_reward)]
+
+
+def evaluate(
+    model: models.Model,
+    params: models.Params,
+    task: tasks.Task,
+    *,
+    split: str = "test",
+    num_samples: int = 0,
+    temperature: float = 1.0,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    max_prompt_length: int = 512,
+    prompt_truncation: str = "error",
+    prompt_bucket: int = 8,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    correct_reward: int | str = 0,
+    threshold: float = 1.0,
+    seed: int = 0,
+    on_reward_error: str = "raise",
+    progress: bool = True,
+) -> dict[str, float]:
+    r"""Greedy accuracy, mean rewards and pass@k of ``params`` over every example of a split.
+
+    The split's ``M = task.split_size(split)`` examples are taken in order (indices
+    ``0 .. M-1``, ``task.examples(split, indices, seed=seed)``) in batches of
+    ``P = batch_size`` prompts (the last one may be smaller). Each batch is rolled out
+    through :func:`jaxrl_llm.training.collect.rollout_and_score` with the built-in
+    :class:`jaxrl_llm.sampling.Sampler`:
+
+    - greedily (temperature 0, one completion ``[P, S + N]`` per prompt): example ``m`` is
+      solved when :math:`r_{\text{correct}}(y_m) \ge \text{threshold}` (see the module
+      doc), and its reward is the task's weighted total :math:`r(y_m) = \sum_j w_j r_j(y_m)`;
+    - with ``n = num_samples > 0``, ``n`` completions per prompt (``[P n, S + N]``, those of
+      prompt ``p`` adjacent) at ``temperature`` (and ``top_k`` / ``top_p`` / ``min_p``):
+      :math:`c_m` of example ``m``'s samples are solved, and
+
+      .. math::
+          \text{pass@}k = \frac{1}{M} \sum_{m=1}^{M}
+              \left[1 - \binom{n - c_m}{k} \Big/ \binom{n}{k}\right]
+
+      (:func:`pass_at_k`) for ``k`` in 1, 2, 4, ... up to ``n``, and ``n``
+      (:func:`pass_at_k_values`). ``pass@1`` is the mean solved fraction :math:`\frac{1}{M n}
+      \sum_m c_m`.
+
+    The samples of batch ``b`` are drawn with ``fold_in(fold_in(key(seed), b), 1)`` (the
+    greedy rollout draws nothing), so they depend on ``seed`` and ``batch_size`` and not
+    on earlier calls: the same arguments give the same metrics.
+
+    Args:
+      model, params: the policy (:func:`jaxrl_llm.models.init` / ``from_pretrained``).
+      task: a :class:`jaxrl_llm.tasks.Task`.
+      split: one of :data:`jaxrl_llm.tasks.SPLITS`; it must be finite and non-empty.
+      num_samples: ``n >= 0`` samples per prompt for the sampled metrics; 0: greedy only.
+      temperature: ``T >= 0`` of the samples (not of the greedy rollout).
+      max_new_tokens: ``N >= 1``, the completion budget of every rollout.
+      batch_size: ``P >= 1`` prompts per rollout call (``P n`` sequences when sampling).
+      max_prompt_length, prompt_truncation, prompt_bucket, on_reward_error: as in
+        :func:`jaxrl_llm.training.collect.rollout_and_score` (and
+        :class:`jaxrl_llm.training.TrainConfig`).
+      top_k, top_p, min_p: truncation of the samples' distribution (``None``: off), see
+        :func:`jaxrl_llm.sampling.sample`.
+      correct_reward: the reward function that decides "solved": an index into
+        ``task.reward_fns`` or its logged name (:func:`jaxrl_llm.rewards.reward_names`).
+      threshold: a completion is solved when that function returns at least this.
+      seed: seeds the sampling keys, and is passed to ``task.examples``.
+      progress: show a ``tqdm`` bar of the examples done.
+
+    Returns:
+      A flat dict of floats:
+
+      - ``"examples"``: ``M``, the examples evaluated;
+      - ``"greedy_accuracy"``: the fraction of examples solved by the greedy completion;
+      - ``"greedy_reward"``: the mean task reward of the greedy completions;
+      - with ``num_samples > 0``: ``"reward"``, the mean task reward of all ``M n``
+        samples, and ``"pass@k"`` for each ``k`` of :func:`pass_at_k_values`;
+      - with ``prompt_truncation="left"``: ``"truncated_prompts"``, prompts that lost
+        their first tokens;
+      - with ``on_reward_error="zero"``: ``"reward_errors"``, completions (greedy and
+        sampled) scored 0 because a reward function raised.
+
+    Raises:
+      ValueError: a bad argument (the message names the allowed values), an unbounded or
+        empty split, a prompt longer than ``max_prompt_length`` with
+        ``prompt_truncation="error"``.
+      jaxrl_llm.rewards.RewardFunctionError: a reward function failed (see
+        :func:`jaxrl_llm.rewards.compute_rewards`).
+    """
+    fn = "evaluate"
+    tasks.check_task(task)
+    _checks.one_of(fn, "split", split, tasks.SPLITS)
+    _checks.nonnegative_int(fn, "num_samples", num_samples)
+    _checks.finite_number(fn, "temperature", temperature)
+    _checks.nonnegative(fn, "temperature", temperature)
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size),
+                        ("max_prompt_length", max_prompt_length), ("prompt_bucket", prompt_bucket)):
+        _checks.positive_int(fn, name, value)
+    _checks.one_of(fn, "prompt_truncation", prompt_truncation, collect.PROMPT_TRUNCATION)
+    _checks.one_of(fn, "on_reward_error", on_reward_error, rewards.ON_ERROR)
+    _checks.finite_number(fn, "threshold", threshold)
+    _checks.nonnegative_int(fn, "seed", seed)
+    if not isinstance(progress, bool):
+        raise ValueError(f"{fn}: `progress` must be True or False; got {progress!r}.")
+    correct = _correct_name(task, correct_reward)
+    size = task.split_size(split)
+    if size is None:
+        raise ValueError(f"{fn}: the {split!r} split of {type(task).__name__} is unbounded (procedural); "
+                         f"evaluation walks a finite split. Evaluate on a finite split (e.g. 'test').")
+    if size < 1:
+        hint = (" Give the task a test split: pass `test_records=` or `test_fraction=` when building it "
+                "(jaxrl_llm.tasks.text.from_records, from_jsonl, from_dataset)." if split == "test" else "")
+        raise ValueError(f"{fn}: the {split!r} split of {type(task).__name__} has no examples.{hint}")
+
+    greedy = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, temperature=0.0)
+    truncation = {name: value for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
+                  if value is not None}
+    sampler = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, temperature=temperature,
+                               **truncation) if num_samples else None
+    settings = dict(max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length,
+                    prompt_truncation=prompt_truncation, prompt_bucket=prompt_bucket, on_reward_error=on_reward_error)
+
+    key = jax.random.key(seed)
+    greedy_solved = 0
+    greedy_reward = sample_reward = 0.0  # float64 sums on the host
+    solved_counts = []  # per batch: [P] int, solved samples of each example
+    truncated_prompts = reward_errors = 0
+    with tqdm(total=size, desc=f"evaluate {split}", unit="example", disable=not progress) as bar:
+        for number, start in enumerate(range(0, size, batch_size)):
+            indices = np.arange(start, min(start + batch_size, size), dtype=np.int64)  # [P]
+            batch = task.examples(split, indices, seed=seed)
+            if len(batch) != len(indices):
+                raise ValueError(f"{type(task).__name__}.examples returned {len(batch)} examples for "
+                                 f"{len(indices)} indices.")
+            batch_key = jax.random.fold_in(key, number)
+            scored = collect.rollout_and_score(greedy, params, task, batch, jax.random.fold_in(batch_key, 0),
+                                               num_samples=1, **settings)
+            greedy_solved += int((scored.result.values[correct] >= threshold).sum())  # NaN (None): unsolved
+            greedy_reward += float(scored.result.total.sum(dtype=np.float64))
+            truncated_prompts += scored.truncated_prompts
+            reward_errors += sum(scored.result.errors.values())
+            if sampler is not None:
+                scored = collect.rollout_and_score(sampler, params, task, batch, jax.random.fold_in(batch_key, 1),
+                                                   num_samples=num_samples, **settings)
+                solved = scored.result.values[correct] >= threshold  # [P n], prompt p's rows p n .. p n + n - 1
+                solved_counts.append(solved.reshape(len(batch), num_samples).sum(axis=1))
+                sample_reward += float(scored.result.total.sum(dtype=np.float64))
+                reward_errors += sum(scored.result.errors.values())
+            bar.update(len(batch))
+            bar.set_postfix(greedy_accuracy=f"{greedy_solved / (start + len(batch)):.3f}")
+
+    metrics = {"examples": float(size), "greedy_accuracy": greedy_solved / size, "greedy_reward": greedy_reward / size}
+    if sampler is not None:
+        counts = np.concatenate(solved_counts)  # [M]
+        metrics["reward"] = sample_reward / (size * num_samples)
+        for k in pass_at_k_values(num_samples):
+            metrics[f"pass@{k}"] = float(np.mean(pass_at_k(num_samples, counts, k)))
+    if prompt_truncation == "left":
+        metrics["truncated_prompts"] = float(truncated_prompts)
+    if on_reward_error == "zero":
+        metrics["reward_errors"] = float(reward_errors)
+    return metrics

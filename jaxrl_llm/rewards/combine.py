@@ -1,0 +1,193 @@
+r"""Calling reward functions the way TRL does, and combining their results.
+
+A reward function is called with keyword arguments only:
+
+.. code-block:: python
+
+    fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+
+every argument a list of length ``B`` in rollout order, each dataset column repeated to
+line up with the ``G`` completions of its prompt, so a function written for TRL's
+``GRPOTrainer`` (``def accuracy(completions, answer, **kwargs)``) works unchanged. It
+returns ``B`` numbers, where ``None`` means "does not apply". The reward is the weighted
+sum over the functions that apply,
+
+.. math::
+    r_i = \sum_{j:\ r_{ij} \neq \text{None}} w_j \, r_{ij},
+
+(0 where none applies, as TRL's ``nansum``) and each function's logged mean leaves out
+its ``None`` entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""The arguments every reward function receives; no dataset column may take these names."""
+
+ON_ERROR = ("raise", "zero")
+"""What a reward function that raises does to the run: stop it, or score the batch's
+rows 0 for that function (counted in ``RewardResult.errors``)."""
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something that is not ``B`` finite numbers or None."""
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: the string itself, or, in TRL's conversational format (a list
+    of messages, ``[{"role": "assistant", "content": text}]``), the last message's content."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
+        content = completion[-1].get("content")
+        if isinstance(content, str):
+            return content
+    raise TypeError(f"A completion must be a str or a list of chat messages ending in {{'role': ..., 'content': "
+                    f"str}}; got {completion!r:.80}.")
+
+
+def reward_name(fn: Any) -> str:
+    """The name a reward function is logged under: its ``__name__``, through
+    ``functools.partial``; an object's class name otherwise."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def reward_names(fns: Sequence[Any]) -> list[str]:
+    """Distinct names for ``fns``: repeated names get ``_2``, ``_3``, ... suffixes."""
+    names, seen = [], {}
+    for fn in fns:
+        name = reward_name(fn)
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResult:
+    """What :func:`compute_rewards` returns."""
+
+    total: np.ndarray  # [B] float32: sum_j w_j r_ij over the functions that apply
+    values: dict[str, np.ndarray]  # name -> [B] float32, NaN where the function returned None
+    errors: dict[str, int]  # name -> rows scored 0 because the function raised (on_error="zero")
+
+    def means(self) -> dict[str, float]:
+        """Each function's mean over the rows it applies to (NaN if none)."""
+        return {name: float(np.mean(v[~np.isnan(v)])) if (~np.isnan(v)).any() else float("nan")
+                for name, v in self.values.items()}
+
+
+def _example(index: int, prompts: Sequence[Any], completions: Sequence[str], first_row: int = 0) -> str:
+    """``row i (prompt ..., completion ...)``, each shortened to 80 characters."""
+    prompt, completion = (repr(x if len(str(x)) <= 80 else str(x)[:77] + "...")
+                          for x in (prompts[index], completions[index]))
+    return f"row {first_row + index} (prompt {prompt}, completion {completion})"
+
+
+def _checked(name: str, returned: Any, batch: int, prompts, completions, *, first_row: int = 0) -> np.ndarray:
+    """``[B]`` float32 with NaN for None; raises RewardFunctionError naming the function
+    and the first bad row."""
+    if not isinstance(returned, (Sequence, np.ndarray)) and hasattr(returned, "__array__"):
+        returned = np.asarray(returned)  # a jax.Array, a torch tensor
+    if isinstance(returned, np.ndarray) and returned.ndim != 1:
+        raise RewardFunctionError(f"Reward function {name!r} must return {batch} numbers; got an array of shape "
+                                  f"{list(returned.shape)}.")
+    if isinstance(returned, (str, bytes, Mapping)) or not isinstance(returned, (Sequence, np.ndarray)):
+        raise RewardFunctionError(f"Reward function {name!r} must return a list of {batch} numbers or None; "
+                                  f"got {type(returned).__name__}.")
+    if len(returned) != batch:
+        raise RewardFunctionError(f"Reward function {name!r} returned {len(returned)} values for {batch} "
+                                  f"completions; it must return one per completion.")
+    values = np.empty(batch, np.float32)
+    for row, value in enumerate(returned):
+        if value is None:
+            values[row] = np.nan
+            continue
+        if isinstance(value, (np.generic, np.ndarray)) and np.shape(value) == ():
+            value = value.item()  # NumPy scalars; bools count as 0 / 1
+        if not isinstance(value, numbers.Real):
+            raise RewardFunctionError(f"Reward function {name!r} returned {value!r} ({type(value).__name__}) at "
+                                      f"{_example(row, prompts, completions, first_row)}; it must return numbers or None.")
+        if not np.isfinite(value):
+            raise RewardFunctionError(f"Reward function {name!r} returned {value} at "
+                                      f"{_example(row, prompts, completions, first_row)}; rewards must be finite (return None "
+                                      f"where the function does not apply).")
+        values[row] = value
+    return values
+
+
+def compute_rewards(
+    reward_fns: Sequence[Any],
+    weights: Sequence[float],
+    *,
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    completion_ids: Sequence[Sequence[int]],
+    columns: Mapping[str, Sequence[Any]],
+    on_error: str = "raise",
+) -> RewardResult:
+    """Calls each reward function in TRL's convention and combines the results.
+
+    Args:
+      reward_fns, weights: the functions and one weight each.
+      prompts, completions, completion_ids: ``[B]`` each, in rollout order.
+      columns: name -> ``[B]`` values, already repeated per completion.
+      on_error: ``"raise"`` (default) or ``"zero"``, see :data:`ON_ERROR`.
+
+    Raises:
+      RewardFunctionError: a function raised (with ``on_error="raise"``; the original
+        exception is its ``__cause__``), or returned the wrong count, a non-number, NaN or
+        inf (always: a function that returns garbage is a bug, not a bad example).
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"`on_reward_error` must be one of {ON_ERROR}; got {on_error!r}.")
+    batch = len(completions)
+    if clash := sorted(set(columns) & set(ARGUMENTS)):
+        raise ValueError(f"Dataset columns {clash} clash with the reward functions' own arguments {ARGUMENTS}; "
+                         f"rename them.")
+    arguments = dict(columns, prompts=list(prompts), completions=list(completions),
+                     completion_ids=[list(ids) for ids in completion_ids])
+    values, errors = {}, {}
+    for name, fn in zip(reward_names(reward_fns), reward_fns, strict=True):
+        try:
+            values[name] = _checked(name, fn(**arguments), batch, prompts, completions)
+        except RewardFunctionError:
+            raise
+        except Exception:
+            # Which rows raise? One call per row names the example, and scores the others.
+            values[name], errors[name] = _row_by_row(name, fn, arguments, batch, on_error)
+    weighted = [w * np.nan_to_num(v, nan=0.0) for w, v in zip(weights, values.values(), strict=True)]
+    return RewardResult(total=np.sum(weighted, axis=0, dtype=np.float32), values=values,
+                        errors={name: count for name, count in errors.items() if count})
+
+
+def _row_by_row(name: str, fn: Any, arguments: dict[str, list], batch: int, on_error: str) -> tuple[np.ndarray, int]:
+    """``fn`` called on one row at a time, after it raised on the whole batch: ``[B]``
+    values (0 where it raises) and the count of rows that raised."""
+    prompts, completions = arguments["prompts"], arguments["completions"]
+    values, failed = np.zeros(batch, np.float32), 0
+    for row in range(batch):
+        try:
+            returned = fn(**{key: column[row:row + 1] for key, column in arguments.items()})
+        except Exception as error:
+            if on_error == "raise":
+                raise RewardFunctionError(
+                    f"Reward function {name!r} raised {type(error).__name__}: {error} at "
+                    f"{_example(row, prompts, completions)}. Fix the function, or pass on_reward_error='zero' to "
+                    f"score such completions 0 (counted in the `reward_errors` metric).") from error
+            failed += 1
+            continue
+        values[row] = _checked(name, returned, 1, prompts[row:row + 1], completions[row:row + 1], first_row=row)[0]
+    if not failed and on_error == "raise":  # each row alone works; the batch does not
+        raise RewardFunctionError(f"Reward function {name!r} raised on the batch of {batch} completions but not on "
+                                  f"any one of them alone; it must accept lists of any length.")
+    return values, failed

@@ -1,0 +1,268 @@
+r"""From a task's prompts to scored rollouts: fit the prompts, sample, stop, decode, reward.
+
+:func:`rollout_and_score` is the one path from a :class:`~jaxrl_llm.tasks.PromptBatch` to
+rewards; the trainer (:func:`collect_batch`, with DAPO's dynamic sampling) and the
+evaluator (:func:`jaxrl_llm.evaluation.evaluate`) both call it.
+
+**Prompt widths.** Prompts are left-padded to a width from a small, bounded set, so the
+jitted halves of the train step trace once per width, not once per step: the smallest
+``bucket * 2^k`` that holds the batch's longest prompt, capped at ``max_length``. With
+``bucket = 8`` and ``max_length = 512`` that is at most 7 widths (8, 16, ..., 512) for a
+whole run. A prompt longer than ``max_length`` is an error, or with
+``truncation="left"`` loses its first tokens (counted in the ``truncated_prompts`` metric).
+
+**Completions** are decoded once per batch: the valid tokens (up to and including the
+first stop id) without a final stop id, with the tokenizer's ``skip_special_tokens=True``
+(TRL's convention). ``completion_ids`` keep the stop id, as TRL's do. When the prompts
+are conversations (lists of messages), the completions are too, as TRL passes them:
+``[{"role": "assistant", "content": text}]``. Each row gets its own copy of its prompt
+and columns, so a reward function that mutates them changes no other row.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm import algorithms, models, rewards, sampling, tasks
+from jaxrl_llm.training.config import PROMPT_TRUNCATION, TrainConfig
+
+def prompt_width(length: int, *, bucket: int, max_length: int) -> int:
+    """The padded width of prompts whose longest has ``length`` tokens (see the module doc)."""
+    width = bucket
+    while width < length:
+        width *= 2
+    return min(width, max(max_length, length))
+
+
+def fit_prompts(batch: tasks.PromptBatch, *, max_length: int, truncation: str = "error", bucket: int = 8,
+                pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``batch``'s prompts left-padded (or left-truncated) to their bucket's width.
+
+    Returns:
+      ``tokens`` ``[P, W]`` int32, ``mask`` ``[P, W]`` bool and the number of prompts
+      truncated.
+
+    Raises:
+      ValueError: a prompt is longer than ``max_length`` and ``truncation="error"``.
+    """
+    if truncation not in PROMPT_TRUNCATION:
+        raise ValueError(f"`prompt_truncation` must be one of {PROMPT_TRUNCATION}; got {truncation!r}.")
+    lengths = batch.mask.sum(axis=1)  # [P]
+    too_long = lengths > max_length
+    tokens, mask = batch.tokens, batch.mask
+    if too_long.any():
+        if truncation == "error":
+            row = int(np.argmax(lengths))
+            raise ValueError(
+                f"Prompt of example {int(batch.indices[row])} has {int(lengths[row])} tokens, more than "
+                f"max_prompt_length={max_length} ({int(too_long.sum())} of {len(batch)} prompts in this batch are). "
+                f"Raise max_prompt_length, shorten the prompts, or set prompt_truncation='left' to drop their "
+                f"first tokens.")
+        tokens, mask = tokens[:, -max_length:], mask[:, -max_length:]  # left-padded: the ends are the prompts'
+    width = prompt_width(int(mask.sum(axis=1).max()), bucket=bucket, max_length=max_length)
+    extra = width - tokens.shape[1]
+    if extra > 0:
+        tokens = np.pad(tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
+        mask = np.pad(mask, ((0, 0), (extra, 0)))
+    elif extra < 0:  # the task padded wider than its longest prompt
+        tokens, mask = tokens[:, -width:], mask[:, -width:]
+    return tokens.astype(np.int32), mask.astype(bool), int(too_long.sum())
+
+
+def decode_completions(tokenizer, completion_tokens: np.ndarray, lengths: np.ndarray, *,
+                       eos_ids: Sequence[int]) -> tuple[list[str], list[list[int]]]:
+    """``(completions, completion_ids)``: each row's text without its final stop id, and
+    its valid ids (the stop id kept). ``completion_tokens`` ``[B, N]``, ``lengths`` ``[B]``."""
+    ids = [row[:length].tolist() for row, length in zip(completion_tokens, lengths, strict=True)]
+    stops = set(int(e) for e in eos_ids)
+    text_ids = [row[:-1] if row and row[-1] in stops else row for row in ids]
+    return tokenizer.batch_decode(text_ids, skip_special_tokens=True), ids
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """Host copies of rollouts with their rewards, one row per completion (``R`` rows)."""
+
+    tokens: np.ndarray  # [R, S + N] int32
+    attention_mask: np.ndarray  # [R, S + N] bool
+    completion_mask: np.ndarray  # [R, N] bool
+    logprobs: np.ndarray  # [R, N] float32
+    lengths: np.ndarray  # [R] int32
+    truncated: np.ndarray  # [R] bool: hit the budget without a stop
+    rewards: np.ndarray  # [R] float32: what the advantages see (the task's, plus shaping)
+
+    def take(self, rows: np.ndarray) -> Rollouts:
+        return Rollouts(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+
+    @staticmethod
+    def concatenate(parts: list[Rollouts], pad_id: int) -> Rollouts:
+        width = max(p.tokens.shape[1] for p in parts)  # prompt widths can differ between rounds
+
+        def left_pad(x, value):
+            return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
+
+        return Rollouts(
+            tokens=np.concatenate([left_pad(p.tokens, pad_id) for p in parts]),
+            attention_mask=np.concatenate([left_pad(p.attention_mask, False) for p in parts]),
+            **{name: np.concatenate([getattr(p, name) for p in parts])
+               for name in ("completion_mask", "logprobs", "lengths", "truncated", "rewards")},
+        )
+
+
+@dataclasses.dataclass
+class ScoredRound:
+    """What :func:`rollout_and_score` returns for one batch of prompts."""
+
+    rollouts: Rollouts  # rewards: the task's weighted sum plus `shaping`
+    result: rewards.RewardResult  # each function's values, the task's weighted sum, errors
+    completions: list[str]  # [R] decoded
+    truncated_prompts: int  # prompts that lost their first tokens
+    reward_seconds: float  # host time in decoding and reward functions
+
+
+def rollout_and_score(
+    backend: sampling.RolloutBackend,
+    params: models.Params,
+    task: tasks.Task,
+    batch: tasks.PromptBatch,
+    key: jax.Array,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    max_prompt_length: int,
+    prompt_truncation: str = "error",
+    prompt_bucket: int = 8,
+    on_reward_error: str = "raise",
+    shaping: Any = None,
+) -> ScoredRound:
+    """Samples ``G = num_samples`` completions of each prompt of ``batch`` and scores them.
+
+    ``shaping``, when given, is a reward function (TRL's convention) whose values are
+    added to the task's rewards but not logged among them: DAPO's overlong punishment.
+    """
+    tokens, mask, truncated_prompts = fit_prompts(batch, max_length=max_prompt_length, truncation=prompt_truncation,
+                                                  bucket=prompt_bucket, pad_id=task.pad_id)
+    host = jax.device_get(backend(params, tokens, mask, key, num_samples=num_samples, max_new_tokens=max_new_tokens))
+    host = jax.tree.map(np.asarray, host)
+    if task.stop_strings:
+        host = sampling.stop_at_strings(host, tokenizer=task.tokenizer, stop_strings=task.stop_strings,
+                                        pad_id=task.pad_id)
+    started = time.perf_counter()
+    completion_tokens = host.tokens[:, -host.completion_mask.shape[1]:]
+    texts, completion_ids = decode_completions(task.tokenizer, completion_tokens, host.lengths, eos_ids=task.eos_ids)
+    completions = texts
+    if any(not isinstance(p, str) for p in batch.prompts):  # TRL's conversational format: messages in, messages out
+        completions = [[{"role": "assistant", "content": text}] for text in texts]
+    arguments = dict(
+        prompts=[copy.deepcopy(p) for p in batch.prompts for _ in range(num_samples)], completions=completions,
+        completion_ids=completion_ids,
+        columns={name: [copy.deepcopy(v) for v in values for _ in range(num_samples)]  # a function may mutate its
+                 for name, values in batch.columns.items()},
+    )
+    result = rewards.compute_rewards(task.reward_fns, task.reward_weights, on_error=on_reward_error, **arguments)
+    total = result.total
+    if shaping is not None:
+        total = total + rewards.compute_rewards([shaping], [1.0], **arguments).total
+    reward_seconds = time.perf_counter() - started
+    return ScoredRound(
+        rollouts=Rollouts(tokens=host.tokens, attention_mask=host.attention_mask, completion_mask=host.completion_mask,
+                          logprobs=host.logprobs, lengths=host.lengths, truncated=host.truncated, rewards=total),
+        result=result, completions=texts, truncated_prompts=truncated_prompts, reward_seconds=reward_seconds)
+
+
+@dataclasses.dataclass
+class CollectedBatch:
+    """What :func:`collect_batch` returns."""
+
+    rollouts: Rollouts
+    """The batch to train on: ``P`` groups (groups without signal masked out, with dynamic sampling)."""
+    first_round: ScoredRound
+    """The first rollout round, unfiltered: the policy's own statistics."""
+    refill_rounds: int
+    """Extra rounds drawn by dynamic sampling."""
+    prompts_drawn: int
+    """Prompts taken from the task's stream over all rounds."""
+    sampled_tokens: int
+    """Completion tokens generated over all rounds."""
+    reward_seconds: float
+    """Host time spent decoding and in reward functions."""
+    truncated_prompts: int
+    """Prompts that lost their first tokens, over all rounds."""
+    reward_errors: int
+    """Completions scored 0 because a reward function raised (``on_reward_error="zero"``)."""
+
+
+def collect_batch(
+    backend: sampling.RolloutBackend,
+    params: models.Params,
+    task: tasks.Task,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    *,
+    key: jax.Array,
+    position: int,
+    prompt_bucket: int = 8,
+) -> CollectedBatch:
+    """Rollouts and rewards for one train step, from the task's train stream at ``position``.
+
+    Without dynamic sampling: one round of ``P`` prompts times ``G`` completions. With it
+    (DAPO): groups whose task rewards are all equal (all right or all wrong; the overlong
+    shaping does not count, as in DAPO's and verl's accuracy filter) are dropped and rounds of ``P`` new prompts
+    are drawn until ``P`` groups with signal are collected or ``config.max_refill_rounds``
+    extra rounds are spent; the batch is the first ``P`` groups with signal, then groups
+    without it with an all-zero completion mask (padding rows: they change no loss).
+    DAPO's soft overlong punishment (:func:`jaxrl_llm.rewards.soft_overlong_punishment`)
+    is added to the rewards the advantages see.
+    """
+    algorithm = fit_overlong_buffer(algorithm, config.max_new_tokens)
+    shaping = None
+    if algorithm.overlong_buffer:
+        shaping = functools.partial(rewards.soft_overlong_punishment, max_completion_length=config.max_new_tokens,
+                                    buffer=algorithm.overlong_buffer, penalty=algorithm.overlong_penalty)
+    num_prompts, group = config.num_prompts, config.group_size
+    rounds: list[ScoredRound] = []
+    informative = np.zeros(0, bool)  # [groups so far]
+    max_rounds = 1 + (config.max_refill_rounds if algorithm.dynamic_sampling else 0)
+    for round_index in range(max_rounds):
+        batch = tasks.draw(task, "train", seed=config.seed, start=position + round_index * num_prompts,
+                           count=num_prompts)
+        scored = rollout_and_score(
+            backend, params, task, batch, jax.random.fold_in(key, round_index), num_samples=group,
+            max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length,
+            prompt_truncation=config.prompt_truncation, prompt_bucket=prompt_bucket,
+            on_reward_error=config.on_reward_error, shaping=shaping)
+        rounds.append(scored)
+        grouped = scored.result.total.reshape(num_prompts, group)  # the task's rewards: shaping is no signal
+        informative = np.concatenate([informative, grouped.max(1) > grouped.min(1)])
+        if not algorithm.dynamic_sampling or informative.sum() >= num_prompts:
+            break
+    rollouts = rounds[0].rollouts
+    if algorithm.dynamic_sampling:
+        rollouts = Rollouts.concatenate([r.rollouts for r in rounds], task.pad_id)
+        order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:num_prompts]
+        rollouts = rollouts.take((order[:, None] * group + np.arange(group)).reshape(-1))
+        rollouts.completion_mask = rollouts.completion_mask & np.repeat(informative[order], group)[:, None]
+    return CollectedBatch(
+        rollouts=rollouts, first_round=rounds[0], refill_rounds=len(rounds) - 1,
+        prompts_drawn=len(rounds) * num_prompts,
+        sampled_tokens=int(sum(r.rollouts.lengths.sum() for r in rounds)),
+        reward_seconds=sum(r.reward_seconds for r in rounds),
+        truncated_prompts=sum(r.truncated_prompts for r in rounds),
+        reward_errors=sum(sum(r.result.errors.values()) for r in rounds))
+
+
+def fit_overlong_buffer(algorithm: algorithms.Algorithm, max_new_tokens: int) -> algorithms.Algorithm:
+    """DAPO's soft overlong zone for a budget of ``max_new_tokens``: a buffer within the
+    budget is kept as set; a longer one (the preset's 4096, the paper's fifth of 20480
+    tokens) becomes a fifth of the budget, none under 5 tokens."""
+    if algorithm.overlong_buffer <= max_new_tokens:
+        return algorithm
+    return dataclasses.replace(algorithm, overlong_buffer=max_new_tokens // 5)
