@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import _checks, algorithms, cli, host, models, sampling, training
+from jaxrl_llm import _checks, algorithms, cli, evaluation, host, models, training
 from jaxrl_llm.tasks import DigitSumTask
 
 PROMPT_WIDTH = 8
@@ -100,14 +100,10 @@ def warm_started_model(config: DigitsConfig, task: DigitSumTask) -> tuple[models
 
 
 def greedy_accuracy(model: models.Model, params: models.Params, task: DigitSumTask) -> float:
-    """Fraction of all 100 prompts answered exactly (digit, then EOS) by greedy decoding."""
-    digits = np.stack(np.meshgrid(np.arange(10), np.arange(10), indexing="ij"), -1).reshape(-1, 2)
-    encoded = task.tokenizer([f"{a}+{b}=" for a, b in digits], return_tensors="np")
-    rollout = jax.device_get(sampling.sample(
-        model, params, encoded["input_ids"], encoded["attention_mask"], jax.random.key(0), num_samples=1,
-        max_new_tokens=2, temperature=0.0, eos_ids=(task.eos_id,), pad_id=task.pad_id))
-    rewards = task.rewards(np.asarray(rollout.completion_tokens), rollout.lengths, digits.sum(1) % 10)
-    return float(np.mean(rewards == 1.5))
+    """Fraction of all 100 prompts (the task's test split) answered exactly by greedy
+    decoding: the digit, then EOS (the ``stops`` reward, 0.5, is earned by exactly these)."""
+    return evaluation.evaluate(model, params, task, max_new_tokens=2, batch_size=100, correct_reward="stops",
+                               threshold=0.5, progress=False)["greedy_accuracy"]
 
 
 def expected_reward(model: models.Model, params: models.Params, task: DigitSumTask) -> float:

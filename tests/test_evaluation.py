@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import evaluation, models, sampling, tasks
+from jaxrl_llm import evaluation, models, sampling
 from jaxrl_llm.evaluation import evaluate, pass_at_k
 from jaxrl_llm.tasks import DigitSumTask
 

@@ -205,9 +205,9 @@ def test_combinations_the_step_cannot_honour_are_refused():
 def test_advantage_metrics_match_numpy_and_stay_finite_for_equal_rewards():
     model, params, score, _, state = _step(algorithms.PG)
     batch = _batch(model, params)
-    for rewards in (np.full(16, 1.1, np.float32), np.random.default_rng(0).normal(100.0, 0.01, 16).astype(np.float32)):
-        _, _, metrics = score(state, batch._replace(rewards=jnp.asarray(rewards)))
-        per_token = np.broadcast_to(rewards[:, None], batch.completion_mask.shape)[np.asarray(batch.completion_mask)]
+    for values in (np.full(16, 1.1, np.float32), np.random.default_rng(0).normal(100.0, 0.01, 16).astype(np.float32)):
+        _, _, metrics = score(state, batch._replace(rewards=jnp.asarray(values)))
+        per_token = np.broadcast_to(values[:, None], batch.completion_mask.shape)[np.asarray(batch.completion_mask)]
         np.testing.assert_allclose(float(metrics["advantage_std"]), per_token.astype(np.float64).std(), atol=2e-6)
         np.testing.assert_allclose(float(metrics["advantage_mean"]), per_token.mean(), rtol=1e-6)
 

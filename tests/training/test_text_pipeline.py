@@ -39,6 +39,13 @@ def problems(tmp_path_factory):
     return path
 
 
+def _tiny_model(tokenizer, *, max_positions: int):
+    """A one-layer random model over ``tokenizer``'s vocabulary."""
+    config = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_layers=1,
+                                num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=max_positions)
+    return models.init(config, jax.random.key(0))
+
+
 class _Recording:
     """The built-in sampler, keeping a host copy of every rollout it returns."""
 
@@ -98,9 +105,7 @@ def test_prompts_of_spread_lengths_trace_each_half_a_bounded_number_of_times():
         return [float(c.startswith(a)) for c, a in zip(completions, answer)]
 
     task = tasks.from_records(records, tokenizer=tokenizer, reward_fns=[starts_right])
-    config = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_layers=1,
-                                num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=80)
-    model, params = models.init(config, jax.random.key(0))
+    model, params = _tiny_model(tokenizer, max_positions=80)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=64)
     _, history = training.train(model, params, algorithms.GRPO, run, steps=20, task=task)
     widths = {training.collect.prompt_width(length, bucket=8, max_length=64) for length in range(5, 61)}
@@ -117,9 +122,7 @@ def test_a_prompt_longer_than_the_limit_is_an_error_or_left_truncated_and_counte
         return [1.0] * len(completions)
 
     task = tasks.from_records(records, tokenizer=tokenizer, reward_fns=[one])
-    config = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_layers=1,
-                                num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32)
-    model, params = models.init(config, jax.random.key(0))
+    model, params = _tiny_model(tokenizer, max_positions=32)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8)
     with pytest.raises(training.RunStopped, match="has 20 tokens, more than max_prompt_length=8 .* "
                                                    "prompt_truncation='left'"):
@@ -139,9 +142,7 @@ def test_a_dataset_is_walked_in_epochs_and_a_resumed_run_sees_the_prompts_of_the
         return [0.0] * len(completions)
 
     task = tasks.from_records([{"prompt": letter} for letter in "abcde"], tokenizer=tokenizer, reward_fns=[spy])
-    config = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_layers=1,
-                                num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=16)
-    model, params = models.init(config, jax.random.key(0))
+    model, params = _tiny_model(tokenizer, max_positions=16)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
     training.train(model, params, algorithms.PG, run, steps=5, task=task)
     straight, seen[:] = list(seen), []
@@ -162,9 +163,7 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_or_scores_zero_an
         return [1.0] * len(completions)
 
     task = tasks.from_records([{"prompt": letter} for letter in "ab"], tokenizer=tokenizer, reward_fns=[fragile])
-    config = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_layers=1,
-                                num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=16)
-    model, params = models.init(config, jax.random.key(0))
+    model, params = _tiny_model(tokenizer, max_positions=16)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
     with pytest.raises(training.RunStopped, match="Reward function 'fragile' raised ValueError: cannot parse at row "
                                                    r"\d \(prompt 'b'"):
