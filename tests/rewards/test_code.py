@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from jaxrl_llm.rewards.code import code_execution, extract_code
+from tests.rewards.test_sandbox import running
 
 GOOD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
 BAD = "```python\ndef add(a, b):\n    return a - b\n```"
@@ -95,19 +96,6 @@ def _fence(code: str) -> str:
     return f"Sure!\n```python\n{code}\n```"
 
 
-def _running(marker: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(name))
-            except OSError:
-                pass
-    return found
-
-
 def test_hostile_batch_scores_zero_and_the_rest_still_pass(tmp_path, monkeypatch):
     """Each hostile completion's tests pass only if its attack worked; all must score 0.0
     and leave no trace, while the honest completions in the same batch score 1.0."""
@@ -156,4 +144,4 @@ def test_hostile_batch_scores_zero_and_the_rest_still_pass(tmp_path, monkeypatch
         server.accept()  # nobody connected
     server.close()
     assert not target.exists()
-    assert _running(marker) == []
+    assert running(marker) == []
