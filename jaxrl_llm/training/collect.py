@@ -34,6 +34,7 @@ import numpy as np
 from jaxrl_llm import algorithms, models, rewards, sampling, tasks
 from jaxrl_llm.training.config import PROMPT_TRUNCATION, TrainConfig
 
+
 def prompt_width(length: int, *, bucket: int, max_length: int) -> int:
     """The padded width of prompts whose longest has ``length`` tokens (see the module doc)."""
     width = bucket

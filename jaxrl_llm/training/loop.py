@@ -11,8 +11,8 @@ Each step:
    arrays are immutable);
 2. **rewards**: the completions are decoded and the task's reward functions run on the
    host, in TRL's convention (:mod:`jaxrl_llm.rewards`). DAPO's soft overlong penalty is
-   added here. With dynamic sampling (DAPO) the groups whose rewards are all equal are
-   dropped and more rollouts refill the batch, up to ``max_refill_rounds`` extra rounds;
+   added here. With dynamic sampling (DAPO) the groups whose task rewards are all equal
+   are dropped and more rollouts refill the batch, up to ``max_refill_rounds`` extra rounds;
    groups still missing are masked out (:mod:`jaxrl_llm.training.collect`);
 3. **score** and **update**: the two jitted halves of :mod:`jaxrl_llm.training.step`.
 
