@@ -362,3 +362,19 @@ def test_a_minibatch_of_padding_rows_takes_no_optimizer_step():
     state, _ = update(state, score(state, empty)[0])
     jax.tree.map(np.testing.assert_array_equal, (state.params, state.opt_state), before)
     assert int(state.skipped_updates) == 0  # not a non-finite skip
+
+
+def test_dynamic_sampling_reads_the_tasks_rewards_not_the_length_shaping():
+    """Groups all right or all wrong carry no signal, whatever their overlong penalties (DAPO)."""
+    model, params = models.init(CONFIG, jax.random.key(10))
+
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    run = dataclasses.replace(RUN, max_new_tokens=10, max_refill_rounds=1)
+    method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5)
+    sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
+    collected = training.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
+    shaped = collected.first_round.rollouts.rewards.reshape(RUN.num_prompts, RUN.group_size)
+    assert (shaped.max(1) > shaped.min(1)).any()  # the shaping differs within some group...
+    assert collected.refill_rounds == 1 and not collected.rollouts.completion_mask.any()  # ...and counts for nothing
