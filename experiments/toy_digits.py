@@ -10,10 +10,21 @@ and scored in parallel with teacher forcing, so the sampled and recomputed log-p
 a response are the same numbers.
 
 Each step is one jitted function, built once per method: sample ``G`` completions for
-``P`` prompts, score them, compute advantages (``algorithms.compute_advantages``: GAE
-with a critic for PPO), then ``num_iterations`` optax updates of
-``algorithms.policy_loss`` (or one TRPO natural-gradient step). Policy, old and
-reference parameters are separate immutable pytrees.
+``P`` prompts, score them, compute advantages, then ``num_iterations`` optax updates of
+the policy loss (or one TRPO natural-gradient step). Policy, old and reference
+parameters are separate immutable pytrees.
+
+The RL math is the library's, for every preset; this file owns only the model, the
+sampler and the task's reward. Advantages come from ``algorithms.compute_advantages``
+(sequence estimators; per-token GAE with a critic for PPO; REINFORCE++'s returns to go
+whitened over the batch's tokens; the k1 KL-in-reward penalty), fed the ``[B, T]``
+completion mask, the sampling and reference log-probs and the critic's values built
+here. The loss is ``algorithms.policy_loss`` (objective, KL and entropy terms), the
+critic's ``objectives.value_loss``, TRPO's step ``trpo.natural_gradient_step``, DAPO's
+shaping ``rewards.length.overlong_penalty`` with ``training.fit_overlong_buffer``.
+DAPO's dynamic sampling keeps the LM trainer's rule (``training.collect``: groups whose
+task rewards are all equal become padding rows before the advantages) but, to stay
+inside the jit, does not refill the batch.
 
 Run ``python experiments/toy_digits.py --help`` for options.
 """
@@ -186,8 +197,16 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimize
         old_params = state.params  # the snapshot that samples: immutable, so free
         rollout = sample(old_params, prompts, sample_key, max_len=length)
         mask = rollout.mask
-        rewards = rewards_of(prompts, rollout)  # [B]
-        task_rewards = rewards
+        task_rewards = rewards_of(prompts, rollout)  # [B]
+        rewards = task_rewards  # what the advantages see: plus DAPO's shaping, if any
+        if a.dynamic_sampling:
+            # DAPO's filter, as in `training.collect`: a group whose *task* rewards are all
+            # equal carries no signal (the overlong shaping does not count). Its rows become
+            # padding (all-zero mask) before the advantages, so they change no loss and no
+            # token statistic; this toy does not refill the batch, the LM trainer does.
+            grouped = task_rewards.reshape(num_prompts, group)
+            informative = jnp.repeat(jnp.max(grouped, 1) > jnp.min(grouped, 1), group)  # [B]
+            mask = mask * informative[:, None]
         if a.overlong_buffer:
             rewards = rewards + overlong_penalty(
                 rollout.lengths, max_len=length, buffer=a.overlong_buffer, penalty=a.overlong_penalty
@@ -199,19 +218,13 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimize
         ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
         ref_logp = ops.token_logprobs(ref_logits, rollout.tokens) * mask if a.needs_reference else None
 
-        # Advantages, with the KL penalty in the reward where the method has one.
+        # Advantages from the library, with the KL penalty in the reward where the method has
+        # one: sequence-level [B], or per token [B, T] (GAE, REINFORCE++).
         critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
         old_values = teacher_forced(critic_params, prompts, rollout.tokens)[..., 0] * mask if a.needs_critic else None
         advantages, returns, baseline = algorithms.compute_advantages(
             a, rewards, mask, group_size=group, logp=old_logp, ref_logp=ref_logp, values=old_values,
             baseline=state.baseline)
-
-        if a.dynamic_sampling:
-            # DAPO drops groups with identical rewards. This toy drops them from the loss
-            # (mask) instead of refilling the batch; the LM trainer refills.
-            grouped = rewards.reshape(num_prompts, group)
-            informative = jnp.repeat(jnp.max(grouped, 1) > jnp.min(grouped, 1), group)  # [B]
-            mask = mask * informative[:, None]
 
         def loss_fn(params):
             logits = teacher_forced(params, prompts, rollout.tokens)
@@ -228,11 +241,11 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimize
             def kl_fn(p):  # exact mean KL(pi_old || pi_p) over the batch's states
                 return ops.masked_mean(kl.categorical(old_logits, teacher_forced(p, prompts, rollout.tokens)), mask)
 
-            _, metrics = loss_fn(params)
             params, info = trpo.natural_gradient_step(
                 params, surrogate_fn=lambda p: loss_fn(p)[0], kl_fn=kl_fn, max_kl=a.max_kl, damping=a.cg_damping,
                 cg_iters=a.cg_iters, backtrack_coef=a.backtrack_coef, max_backtracks=a.max_backtracks,
             )
+            _, metrics = loss_fn(params)  # diagnostics after the step, as the LM trainer reports them
             metrics.update({f"trpo_{k}": v for k, v in info.items()})
         else:
             for _ in range(a.num_iterations):  # mu passes over the batch (static, unrolled)

@@ -1,10 +1,12 @@
 """End to end: every preset learns the toy digit task through the functional core."""
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 from experiments import toy_digits
-from jaxrl_llm import algorithms
+from jaxrl_llm import algorithms, training
 
 CONFIG = toy_digits.ToyConfig(steps=100, seed=0)
 
@@ -28,6 +30,29 @@ def test_every_preset_learns(name):
         # nothing clips.
         np.testing.assert_allclose([metrics["ratio_min"], metrics["ratio_max"]], 1.0, atol=1e-5)
         assert float(metrics["clip_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("name", list(algorithms.PRESETS))
+def test_the_step_takes_its_advantages_and_loss_from_the_library(name, monkeypatch):
+    """The toy is the functional core without the model: no private copy of the RL math.
+    Its step must feed `compute_advantages`' output, unchanged, to `policy_loss`."""
+    calls = {"compute_advantages": [], "policy_loss": []}
+    for fn in calls:
+        def spy(*args, _fn=fn, _original=getattr(algorithms, fn), **kwargs):
+            out = _original(*args, **kwargs)
+            calls[_fn].append((args, kwargs, out))
+            return out
+        monkeypatch.setattr(algorithms, fn, spy)
+    config = toy_digits.ToyConfig(num_prompts=2, group_size=2, hidden=8)
+    method = training.fit_overlong_buffer(algorithms.get(name), config.max_new_tokens)
+    optimizer = optax.sgd(0.1)
+    state = toy_digits.init_state(config, method, optimizer)
+    jax.eval_shape(toy_digits.make_train_step(config, method, optimizer), state)  # traces the whole step
+    (args, _, (advantages, _, _)), = calls["compute_advantages"]
+    assert args[0] is method
+    assert calls["policy_loss"] and all(loss_args[3] is advantages for loss_args, _, _ in calls["policy_loss"])
+    expected_shape = (4, config.max_new_tokens) if method.advantage in ("gae", "reinforce_pp") else (4,)
+    assert advantages.shape == expected_shape
 
 
 @pytest.mark.slow

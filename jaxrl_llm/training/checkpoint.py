@@ -1,0 +1,278 @@
+"""A run's checkpoints: :class:`TrainState` s saved and restored with orbax's ``CheckpointManager``.
+
+Usage::
+
+    checkpoints = Checkpointer("runs/grpo")
+    checkpoints.save(int(state.step), state, metadata={"reward": 0.7})
+    ...
+    like = jax.eval_shape(lambda p: init_state(model, p, algorithm, config), params)
+    state = checkpoints.restore(like=like)  # the latest readable checkpoint
+    state, history = train(..., state=state)
+
+**Layout on disk** (orbax's)::
+
+    <directory>/
+      <step>/                              one finalized checkpoint per saved step
+        _CHECKPOINT_METADATA               JSON: timestamps and our custom metadata (the
+                                           caller's ``metadata`` and the PRNG key impls)
+        commit_success.txt
+        state/                             the arrays: one OCDBT/zarr database
+          _METADATA, _sharding, manifest.ocdbt, ocdbt.process_0/, d/, array_metadatas/
+      <step>.orbax-checkpoint-tmp-<time>/  a save in progress (or one a crash left): never
+                                           listed, restored or counted
+
+A save is written under the temporary name and renamed to ``<step>`` when complete, so a
+step directory is always a whole checkpoint (a rename is atomic on local and POSIX file
+systems; on object stores orbax marks completion with ``commit_success.txt`` instead).
+
+**What is stored.** The state is saved as a nested dict of arrays keyed by its pytree
+path (``state["opt_state"]["inner"]["1"]...``), not as its own pytree: the containers
+(``TrainState``, optax's NamedTuples, :class:`~jaxrl_llm.training.step.Float32State`,
+``None`` fields such as ``critic_params`` of a method without a critic, TRPO's empty
+``opt_state``) come back from ``like``'s structure, so any pytree node round-trips, and
+what holds no array stores nothing. Typed PRNG keys are stored as their raw bits
+(``jax.random.key_data``) and re-wrapped with their impl, which the checkpoint records.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxrl_llm.training.step import TrainState, _check_tree
+
+_ITEM = "state"
+_OURS = "jaxrl_llm"  # our entry in the step's custom metadata, beside the caller's
+
+
+def _name(key) -> str:
+    """One pytree path entry as a dict key of the saved tree."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def _is_key(leaf) -> bool:
+    return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
+    """``{("a", "b"): x}`` -> ``{"a": {"b": x}}``."""
+    nested: dict = {}
+    for names, leaf in flat.items():
+        node = nested
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"Checkpoint: the state's path {'/'.join(names)} runs through a leaf.")
+        if names[-1] in node:
+            raise ValueError(f"Checkpoint: two leaves of the state are both stored as {'/'.join(names)}.")
+        node[names[-1]] = leaf
+    return nested
+
+
+def _paths(tree) -> list[tuple[str, ...]]:
+    return [tuple(_name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _data_sharding(key_leaf):
+    """The sharding of ``key_data(key)`` for a key (array or abstract) with this sharding."""
+    sharding = getattr(key_leaf, "sharding", None)
+    if isinstance(key_leaf, jax.Array):
+        return jax.random.key_data(key_leaf).sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):  # the key bits are a trailing, unsharded axis
+        spec = tuple(sharding.spec) + (None,) * (key_leaf.ndim - len(sharding.spec))
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec, None))
+    return sharding
+
+
+def _target(like) -> dict:
+    """``like`` as the abstract nested dict orbax restores into: shapes, dtypes, shardings
+    (a leaf without one lands on the default device)."""
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    flat = {}
+    for names, leaf in zip(_paths(like), jax.tree.leaves(like)):
+        if _is_key(leaf):
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            flat[names] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=_data_sharding(leaf) or default)
+        else:
+            flat[names] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None) or default)
+    return _nest(flat)
+
+
+class Checkpointer:
+    """The checkpoints of one run in ``directory`` (created on the first save).
+
+    Args:
+      directory: the run's checkpoint directory (local path or an ``epath`` URL).
+      max_to_keep: keep the last this many checkpoints (``None``: all); older ones are
+        deleted after each save.
+
+    Saves are synchronous by default (``save`` returns when the checkpoint is complete);
+    ``save(..., wait=False)`` returns once the arrays are copied off the device and
+    writes in the background, until :meth:`wait`, the next save, or :meth:`close`. Use it
+    as a context manager to close it.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"Checkpointer: max_to_keep must be >= 1 or None; got {max_to_keep}.")
+        self.directory = os.fspath(directory)
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=False, enable_async_checkpointing=True)
+        self._manager: ocp.CheckpointManager | None = None
+
+    def _get(self, *, create: bool) -> ocp.CheckpointManager | None:
+        if self._manager is None:
+            if not os.path.isdir(self.directory):
+                if not create:
+                    return None
+                os.makedirs(self.directory, exist_ok=True)
+            self._manager = ocp.CheckpointManager(self.directory, item_names=(_ITEM,), options=self._options)
+        return self._manager
+
+    def save(self, step: int, state: TrainState, *, metadata: dict | None = None, wait: bool = True) -> None:
+        """Saves ``state`` as checkpoint ``step`` with the caller's JSON-serialisable
+        ``metadata``, then deletes the checkpoints beyond ``max_to_keep``.
+
+        Raises ValueError if checkpoint ``step`` exists already (orbax would skip it)."""
+        manager = self._get(create=True)
+        manager.wait_until_finished()  # the previous save is listed before we look
+        step = int(step)
+        if step in manager.all_steps():
+            raise ValueError(f"Checkpointer.save: {self.directory} already has a checkpoint of step {step}.")
+        flat, impls = {}, {}
+        for names, leaf in zip(_paths(state), jax.tree.leaves(state)):
+            if _is_key(leaf):
+                impls["/".join(names)] = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
+            flat[names] = leaf
+        # force: orbax's own policy (save_interval_steps, "not after a later step") would
+        # silently skip a save; the caller decides when to save.
+        saved = manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(_nest(flat))}),
+                             force=True, custom_metadata={_OURS: {"prng_impls": impls}, "metadata": metadata})
+        if not saved:
+            raise RuntimeError(f"Checkpointer.save: orbax did not save step {step} in {self.directory}.")
+        if wait:
+            manager.wait_until_finished()
+
+    def wait(self) -> None:
+        """Blocks until a background save is complete (finalized on disk)."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints, ascending."""
+        manager = self._get(create=False)
+        return sorted(manager.all_steps()) if manager is not None else []
+
+    def latest_step(self) -> int | None:
+        """The step of the latest complete checkpoint, ``None`` if there is none. (A
+        checkpoint being written, or a temporary directory a crash left, is not one.)"""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int | None = None) -> dict | None:
+        """The ``metadata`` saved with checkpoint ``step`` (default: the latest)."""
+        step = self._existing(step, "metadata")[0]
+        return self._manager.metadata(step).custom_metadata.get("metadata")
+
+    def _existing(self, step: int | None, what: str) -> list[int]:
+        """``[step]``, or every complete step latest first when ``step`` is None; raises
+        FileNotFoundError when there is none."""
+        self.wait()
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"Checkpointer.{what}: no checkpoint directory {self.directory!r}.")
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"Checkpointer.{what}: no complete checkpoint in {self.directory!r}.")
+        if step is None:
+            return steps[::-1]
+        if int(step) not in steps:
+            raise FileNotFoundError(f"Checkpointer.{what}: no checkpoint of step {step} in {self.directory!r} "
+                                    f"(complete: {steps}).")
+        return [int(step)]
+
+    def restore(self, step: int | None = None, *, like: TrainState) -> TrainState:
+        """Checkpoint ``step`` (default: the latest readable one) as a state with the
+        structure, dtypes and shardings of ``like``, an abstract state (``jax.eval_shape``
+        of :func:`~jaxrl_llm.training.init_state`, with ``sharding`` set on the leaves to
+        place them; without, they land on the default device) or a real one.
+
+        Without ``step``, a latest checkpoint that cannot be read (a file deleted or
+        truncated) is skipped with a warning naming it and the error, for the one before.
+
+        Raises:
+          FileNotFoundError: no such directory, no complete checkpoint, or no such step.
+          ValueError: the checkpoint does not fit ``like`` (the first differing path).
+          RuntimeError: no checkpoint could be read (each one's error in the message).
+        """
+        steps = self._existing(step, "restore")
+        target = _target(like)
+        errors = []
+        for i, s in enumerate(steps):
+            try:
+                step_metadata = self._manager.metadata(s)
+                saved = step_metadata.item_metadata[_ITEM]
+                impls = step_metadata.custom_metadata[_OURS]["prng_impls"]
+            except Exception as error:  # noqa: BLE001 (any unreadable checkpoint: try the previous)
+                errors.append(self._unreadable(s, error, steps[i + 1:]))
+                continue
+            _check_tree(f"checkpoint {s}", getattr(saved, "tree", saved), target, "`like`", dtypes=True,
+                        advice=f"Was {self.directory!r} saved by another method, model or TrainConfig?")
+            try:
+                restored = self._manager.restore(s, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(
+                    target)}))[_ITEM]
+            except Exception as error:  # noqa: BLE001
+                errors.append(self._unreadable(s, error, steps[i + 1:]))
+                continue
+            return self._unflatten(restored, like, impls, s)
+        raise RuntimeError(f"Checkpointer.restore: no readable checkpoint in {self.directory!r}: " + "; ".join(errors))
+
+    def _unreadable(self, step: int, error: Exception, rest: list[int]) -> str:
+        message = f"checkpoint {step}: {type(error).__name__}: {str(error)[:500]}"
+        if rest:
+            warnings.warn(f"Checkpointer.restore: {message}; falling back to checkpoint {rest[0]}.", stacklevel=3)
+        return message
+
+    @staticmethod
+    def _unflatten(restored: dict, like, impls: dict[str, str], step: int) -> TrainState:
+        leaves = []
+        for names, want in zip(_paths(like), jax.tree.leaves(like)):
+            leaf = restored
+            for name in names:
+                leaf = leaf[name]
+            if _is_key(want):
+                impl = impls.get("/".join(names))
+                if impl is None:
+                    raise ValueError(f"Checkpoint {step}: {'/'.join(names)} is a PRNG key in `like` but was not "
+                                     "saved as one.")
+                leaf = jax.random.wrap_key_data(leaf, impl=impl)
+                if leaf.dtype != want.dtype:
+                    raise ValueError(f"Checkpoint {step}: the key {'/'.join(names)} is {leaf.dtype}, but `like` "
+                                     f"needs {want.dtype}.")
+            leaves.append(leaf)
+        return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+    def close(self) -> None:
+        """Waits for a background save and releases orbax's resources."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

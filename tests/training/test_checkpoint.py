@@ -1,0 +1,142 @@
+"""Checkpoints: exact round trips, resumption, keep-last-K, corrupt and partial checkpoints, resharding."""
+
+import functools
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm import algorithms, models, training
+from jaxrl_llm.training.checkpoint import Checkpointer
+from tests.training.test_step import CONFIG, RUN, TASK
+
+
+@functools.cache
+def _trained(name: str, steps: int):
+    """A state after ``steps`` real train steps (cached: each test gets a fresh copy)."""
+    model, params = models.init(CONFIG, jax.random.key(0))
+    state, _ = training.train(model, params, algorithms.get(name), RUN, steps=steps, task=TASK)
+    return model, params, jax.device_get(state._replace(key=jax.random.key_data(state.key)))
+
+
+def _state(name: str, steps: int = 1):
+    model, params, host = _trained(name, steps)
+    state = jax.tree.map(jax.numpy.asarray, host._replace(key=None))._replace(
+        key=jax.random.wrap_key_data(jax.numpy.asarray(host.key)))
+    return model, params, state
+
+
+def _abstract(model, params, name):
+    return jax.eval_shape(lambda p: training.init_state(model, p, algorithms.get(name), RUN), params)
+
+
+def _assert_identical(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert a.key.dtype == b.key.dtype
+    np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
+    for x, y in zip(jax.tree.leaves(a._replace(key=None)), jax.tree.leaves(b._replace(key=None))):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise (NaN-free states)
+
+
+@pytest.mark.parametrize("name", ["GRPO", "PPO"])
+def test_a_trained_state_round_trips_exactly(tmp_path, name):
+    model, params, state = _state(name)
+    assert (state.critic_params is None) == (name == "GRPO")
+    with Checkpointer(tmp_path / "run") as checkpoints:
+        checkpoints.save(1, state, metadata={"reward": 0.5})
+        assert checkpoints.latest_step() == 1 and checkpoints.metadata() == {"reward": 0.5}
+        restored = checkpoints.restore(like=_abstract(model, params, name))
+        _assert_identical(restored, state)
+        assert type(restored.opt_state) is training.step.Float32State
+        # A real state works as `like` too.
+        _assert_identical(checkpoints.restore(1, like=state), state)
+
+
+def test_a_run_continued_from_a_checkpoint_is_the_uninterrupted_run(tmp_path):
+    model, params, state = _state("GRPO")
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, state)
+    restored = checkpoints.restore(like=_abstract(model, params, "GRPO"))
+    straight, _ = training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK, state=state)
+    resumed, _ = training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK, state=restored)
+    _assert_identical(resumed, straight)
+    assert int(resumed.step) == 2
+
+
+def test_keeps_the_last_k_and_refuses_to_overwrite(tmp_path):
+    model, params, state = _state("GRPO")
+    checkpoints = Checkpointer(tmp_path, max_to_keep=2)
+    for step in (1, 2, 3):
+        checkpoints.save(step, state._replace(step=jax.numpy.asarray(step, jax.numpy.int32)), wait=step != 3)
+    checkpoints.wait()
+    assert checkpoints.all_steps() == [2, 3]
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+    assert int(checkpoints.restore(2, like=state).step) == 2
+    with pytest.raises(ValueError, match="already has a checkpoint of step 3"):
+        checkpoints.save(3, state)
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path):
+    model, params, state = _state("GRPO")
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, state)
+    checkpoints.save(2, state._replace(step=state.step + 1))
+    os.remove(tmp_path / "2" / "state" / "manifest.ocdbt")  # its arrays can no longer be found
+    like = _abstract(model, params, "GRPO")
+    with pytest.warns(UserWarning, match="checkpoint 2: .*falling back to checkpoint 1"):
+        restored = checkpoints.restore(like=like)
+    _assert_identical(restored, state)
+    with pytest.raises(ValueError, match="NOT_FOUND"):  # an explicit step does not fall back
+        checkpoints.restore(2, like=like)
+    shutil.rmtree(tmp_path / "1" / "state")
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="no readable checkpoint.*checkpoint 2: .*"
+                                                                       "checkpoint 1: "):
+        checkpoints.restore(like=like)
+
+
+def test_a_partially_written_checkpoint_is_not_the_latest(tmp_path):
+    model, params, state = _state("GRPO")
+    Checkpointer(tmp_path).save(1, state)
+    # What a crash during the save of step 2 leaves: the checkpoint under its temporary name.
+    shutil.copytree(tmp_path / "1", tmp_path / "2.orbax-checkpoint-tmp-1700000000")
+    checkpoints = Checkpointer(tmp_path)
+    assert checkpoints.latest_step() == 1 and checkpoints.all_steps() == [1]
+    assert int(checkpoints.restore(like=state).step) == int(state.step)
+
+
+def test_missing_directory_and_mismatched_structure_are_clear_errors(tmp_path):
+    model, params, state = _state("GRPO")
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        Checkpointer(tmp_path / "nowhere").restore(like=state)
+    assert not (tmp_path / "nowhere").exists() and Checkpointer(tmp_path / "nowhere").latest_step() is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        Checkpointer(tmp_path).restore(like=state)
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, state)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 5 .*complete: \[1\]"):
+        checkpoints.restore(5, like=state)
+    # A PPO state (with a critic) is not what a GRPO checkpoint holds.
+    with pytest.raises(ValueError, match=r"`checkpoint 1` does not fit `like`: it lacks \['critic_opt_state'\]"):
+        checkpoints.restore(like=_abstract(model, params, "PPO"))
+    wider = jax.eval_shape(lambda: state._replace(baseline=jax.tree.map(lambda x: x.astype("float16"), state.baseline)))
+    with pytest.raises(ValueError, match=r"`checkpoint 1\['baseline'\].* float32, but `like` needs .* float16"):
+        checkpoints.restore(like=wider)
+
+
+def test_restores_an_unsharded_checkpoint_onto_a_mesh(tmp_path):
+    model, params, state = _state("GRPO")
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, state)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    spec = lambda x: jax.sharding.PartitionSpec("fsdp") if x.ndim and x.shape[0] % 2 == 0 else (  # noqa: E731
+        jax.sharding.PartitionSpec())
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, spec(x))), _abstract(model, params, "GRPO"))
+    restored = checkpoints.restore(like=like)
+    _assert_identical(restored, state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(like)):
+        assert got.sharding == want.sharding
+    assert any(leaf.sharding.spec == jax.sharding.PartitionSpec("fsdp") for leaf in jax.tree.leaves(restored.params))
