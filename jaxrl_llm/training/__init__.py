@@ -7,11 +7,14 @@
 * :mod:`~jaxrl_llm.training.collect`: a task's prompts to scored rollouts (the loop's and
   the evaluator's one path), DAPO's dynamic sampling;
 * :mod:`~jaxrl_llm.training.loop`: :func:`train`, the host loop with metrics;
-* :mod:`~jaxrl_llm.training.sft`: a supervised warm start.
+* :mod:`~jaxrl_llm.training.sft`: a supervised warm start;
+* :mod:`~jaxrl_llm.training.checkpoint`: :class:`Checkpointer`, the state saved and
+  restored with orbax.
 """
 
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.critic import CriticParams, completion_values, init_critic
+from jaxrl_llm.training.checkpoint import Checkpointer
 from jaxrl_llm.training.collect import collect_batch, fit_overlong_buffer, rollout_and_score
 from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, train
 from jaxrl_llm.training.sft import sft_loss, supervised_finetune
@@ -30,7 +33,7 @@ from jaxrl_llm.training.step import (
 )
 
 __all__ = [
-    "Batch", "CriticParams", "NonFiniteUpdates", "RunInterrupted", "RunStopped", "ScoredBatch", "TrainConfig",
+    "Batch", "Checkpointer", "CriticParams", "NonFiniteUpdates", "RunInterrupted", "RunStopped", "ScoredBatch", "TrainConfig",
     "TrainState", "TrainStep", "check_params", "check_state", "check_supported", "collect_batch", "completion_values",
     "fit_overlong_buffer", "in_float32", "init_critic", "init_state", "make_optimizer", "make_train_step", "rollout_and_score",
     "sft_loss", "supervised_finetune", "train",

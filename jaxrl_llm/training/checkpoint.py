@@ -106,7 +106,8 @@ def _target(like) -> dict:
             data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
             flat[names] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=_data_sharding(leaf) or default)
         else:
-            flat[names] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None) or default)
+            sharding = getattr(leaf, "sharding", None) or default
+            flat[names] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
     return _nest(flat)
 
 
@@ -138,7 +139,10 @@ class Checkpointer:
                 if not create:
                     return None
                 os.makedirs(self.directory, exist_ok=True)
-            self._manager = ocp.CheckpointManager(self.directory, item_names=(_ITEM,), options=self._options)
+            # The handler named up front: a fresh manager otherwise cannot read the item's
+            # metadata before its first save or restore.
+            self._manager = ocp.CheckpointManager(
+                self.directory, item_handlers={_ITEM: ocp.StandardCheckpointHandler()}, options=self._options)
         return self._manager
 
     def save(self, step: int, state: TrainState, *, metadata: dict | None = None, wait: bool = True) -> None:
@@ -215,7 +219,8 @@ class Checkpointer:
         Raises:
           FileNotFoundError: no such directory, no complete checkpoint, or no such step.
           ValueError: the checkpoint does not fit ``like`` (the first differing path).
-          RuntimeError: no checkpoint could be read (each one's error in the message).
+          RuntimeError: checkpoint ``step`` cannot be read, or without ``step`` none can
+            (each one's error in the message).
         """
         steps = self._existing(step, "restore")
         target = _target(like)
@@ -225,8 +230,10 @@ class Checkpointer:
                 step_metadata = self._manager.metadata(s)
                 saved = step_metadata.item_metadata[_ITEM]
                 impls = step_metadata.custom_metadata[_OURS]["prng_impls"]
+                if saved is None:
+                    raise ValueError("its array metadata cannot be read")
             except Exception as error:  # noqa: BLE001 (any unreadable checkpoint: try the previous)
-                errors.append(self._unreadable(s, error, steps[i + 1:]))
+                errors.append(self._unreadable(s, error, steps[i + 1:], step is not None))
                 continue
             _check_tree(f"checkpoint {s}", getattr(saved, "tree", saved), target, "`like`", dtypes=True,
                         advice=f"Was {self.directory!r} saved by another method, model or TrainConfig?")
@@ -234,13 +241,15 @@ class Checkpointer:
                 restored = self._manager.restore(s, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(
                     target)}))[_ITEM]
             except Exception as error:  # noqa: BLE001
-                errors.append(self._unreadable(s, error, steps[i + 1:]))
+                errors.append(self._unreadable(s, error, steps[i + 1:], step is not None))
                 continue
             return self._unflatten(restored, like, impls, s)
         raise RuntimeError(f"Checkpointer.restore: no readable checkpoint in {self.directory!r}: " + "; ".join(errors))
 
-    def _unreadable(self, step: int, error: Exception, rest: list[int]) -> str:
+    def _unreadable(self, step: int, error: Exception, rest: list[int], explicit: bool) -> str:
         message = f"checkpoint {step}: {type(error).__name__}: {str(error)[:500]}"
+        if explicit:
+            raise RuntimeError(f"Checkpointer.restore: {self.directory!r}: {message}") from error
         if rest:
             warnings.warn(f"Checkpointer.restore: {message}; falling back to checkpoint {rest[0]}.", stacklevel=3)
         return message
