@@ -5,6 +5,7 @@ from jaxrl_llm.tasks.base import (
     PromptBatch,
     RewardFn,
     Task,
+    check_split,
     check_task,
     draw,
     encode_prompts,
@@ -19,6 +20,6 @@ from jaxrl_llm.tasks.reasoning_gym_tasks import reasoning_gym
 
 __all__ = [
     "DIGITS_AND_OPERATORS", "DigitSumTask", "PromptBatch", "RewardFn", "SPLITS", "Task", "TextTask", "arithmetic",
-    "build_char_tokenizer", "check_task", "draw", "encode_prompts", "from_dataset", "from_jsonl", "from_records",
-    "reasoning_gym", "special_ids", "stream_indices",
+    "build_char_tokenizer", "check_split", "check_task", "draw", "encode_prompts", "from_dataset", "from_jsonl",
+    "from_records", "reasoning_gym", "special_ids", "stream_indices",
 ]

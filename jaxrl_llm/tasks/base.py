@@ -148,10 +148,15 @@ def stream_indices(size: int | None, *, seed: int, start: int, count: int) -> np
     return indices
 
 
-def draw(task: Task, split: str, *, seed: int, start: int, count: int) -> PromptBatch:
-    """The ``count`` examples at positions ``start ..`` of ``split``'s stream seeded by ``seed``."""
+def check_split(split: str) -> None:
+    """Raises ValueError unless ``split`` is one of :data:`SPLITS`."""
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; a task has {SPLITS}.")
+
+
+def draw(task: Task, split: str, *, seed: int, start: int, count: int) -> PromptBatch:
+    """The ``count`` examples at positions ``start ..`` of ``split``'s stream seeded by ``seed``."""
+    check_split(split)
     indices = stream_indices(task.split_size(split), seed=seed, start=start, count=count)
     batch = task.examples(split, indices, seed=seed)
     if len(batch) != count:

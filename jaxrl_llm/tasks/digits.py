@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import transformers
 
-from jaxrl_llm.tasks.base import SPLITS, PromptBatch, RewardFn, encode_prompts
+from jaxrl_llm.tasks.base import PromptBatch, RewardFn, check_split, encode_prompts
 from jaxrl_llm.tasks.char_tokenizer import DIGITS_AND_OPERATORS, build_char_tokenizer
 
 
@@ -51,8 +51,7 @@ class DigitSumTask:
 
     def split_size(self, split: str) -> int | None:
         """Train: unbounded; test: the 100 sums ``a+b`` in order (``index = 10 a + b``)."""
-        if split not in SPLITS:
-            raise ValueError(f"DigitSumTask: unknown split {split!r}; a task has {SPLITS}.")
+        check_split(split)
         return None if split == "train" else 100
 
     def examples(self, split: str, indices: np.ndarray, *, seed: int) -> PromptBatch:

@@ -50,7 +50,8 @@ import numpy as np
 import transformers
 
 from jaxrl_llm.rewards.combine import ARGUMENTS
-from jaxrl_llm.tasks.base import SPLITS, PromptBatch, RewardFn, check_task, columns_of, encode_prompts, special_ids
+from jaxrl_llm.tasks.base import (SPLITS, PromptBatch, RewardFn, check_split, check_task, columns_of, encode_prompts,
+                                  special_ids)
 
 PLAIN_TEMPLATE = "{system}\n\n{prompt}"
 """How a prompt and a system prompt are joined when there is no chat template."""
@@ -297,7 +298,7 @@ class TextTask:
 
     def split_size(self, split: str) -> int | None:
         """Examples in ``split``; ``None``: unbounded (a procedural split)."""
-        _check_split(split)
+        check_split(split)
         if self.records is not None:
             return len(self.records[split])
         return self.sizes[split]
@@ -363,7 +364,7 @@ class TextTask:
                            indices=indices)
 
     def _gather(self, split: str, indices: np.ndarray, seed: int) -> tuple[list[Record], list[Any], np.ndarray]:
-        _check_split(split)
+        check_split(split)
         indices = np.asarray(indices)
         if indices.ndim != 1 or not (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)):
             raise ValueError(f"TextTask.examples: `indices` must be a [P] integer array; got {indices.dtype} "
@@ -440,11 +441,6 @@ class TextTask:
         tokens = np.concatenate([batch.tokens, completion_ids], axis=1)  # [D, S + N]
         attention_mask = np.concatenate([batch.mask, completion_mask], axis=1)  # [D, S + N]
         return tokens, attention_mask, completion_mask
-
-
-def _check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"Unknown split {split!r}; a task has {SPLITS}.")
 
 
 def _column_names(records: Sequence[Record], split: str, required: Sequence[str] = ()) -> list[str]:
