@@ -16,7 +16,7 @@ $(INSTALLED): pyproject.toml constraints.txt
 	touch $@
 
 run: $(INSTALLED)
-	$(BIN)/python experiments/digits_lm.py
+	$(BIN)/jaxrl-llm train --config default --run-dir runs/default $(RUN_FLAGS)
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest -n 2 -q

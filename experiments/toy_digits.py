@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tyro
 
-from jaxrl_llm import _checks, advantages as adv_lib, algorithms, cli, kl, objectives, ops, training, trpo
+from jaxrl_llm import _checks, advantages as adv_lib, algorithms, kl, objectives, ops, training, trpo
 from jaxrl_llm.rewards.length import overlong_penalty
 
 NUM_DIGITS = 10
@@ -49,12 +51,15 @@ VOCAB = NUM_DIGITS + 1
 BOS = VOCAB  # "previous token" id at t = 0 (not in the output vocabulary)
 
 Params = dict[str, jax.Array]
+ALL_METHODS = tuple(algorithms.PRESETS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToyConfig:
     """Settings of the toy run (defaults: every method in about a minute on 2 CPU cores)."""
 
+    algorithms: tuple[str, ...] = ALL_METHODS
+    """Methods to train, in this order: preset names, space- or comma-separated (grpo ppo, or grpo,ppo)."""
     steps: int = 150
     """Training steps (one rollout batch each) per method."""
     num_prompts: int = 16
@@ -72,6 +77,12 @@ class ToyConfig:
 
     def __post_init__(self):
         where = "ToyConfig"
+        # `--algorithms grpo,ppo` arrives as one entry: split it, so both spellings mean the same.
+        names = tuple(name.strip() for entry in self.algorithms for name in entry.split(",") if name.strip())
+        object.__setattr__(self, "algorithms", names)
+        if not names:
+            raise ValueError(f"{where}: `algorithms` names no method; known: {', '.join(ALL_METHODS)}.")
+        self.methods()  # unknown names
         for field in ("steps", "num_prompts", "group_size", "max_new_tokens", "hidden"):
             _checks.positive_int(where, field, getattr(self, field))
         if self.group_size < 2:
@@ -79,6 +90,10 @@ class ToyConfig:
         _checks.nonnegative_int(where, "seed", self.seed)
         _checks.finite_number(where, "learning_rate", self.learning_rate)
         _checks.positive(where, "learning_rate", self.learning_rate)
+
+    def methods(self) -> list[algorithms.Algorithm]:
+        """The presets named by ``algorithms``."""
+        return [algorithms.get(name) for name in self.algorithms]
 
 
 # --- Model ----------------------------------------------------------------------------------
@@ -342,12 +357,18 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    config, methods = cli.parse(ToyConfig, __doc__.split("\n\n")[0], argv)
+def parse(argv: Sequence[str] | None = None) -> ToyConfig:
+    """The config from command-line flags (``--help`` lists them). A bad value ends the
+    program with tyro's message and exit status 2, before any compute."""
+    return tyro.cli(ToyConfig, args=argv, description=__doc__.split("\n\n")[0])
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    config = parse(argv)
     print(f"toy digits: P={config.num_prompts} prompts x G={config.group_size} completions, "
           f"{config.steps} steps per method, seed {config.seed}")
     results = []
-    for method in methods:
+    for method in config.methods():
         results.append(train(config, method))
         r = results[-1]
         print(f"  {r['algorithm']:<20} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f}  ({r['seconds']:.1f}s)",

@@ -1,36 +1,225 @@
-"""Command lines generated from frozen config dataclasses: one flag per field, plus ``--algorithms``."""
+"""``jaxrl-llm``: train, evaluate and export runs from the command line.
+
+.. code-block:: text
+
+    jaxrl-llm train  [--config NAME_OR_PATH] --run-dir DIR [--resume] [--overwrite] [--method NAME]
+                     [--steps N] [--save-every K] [--train.learning-rate 1e-5] [--any.config.field VALUE]
+    jaxrl-llm eval   --run-dir DIR [--step N] [--num-samples K]
+    jaxrl-llm eval   --model HF_DIR [--config NAME_OR_PATH] [--task.name jsonl --task.path data.jsonl ...]
+    jaxrl-llm export --run-dir DIR --out OUT_DIR [--step N]
+    jaxrl-llm presets | tasks
+
+A run's settings are one :class:`~jaxrl_llm.runs.RunConfig`: the embedded default, or
+the file ``--config`` names (``experiments/configs/NAME.toml`` or a path), or, when
+continuing, the config stored in the run directory; every field can then be set by a
+flag generated from the dataclasses by tyro (``--train.share-prompts False``,
+``--train.minibatch-size 16``, ``--task.operators + -``, ``--model.path None``), with
+the field's docstring as its help. Bad settings end the program with status 2 and a
+message before any compute; Ctrl-C saves a checkpoint and exits with status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
+from collections.abc import Sequence
 
-from jaxrl_llm import algorithms
+import tyro
+
+from jaxrl_llm import algorithms, host, training
+from jaxrl_llm.runs import build, config as run_config, run
+
+PROG = "jaxrl-llm"
+_TYRO = (tyro.conf.FlagConversionOff,)  # booleans take a value (`--x False`), as in config files
 
 
-def parse(config_class: type, description: str, argv: list[str] | None = None, *, check=None):
-    """``(config, methods)`` from ``--field-name value`` flags (defaults: the dataclass's)
-    and ``--algorithms a,b`` (default: every preset).
+class UsageError(Exception):
+    """A bad command line or setting: reported in one line with exit status 2."""
 
-    Every setting is validated before the caller computes anything: the config's own
-    checks, the method names and ``check(config, methods)`` if given. A bad one ends the
-    program with argparse's usage line, the message and exit status 2, not a traceback.
-    """
-    parser = argparse.ArgumentParser(description=description)
-    defaults = config_class()
-    for field in dataclasses.fields(config_class):
-        default = getattr(defaults, field.name)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
-    parser.add_argument("--algorithms", default=",".join(algorithms.PRESETS),
-                        help=f"comma-separated presets (default: all): {', '.join(algorithms.PRESETS)}")
-    args = vars(parser.parse_args(argv))
+
+def _settings(base: run_config.RunConfig, argv: Sequence[str], prog: str) -> run_config.RunConfig:
+    """``base`` with the ``--field value`` flags of ``argv`` applied (tyro; exits 2 on a bad one)."""
+    return tyro.cli(run_config.RunConfig, default=base, args=list(argv), prog=prog, config=_TYRO,
+                    description="Settings of the run (any field of RunConfig):")
+
+
+def _base_config(config: str | None, method: str | None, stored: run_config.RunConfig | None
+                 ) -> run_config.RunConfig:
+    """The config flags apply to: ``--config``'s file, else the run directory's, else the default."""
+    if config is not None:
+        return run_config.load(config, method=method)
+    base = stored or run_config.RunConfig()
+    if method is not None and method != base.method:
+        if method not in algorithms.PRESETS:
+            raise UsageError(f"--method: unknown method {method!r}; the presets are {', '.join(algorithms.PRESETS)}.")
+        base = dataclasses.replace(base, method=method, algorithm=algorithms.get(method))
+    return base
+
+
+def _command_parser(name: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"{PROG} {name}", description=description, add_help=False,
+                                   allow_abbrev=False)
+
+
+def _help(parser: argparse.ArgumentParser, settings: bool) -> None:
+    parser.print_help()
+    if settings:
+        print()
+        _settings(run_config.RunConfig(), ["--help"], f"{parser.prog} [OPTIONS ABOVE]")
+    raise SystemExit(0)
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = _command_parser("train", "Train a policy, or continue a run, in a run directory.")
+    parser.add_argument("--config", help="a named config (experiments/configs/NAME.toml) or a .toml/.json file "
+                                         "(default: the run directory's config, else the embedded default)")
+    parser.add_argument("--run-dir", required=True, help="the run's directory: config, records, checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir (an error if none)")
+    parser.add_argument("--overwrite", action="store_true", help="delete what --run-dir holds and start again")
+    parser.add_argument("--method", help=f"the preset: {', '.join(algorithms.PRESETS)}")
+    parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                        help="the progress bar (auto: on a terminal)")
+    return parser
+
+
+def parse_train(argv: Sequence[str]) -> tuple[argparse.Namespace, run_config.RunConfig]:
+    """The ``train`` command's own options and the run's config. Raises UsageError, or exits
+    with status 2 on a bad ``--field`` flag (tyro's message)."""
+    parser = _train_parser()
+    if {"-h", "--help"} & set(argv):
+        _help(parser, settings=True)
+    args, rest = parser.parse_known_args(argv)
     try:
-        methods = [algorithms.get(name) for name in args.pop("algorithms").split(",") if name]
-        if not methods:
-            raise ValueError(f"--algorithms names no method; known: {', '.join(algorithms.PRESETS)}.")
-        config = config_class(**args)
-        if check is not None:
-            check(config, methods)
-    except ValueError as error:
-        parser.error(str(error))
-    return config, methods
+        stored = None if args.overwrite or args.config else run.stored_config(args.run_dir)
+        return args, _settings(_base_config(args.config, args.method, stored), rest, parser.prog)
+    except (ValueError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from error
+
+
+def train(argv: Sequence[str]) -> int:
+    parser = _train_parser()
+    try:
+        args, config = parse_train(argv)
+        progress = {"auto": None, "on": True, "off": False}[args.progress]
+        run.train_run(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, progress=progress)
+    except (UsageError, ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except training.RunInterrupted as interrupted:
+        print(f"{PROG}: {interrupted}", file=sys.stderr)
+        return 130
+    except training.RunStopped as stopped:
+        print(f"{PROG}: {stopped}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def evaluate(argv: Sequence[str]) -> int:
+    parser = _command_parser("eval", "Greedy accuracy, mean reward and pass@k on a task's test split, of a run's "
+                                     "checkpoint or of a Hugging Face model directory.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run-dir", help="a run directory: its task and a checkpoint")
+    source.add_argument("--model", help="a Hugging Face model directory (the task from --config and flags)")
+    parser.add_argument("--step", type=int, help="the checkpoint (default: the latest)")
+    parser.add_argument("--num-samples", type=int, help="samples per prompt for pass@k (default: train.eval_samples)")
+    parser.add_argument("--config", help="with --model: the config whose task and sampling settings to use")
+    parser.add_argument("--out", help="also write the results as JSON to this file")
+    if {"-h", "--help"} & set(argv):
+        _help(parser, settings=True)
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.num_samples is not None and args.num_samples < 0:
+            raise UsageError(f"--num-samples must be >= 0; got {args.num_samples}.")
+        if args.run_dir is not None:
+            if rest or args.config:
+                raise UsageError(f"with --run-dir the run's own settings are used; unexpected: "
+                                 f"{' '.join(rest) or '--config'}.")
+            if args.step is not None and args.step < 1:
+                raise UsageError(f"--step must be a checkpoint's step (>= 1); got {args.step}.")
+            try:
+                results = run.evaluate_run(args.run_dir, step=args.step, num_samples=args.num_samples)
+            except (ValueError, FileNotFoundError) as error:
+                raise UsageError(str(error)) from error
+            where = f"{args.run_dir}/eval/step-{results['step']}.json"
+        else:
+            if args.step is not None:
+                raise UsageError("--step selects a run's checkpoint; it needs --run-dir.")
+            base = run_config.load(args.config) if args.config else run_config.RunConfig()
+            config = _settings(dataclasses.replace(base, model=dataclasses.replace(base.model, path=args.model)),
+                               rest, parser.prog)
+            try:
+                tokenizer = build.tokenizer(config.model)
+                task = build.task(config.task, tokenizer, checkpoint=config.model.path)
+                model, params = build.model(config, task)
+            except (ValueError, FileNotFoundError) as error:
+                raise UsageError(str(error)) from error
+            results = run.evaluate_model(model, params, task, config, num_samples=args.num_samples)
+            where = None
+    except UsageError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(run.format_results(results))
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(results, file, indent=2)
+        where = args.out
+    if where:
+        print(f"Written to {where}")
+    return 0
+
+
+def export(argv: Sequence[str]) -> int:
+    parser = _command_parser("export", "Write a run's policy as a Hugging Face directory (weights, config, "
+                                       "tokenizer, generation config) that transformers loads.")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--step", type=int, help="the checkpoint (default: the latest)")
+    if {"-h", "--help"} & set(argv):
+        _help(parser, settings=False)
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        parser.exit(2, f"{parser.prog}: error: unrecognized arguments: {' '.join(rest)}\n")
+    try:
+        step = run.export_run(args.run_dir, args.out, step=args.step)
+    except (ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(f"Exported step {step} of {args.run_dir} to {args.out}")
+    return 0
+
+
+def presets(argv: Sequence[str]) -> int:
+    """The method presets, one line each."""
+    for name, algorithm in algorithms.PRESETS.items():
+        print(f"{name:<20} advantage={algorithm.advantage}, objective={algorithm.objective}, agg={algorithm.agg}")
+    return 0
+
+
+def list_tasks(argv: Sequence[str]) -> int:
+    """The task sources and the built-in reward functions."""
+    print("Tasks (--task.name):")
+    for name, description in run_config.TASKS.items():
+        print(f"  {name:<14} {description}")
+    print(f"Reward functions (--task.rewards): {', '.join(build.REWARDS)}, or a module:function import path")
+    return 0
+
+
+COMMANDS = {"train": train, "eval": evaluate, "export": export, "presets": presets, "tasks": list_tasks}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        usage = f"usage: {PROG} {{{','.join(COMMANDS)}}} ... ({PROG} COMMAND --help for its options)"
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"{usage}\n{PROG}: error: unknown command {argv[0]!r}; the commands are "
+                  f"{', '.join(COMMANDS)}.", file=sys.stderr)
+            return 2
+        print(usage)
+        return 0 if argv else 2
+    if argv[0] in ("train", "eval"):
+        host.reuse_freed_memory()  # before JAX's first computation: the CLI owns its process
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

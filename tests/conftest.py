@@ -4,6 +4,9 @@ import os
 
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `training.train` turns on JAX's persistent compilation cache; tests compile afresh (the
+# tests of the cache, and of runs restarted in subprocesses, give it directories of their own).
+os.environ.setdefault("JAXRL_LLM_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

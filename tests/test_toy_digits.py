@@ -1,5 +1,7 @@
 """End to end: every preset learns the toy digit task through the functional core."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -76,11 +78,22 @@ def test_bad_settings_are_refused():
         toy_digits.ToyConfig(group_size=1)
 
 
+def test_the_flags_parse_to_the_config():
+    assert toy_digits.parse([]) == toy_digits.ToyConfig() and toy_digits.parse([]).algorithms == tuple(algorithms.PRESETS)
+    for argv in (["--algorithms", "grpo,trpo"], ["--algorithms", "grpo", "trpo"]):
+        config = toy_digits.parse([*argv, "--steps", "3"])
+        assert config.steps == 3 and [m.name for m in config.methods()] == ["grpo", "trpo"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
     (["--group-size", "1"], "`group_size` must be >= 2"),
+    (["--algorithms", "grpo2"], "Unknown algorithm 'grpo2'"),
+    (["--steps", "many"], "--steps"),
 ])
-def test_bad_settings_exit_with_usage_before_any_compute(capsys, argv, message):
+def test_bad_settings_exit_with_usage_before_any_compute(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(toy_digits, "train", lambda *a: pytest.fail("a method trained"))
     with pytest.raises(SystemExit) as exit_:
         toy_digits.main(argv)
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    stderr = " ".join(re.sub("[│╭╮╰╯─]", " ", capsys.readouterr().err).split())  # tyro's box as one line
+    assert exit_.value.code == 2 and message in stderr

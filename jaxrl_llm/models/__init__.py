@@ -4,7 +4,9 @@
 
     model, params = models.from_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
     logits = models.forward(model, params, tokens, attention_mask=mask)  # [B, S, V]
-    models.save_pretrained("path/to/out", model, params)
+    models.save_pretrained("path/to/out", model, params)  # weights and config
+    # A complete export: also the tokenizer (chat template included) and generation_config.json.
+    models.save_pretrained("path/to/out", model, params, tokenizer=tokenizer)
 
 ``model`` is static (config and graph definition); ``params`` is an immutable pytree.
 """

@@ -6,11 +6,13 @@ or the shards an index lists, straight into a params tree built abstractly: no r
 initialisation and no second full copy in host memory.
 
 :func:`save_pretrained` writes a directory that ``transformers.AutoModelForCausalLM``
-loads. It writes into a hidden staging directory next to the target and swaps it in
-with two renames when complete, so an interrupted save never leaves a half-written
-checkpoint at the path. Leftovers of a save whose process died (its staging directory,
-or the previous checkpoint moved aside by the swap) are cleaned up, or the previous
-checkpoint renamed back, by the next save or load of that path on the same machine.
+loads: config and weights and, as an export, the tokenizer (with its chat template, loaded
+back by ``AutoTokenizer``) and ``generation_config.json`` (the stop ids). It writes into a
+hidden staging directory next to the target and swaps it in with two renames when
+complete, so an interrupted save never leaves a half-written checkpoint at the path.
+Leftovers of a save whose process died (its staging directory, or the previous checkpoint
+moved aside by the swap) are cleaned up, or the previous checkpoint renamed back, by the
+next save or load of that path on the same machine.
 
 The layouts differ only by transposes and head reshapes: Hugging Face stores a linear
 layer as ``[out, in]``; we store ``[in, out]``, with the head axis split out of q/k/v/o.
@@ -19,15 +21,17 @@ layer as ``[out, in]``; we store ``[in, out]``, with the head axis split out of 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import numbers
 import os
 import pathlib
 import re
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +43,18 @@ from safetensors.numpy import save_file
 from jaxrl_llm.models.config import ModelConfig, dtype_from_name
 from jaxrl_llm.models.functional import Model, Params, abstract
 
+if TYPE_CHECKING:
+    import transformers
+
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "additional_chat_templates",
+    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+)
+"""What a Hugging Face tokenizer may save (transformers 4 and 5, fast and slow): the names a
+save with a tokenizer replaces, so that no file of the previous tokenizer survives beside it."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # Per layout: (our shape -> HF shape, HF array -> ours, ours -> HF array).
@@ -237,25 +251,50 @@ def save_pretrained(
     model: Model,
     params: Params,
     *,
+    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
+    generation_config: transformers.GenerationConfig | Mapping[str, Any] | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
-    """Writes ``config.json`` and safetensors weights that transformers loads.
+    """Writes a checkpoint that transformers loads and generates with.
 
     ``path`` is resolved first: ``"."`` and ``".."`` work, and for a symlink the directory it
-    points to is written (the link stays). The weights go to ``model.safetensors`` or, beyond
-    ``max_shard_bytes``, to ``model-XXXXX-of-YYYYY.safetensors`` shards listed in
-    ``model.safetensors.index.json``. Token ids (bos, eos, pad) travel in the config.
+    points to is written (the link stays). The directory gets:
+
+    * ``config.json``, with the model's token ids (bos, eos, pad);
+    * the weights, in ``model.safetensors`` or, beyond ``max_shard_bytes``, in
+      ``model-XXXXX-of-YYYYY.safetensors`` shards listed in ``model.safetensors.index.json``;
+    * with ``tokenizer``, its files as ``tokenizer.save_pretrained`` writes them
+      (``tokenizer.json``, ``tokenizer_config.json`` with the special tokens,
+      ``chat_template.jinja``), so ``AutoTokenizer.from_pretrained(path)`` loads it;
+    * with ``tokenizer`` or ``generation_config`` (an export rather than a save of new
+      weights), ``generation_config.json``: ``generation_config`` with the token ids it
+      leaves ``None`` filled in, each from the model config, else from ``tokenizer``:
+      ``bos_token_id``, ``eos_token_id`` (the config's ``eos_token_ids``, an int for one id,
+      a list for several) and ``pad_token_id``. So ``generate`` stops at the model's EOS
+      ids unasked. ``generation_config={}`` writes the ids alone.
+
+    The arguments are checked before anything is written: a tokenizer with an id beyond the
+    model's ``vocab_size``, a generation config that transformers would refuse to save, or a
+    token id outside ``[0, vocab_size)`` raise without touching the file system. The tokenizer
+    is then loaded back from the staging directory with ``AutoTokenizer`` and compared with
+    the one given (vocabulary, special ids, padding side, chat template, the ids of probe
+    texts); a difference raises before the swap, leaving ``path`` as it was.
 
     The checkpoint is written into a hidden staging directory next to ``path``
     (``.{name}.saving.*``) and swapped in when complete: the existing directory is renamed
     aside (``.{name}.old.*``), the staging directory renamed to ``path``, the old one removed.
-    An interrupted save therefore never leaves a half-written checkpoint at ``path``.
+    An interrupted save therefore never leaves a half-written checkpoint at ``path``, nor
+    weights beside another save's tokenizer.
 
     What an existing directory at ``path`` keeps: everything except the previous
     checkpoint's ``config.json``, ``model.safetensors``, index and the shards that index
-    lists, which the new files replace. Tokenizer files, ``generation_config.json``, other
+    lists, and the files this save writes; with ``tokenizer``, every previous tokenizer file
+    (:data:`TOKENIZER_FILES`) goes too, even one the new tokenizer does not write. So a save
+    of weights alone keeps the tokenizer files and ``generation_config.json``; an export
+    replaces ``generation_config.json`` (to keep its sampling defaults, pass them back:
+    ``generation_config=transformers.GenerationConfig.from_pretrained(path)``). Other
     ``*.safetensors`` files (a critic, an optimizer state), subdirectories and symlinks (as
-    symlinks) are carried into the new directory by hard link, or copied across file
+    symlinks) are kept, carried into the new directory by hard link, or copied across file
     systems. A process whose working directory was ``path`` or inside it is moved into the
     new directory.
 
@@ -269,8 +308,26 @@ def save_pretrained(
     Permissions: new files get ``0o666 & ~umask`` and the directory ``0o777 & ~umask``, as
     with transformers; carried-over files keep theirs.
 
+    Args:
+      path: the checkpoint directory; created if missing.
+      model, params: from :func:`from_pretrained` or :func:`jaxrl_llm.models.init`.
+      tokenizer: a ``transformers`` tokenizer whose ids lie in ``[0, vocab_size)`` (one from
+        ``AutoTokenizer`` or :func:`jaxrl_llm.tasks.build_char_tokenizer`, with its
+        ``chat_template`` if set); ``None`` writes none and keeps the directory's.
+      generation_config: a ``transformers.GenerationConfig`` (copied, not modified) or a dict
+        of its fields, e.g. ``{"do_sample": True, "temperature": 0.7, "top_p": 0.95,
+        "top_k": 20}``; ``None``: the token ids alone (greedy decoding) when ``tokenizer`` is
+        given, else no ``generation_config.json`` is written.
+      max_shard_bytes: the largest weights file; more weights go to several shards.
+
     Raises:
-      ValueError: ``path`` resolves to the file system root.
+      ValueError: ``path`` resolves to the file system root; the tokenizer holds ids the
+        model cannot embed, or transformers would load it back as a different tokenizer
+        (transformers 5 rebuilds every ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer``);
+        the generation config is invalid (transformers' message) or names a token id outside
+        ``[0, vocab_size)``.
+      TypeError: ``generation_config`` is neither a ``GenerationConfig`` nor a dict, or
+        ``tokenizer`` is not a transformers tokenizer.
       NotADirectoryError: ``path`` exists and is not a directory.
     """
     target = pathlib.Path(path).resolve()
@@ -278,6 +335,10 @@ def save_pretrained(
         raise ValueError(f"Cannot save a checkpoint as the file system root {target}; pass a directory below it.")
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"Cannot save a checkpoint to {target}: it is a file, not a directory.")
+    if tokenizer is not None:
+        _check_tokenizer(tokenizer, model.config.vocab_size)
+    generation = None if tokenizer is None and generation_config is None else _generation_config(
+        model.config, generation_config=generation_config, tokenizer=tokenizer)
     target.parent.mkdir(parents=True, exist_ok=True)
     _recover(target)
     file_mode = 0o666 & ~_umask()
@@ -285,6 +346,11 @@ def save_pretrained(
     staging.mkdir()  # 0o777 & ~umask
     try:
         model.config.to_hf().save_pretrained(staging)
+        if generation is not None:
+            generation.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+            _check_tokenizer_reloads(tokenizer, staging, model_type=model.config.architecture)
         shards: list[dict[str, np.ndarray]] = [{}]
         sizes = [0]
         for name, array in hf_tensors(model, params):
@@ -305,26 +371,130 @@ def save_pretrained(
             index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
         for file in staging.iterdir():
-            os.chmod(file, file_mode)  # safetensors creates its files 0o600
-        _swap_in(staging, target)
+            if file.is_file():  # not a tokenizer's template directory
+                os.chmod(file, file_mode)  # safetensors creates its files 0o600
+        replaced = _replaced_names(target) | ({*TOKENIZER_FILES} if tokenizer is not None else set())
+        _swap_in(staging, target, replaced=replaced)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def _swap_in(staging: pathlib.Path, target: pathlib.Path) -> None:
+def _generation_config(
+    config: ModelConfig,
+    *,
+    generation_config: transformers.GenerationConfig | Mapping[str, Any] | None = None,
+    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
+) -> transformers.GenerationConfig:
+    """The ``generation_config.json`` that :func:`save_pretrained` writes for ``config``.
+
+    ``generation_config`` (a copy) with its ``None`` token ids filled in: ``bos_token_id``,
+    ``eos_token_id`` (``config.eos_token_ids``: an int for one, a list for several) and
+    ``pad_token_id`` from ``config``, or from ``tokenizer`` where ``config`` has none.
+
+    Raises:
+      TypeError: ``generation_config`` is neither a ``GenerationConfig`` nor a dict.
+      ValueError: transformers' strict validation fails (e.g. ``temperature`` without
+        ``do_sample=True``), or a token id lies outside ``[0, config.vocab_size)``.
+    """
+    import transformers
+
+    if generation_config is None:
+        generation = transformers.GenerationConfig()
+    elif isinstance(generation_config, transformers.GenerationConfig):
+        generation = copy.deepcopy(generation_config)
+    elif isinstance(generation_config, Mapping):
+        generation = transformers.GenerationConfig(**generation_config)
+    else:
+        raise TypeError(f"`generation_config` must be a transformers.GenerationConfig, a dict of its fields or None; "
+                        f"got {type(generation_config).__name__}.")
+
+    def from_tokenizer(name: str) -> int | None:
+        return None if tokenizer is None else getattr(tokenizer, name, None)
+
+    eos = list(config.eos_token_ids) or [i for i in [from_tokenizer("eos_token_id")] if i is not None]
+    ids = {
+        "bos_token_id": config.bos_token_id if config.bos_token_id is not None else from_tokenizer("bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+        "pad_token_id": config.pad_token_id if config.pad_token_id is not None else from_tokenizer("pad_token_id"),
+    }
+    for name, value in ids.items():
+        if getattr(generation, name, None) is None:
+            setattr(generation, name, value)
+    generation.validate(strict=True)
+    for name in ids:
+        value = getattr(generation, name)
+        for token in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
+            if not (isinstance(token, numbers.Integral) and not isinstance(token, bool)
+                    and 0 <= token < config.vocab_size):
+                raise ValueError(f"The generation config's {name} {value!r} must be token ids in "
+                                 f"[0, {config.vocab_size}) (the model's vocab_size).")
+    return generation
+
+
+def _check_tokenizer(tokenizer: transformers.PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """Raises ``ValueError`` if ``tokenizer`` has ids that a model of ``vocab_size`` cannot embed,
+    ``TypeError`` if it is no tokenizer."""
+    if not callable(getattr(tokenizer, "save_pretrained", None)) or not callable(getattr(tokenizer, "get_vocab", None)):
+        raise TypeError(f"`tokenizer` must be a transformers tokenizer; got {type(tokenizer).__name__}.")
+    vocab = tokenizer.get_vocab()  # added and special tokens included
+    size = max(vocab.values(), default=-1) + 1
+    if size > vocab_size:
+        largest = max(vocab, key=vocab.get)
+        raise ValueError(
+            f"The tokenizer has ids up to {size - 1} ({largest!r}), but the model's vocab_size is {vocab_size}: its "
+            f"embedding has no row for them. Pass the model's own tokenizer, or one with at most {vocab_size} tokens."
+        )
+
+
+_PROBE = 'Hello, World! 12 + 345 = 357.\n\n\tÜber café  日本語 x_y-z {"a": [1, 2]}  '
+
+
+def _check_tokenizer_reloads(
+    tokenizer: transformers.PreTrainedTokenizerBase, directory: pathlib.Path, *, model_type: str
+) -> None:
+    """Raises ``ValueError`` unless ``AutoTokenizer.from_pretrained(directory)`` gives back
+    ``tokenizer``: the same vocabulary, special ids, padding side and chat template, and the
+    same ids for probe texts (mixed text, the special tokens, a sample of the vocabulary).
+
+    transformers picks the tokenizer class from the checkpoint's model type too, and some
+    classes rebuild the pipeline instead of reading ``tokenizer.json`` (transformers 5 loads
+    every ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer``, with Qwen's pre-tokenizer).
+    """
+    import transformers
+
+    reloaded = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    ids = sorted(tokenizer.get_vocab().values())
+    vocabulary = tokenizer.decode(ids[::max(1, len(ids) // 256)], skip_special_tokens=True)
+    differences = [name for name in ("bos_token_id", "eos_token_id", "pad_token_id", "padding_side", "chat_template")
+                   if getattr(reloaded, name, None) != getattr(tokenizer, name, None)]
+    if reloaded.get_vocab() != tokenizer.get_vocab():
+        differences.append("vocabulary")
+    for text in (_PROBE, "".join(tokenizer.all_special_tokens), vocabulary):
+        if reloaded(text)["input_ids"] != tokenizer(text)["input_ids"]:
+            differences.append(f"the ids of {text[:40]!r}")
+    if differences:
+        raise ValueError(
+            f"transformers would not load this tokenizer back from the checkpoint: for a {model_type!r} model, "
+            f"AutoTokenizer builds a {type(reloaded).__name__} (it picks the class from the model type as well as "
+            f"tokenizer_config.json), which differs from the {type(tokenizer).__name__} given in "
+            f"{', '.join(differences)}. Save without `tokenizer=` and ship the tokenizer on its own, or export a "
+            f"tokenizer of that class."
+        )
+
+
+def _swap_in(staging: pathlib.Path, target: pathlib.Path, *, replaced: set[str]) -> None:
     """Moves the finished ``staging`` directory to ``target``.
 
-    An existing ``target``'s entries other than the previous checkpoint's model files
-    (:func:`_replaced_names`) and the names ``staging`` holds are carried into ``staging``
-    first: symlinks as symlinks, files by hard link where possible. Then ``target`` is
-    renamed aside, ``staging`` renamed to ``target`` (the old directory goes back if that
-    fails) and the old directory removed. A working directory inside ``target`` is re-entered.
+    An existing ``target``'s entries other than the ``replaced`` names (the previous
+    checkpoint's files) and the names ``staging`` holds are carried into ``staging`` first:
+    symlinks as symlinks, files by hard link where possible. Then ``target`` is renamed aside,
+    ``staging`` renamed to ``target`` (the old directory goes back if that fails) and the old
+    directory removed. A working directory inside ``target`` is re-entered.
     """
     if not target.exists():
         os.replace(staging, target)
         return
-    replaced = _replaced_names(target)
     with os.scandir(target) as entries:
         for entry in entries:
             destination = staging / entry.name

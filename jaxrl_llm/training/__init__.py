@@ -16,7 +16,7 @@ from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.critic import CriticParams, completion_values, init_critic
 from jaxrl_llm.training.checkpoint import Checkpointer
 from jaxrl_llm.training.collect import collect_batch, fit_overlong_buffer, rollout_and_score
-from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, train
+from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, StepEnd, evaluation_metrics, train
 from jaxrl_llm.training.sft import sft_loss, supervised_finetune
 from jaxrl_llm.training.step import (
     Batch,
@@ -33,8 +33,8 @@ from jaxrl_llm.training.step import (
 )
 
 __all__ = [
-    "Batch", "Checkpointer", "CriticParams", "NonFiniteUpdates", "RunInterrupted", "RunStopped", "ScoredBatch", "TrainConfig",
-    "TrainState", "TrainStep", "check_params", "check_state", "check_supported", "collect_batch", "completion_values",
+    "Batch", "Checkpointer", "CriticParams", "NonFiniteUpdates", "RunInterrupted", "RunStopped", "ScoredBatch", "StepEnd", "TrainConfig",
+    "TrainState", "TrainStep", "check_params", "check_state", "check_supported", "collect_batch", "completion_values", "evaluation_metrics",
     "fit_overlong_buffer", "in_float32", "init_critic", "init_state", "make_optimizer", "make_train_step", "rollout_and_score",
     "sft_loss", "supervised_finetune", "train",
 ]

@@ -122,7 +122,8 @@ class Rollouts:
 class ScoredRound:
     """What :func:`rollout_and_score` returns for one batch of prompts."""
 
-    rollouts: Rollouts  # rewards: the task's weighted sum plus `shaping`
+    prompts: list  # [P] the prompts as given to the reward functions (text or chat messages)
+    rollouts: Rollouts  # rewards: the task's weighted sum plus `shaping`; prompt p's G rows adjacent
     result: rewards.RewardResult  # each function's values, the task's weighted sum, errors
     completions: list[str]  # [R] decoded
     truncated_prompts: int  # prompts that lost their first tokens
@@ -174,6 +175,7 @@ def rollout_and_score(
         total = total + rewards.compute_rewards([shaping], [1.0], **arguments).total
     reward_seconds = time.perf_counter() - started
     return ScoredRound(
+        prompts=list(batch.prompts),
         rollouts=Rollouts(tokens=host.tokens, attention_mask=host.attention_mask, completion_mask=host.completion_mask,
                           logprobs=host.logprobs, lengths=host.lengths, truncated=host.truncated, rewards=total),
         result=result, completions=texts, truncated_prompts=truncated_prompts, reward_seconds=reward_seconds)

@@ -10,6 +10,9 @@ from jaxrl_llm.rewards.combine import ON_ERROR
 PROMPT_TRUNCATION = ("error", "left")
 """What a prompt longer than ``max_prompt_length`` does: stop with an error, or lose its first tokens."""
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""The learning rate after the linear warm-up: constant at the peak, or a linear or cosine decay."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -25,11 +28,35 @@ class TrainConfig:
     """Sequences per optimizer step; ``None`` is the whole batch. Must divide ``B``. Each of
     the method's ``num_iterations`` passes visits every minibatch once, in a fresh order."""
     learning_rate: float = 3e-3
-    """Peak AdamW learning rate of the policy (linear warm-up over ``warmup_steps``)."""
+    """Peak AdamW learning rate of the policy (linear warm-up over ``warmup_steps``, then
+    ``lr_schedule``)."""
     critic_learning_rate: float = 3e-3
-    """Peak AdamW learning rate of the critic (methods with GAE)."""
+    """Peak AdamW learning rate of the critic (methods with GAE); same schedule shape."""
     warmup_steps: int = 5
-    """Optimizer steps of linear warm-up, from ``lr / warmup_steps`` to ``lr``."""
+    """Optimizer steps of linear warm-up, from ``lr / warmup_steps`` to ``lr``: step ``k``
+    (from 0) takes ``lr (k + 1) / warmup_steps``, the last of them the peak."""
+    lr_schedule: str = "constant"
+    """After the warm-up: ``"constant"`` stays at the peak; ``"linear"`` and ``"cosine"``
+    decay from it to ``end_learning_rate_fraction * lr`` over ``decay_steps``, then stay
+    there (:func:`jaxrl_llm.training.step.learning_rate_schedule`)."""
+    decay_steps: int | None = None
+    """Optimizer steps from the peak (the warm-up's last step) to the end of the decay: the
+    rate reaches its end value at step ``warmup_steps - 1 + decay_steps``. ``None``: the
+    run's last optimizer step, which then takes the end value (``train`` tells the step its
+    length: ``make_train_step``'s ``total_steps``). Ignored by ``"constant"``. An optimizer
+    step is one minibatch: a train step takes ``num_iterations * num_minibatches`` of them."""
+    end_learning_rate_fraction: float = 0.0
+    """The decay's end value as a fraction of the peak, in ``[0, 1]``."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay ``lambda``: each step also subtracts ``lr * lambda *
+    theta`` from the matrices and embeddings (params with two or more axes; norm scales and
+    biases are not decayed)."""
+    adam_b1: float = 0.9
+    """AdamW's first-moment decay ``beta_1``, in ``[0, 1)``."""
+    adam_b2: float = 0.999
+    """AdamW's second-moment decay ``beta_2``, in ``[0, 1)``."""
+    adam_eps: float = 1e-8
+    """AdamW's ``epsilon`` (> 0), added to ``sqrt(v_hat)`` in the denominator."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip, before AdamW (finite: a very large value turns it off)."""
     temperature: float = 1.0
@@ -90,9 +117,17 @@ class TrainConfig:
         _checks.one_of(where, "on_reward_error", self.on_reward_error, ON_ERROR)
         if not isinstance(self.share_prompts, bool):
             raise ValueError(f"TrainConfig: `share_prompts` must be True or False; got {self.share_prompts!r}.")
-        for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "temperature"):
+        for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "temperature", "adam_eps"):
             _checks.finite_number(where, field, getattr(self, field))
             _checks.positive(where, field, getattr(self, field))
+        _checks.one_of(where, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.decay_steps is not None:
+            _checks.positive_int(where, "decay_steps", self.decay_steps)
+        _checks.finite_number(where, "weight_decay", self.weight_decay)
+        _checks.nonnegative(where, "weight_decay", self.weight_decay)
+        for field, closed in (("end_learning_rate_fraction", "[]"), ("adam_b1", "[)"), ("adam_b2", "[)")):
+            _checks.finite_number(where, field, getattr(self, field))
+            _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
         if self.minibatch_size is not None:
             _checks.positive_int(where, "minibatch_size", self.minibatch_size)
             if self.batch_size % self.minibatch_size:

@@ -36,15 +36,32 @@ import contextlib
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import _checks, algorithms, models, sampling, sharding, tasks
-from jaxrl_llm.training.collect import collect_batch
+from jaxrl_llm import compilation_cache as compilation_cache_lib
+from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.step import Batch, TrainState, check_params, check_state, init_state, make_train_step
+
+
+class StepEnd(NamedTuple):
+    """What ``train``'s ``callback`` receives after each step."""
+
+    step: int
+    """The step just completed, from 0 (``state.step`` before its update)."""
+    metrics: dict[str, float]
+    """The step's metrics (and its evaluation's ``eval_*`` on evaluation steps)."""
+    state: TrainState
+    """The state after the step. The next step's update consumes (donates) it: save or
+    copy it here, do not keep a reference."""
+    collected: CollectedBatch
+    """The step's rollouts: ``collected.first_round`` holds the prompts, the decoded
+    completions and each reward function's values."""
 
 
 class _StoppedRun:
@@ -104,8 +121,11 @@ def _interrupts_held():
             raise KeyboardInterrupt
 
 
-def _evaluate(model, params, task, config: TrainConfig, prompt_bucket: int) -> dict[str, float]:
-    """The task's test split evaluated with the run's sampling settings, as ``eval_*`` metrics."""
+def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.Task, config: TrainConfig, *,
+                       prompt_bucket: int = 8) -> dict[str, float]:
+    """The task's test split evaluated with the run's sampling settings
+    (:func:`jaxrl_llm.evaluation.evaluate`), as ``eval_*`` metrics and ``eval_seconds``:
+    what ``train`` adds every ``config.eval_every`` steps."""
     from jaxrl_llm import evaluation  # evaluation imports training
 
     started = time.perf_counter()
@@ -132,6 +152,7 @@ def train(
     prompt_bucket: int = 8,
     rollout_mesh: jax.sharding.Mesh | None = None,
     callback=None,
+    compilation_cache: bool = True,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
 
@@ -155,7 +176,14 @@ def train(
         (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
         size); ``score`` and ``update`` run where the state is. Only with the built-in
         sampler.
-      callback: called as ``callback(step, metrics)`` after each step (logging, plots).
+      callback: called as ``callback(StepEnd(step, metrics, state, collected))`` after
+        each step (logging, checkpoints, samples); an exception it raises stops the run
+        (``RunStopped``) with the step counted.
+      compilation_cache: turn on JAX's persistent compilation cache
+        (:func:`jaxrl_llm.compilation_cache.enable`: a per-user directory, or
+        ``$JAXRL_LLM_COMPILATION_CACHE``; ``off`` there disables it), so that a restarted
+        run loads its programs instead of compiling them again. A cache directory you
+        configured in JAX is used as it is.
 
     Returns:
       The final state and one dict of float metrics per step.
@@ -194,7 +222,6 @@ def train(
     if rollout_mesh is not None and config.num_prompts % sharding.data_size(rollout_mesh):
         raise ValueError(f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
                          f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices.")
-    halves = make_train_step(model, algorithm, config)
     check_params(model, params)
     if state is None:
         if ref_params is not None:
@@ -204,6 +231,10 @@ def train(
         raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
     else:
         check_state(state, model, params, algorithm, config)
+    if compilation_cache:
+        compilation_cache_lib.enable()
+    # A decaying learning rate without `decay_steps` ends with the run: `state.step + steps`.
+    halves = make_train_step(model, algorithm, config, total_steps=int(state.step) + steps)
     score = jax.jit(counting("score", halves.score))
     update = jax.jit(counting("update", halves.update), donate_argnums=0)
     if rollout is None:
@@ -270,9 +301,9 @@ def train(
             metrics = record(*pending)
             pending = None
             if config.eval_every and (step + 1) % config.eval_every == 0:
-                metrics.update(_evaluate(model, state.params, task, config, prompt_bucket))
+                metrics.update(evaluation_metrics(model, state.params, task, config, prompt_bucket=prompt_bucket))
             if callback is not None:
-                callback(step, metrics)
+                callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
             if metrics["consecutive_skips"] >= config.max_consecutive_skips:
                 mismatched = int(metrics["prompt_mismatch_rows"])
                 hint = (f" {mismatched} rows of the last batch do not share their group's prompt, which makes the "

@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm import advantages as adv_lib, algorithms, kl as kl_lib, models, objectives, ops, trpo
+from jaxrl_llm import _checks, advantages as adv_lib, algorithms, kl as kl_lib, models, objectives, ops, trpo
 from jaxrl_llm.training import critic as critic_lib
-from jaxrl_llm.training.config import TrainConfig
+from jaxrl_llm.training.config import LR_SCHEDULES, TrainConfig
 
 Metrics = dict[str, jax.Array]
 
@@ -97,18 +97,81 @@ class ScoredBatch(NamedTuple):
     old_values: jax.Array | None  # [B, N] float32: the critic's values at scoring time
 
 
-def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: float) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW whose learning rate warms up linearly from
-    ``lr / warmup_steps`` (not 0: the first update would do nothing) to ``lr``, all in
-    float32 whatever the parameters' dtype, with float32 master weights for low-precision
-    params (:func:`in_float32`). The rate in use is
-    ``state.inner[1].hyperparams["learning_rate"]``."""
-    schedule = optax.linear_schedule(learning_rate / warmup_steps, learning_rate, warmup_steps - 1)
-    return in_float32(optax.chain(
-        optax.clip_by_global_norm(max_grad_norm),
-        optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(learning_rate=schedule,
-                                                                            weight_decay=0.0),
-    ))
+def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, lr_schedule: str = "constant",
+                           decay_steps: int | None = None, end_learning_rate_fraction: float = 0.0) -> optax.Schedule:
+    r"""The learning rate of optimizer step ``k`` (from 0): a linear warm-up to the peak
+    :math:`\eta` over ``warmup_steps`` :math:`W`, then ``lr_schedule`` down to
+    :math:`f\eta` (``f = end_learning_rate_fraction``) over ``decay_steps`` :math:`D`:
+
+    .. math::
+        \eta_k = \eta \frac{k + 1}{W} \quad (k < W), \qquad
+        \eta_k = \eta \left[f + (1 - f)\, d\!\left(\frac{\min(k - W + 1,\ D)}{D}\right)\right]
+        \quad (k \ge W - 1)
+
+    with :math:`d(x) = 1` (``"constant"``, which ignores ``D`` and ``f``), :math:`1 - x`
+    (``"linear"``) or :math:`(1 + \cos \pi x) / 2` (``"cosine"``). The warm-up starts at
+    :math:`\eta / W`, not 0 (a first step of rate 0 would do nothing), and peaks at its
+    last step :math:`W - 1`, where the decay starts; the decay's end value is reached at
+    step :math:`W - 1 + D` and kept after it. Built from optax's schedules. ``k`` counts
+    the steps taken: a skipped update (non-finite, or a minibatch without tokens) takes none.
+    """
+    _checks.one_of("learning_rate_schedule", "lr_schedule", lr_schedule, LR_SCHEDULES)
+    warmup = optax.linear_schedule(learning_rate / warmup_steps, learning_rate, warmup_steps - 1)
+    if lr_schedule == "constant":
+        return warmup  # stays at the peak after its last step
+    if decay_steps is None:
+        raise ValueError(f"learning_rate_schedule: lr_schedule={lr_schedule!r} decays over `decay_steps` optimizer "
+                         "steps; got None. Set TrainConfig.decay_steps, or pass the run's length to "
+                         "make_train_step(..., total_steps=).")
+    _checks.positive_int("learning_rate_schedule", "decay_steps", decay_steps)
+    end = end_learning_rate_fraction * learning_rate
+    decay = (optax.linear_schedule(learning_rate, end, decay_steps) if lr_schedule == "linear" else
+             optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=end_learning_rate_fraction))
+    return optax.join_schedules([warmup, decay], boundaries=[warmup_steps - 1])
+
+
+def _matrices(params):
+    """Weight decay's mask: params with two or more axes (not norm scales, not biases)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: float, lr_schedule: str = "constant",
+                   decay_steps: int | None = None, end_learning_rate_fraction: float = 0.0,
+                   weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999,
+                   eps: float = 1e-8) -> optax.GradientTransformation:
+    r"""Global-norm clipping to ``max_grad_norm``, then AdamW at the rate of
+    :func:`learning_rate_schedule`, all in float32 whatever the parameters' dtype, with
+    float32 master weights for low-precision params (:func:`in_float32`).
+
+    With the clipped gradient :math:`g` and :math:`\eta_k` the step's rate (``k`` from 0):
+
+    .. math::
+        m &\leftarrow \beta_1 m + (1 - \beta_1) g, \qquad
+        v \leftarrow \beta_2 v + (1 - \beta_2) g^2, \\
+        \theta &\leftarrow \theta - \eta_k \left(\frac{m / (1 - \beta_1^{k+1})}
+        {\sqrt{v / (1 - \beta_2^{k+1})} + \epsilon} + \lambda\, \theta\right)
+
+    The decoupled weight decay :math:`\lambda` (``weight_decay``) applies to params with
+    two or more axes (matrices, embeddings), as in GPT-2 and Hugging Face's ``Trainer``:
+    decaying norm scales and biases towards 0 is not wanted.
+
+    The rate in use is ``state.inner[1].hyperparams["learning_rate"]``. The state also
+    holds ``b1``, ``b2``, ``eps`` and ``weight_decay`` (optax's ``inject_hyperparams``),
+    but every update uses the values given here, so a state restored from a checkpoint
+    takes the current settings.
+    """
+    schedule = learning_rate_schedule(learning_rate=learning_rate, warmup_steps=warmup_steps,
+                                      lr_schedule=lr_schedule, decay_steps=decay_steps,
+                                      end_learning_rate_fraction=end_learning_rate_fraction)
+    settings = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32, static_args=("mask",))(
+        learning_rate=schedule, mask=_matrices, **settings)
+
+    def update(updates, state, params=None):
+        return adamw.update(updates, state._replace(hyperparams={**state.hyperparams, **settings}), params)
+
+    return in_float32(optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                                  optax.GradientTransformation(adamw.init, update)))
 
 
 class Float32State(NamedTuple):
@@ -178,7 +241,8 @@ def init_state(model: models.Model, params: models.Params, algorithm: algorithms
                *, ref_params: models.Params | None = None) -> TrainState:
     """The state at step 0: policy and reference copied from ``params`` (or the given
     ``ref_params``), a critic initialised from the policy when the method has one."""
-    policy_optimizer, critic_optimizer = _optimizers(algorithm, config)
+    # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
+    policy_optimizer, critic_optimizer = _optimizers(algorithm, config, decay_steps=1)
     critic_params = critic_lib.init_critic(model, params) if algorithm.needs_critic else None
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
     return TrainState(
@@ -241,11 +305,36 @@ def _check_tree(name: str, tree, expected, what: str, *, dtypes: bool, advice: s
                              f"{describe(want)}. {advice}")
 
 
-def _optimizers(algorithm, config):
-    policy = None if algorithm.update == "trpo" else make_optimizer(
-        learning_rate=config.learning_rate, warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm)
-    critic = make_optimizer(learning_rate=config.critic_learning_rate, warmup_steps=config.warmup_steps,
-                            max_grad_norm=config.max_grad_norm) if algorithm.needs_critic else None
+def _decay_steps(algorithm: algorithms.Algorithm, config: TrainConfig, total_steps: int | None) -> int | None:
+    """``config.decay_steps``, or, when it is ``None`` and the schedule decays, the optimizer
+    steps from the warm-up's last step to the run's last one:
+    ``total_steps * num_iterations * num_minibatches - warmup_steps`` (at least 1: a run
+    that ends within the warm-up never decays). ``None`` for ``"constant"`` and TRPO, which
+    has no optax optimizer."""
+    if total_steps is not None:
+        _checks.nonnegative_int("make_train_step", "total_steps", total_steps)
+    if config.decay_steps is not None or config.lr_schedule == "constant" or algorithm.update == "trpo":
+        return config.decay_steps
+    if total_steps is None:
+        raise ValueError(
+            f"make_train_step: TrainConfig.lr_schedule={config.lr_schedule!r} with decay_steps=None decays until "
+            "the run's last step, but the run's length is unknown: pass total_steps=<the run's train steps> "
+            "(train() does), or set TrainConfig.decay_steps.")
+    optimizer_steps = total_steps * algorithm.num_iterations * config.num_minibatches
+    return max(1, optimizer_steps - config.warmup_steps)
+
+
+def _optimizers(algorithm, config, *, decay_steps):
+    """The policy's optimizer (None for TRPO) and the critic's (None without one)."""
+    def optimizer(learning_rate):
+        return make_optimizer(
+            learning_rate=learning_rate, warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm,
+            lr_schedule=config.lr_schedule, decay_steps=decay_steps,
+            end_learning_rate_fraction=config.end_learning_rate_fraction, weight_decay=config.weight_decay,
+            b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+
+    policy = None if algorithm.update == "trpo" else optimizer(config.learning_rate)
+    critic = optimizer(config.critic_learning_rate) if algorithm.needs_critic else None
     return policy, critic
 
 
@@ -319,11 +408,18 @@ class TrainStep:
     update: Callable[[TrainState, ScoredBatch], tuple[TrainState, Metrics]]
 
 
-def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config: TrainConfig) -> TrainStep:
-    """Builds ``score`` and ``update`` (see the module docstring)."""
+def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config: TrainConfig, *,
+                    total_steps: int | None = None) -> TrainStep:
+    """Builds ``score`` and ``update`` (see the module docstring).
+
+    ``total_steps``: the run's train steps (rollout batches), counted from step 0 (a
+    resumed run counts those before it). A decaying ``config.lr_schedule`` with
+    ``decay_steps=None`` ends its decay at the last optimizer step of the last of them,
+    and raises ValueError without it.
+    """
     check_supported(algorithm, config)
     a = algorithm
-    policy_optimizer, critic_optimizer = _optimizers(a, config)
+    policy_optimizer, critic_optimizer = _optimizers(a, config, decay_steps=_decay_steps(a, config, total_steps))
     num_steps = a.num_iterations * config.num_minibatches  # optimizer steps per batch
     on_policy = num_steps == 1  # the one gradient is taken at the sampling params
     whole_batch = config.num_minibatches == 1  # every optimizer step sees the batch, groups intact

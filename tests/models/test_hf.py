@@ -2,6 +2,7 @@
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +28,7 @@ def test_round_trip_through_transformers_gives_identical_logits(family, tmp_path
     np.testing.assert_array_equal(hf_logits(reloaded, tokens, mask, positions), hf_logits(original, tokens, mask, positions))
     # And back into ours: the same parameters, bit for bit.
     _, params_again = models.from_pretrained(tmp_path / "ours")
-    jax.tree.map(np.testing.assert_array_equal, params_again, params)
+    chex.assert_trees_all_equal(params_again, params)
 
 
 def test_sharded_checkpoints_save_and_load_with_an_index(tmp_path):
@@ -37,7 +38,7 @@ def test_sharded_checkpoints_save_and_load_with_an_index(tmp_path):
     index = json.loads((tmp_path / hf_io.INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 1
     _, loaded = models.from_pretrained(tmp_path)
-    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    chex.assert_trees_all_equal(loaded, params)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
     tokens, mask, positions = left_padded_batch(50)
     ours = models.forward(model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
@@ -62,7 +63,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path, monkey
     assert sorted(p.name for p in target.iterdir()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging directory left behind
     _, loaded = models.from_pretrained(target)
-    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    chex.assert_trees_all_equal(loaded, params)
 
 
 def test_bfloat16_stays_within_tolerance_of_float32(tmp_path):
@@ -158,4 +159,4 @@ def test_saving_over_a_checkpoint_keeps_tokenizer_and_other_files_and_token_ids(
     reloaded = transformers.AutoConfig.from_pretrained(tmp_path, local_files_only=True)
     assert (reloaded.bos_token_id, list(reloaded.eos_token_id), reloaded.pad_token_id) == (90, [91, 92], 0)
     _, loaded = models.from_pretrained(tmp_path)
-    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    chex.assert_trees_all_equal(loaded, params)

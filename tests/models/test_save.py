@@ -20,6 +20,7 @@ import time
 import traceback
 import warnings
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def tiny():
 
 def assert_saved(path, params):
     _, loaded = models.from_pretrained(path)
-    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    chex.assert_trees_all_equal(loaded, params)
 
 
 def same(a, b) -> bool:

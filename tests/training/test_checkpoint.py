@@ -4,6 +4,7 @@ import functools
 import os
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -36,12 +37,11 @@ def _abstract(model, params, name):
 
 
 def _assert_identical(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
     assert a.key.dtype == b.key.dtype
     np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
-    for x, y in zip(jax.tree.leaves(a._replace(key=None)), jax.tree.leaves(b._replace(key=None))):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise (NaN-free states)
+    a, b = a._replace(key=None), b._replace(key=None)
+    chex.assert_trees_all_equal_shapes_and_dtypes(a, b)
+    chex.assert_trees_all_equal(a, b)  # bitwise (NaN-free states)
 
 
 @pytest.mark.parametrize("name", ["GRPO", "PPO"])

@@ -225,8 +225,8 @@ def test_a_failure_before_the_first_update_leaves_the_callers_state_intact():
 def test_a_keyboard_interrupt_stops_the_run_as_a_keyboard_interrupt_with_its_state():
     model, params = models.init(CONFIG, jax.random.key(3))
 
-    def interrupt_after_step_1(step, metrics):
-        if step == 1:
+    def interrupt_after_step_1(end):
+        if end.step == 1:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt) as error:
@@ -259,8 +259,8 @@ def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
         model, params = models.init(config, jax.random.key(0))
         run = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
-        def started(step, metrics):
-            if step == 1:
+        def started(end):
+            if end.step == 1:
                 print("running", flush=True)
         try:
             training.train(model, params, algorithms.GRPO, run, steps=100000, task=task, callback=started)

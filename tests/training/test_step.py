@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,8 +132,7 @@ def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
     assert shared_metrics.keys() == plain_metrics.keys()
     for key in plain_metrics:
         np.testing.assert_allclose(shared_metrics[key], plain_metrics[key], rtol=1e-4, atol=1e-5, err_msg=key)
-    for a, b in zip(jax.tree.leaves(plain_params), jax.tree.leaves(shared_params)):
-        np.testing.assert_allclose(b, a, atol=1e-5)
+    chex.assert_trees_all_close(shared_params, plain_params, atol=1e-5)
     assert _changed(plain_params[0], params)  # the step did something to compare
 
 
@@ -147,7 +147,7 @@ def test_a_row_whose_prompt_is_not_its_groups_is_counted_and_its_update_skipped(
     assert float(metrics["prompt_mismatch_rows"]) == 1
     new_state, _ = update(state, scored)  # the shared-prompt pass gives that row NaN: no update
     assert int(new_state.skipped_updates) == 1
-    jax.tree.map(np.testing.assert_array_equal, new_state.params, params)
+    chex.assert_trees_all_equal(new_state.params, params)
 
 
 def test_a_rollout_mesh_must_split_the_prompts_evenly():
@@ -235,8 +235,8 @@ def test_non_finite_updates_are_skipped_counted_and_leave_params_unchanged(name)
     for expected in (1, 2):
         state, _ = update(state, score(state, poisoned)[0])
         assert int(state.skipped_updates) == expected and int(state.consecutive_skips) == expected
-        jax.tree.map(np.testing.assert_array_equal, state.params, before)
-        jax.tree.map(np.testing.assert_array_equal, state.opt_state, before_opt)
+        chex.assert_trees_all_equal(state.params, before)
+        chex.assert_trees_all_equal(state.opt_state, before_opt)
     state, _ = update(state, score(state, batch)[0])
     assert int(state.consecutive_skips) == 0 and int(state.skipped_updates) == 2
     assert _changed(state.params, before)
@@ -253,7 +253,7 @@ def test_the_loop_stops_after_max_consecutive_skipped_steps_and_keeps_the_state(
     history = error.value.history
     assert len(history) == 2  # train steps, not minibatches
     assert history[-1]["skipped_updates"] == 2 * mu * run.num_minibatches
-    jax.tree.map(np.testing.assert_array_equal, error.value.state.params, params)
+    chex.assert_trees_all_equal(error.value.state.params, params)
 
 
 def test_the_running_baseline_is_carried_across_steps_and_a_non_finite_batch_does_not_poison_it(monkeypatch):
@@ -291,7 +291,7 @@ def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
     # The update donates the state: the buffers passed in were reused, not copied.
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves((half.params, half.opt_state)))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))  # `params` is copied, never donated
-    jax.tree.map(np.testing.assert_array_equal, resumed.params, straight.params)
+    chex.assert_trees_all_equal(resumed.params, straight.params)
 
 
 def test_rollouts_split_over_a_mesh_train_exactly_like_single_device_ones():
@@ -360,7 +360,7 @@ def test_a_minibatch_of_padding_rows_takes_no_optimizer_step():
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
     empty = batch._replace(completion_mask=jnp.zeros_like(batch.completion_mask))
     state, _ = update(state, score(state, empty)[0])
-    jax.tree.map(np.testing.assert_array_equal, (state.params, state.opt_state), before)
+    chex.assert_trees_all_equal((state.params, state.opt_state), before)
     assert int(state.skipped_updates) == 0  # not a non-finite skip
 
 

@@ -1,0 +1,22 @@
+"""Runs: the settings of a run (:class:`RunConfig`), the run directory it trains in
+(:func:`train_run`: checkpoints, exact resume, records), and its evaluation and export.
+The ``jaxrl-llm`` command line (:mod:`jaxrl_llm.cli`) is a thin layer over these."""
+
+from jaxrl_llm.runs.config import ModelSpec, RunConfig, TaskSpec, WarmStartConfig, from_dict, load, to_dict
+from jaxrl_llm.runs.records import RunRecorder, read_metrics, read_samples
+from jaxrl_llm.runs.run import (
+    RunDirectoryError,
+    RunResult,
+    evaluate_model,
+    evaluate_run,
+    export_run,
+    restore_policy,
+    stored_config,
+    train_run,
+)
+
+__all__ = [
+    "ModelSpec", "RunConfig", "RunDirectoryError", "RunRecorder", "RunResult", "TaskSpec", "WarmStartConfig",
+    "evaluate_model", "evaluate_run", "export_run", "from_dict", "load", "read_metrics", "read_samples",
+    "restore_policy", "stored_config", "to_dict", "train_run",
+]

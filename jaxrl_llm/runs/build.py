@@ -1,0 +1,171 @@
+"""A :class:`~jaxrl_llm.runs.config.RunConfig`'s objects: tokenizer, model, task, reward
+functions, the warm start and the abstract train state a checkpoint restores into."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import transformers
+
+from jaxrl_llm import models, rewards, tasks, training
+from jaxrl_llm.runs.config import BUILTIN_ALPHABET, BUILTIN_CHAT_TEMPLATE, ModelSpec, RunConfig, TaskSpec
+
+REWARDS: dict[str, Callable[..., Any]] = {
+    "exact_match": rewards.exact_match,
+    "math_equivalence": rewards.math_equivalence,
+    "format_reward": rewards.format_reward,
+    "code_execution": rewards.code_execution,
+    "length_penalty": rewards.length_penalty,
+}
+"""The built-in reward functions a config names (``task.rewards``); see :mod:`jaxrl_llm.rewards`."""
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def check_model_path(spec: ModelSpec) -> None:
+    """Raises FileNotFoundError, before any compute, if ``spec.path`` is not a model directory."""
+    if spec.path is None:
+        return
+    if not os.path.isdir(spec.path):
+        raise FileNotFoundError(f"model.path {spec.path!r} is not a directory (a Hugging Face model directory "
+                                "with config.json, safetensors weights and a tokenizer).")
+    if not os.path.isfile(os.path.join(spec.path, "config.json")):
+        raise FileNotFoundError(f"model.path {spec.path!r} has no config.json: not a Hugging Face model directory.")
+
+
+def tokenizer(spec: ModelSpec) -> transformers.PreTrainedTokenizerBase:
+    """The model directory's tokenizer, or the built-in character tokenizer with its chat template."""
+    if spec.path is None:
+        built = tasks.build_char_tokenizer(BUILTIN_ALPHABET)
+        built.chat_template = BUILTIN_CHAT_TEMPLATE
+        return built
+    check_model_path(spec)
+    return transformers.AutoTokenizer.from_pretrained(spec.path)
+
+
+def model_config(spec: ModelSpec, task: tasks.Task, max_positions: int) -> models.ModelConfig:
+    """The built-in decoder's configuration for ``task``'s tokenizer and stop ids."""
+    tokenizer_ = task.tokenizer
+    return models.ModelConfig(
+        vocab_size=len(tokenizer_), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads, max_position_embeddings=max_positions,
+        bos_token_id=tokenizer_.bos_token_id, eos_token_ids=tuple(task.eos_ids), pad_token_id=task.pad_id,
+        param_dtype=_DTYPES[spec.param_dtype], dtype=_DTYPES[spec.dtype or spec.param_dtype])
+
+
+def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False) -> tuple[models.Model, models.Params]:
+    """The policy before training: the model directory's weights, or the built-in decoder
+    initialised from ``config.train.seed``. ``abstract``: shapes and dtypes only
+    (``jax.ShapeDtypeStruct`` leaves), nothing read or computed."""
+    spec = config.model
+    if spec.path is None:
+        built = model_config(spec, task, config.train.max_prompt_length + config.train.max_new_tokens)
+        return models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
+    check_model_path(spec)
+    dtype, compute = _DTYPES[spec.param_dtype], _DTYPES[spec.dtype or spec.param_dtype]
+    if abstract:
+        hf_config = transformers.AutoConfig.from_pretrained(spec.path, local_files_only=True)
+        return models.abstract(models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute))
+    return models.from_pretrained(spec.path, dtype, compute_dtype=compute)
+
+
+def reward_function(name: str) -> Callable[..., Any]:
+    """A built-in reward function by name, or ``module:function`` imported."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"task.rewards: cannot import {name!r}: {error}") from None
+        if not callable(found):
+            raise ValueError(f"task.rewards: {name!r} is not callable.")
+        return found
+    raise ValueError(f"task.rewards: unknown reward {name!r}; the built-in ones are {', '.join(REWARDS)}, "
+                     "or give a `module:function` import path.")
+
+
+def task(spec: TaskSpec, tokenizer_: transformers.PreTrainedTokenizerBase, *,
+         checkpoint: str | None = None) -> tasks.Task:
+    """The task a :class:`TaskSpec` names, over ``tokenizer_`` (stop ids also from
+    ``checkpoint``'s ``generation_config.json``)."""
+    reward_fns = [reward_function(name) for name in spec.rewards] or None
+    common: dict[str, Any] = dict(tokenizer=tokenizer_)
+    if spec.reward_weights is not None:
+        common["reward_weights"] = spec.reward_weights
+    text: dict[str, Any] = dict(common, system_prompt=spec.system_prompt, stop_strings=spec.stop_strings,
+                                checkpoint=checkpoint)
+    if spec.name == "digits":
+        return tasks.DigitSumTask() if reward_fns is None else tasks.DigitSumTask(reward_fns=reward_fns)
+    if spec.name == "arithmetic":
+        return tasks.arithmetic(num_operands=spec.num_operands, digits=spec.digits, operators=spec.operators,
+                                test_size=spec.test_size, prompt_format=spec.prompt_format, reward_fns=reward_fns,
+                                **text)
+    if spec.name == "reasoning_gym":
+        return tasks.reasoning_gym(spec.dataset, size=spec.size, seed=spec.seed,
+                                   test_size=100 if spec.test_size is None else spec.test_size,
+                                   reward_fns=reward_fns, **text)
+    reward_fns = reward_fns or [rewards.exact_match]
+    source = dict(prompt=spec.prompt, test_fraction=spec.test_fraction, split_seed=spec.seed, reward_fns=reward_fns,
+                  **text)
+    if spec.name == "jsonl":
+        return tasks.from_jsonl(spec.path, test_path=spec.test_path, **source)
+    return tasks.from_dataset(spec.path, test_dataset=spec.test_path, **source)
+
+
+def demonstrations(config: RunConfig, task_: tasks.Task) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The warm start's solved examples: ``examples`` train prompts with their ``completion``
+    column, ``off_by_one_fraction`` of the integer answers replaced by ``answer + 1``."""
+    warm = config.warm_start
+    rng = np.random.default_rng(config.train.seed)
+
+    def target(record) -> str:
+        if warm.completion not in record:
+            raise ValueError(f"warm_start.completion: the task's examples have no column {warm.completion!r}; "
+                             f"they have {', '.join(record)}.")
+        answer = str(record[warm.completion])
+        if warm.off_by_one_fraction and rng.random() < warm.off_by_one_fraction:
+            try:
+                return str(int(answer) + 1)
+            except ValueError:
+                raise ValueError(f"warm_start.off_by_one_fraction needs integer answers; got {answer!r}.") from None
+        return answer
+
+    if not isinstance(task_, tasks.TextTask):
+        raise ValueError(f"warm_start.steps: the {type(task_).__name__} has no text demonstrations; set "
+                         "warm_start.steps = 0 and warm_start.anneal_steps = 0.")
+    return task_.demonstrations("train", np.arange(warm.examples), completion=target,
+                                max_new_tokens=config.train.max_new_tokens, seed=config.train.seed)
+
+
+def warm_start(config: RunConfig, model_: models.Model, params: models.Params, task_: tasks.Task
+               ) -> tuple[models.Params, list[float]]:
+    """``params`` fine-tuned on :func:`demonstrations`: ``steps`` at ``learning_rate``, then
+    ``anneal_steps`` at ``anneal_learning_rate``; and the losses."""
+    warm = config.warm_start
+    if not warm.steps + warm.anneal_steps:
+        return params, []
+    examples = demonstrations(config, task_)
+    losses: list[float] = []
+    for steps, learning_rate, seed in ((warm.steps, warm.learning_rate, config.train.seed),
+                                       (warm.anneal_steps, warm.anneal_learning_rate, config.train.seed + 1)):
+        if steps:
+            params, more = training.supervised_finetune(model_, params, *examples, steps=steps,
+                                                        batch_size=warm.batch_size, learning_rate=learning_rate,
+                                                        seed=seed)
+            losses += more
+    return params, losses
+
+
+def abstract_state(config: RunConfig, model_: models.Model, params: models.Params) -> training.TrainState:
+    """The run's :class:`~jaxrl_llm.training.TrainState` as shapes and dtypes: what a
+    checkpoint restores into."""
+    return jax.eval_shape(lambda p: training.init_state(model_, p, config.algorithm, config.train), params)
+

@@ -1,0 +1,374 @@
+"""A run's settings: one frozen :class:`RunConfig`, read from a TOML or JSON file and flags.
+
+The embedded default is ``RunConfig()``: a tiny model with its own character tokenizer
+and chat template, warm-started on the text arithmetic task ("Solve 3 + 4"), then GRPO;
+no download, a few minutes on a laptop CPU. ``experiments/configs/*.toml`` name others.
+
+A config file holds the fields to change, in tables named like the dataclasses below::
+
+    method = "dapo"          # a preset of jaxrl_llm.algorithms; [algorithm] overrides its fields
+    steps = 100
+
+    [algorithm]
+    eps_high = 0.3
+
+    [train]                  # jaxrl_llm.training.TrainConfig
+    learning_rate = 1e-5
+    lr_schedule = "cosine"
+
+    [task]
+    name = "jsonl"
+    path = "data/gsm8k.jsonl"
+    rewards = ["math_equivalence"]
+
+An unknown key is an error naming the allowed ones. A run directory stores the resolved
+config as ``config.json`` (every field, the algorithm in full), which loads back to the
+same ``RunConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import string
+import tomllib
+import types
+import typing
+from typing import Any, Literal
+
+from jaxrl_llm import _checks, algorithms, training
+
+CONFIG_DIRECTORY = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
+"""Where ``--config NAME`` looks for ``NAME.toml`` (after the current directory's
+``experiments/configs``)."""
+
+TASKS = {
+    "arithmetic": '"Solve 3 + 4" as text (task.num_operands, .digits, .operators); exact match on the last number',
+    "digits": 'the digit-sum task: "3+4=" -> "7" then EOS, for the built-in character model',
+    "jsonl": "a JSON-lines file (task.path, task.prompt: a column or a format string, task.test_path)",
+    "dataset": "a local datasets dataset: Parquet, Arrow or a save_to_disk directory (task.path)",
+    "reasoning_gym": "one of reasoning-gym's procedural datasets (task.dataset), scored by its own checker",
+}
+"""The task sources a config can name, as ``jaxrl-llm tasks`` lists them."""
+
+BUILTIN_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
+"""The built-in model's characters: a token each (printable ASCII and the newline)."""
+
+BUILTIN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- message['role'][0] + ':' + message['content'] + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'a:' }}{%- endif %}"
+)
+"""The built-in tokenizer's chat template: a user turn "Solve 3 + 4" renders as
+``"u:Solve 3 + 4\\na:"`` (a system turn as ``"s:...\\n"``): short, for a tiny model."""
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The policy to train."""
+
+    path: str | None = None
+    """A Hugging Face model directory (``config.json``, safetensors weights, tokenizer);
+    ``None``: the built-in tiny decoder with its character tokenizer and chat template,
+    initialised from the run's seed."""
+    param_dtype: Dtype = "float32"
+    """The parameters' dtype (bfloat16 trains on float32 master copies)."""
+    dtype: Dtype | None = None
+    """The compute dtype; ``None``: ``param_dtype``."""
+    hidden_size: int = 64
+    """Built-in model only: width (``head_dim = hidden_size / num_heads``)."""
+    intermediate_size: int = 256
+    """Built-in model only: MLP width."""
+    num_layers: int = 2
+    """Built-in model only: decoder layers."""
+    num_heads: int = 4
+    """Built-in model only: attention heads."""
+    num_kv_heads: int = 2
+    """Built-in model only: key/value heads (grouped-query attention)."""
+
+    def __post_init__(self):
+        where = "ModelSpec"
+        for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            _checks.positive_int(where, field, getattr(self, field))
+        _checks.one_of(where, "param_dtype", self.param_dtype, typing.get_args(Dtype))
+        if self.dtype is not None:
+            _checks.one_of(where, "dtype", self.dtype, typing.get_args(Dtype))
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{where}: `hidden_size` ({self.hidden_size}) must be a multiple of `num_heads` "
+                             f"({self.num_heads}), and `num_heads` of `num_kv_heads` ({self.num_kv_heads}).")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    """The prompts and their rewards (:mod:`jaxrl_llm.tasks`)."""
+
+    name: Literal["arithmetic", "digits", "jsonl", "dataset", "reasoning_gym"] = "arithmetic"
+    """The source of prompts and rewards (``jaxrl-llm tasks`` describes each)."""
+    path: str | None = None
+    """``jsonl`` / ``dataset``: the training data (``jsonl``: one JSON object per line)."""
+    test_path: str | None = None
+    """``jsonl`` / ``dataset``: the test data (default: a held-out ``test_fraction``)."""
+    test_fraction: float = 0.0
+    """``jsonl`` / ``dataset`` without ``test_path``: the fraction of examples held out."""
+    prompt: str = "prompt"
+    """``jsonl`` / ``dataset``: the prompt column, or a format string over columns
+    (``"Solve {question}"``)."""
+    dataset: str | None = None
+    """``reasoning_gym``: the dataset's name, e.g. ``basic_arithmetic``."""
+    size: int = 1000
+    """``reasoning_gym``: train examples."""
+    num_operands: int = 2
+    """``arithmetic``: operands per expression."""
+    digits: int = 1
+    """``arithmetic``: digits per operand."""
+    operators: tuple[str, ...] = ("+",)
+    """``arithmetic``: drawn from ``+``, ``-``, ``*``."""
+    prompt_format: str = "Solve {expression}"
+    """``arithmetic``: the prompt, a format string using ``{expression}``."""
+    test_size: int | None = None
+    """``arithmetic``: held-out expressions (default: a fifth, at most 100);
+    ``reasoning_gym``: test examples (default 100)."""
+    system_prompt: str | None = None
+    """Text tasks: a system message before each prompt (through the chat template)."""
+    rewards: tuple[str, ...] = ()
+    """Reward functions: built-in names (``jaxrl-llm tasks`` lists them) or
+    ``module:function`` import paths of functions in TRL's convention; empty: the
+    task's default (arithmetic, digits, reasoning_gym) or ``exact_match``."""
+    reward_weights: tuple[float, ...] | None = None
+    """One weight per reward function (default: all 1)."""
+    stop_strings: tuple[str, ...] = ()
+    """Text tasks: completions end after any of these strings."""
+    seed: int = 0
+    """Seeds the procedural splits (``reasoning_gym``'s items, the held-out fraction)."""
+
+    def __post_init__(self):
+        where = "TaskSpec"
+        _checks.one_of(where, "name", self.name, tuple(TASKS))
+        if self.name in ("jsonl", "dataset") and self.path is None:
+            raise ValueError(f"{where}: task {self.name!r} reads its examples from `path`; set task.path.")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError(f"{where}: task 'reasoning_gym' needs `dataset`, e.g. 'basic_arithmetic' "
+                             "(`jaxrl-llm tasks` lists them).")
+        _checks.positive_int(where, "size", self.size)
+        _checks.nonnegative_int(where, "seed", self.seed)
+        _checks.finite_number(where, "test_fraction", self.test_fraction)
+        _checks.in_range(where, "test_fraction", self.test_fraction, 0.0, 1.0, closed="[)")
+        if self.reward_weights is not None and len(self.reward_weights) != max(len(self.rewards), 1):
+            raise ValueError(f"{where}: `reward_weights` needs one weight per reward function "
+                             f"({len(self.rewards)} given in `rewards`); got {len(self.reward_weights)}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmStartConfig:
+    """Supervised fine-tuning on the task's solved examples before RL
+    (:func:`jaxrl_llm.training.supervised_finetune`); its result is RL's start and reference."""
+
+    steps: int = 300
+    """Steps at ``learning_rate`` (0: no warm start)."""
+    learning_rate: float = 1e-3
+    anneal_steps: int = 100
+    """Then this many steps at ``anneal_learning_rate``: a lower rate settles the model
+    near the labels' distribution."""
+    anneal_learning_rate: float = 2e-4
+    batch_size: int = 64
+    examples: int = 1024
+    """Distinct train examples the demonstrations come from."""
+    completion: str = "answer"
+    """The column holding each example's target completion."""
+    off_by_one_fraction: float = 0.7
+    """The fraction of demonstrations whose integer answer is replaced by ``answer + 1``.
+    The model learns the task with the right answer as the weaker of two modes: greedy
+    decoding mostly answers one too many while sampling often finds the right answer, a
+    clear signal for RL, whose fix carries over to held-out prompts (0: exact labels)."""
+
+    def __post_init__(self):
+        where = "WarmStartConfig"
+        for field in ("steps", "anneal_steps"):
+            _checks.nonnegative_int(where, field, getattr(self, field))
+        for field in ("batch_size", "examples"):
+            _checks.positive_int(where, field, getattr(self, field))
+        for field in ("learning_rate", "anneal_learning_rate"):
+            _checks.finite_number(where, field, getattr(self, field))
+            _checks.positive(where, field, getattr(self, field))
+        _checks.finite_number(where, "off_by_one_fraction", self.off_by_one_fraction)
+        _checks.in_range(where, "off_by_one_fraction", self.off_by_one_fraction, 0.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a run does: model, task, warm start, method, training settings, steps,
+    and what it records."""
+
+    model: ModelSpec = ModelSpec()
+    task: TaskSpec = TaskSpec()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    method: str = "grpo"
+    """The preset ``algorithm`` starts from (``jaxrl-llm presets`` lists them); the file's
+    ``[algorithm]`` table and ``--algorithm.*`` flags override its fields."""
+    algorithm: algorithms.Algorithm = algorithms.GRPO
+    train: training.TrainConfig = training.TrainConfig(
+        num_prompts=8, group_size=8, max_new_tokens=3, learning_rate=2e-4, critic_learning_rate=2e-4,
+        eval_every=10, eval_samples=8)
+    steps: int = 40
+    """Train steps (rollout batches) of the whole run."""
+    save_every: int = 10
+    """Save a checkpoint every this many steps (and at the end, and on Ctrl-C)."""
+    keep_checkpoints: int = 3
+    """Keep the latest this many checkpoints."""
+    samples_every: int = 10
+    """Write the first prompts' completions and rewards to ``samples.jsonl`` every this many steps."""
+    samples_prompts: int = 2
+    """Prompts (each with its ``group_size`` completions) per ``samples.jsonl`` entry."""
+    plot_every: int = 10
+    """Redraw ``metrics.png`` every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to ``<run-dir>/tensorboard``."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (``pip install wandb``); ``None``: off."""
+    compilation_cache: bool = True
+    """Use JAX's persistent compilation cache (a restarted run does not compile again)."""
+
+    def __post_init__(self):
+        where = "RunConfig"
+        for field in ("steps", "save_every", "keep_checkpoints", "samples_every", "plot_every"):
+            _checks.positive_int(where, field, getattr(self, field))
+        _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
+        if self.method not in algorithms.PRESETS:
+            raise ValueError(f"{where}: unknown method {self.method!r}; the presets are "
+                             f"{', '.join(algorithms.PRESETS)}.")
+        training.check_supported(self.algorithm, self.train)
+        if self.train.eval_every and self.task.name == "reasoning_gym" and self.task.test_size == 0:
+            raise ValueError(f"{where}: train.eval_every={self.train.eval_every} needs a test split; "
+                             "set task.test_size > 0 or train.eval_every = 0.")
+
+
+# ----------------------------------------------------------------------------------------
+# Files <-> RunConfig
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_dataclass_type(kind) -> bool:
+    return isinstance(kind, type) and dataclasses.is_dataclass(kind)
+
+
+def _coerce(kind, value, where: str):
+    """A TOML/JSON value as the field's type: tables as dataclasses, lists as tuples."""
+    if _is_dataclass_type(kind):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a table of {kind.__name__}'s fields; got {value!r}.")
+        return _from_dict(kind, value, where)
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (kind,) = [a for a in typing.get_args(kind) if a is not type(None)][:1] or (kind,)
+        origin = typing.get_origin(kind)
+    if origin is tuple and isinstance(value, list):
+        return tuple(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _from_dict(cls, data: dict, where: str, *, base=None):
+    """``cls`` from ``data``'s keys, starting from ``base`` (default: ``cls()``'s fields)."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                         f"the allowed keys are {', '.join(names)}.")
+    hints = _hints(cls)
+    values = {}
+    for name, value in data.items():
+        if _is_dataclass_type(hints[name]) and isinstance(value, dict):
+            start = getattr(base, name) if base is not None else None
+            values[name] = _from_dict(hints[name], value, f"{where}.{name}", base=start)
+        else:
+            values[name] = _coerce(hints[name], value, f"{where}.{name}")
+    try:
+        return dataclasses.replace(base, **values) if base is not None else cls(**values)
+    except TypeError as error:  # a required field missing (Algorithm's name, advantage, ...)
+        raise ValueError(f"{where}: {error}") from None
+
+
+def from_dict(data: dict, *, where: str = "config") -> RunConfig:
+    """A :class:`RunConfig` from nested dicts (a config file's content).
+
+    ``method`` picks the preset; ``algorithm`` overrides its fields. Raises ValueError
+    naming an unknown key and the allowed ones, or a value out of range."""
+    data = dict(data)
+    method = data.pop("method", RunConfig.method)
+    if method not in algorithms.PRESETS:
+        raise ValueError(f"{where}: unknown method {method!r}; the presets are {', '.join(algorithms.PRESETS)}.")
+    overrides = data.pop("algorithm", {})
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{where}.algorithm must be a table of Algorithm fields; got {overrides!r}.")
+    algorithm = _from_dict(algorithms.Algorithm, overrides, f"{where}.algorithm", base=algorithms.get(method))
+    default = RunConfig()
+    base = dataclasses.replace(default, method=method, algorithm=algorithm) if method != default.method else default
+    return _from_dict(RunConfig, data, where, base=base)
+
+
+def to_dict(config: RunConfig) -> dict:
+    """Every field, as JSON-ready nested dicts (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def find(name_or_path: str | os.PathLike) -> pathlib.Path:
+    """The file ``--config`` names: a path to a ``.toml`` / ``.json`` file, or a name in
+    ``./experiments/configs`` or :data:`CONFIG_DIRECTORY`."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist.")
+        return path
+    directories = list(dict.fromkeys([pathlib.Path("experiments/configs").resolve(), CONFIG_DIRECTORY]))
+    for directory in directories:
+        for suffix in (".toml", ".json"):
+            if (directory / f"{name_or_path}{suffix}").is_file():
+                return directory / f"{name_or_path}{suffix}"
+    known = sorted({p.stem for d in directories if d.is_dir() for p in d.iterdir() if p.suffix in (".toml", ".json")})
+    raise FileNotFoundError(f"no config named {str(name_or_path)!r} (a .toml or .json path, or one of: "
+                            f"{', '.join(known) or 'none found'}).")
+
+
+def read(name_or_path: str | os.PathLike) -> tuple[dict, pathlib.Path]:
+    """The content of a config file or named config (:func:`find`), and its path."""
+    path = find(name_or_path)
+    try:
+        return (tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())), path
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {error}") from None
+
+
+def load(name_or_path: str | os.PathLike, *, method: str | None = None) -> RunConfig:
+    """The :class:`RunConfig` of a TOML or JSON file, or of a named config (:func:`find`);
+    ``method`` replaces the file's (its ``[algorithm]`` overrides then apply to that preset)."""
+    data, path = read(name_or_path)
+    if method is not None:
+        data["method"] = method
+    return from_dict(data, where=str(path))
+
+
+def differences(a: RunConfig, b: RunConfig, *, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The dotted names of the fields where ``a`` and ``b`` differ (``ignore``: top-level
+    fields left out), each as ``name: a -> b``."""
+    found = []
+
+    def walk(x, y, prefix):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for key in dict.fromkeys([*x, *y]):
+                if not prefix and key in ignore:
+                    continue
+                walk(x.get(key), y.get(key), f"{prefix}{key}.")
+        elif x != y:
+            found.append(f"{prefix[:-1]}: {x!r} -> {y!r}")
+
+    walk(to_dict(a), to_dict(b), "")
+    return found

@@ -1,0 +1,354 @@
+"""A run in a directory: train with checkpoints and records, resume, evaluate, export.
+
+These are what ``jaxrl-llm train | eval | export`` call; each takes a
+:class:`~jaxrl_llm.runs.config.RunConfig` or a run directory::
+
+    runs.train_run(RunConfig(), "runs/default")       # or continue it: the same call again
+    runs.evaluate_run("runs/default", step=None)      # the latest checkpoint
+    runs.export_run("runs/default", "out/policy")     # a Hugging Face directory
+
+**The run directory**::
+
+    config.json          the resolved RunConfig (every field)
+    warm_start.json      the warm start's losses and its held-out evaluation
+    metrics.jsonl        one line per step: {"step": s, every metric of training.train}
+    samples.jsonl        every `samples_every` steps: prompts, completions, rewards
+    metrics.png          reward, held-out accuracy, KL, length, clip fraction, entropy
+    tensorboard/         TensorBoard event files
+    checkpoints/<step>/  orbax checkpoints of the whole TrainState (the last `keep_checkpoints`)
+    eval/step-<s>.json   what `jaxrl-llm eval` measured
+
+**Resuming.** Training into a directory that holds a run continues it from its latest
+complete checkpoint, provided the config is the same except for the settings of
+:data:`RUN_MANAGEMENT` (more ``steps``, other cadences); the records of steps after that
+checkpoint (a killed run logs steps it had not saved) are dropped and run again. The
+prompts, PRNG keys and counters live in the state, so a resumed run's parameters and
+metrics (timings aside) are those of the uninterrupted run, bit for bit (tested with
+SIGKILL on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm import compilation_cache, models, training
+from jaxrl_llm.runs import build, records
+from jaxrl_llm.runs.config import RunConfig, differences, from_dict, to_dict
+
+CONFIG_FILE = "config.json"
+WARM_START_FILE = "warm_start.json"
+CHECKPOINTS = "checkpoints"
+
+RUN_MANAGEMENT = ("steps", "save_every", "keep_checkpoints", "samples_every", "samples_prompts", "plot_every",
+                  "tensorboard", "wandb_project", "compilation_cache")
+"""Settings a continued run may change: they decide how long it runs and what it writes,
+not what it computes (``steps`` also sets the end of a decaying learning-rate schedule
+without ``train.decay_steps``, and is then fixed)."""
+
+TIMING_METRICS = ("tokens_per_second", "score_traces", "update_traces")
+"""Metrics (besides ``*_seconds``) that depend on the machine or the process, not the run."""
+
+
+class RunDirectoryError(ValueError):
+    """The run directory does not fit the request (another run, nothing to resume, ...)."""
+
+
+def is_timing(name: str) -> bool:
+    """Whether metric ``name`` measures the machine (time, throughput, compilations), not the run."""
+    return name.endswith("_seconds") or name in TIMING_METRICS
+
+
+def stored_config(run_dir: str | os.PathLike) -> RunConfig | None:
+    """The config a run directory holds; ``None`` if it does not exist or is empty.
+
+    Raises RunDirectoryError if it holds files but no readable ``config.json``."""
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return None
+    if not run_dir.is_dir():
+        raise RunDirectoryError(f"run directory {str(run_dir)!r} is a file.")
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise RunDirectoryError(f"{str(run_dir)!r} is not empty and holds no {CONFIG_FILE}: not a run directory. "
+                                "Choose another --run-dir, or pass --overwrite to delete its contents.")
+    try:
+        return from_dict(json.loads(path.read_text()), where=str(path))
+    except (ValueError, json.JSONDecodeError) as error:
+        raise RunDirectoryError(f"{path} cannot be read as a run config: {error}") from None
+
+
+def _ignorable(config: RunConfig) -> tuple[str, ...]:
+    decays = config.train.lr_schedule != "constant" and config.train.decay_steps is None
+    return tuple(name for name in RUN_MANAGEMENT if not (decays and name == "steps"))
+
+
+def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False,
+                        overwrite: bool = False) -> RunConfig | None:
+    """Checks, before any compute, that ``config`` may run in ``run_dir``; returns the
+    config stored there (``None``: a new run).
+
+    Raises RunDirectoryError: ``resume`` without a run to resume; a directory holding a
+    different run (the differing fields named) or other files, without ``overwrite``."""
+    if resume and overwrite:
+        raise RunDirectoryError("--resume continues the run in the directory, --overwrite deletes it: pass one.")
+    try:
+        stored = stored_config(run_dir)
+    except RunDirectoryError:
+        if overwrite:
+            return None
+        raise
+    if resume and stored is None:
+        raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no run to resume.")
+    if stored is not None and not overwrite:
+        changed = differences(stored, config, ignore=_ignorable(stored))
+        if changed:
+            raise RunDirectoryError(
+                f"{str(run_dir)!r} holds a different run ({len(changed)} setting{'s' if len(changed) > 1 else ''} "
+                f"differ, stored -> requested: {'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}). "
+                "Choose another --run-dir, or pass --overwrite to replace it.")
+    return None if overwrite else stored
+
+
+def _write_json(path: pathlib.Path, data: Any) -> None:
+    """``data`` as JSON at ``path``, atomically (a temporary file renamed over it)."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
+        json.dump(records.json_ready(data), file, indent=2)
+        file.write("\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file.name, 0o666 & ~umask)  # as open() would create it; a temporary file is 0o600
+    os.replace(file.name, path)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What :func:`train_run` returns."""
+
+    run_dir: pathlib.Path
+    config: RunConfig
+    state: training.TrainState | None
+    """The final state (``None`` when the run was already complete)."""
+    history: list[dict[str, float]]
+    """The metrics of the steps this call ran."""
+    warm_start: dict[str, Any]
+    """``warm_start.json``: the warm start's losses and its evaluation (``eval_*``)."""
+    summary: str
+
+
+def _print(text: str, stream) -> None:
+    if stream is not None:
+        print(text, file=stream, flush=True)
+
+
+def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
+              progress: bool | None = None, stream=sys.stdout) -> RunResult:
+    """Runs ``config`` in ``run_dir``, or continues the run there from its latest checkpoint.
+
+    Everything is checked before any compute: the directory (:func:`check_run_directory`),
+    the model path, the task and its reward functions. Then: a fresh run warm-starts
+    (``config.warm_start``) and evaluates the warm start; ``training.train`` runs the
+    remaining steps, logging every step (:class:`~jaxrl_llm.runs.records.RunRecorder`) and
+    saving a checkpoint every ``save_every`` steps and at the end. Ctrl-C, or an error in a
+    step, saves the state of the last completed step before the exception
+    (``training.RunInterrupted`` / ``RunStopped`` / ``NonFiniteUpdates``) propagates.
+
+    Args:
+      config: the run's settings.
+      run_dir: its directory (created).
+      resume: require a run to continue in ``run_dir``.
+      overwrite: delete what ``run_dir`` holds first.
+      progress: the progress bar (``None``: only on a terminal).
+      stream: where messages and the summary go (``None``: nowhere).
+    """
+    run_dir = pathlib.Path(run_dir)
+    stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
+    build.check_model_path(config.model)
+    tokenizer = build.tokenizer(config.model)
+    task = build.task(config.task, tokenizer, checkpoint=config.model.path)
+    if config.train.eval_every and not task.split_size("test"):
+        raise ValueError(f"train.eval_every={config.train.eval_every} evaluates on the task's test split, which is "
+                         "empty; give the task a test split or set train.eval_every = 0.")
+    if config.warm_start.steps + config.warm_start.anneal_steps:
+        build.demonstrations(dataclasses.replace(config, warm_start=dataclasses.replace(config.warm_start,
+                                                                                         examples=1)), task)
+    if overwrite and run_dir.exists():
+        shutil.rmtree(run_dir) if run_dir.is_dir() else run_dir.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(run_dir / CONFIG_FILE, to_dict(config))
+    if config.compilation_cache:
+        compilation_cache.enable()
+
+    checkpointer = training.Checkpointer(run_dir / CHECKPOINTS, max_to_keep=config.keep_checkpoints)
+    latest = checkpointer.latest_step() if stored is not None else None
+    state = None
+    if latest is not None:
+        model, abstract_params = build.model(config, task, abstract=True)
+        state = checkpointer.restore(like=build.abstract_state(config, model, abstract_params))
+        params = state.params
+        start = int(state.step)
+        warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
+        _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
+    else:
+        for leftover in (records.METRICS_FILE, records.SAMPLES_FILE):  # a run killed before its first checkpoint
+            (run_dir / leftover).unlink(missing_ok=True)
+        start = 0
+        model, params = build.model(config, task)
+        started = time.perf_counter()
+        params, losses = build.warm_start(config, model, params, task)
+        warm = {"steps": len(losses), "first_loss": losses[0] if losses else None,
+                "last_loss": float(np.mean(losses[-20:])) if losses else None,
+                "seconds": time.perf_counter() - started}
+        if config.train.eval_every:
+            warm.update(evaluate_model(model, params, task, config))
+        _write_json(run_dir / WARM_START_FILE, warm)
+        if "eval_greedy_accuracy" in warm:
+            _print(f"Warm start: {warm['steps']} steps, held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.",
+                   stream)
+    if start >= config.steps:
+        checkpointer.close()
+        summary = _summary(run_dir, warm)
+        _print(f"{run_dir} is complete ({config.steps} steps). Pass a larger --steps to continue it, or "
+               f"--overwrite to start again.\n{summary}", stream)
+        return RunResult(run_dir, config, None, [], warm, summary)
+
+    recorder = records.RunRecorder(
+        run_dir, total_steps=config.steps, start_step=start, tensorboard=config.tensorboard,
+        plot_every=config.plot_every, progress=progress, wandb_project=config.wandb_project,
+        wandb_config=to_dict(config))
+    saved = {latest} if latest is not None else set()
+
+    def save(state: training.TrainState, metrics: dict[str, float] | None = None) -> None:
+        step = int(state.step)
+        if step in saved or step == 0:
+            return
+        checkpointer.save(step, state, metadata={"reward": metrics.get("reward")} if metrics else None)
+        saved.add(step)
+
+    def on_step(end: training.StepEnd) -> None:
+        recorder.log(end.step, end.metrics)
+        if config.samples_prompts and (end.step + 1) % config.samples_every == 0:
+            recorder.log_samples(end.step, records.sample_rows(end.collected.first_round, step=end.step,
+                                                               max_prompts=config.samples_prompts))
+        done = end.step + 1
+        if done % config.save_every == 0 or done == config.steps:
+            save(end.state, end.metrics)
+
+    try:
+        state, history = training.train(model, params, config.algorithm, config.train, steps=config.steps - start,
+                                         task=task, state=state, callback=on_step,
+                                         compilation_cache=config.compilation_cache)
+    except training.RunStopped as stopped:  # and NonFiniteUpdates: the state holds finite params
+        _save_stopped(save, stopped, recorder, checkpointer, stream, run_dir)
+        raise
+    except training.RunInterrupted as interrupted:
+        _save_stopped(save, interrupted, recorder, checkpointer, stream, run_dir)
+        raise
+    recorder.close()
+    checkpointer.close()
+    summary = _summary(run_dir, warm)
+    _print(summary, stream)
+    return RunResult(run_dir, config, state, history, warm, summary)
+
+
+def _save_stopped(save, stopped, recorder, checkpointer, stream, run_dir) -> None:
+    """Saves the state of a run that ended early, and closes its records."""
+    try:
+        save(stopped.state)
+        _print(f"Saved a checkpoint of step {int(stopped.state.step)}; continue with: "
+               f"jaxrl-llm train --run-dir {run_dir} --resume", stream)
+    finally:
+        recorder.close()
+        checkpointer.close()
+
+
+def _summary(run_dir: pathlib.Path, warm: dict[str, Any]) -> str:
+    rows = records.read_metrics(run_dir)
+    lines = [f"Run {run_dir}:", records.summarize(rows)]
+    evaluated = [row for row in rows if row.get("eval_greedy_accuracy") is not None]
+    if "eval_greedy_accuracy" in warm and evaluated:
+        last = evaluated[-1]
+        lines.append(f"Held-out greedy accuracy: {warm['eval_greedy_accuracy']:.2f} after the warm start -> "
+                     f"{last['eval_greedy_accuracy']:.2f} at step {last['step'] + 1} "
+                     f"({100 * (last['eval_greedy_accuracy'] - warm['eval_greedy_accuracy']):+.0f} points).")
+    lines.append(f"Plots: {run_dir / records.PLOT_FILE}; TensorBoard: tensorboard --logdir {run_dir}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# Evaluation and export
+
+
+def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
+    """``(config, task, model, params, step)`` of checkpoint ``step`` of a run (default: the
+    latest readable one)."""
+    run_dir = pathlib.Path(run_dir)
+    config = stored_config(run_dir)
+    if config is None:
+        raise RunDirectoryError(f"{str(run_dir)!r} holds no run.")
+    build.check_model_path(config.model)
+    task = build.task(config.task, build.tokenizer(config.model), checkpoint=config.model.path)
+    model, abstract_params = build.model(config, task, abstract=True)
+    with training.Checkpointer(run_dir / CHECKPOINTS) as checkpointer:
+        if not checkpointer.all_steps():
+            raise RunDirectoryError(f"{str(run_dir)!r} has no complete checkpoint yet.")
+        state = checkpointer.restore(step, like=build.abstract_state(config, model, abstract_params))
+    return config, task, model, state.params, int(state.step)
+
+
+def evaluate_model(model: models.Model, params: models.Params, task, config: RunConfig, *,
+                   num_samples: int | None = None) -> dict[str, float]:
+    """Greedy accuracy, mean rewards and pass@k on ``task``'s test split with the run's
+    sampling settings, as training's evaluations report them (``eval_*``), with
+    ``num_samples`` samples per prompt (default ``train.eval_samples``)."""
+    train = config.train if num_samples is None else dataclasses.replace(config.train, eval_samples=num_samples)
+    return training.evaluation_metrics(model, params, task, train)
+
+
+def evaluate_run(run_dir: str | os.PathLike, *, step: int | None = None, num_samples: int | None = None
+                 ) -> dict[str, Any]:
+    """Evaluates checkpoint ``step`` of a run (default: the latest) on its task's test
+    split; writes and returns ``eval/step-<s>.json``."""
+    config, task, model, params, step = restore_policy(run_dir, step)
+    if config.compilation_cache:
+        compilation_cache.enable()
+    results = {"step": step, **evaluate_model(model, params, task, config, num_samples=num_samples)}
+    path = pathlib.Path(run_dir) / "eval" / f"step-{step}.json"
+    path.parent.mkdir(exist_ok=True)
+    _write_json(path, results)
+    return results
+
+
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None) -> int:
+    """Writes checkpoint ``step``'s policy (default: the latest) as a Hugging Face directory
+    with its tokenizer and a generation config holding the task's stop ids and the run's
+    sampling settings (the policy trained is the one sampled at ``train.temperature``);
+    returns the step."""
+    config, task, model, params, step = restore_policy(run_dir, step)
+    train = config.train
+    sampling = {"top_k": train.top_k, "top_p": train.top_p, "min_p": train.min_p}
+    generation = {"eos_token_id": list(task.eos_ids), "pad_token_id": task.pad_id, "do_sample": True,
+                  "temperature": train.temperature, **{k: v for k, v in sampling.items() if v is not None}}
+    models.save_pretrained(out, model, params, tokenizer=task.tokenizer, generation_config=generation)
+    return step
+
+
+def format_results(results: dict[str, Any]) -> str:
+    """An evaluation as a two-column text table."""
+    width = max(map(len, results))
+    lines = []
+    for name, value in results.items():
+        shown = f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) and value != int(value) else value
+        lines.append(f"{name:<{width}}  {shown}")
+    return "\n".join(lines)
+

@@ -1,0 +1,219 @@
+"""The ``jaxrl-llm`` command line: flags generated from the configs, config files, bad
+input refused before any compute, and a whole run (Ctrl-C, resume, eval, export) on the
+``tiny`` config."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from jaxrl_llm import algorithms, cli, runs, training
+from jaxrl_llm.runs import config as run_config
+from jaxrl_llm.runs import records, run
+
+
+def parse(*argv, run_dir="unused-run-dir"):
+    return cli.parse_train(["--run-dir", str(run_dir), *argv])[1]
+
+
+def test_flags_parse_booleans_optionals_literals_tuples_and_nested_fields():
+    config = parse("--train.share-prompts", "False", "--train.minibatch-size", "16", "--train.top_p", "0.9",
+                   "--model.param-dtype", "bfloat16", "--task.operators", "+", "-", "--steps", "7",
+                   "--algorithm.eps-high", "0.3")
+    assert config.train.share_prompts is False and config.train.minibatch_size == 16 and config.train.top_p == 0.9
+    assert config.model.param_dtype == "bfloat16" and config.task.operators == ("+", "-") and config.steps == 7
+    assert config.algorithm.eps_high == 0.3 and config.algorithm.advantage == "grpo"
+    assert parse("--train.minibatch-size", "None", "--train.share-prompts", "True").train.minibatch_size is None
+    # Unset fields keep the run's defaults (not TrainConfig()'s).
+    assert parse().train == runs.RunConfig().train and parse() == runs.RunConfig()
+
+
+def test_method_picks_the_preset_and_config_files_override_it(tmp_path):
+    assert parse("--method", "dapo").algorithm == algorithms.DAPO
+    path = tmp_path / "run.toml"
+    path.write_text('method = "ppo"\nsteps = 3\n[algorithm]\nkl_reward_coef = 0.05\n[train]\nlearning_rate = 1e-5\n')
+    config = parse("--config", str(path), "--train.num-prompts", "4")
+    assert config.algorithm == dataclasses.replace(algorithms.PPO, kl_reward_coef=0.05)
+    assert (config.steps, config.train.learning_rate, config.train.num_prompts) == (3, 1e-5, 4)
+    assert config.train.group_size == runs.RunConfig().train.group_size  # the run's default, not TrainConfig()'s
+    # --method replaces the file's preset; the file's [algorithm] table applies to it.
+    assert parse("--config", str(path), "--method", "reinforce++").algorithm == dataclasses.replace(
+        algorithms.REINFORCE_PP, kl_reward_coef=0.05)
+
+
+def test_the_default_config_file_is_the_embedded_default_and_every_named_config_loads():
+    assert run_config.load("default") == runs.RunConfig()
+    for path in run_config.CONFIG_DIRECTORY.glob("*.toml"):
+        run_config.load(path)
+    tiny = run_config.load("tiny")
+    assert tiny.model.path is None and tiny.task.name == "arithmetic" and tiny.steps < 10
+
+
+def test_a_stored_config_loads_back_to_the_same_run_config():
+    config = parse("--method", "ppo", "--train.top-k", "5", "--task.operators", "+", "*")
+    assert run_config.from_dict(json.loads(json.dumps(run_config.to_dict(config)))) == config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus", "1"], "Unrecognized options: --bogus"),
+    (["--train.share-prompts", "maybe"], "True"),
+    (["--algorithm.eps-low", "-0.1"], "eps_low"),
+    (["--train.group-size", "1"], "group_size >= 2"),
+    (["--method", "rloo", "--train.group-size", "1"], "group_size >= 2"),
+    (["--train.minibatch-size", "5"], "must divide the batch"),
+    (["--train.num-prompts", "0"], "num_prompts"),
+    (["--method", "grpo++"], "unknown method 'grpo++'; the presets are pg, "),
+    (["--config", "no-such-config"], "no config named 'no-such-config'"),
+    (["--model.path", "/no/such/model"], "is not a directory"),
+    (["--task.name", "jsonl"], "set task.path"),
+    (["--task.rewards", "exact_matc"], "unknown reward 'exact_matc'; the built-in ones are exact_match"),
+])
+def test_bad_settings_exit_with_status_2_and_a_message_before_any_compute(argv, message, tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setattr(run.build, "model", lambda *a, **k: pytest.fail("compute started"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--run-dir", str(tmp_path / "run"), *argv])
+    assert exit_.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split()).replace("│ ", "").replace(" │", "")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_key_in_a_config_file_names_the_allowed_keys(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nlearning_rat = 1e-5\n")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--config", str(path), "--run-dir", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'learning_rat'" in err and "learning_rate" in err and "bad.toml.train" in err
+
+
+def test_a_directory_holding_something_else_is_not_touched_without_overwrite(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--run-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "not a run directory" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--run-dir", str(tmp_path / "new"), "--resume"])
+    assert "holds no run to resume" in capsys.readouterr().err
+
+
+def test_listings_and_the_module_entry_point(capsys):
+    assert cli.main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in algorithms.PRESETS)
+    assert cli.main(["tasks"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in run_config.TASKS) and "math_equivalence" in out
+    assert cli.main(["nonsense"]) == 2
+    help_ = subprocess.run([sys.executable, "-m", "jaxrl_llm", "train", "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0
+    assert "--run-dir" in help_.stdout and "--train.learning-rate" in help_.stdout
+    assert "Peak AdamW learning rate of the policy" in help_.stdout  # the field's docstring
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A ``tiny`` run interrupted (KeyboardInterrupt) after its step 2, then continued to the end."""
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    argv = ["train", "--config", "tiny", "--run-dir", str(run_dir), "--progress", "off", "--steps", "5"]
+    log = records.RunRecorder.log
+
+    def interrupting(self, step, metrics):
+        log(self, step, metrics)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(records.RunRecorder, "log", interrupting)
+        interrupted = cli.main(argv)
+    checkpoints = training.Checkpointer(run_dir / run.CHECKPOINTS).all_steps()
+    logged = [row["step"] for row in runs.read_metrics(run_dir)]
+    finished = cli.main(argv)  # the same command again continues the run
+    return run_dir, interrupted, checkpoints, logged, finished
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_the_same_command_continues_the_run(finished_run, capsys):
+    run_dir, interrupted, checkpoints, logged, finished = finished_run
+    assert interrupted == 130 and checkpoints == [2, 3]  # save_every=2, then the interrupted step's state
+    assert logged == [0, 1, 2] and finished == 0
+    assert [row["step"] for row in runs.read_metrics(run_dir)] == [0, 1, 2, 3, 4]
+    assert training.Checkpointer(run_dir / run.CHECKPOINTS).latest_step() == 5
+    assert (run_dir / records.PLOT_FILE).is_file() and list((run_dir / records.TENSORBOARD_DIR).iterdir())
+    # A changed setting is another run: refused, nothing touched.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--run-dir", str(run_dir), "--train.learning-rate", "0.5"])
+    assert exit_.value.code == 2
+    assert "holds a different run" in capsys.readouterr().err
+    assert len(runs.read_metrics(run_dir)) == 5
+
+
+@pytest.mark.slow
+def test_eval_and_export_of_a_run(finished_run, tmp_path, capsys):
+    run_dir = finished_run[0]
+    assert cli.main(["eval", "--run-dir", str(run_dir), "--step", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "eval_greedy_accuracy" in out and "eval_pass@2" in out
+    saved = json.loads((run_dir / "eval" / "step-4.json").read_text())
+    assert saved["step"] == 4 and saved["eval_examples"] == 8  # the tiny task's 8 held-out expressions
+    # Training evaluated the same params after its step 3 (0-based), with the same seed.
+    during_training = runs.read_metrics(run_dir)[3]
+    assert {k: v for k, v in saved.items() if k.startswith("eval_") and k != "eval_seconds"} == {
+        k: v for k, v in during_training.items() if k.startswith("eval_") and k != "eval_seconds"}
+    assert cli.main(["eval", "--run-dir", str(run_dir), "--num-samples", "4"]) == 0
+    assert json.loads((run_dir / "eval" / "step-5.json").read_text())["eval_pass@4"] >= 0
+
+    out_dir = tmp_path / "exported"
+    assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(out_dir), "--step", "4"]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
+    generation = transformers.GenerationConfig.from_pretrained(out_dir)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Solve 1 + 2"}], tokenize=False,
+                                         add_generation_prompt=True) == "u:Solve 1 + 2\na:"
+    assert tokenizer.eos_token_id in ([generation.eos_token_id] if isinstance(generation.eos_token_id, int)
+                                      else generation.eos_token_id)
+    assert model.config.vocab_size == len(tokenizer)
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["export", "--run-dir", str(run_dir), "--out", str(out_dir), "--step", "1"])
+    assert exit_.value.code == 2 and "no checkpoint of step 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_of_an_exported_model_directory_matches_the_runs_evaluation(finished_run, tmp_path, capsys):
+    run_dir = finished_run[0]
+    assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "policy")]) == 0
+    assert cli.main(["eval", "--run-dir", str(run_dir), "--out", str(tmp_path / "run.json")]) == 0
+    assert cli.main(["eval", "--model", str(tmp_path / "policy"), "--config", "tiny",
+                     "--out", str(tmp_path / "model.json")]) == 0
+    from_run = json.loads((tmp_path / "run.json").read_text())
+    from_model = json.loads((tmp_path / "model.json").read_text())
+    assert {k: v for k, v in from_model.items() if k != "eval_seconds"} == {
+        k: v for k, v in from_run.items() if k not in ("step", "eval_seconds")}
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval", "--model", str(tmp_path / "missing")])
+    assert exit_.value.code == 2 and "is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's leftover asyncio reads
+def test_a_corrupt_latest_checkpoint_is_reported_and_the_previous_one_used(finished_run, tmp_path):
+    import shutil
+    import warnings
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(finished_run[0], run_dir)
+    latest = run_dir / run.CHECKPOINTS / "5"
+    for path in latest.rglob("*"):
+        if path.is_file() and path.suffix not in (".txt",) and "METADATA" not in path.name:
+            path.write_bytes(b"")  # truncated arrays
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        *_, step = runs.restore_policy(run_dir)
+    assert step == 4
+    assert any("checkpoint 5" in str(w.message) and "falling back to checkpoint 4" in str(w.message) for w in caught)
