@@ -52,9 +52,10 @@ def _base_config(config: str | None, method: str | None, stored: run_config.RunC
         return run_config.load(config, method=method)
     base = stored or run_config.RunConfig()
     if method is not None and method != base.method:
-        if method not in algorithms.PRESETS:
-            raise UsageError(f"--method: unknown method {method!r}; the presets are {', '.join(algorithms.PRESETS)}.")
-        base = dataclasses.replace(base, method=method, algorithm=algorithms.get(method))
+        try:
+            base = dataclasses.replace(base, method=method, algorithm=algorithms.get(method))
+        except ValueError as error:
+            raise UsageError(f"--method: {error}") from None
     return base
 
 
@@ -108,6 +109,9 @@ def train(argv: Sequence[str]) -> int:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except training.RunInterrupted as interrupted:
         print(f"{PROG}: {interrupted}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted before the first train step; no checkpoint to save.", file=sys.stderr)
         return 130
     except training.RunStopped as stopped:
         print(f"{PROG}: {stopped}", file=sys.stderr)
@@ -174,13 +178,14 @@ def export(argv: Sequence[str]) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--out", required=True, help="the directory to write")
     parser.add_argument("--step", type=int, help="the checkpoint (default: the latest)")
+    parser.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     if {"-h", "--help"} & set(argv):
         _help(parser, settings=False)
     args, rest = parser.parse_known_args(argv)
     if rest:
         parser.exit(2, f"{parser.prog}: error: unrecognized arguments: {' '.join(rest)}\n")
     try:
-        step = run.export_run(args.run_dir, args.out, step=args.step)
+        step = run.export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(f"Exported step {step} of {args.run_dir} to {args.out}")

@@ -4,13 +4,16 @@ input refused before any compute, and a whole run (Ctrl-C, resume, eval, export)
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import transformers
 
 from jaxrl_llm import algorithms, cli, runs, training
+from jaxrl_llm.training import loop
 from jaxrl_llm.runs import config as run_config
 from jaxrl_llm.runs import records, run
 
@@ -52,9 +55,27 @@ def test_the_default_config_file_is_the_embedded_default_and_every_named_config_
     assert tiny.model.path is None and tiny.task.name == "arithmetic" and tiny.steps < 10
 
 
-def test_a_stored_config_loads_back_to_the_same_run_config():
-    config = parse("--method", "ppo", "--train.top-k", "5", "--task.operators", "+", "*")
+@pytest.mark.parametrize("flags", [("--method", "ppo", "--train.top-k", "5", "--task.operators", "+", "*"),
+                                   ("--algorithm.eps-high", "0.3", "--algorithm.kl-coef", "0.5")])  # the default method
+def test_a_stored_config_loads_back_to_the_same_run_config(flags):
+    config = parse(*flags)
     assert run_config.from_dict(json.loads(json.dumps(run_config.to_dict(config)))) == config
+    assert run_config.from_dict({"algorithm": {"eps_high": 0.3}}).algorithm.eps_high == 0.3
+
+
+@pytest.mark.parametrize("content, message", [
+    ("tensorboard = \"no\"", "config.tensorboard must be true or false; got 'no'"),
+    ("[task]\nrewards = \"exact_match\"", "config.task.rewards must be a list"),
+    ("[train]\nseed = true", "config.train.seed must be an integer; got True"),
+    ("[model]\nparam_dtype = \"fp16\"", "must be one of 'float32', 'bfloat16'; got 'fp16'"),
+    ("[task]\noperators = [\"+\", 2]", "config.task.operators[1] must be a string; got 2"),
+    ("steps = 0", "`steps` must be an integer >= 1"),
+])
+def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_config.from_dict(tomllib.loads(path.read_text()))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -65,7 +86,7 @@ def test_a_stored_config_loads_back_to_the_same_run_config():
     (["--method", "rloo", "--train.group-size", "1"], "group_size >= 2"),
     (["--train.minibatch-size", "5"], "must divide the batch"),
     (["--train.num-prompts", "0"], "num_prompts"),
-    (["--method", "grpo++"], "unknown method 'grpo++'; the presets are pg, "),
+    (["--method", "grpo++"], "Unknown algorithm 'grpo++'; known: pg, "),
     (["--config", "no-such-config"], "no config named 'no-such-config'"),
     (["--model.path", "/no/such/model"], "is not a directory"),
     (["--task.name", "jsonl"], "set task.path"),
@@ -98,6 +119,9 @@ def test_a_directory_holding_something_else_is_not_touched_without_overwrite(tmp
     assert exit_.value.code == 2 and "not a run directory" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine"
     with pytest.raises(SystemExit):
+        cli.main(["train", "--run-dir", str(tmp_path), "--overwrite"])  # --overwrite replaces run directories only
+    assert "not a run directory" in capsys.readouterr().err and (tmp_path / "notes.txt").is_file()
+    with pytest.raises(SystemExit):
         cli.main(["train", "--run-dir", str(tmp_path / "new"), "--resume"])
     assert "holds no run to resume" in capsys.readouterr().err
 
@@ -118,18 +142,21 @@ def test_listings_and_the_module_entry_point(capsys):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A ``tiny`` run interrupted (KeyboardInterrupt) after its step 2, then continued to the end."""
+    """A ``tiny`` run interrupted (KeyboardInterrupt) in its evaluation after step 3, then
+    continued to the end by the same command."""
     run_dir = tmp_path_factory.mktemp("cli") / "run"
     argv = ["train", "--config", "tiny", "--run-dir", str(run_dir), "--progress", "off", "--steps", "5"]
-    log = records.RunRecorder.log
+    evaluate = loop.evaluation_metrics
+    calls = []
 
-    def interrupting(self, step, metrics):
-        log(self, step, metrics)
-        if step == 2:
+    def interrupting(*args, **kwargs):  # training evaluates after steps 1 and 3 (eval_every=2)
+        calls.append(1)
+        if len(calls) == 2:
             raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(records.RunRecorder, "log", interrupting)
+        patch.setattr(loop, "evaluation_metrics", interrupting)
         interrupted = cli.main(argv)
     checkpoints = training.Checkpointer(run_dir / run.CHECKPOINTS).all_steps()
     logged = [row["step"] for row in runs.read_metrics(run_dir)]
@@ -140,8 +167,9 @@ def finished_run(tmp_path_factory):
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_the_same_command_continues_the_run(finished_run, capsys):
     run_dir, interrupted, checkpoints, logged, finished = finished_run
-    assert interrupted == 130 and checkpoints == [2, 3]  # save_every=2, then the interrupted step's state
-    assert logged == [0, 1, 2] and finished == 0
+    assert interrupted == 130 and checkpoints == [2, 4]  # save_every=2; the interrupted step completed
+    assert logged == [0, 1, 2, 3] and finished == 0  # step 3 was recorded without its interrupted evaluation,
+    assert "eval_greedy_accuracy" in runs.read_metrics(run_dir)[3]  # which the continued run made up
     assert [row["step"] for row in runs.read_metrics(run_dir)] == [0, 1, 2, 3, 4]
     assert training.Checkpointer(run_dir / run.CHECKPOINTS).latest_step() == 5
     assert (run_dir / records.PLOT_FILE).is_file() and list((run_dir / records.TENSORBOARD_DIR).iterdir())
@@ -156,20 +184,26 @@ def test_ctrl_c_saves_a_checkpoint_and_the_same_command_continues_the_run(finish
 @pytest.mark.slow
 def test_eval_and_export_of_a_run(finished_run, tmp_path, capsys):
     run_dir = finished_run[0]
-    assert cli.main(["eval", "--run-dir", str(run_dir), "--step", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "eval_greedy_accuracy" in out and "eval_pass@2" in out
-    saved = json.loads((run_dir / "eval" / "step-4.json").read_text())
-    assert saved["step"] == 4 and saved["eval_examples"] == 8  # the tiny task's 8 held-out expressions
-    # Training evaluated the same params after its step 3 (0-based), with the same seed.
-    during_training = runs.read_metrics(run_dir)[3]
-    assert {k: v for k, v in saved.items() if k.startswith("eval_") and k != "eval_seconds"} == {
-        k: v for k, v in during_training.items() if k.startswith("eval_") and k != "eval_seconds"}
+    for step in (2, 4):  # training evaluated the same params after its steps 1 and 3, with the same seed
+        assert cli.main(["eval", "--run-dir", str(run_dir), "--step", str(step)]) == 0
+        out = capsys.readouterr().out
+        assert "eval_greedy_accuracy" in out and "eval_pass@2" in out
+        saved = json.loads((run_dir / "eval" / f"step-{step}.json").read_text())
+        assert saved["step"] == step and saved["eval_examples"] == 8  # the tiny task's 8 held-out expressions
+        during_training = runs.read_metrics(run_dir)[step - 1]
+        assert {k: v for k, v in saved.items() if k.startswith("eval_") and k != "eval_seconds"} == {
+            k: v for k, v in during_training.items() if k.startswith("eval_") and k != "eval_seconds"}
     assert cli.main(["eval", "--run-dir", str(run_dir), "--num-samples", "4"]) == 0
     assert json.loads((run_dir / "eval" / "step-5.json").read_text())["eval_pass@4"] >= 0
 
     out_dir = tmp_path / "exported"
     assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(out_dir), "--step", "4"]) == 0
+    with pytest.raises(SystemExit) as exit_:  # an existing export, or a path in the run directory: refused
+        cli.main(["export", "--run-dir", str(run_dir), "--out", str(out_dir)])
+    assert exit_.value.code == 2 and "exists and is not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["export", "--run-dir", str(run_dir), "--out", str(run_dir / "policy")])
+    assert exit_.value.code == 2 and "lies in the run directory" in capsys.readouterr().err
     tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
     generation = transformers.GenerationConfig.from_pretrained(out_dir)
@@ -180,7 +214,7 @@ def test_eval_and_export_of_a_run(finished_run, tmp_path, capsys):
     assert model.config.vocab_size == len(tokenizer)
 
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["export", "--run-dir", str(run_dir), "--out", str(out_dir), "--step", "1"])
+        cli.main(["export", "--run-dir", str(run_dir), "--out", str(out_dir), "--step", "1", "--overwrite"])
     assert exit_.value.code == 2 and "no checkpoint of step 1" in capsys.readouterr().err
 
 

@@ -80,9 +80,11 @@ def test_the_default_directory_follows_the_environment(monkeypatch, tmp_path):
         assert compilation_cache.default_directory() is None
 
 
-@pytest.mark.skipif(bool(jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")),
+@pytest.mark.skipif(bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")),
                     reason="this process has a cache directory of its own")
 def test_enable_is_idempotent_and_disable_undoes_it(monkeypatch, tmp_path):
+    suites = jax.config.jax_compilation_cache_dir  # the test session's cache (conftest): set aside, then back
+    compilation_cache.disable()
     monkeypatch.delenv(compilation_cache.ENV, raising=False)
     threshold = jax.config.jax_persistent_cache_min_compile_time_secs
     try:
@@ -92,5 +94,9 @@ def test_enable_is_idempotent_and_disable_undoes_it(monkeypatch, tmp_path):
         assert compilation_cache.enable(tmp_path / "b") == str(tmp_path / "b")  # ours to move
     finally:
         compilation_cache.disable()
-    assert jax.config.jax_compilation_cache_dir is None
-    assert jax.config.jax_persistent_cache_min_compile_time_secs == threshold
+    try:
+        assert jax.config.jax_compilation_cache_dir is None
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == threshold
+    finally:
+        if suites:
+            compilation_cache.enable(suites)

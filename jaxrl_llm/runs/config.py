@@ -236,13 +236,8 @@ class RunConfig:
         for field in ("steps", "save_every", "keep_checkpoints", "samples_every", "plot_every"):
             _checks.positive_int(where, field, getattr(self, field))
         _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
-        if self.method not in algorithms.PRESETS:
-            raise ValueError(f"{where}: unknown method {self.method!r}; the presets are "
-                             f"{', '.join(algorithms.PRESETS)}.")
+        algorithms.get(self.method)  # a preset's name (the error lists them)
         training.check_supported(self.algorithm, self.train)
-        if self.train.eval_every and self.task.name == "reasoning_gym" and self.task.test_size == 0:
-            raise ValueError(f"{where}: train.eval_every={self.train.eval_every} needs a test split; "
-                             "set task.test_size > 0 or train.eval_every = 0.")
 
 
 # ----------------------------------------------------------------------------------------
@@ -257,23 +252,57 @@ def _is_dataclass_type(kind) -> bool:
     return isinstance(kind, type) and dataclasses.is_dataclass(kind)
 
 
+def _type_name(kind) -> str:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Literal:
+        return f"one of {', '.join(map(repr, args))}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null (leave it out)" if a is type(None) else _type_name(a) for a in args)
+    if origin is tuple:
+        return f"a list (each {_type_name(args[0])})"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
 def _coerce(kind, value, where: str):
-    """A TOML/JSON value as the field's type: tables as dataclasses, lists as tuples."""
+    """A TOML/JSON value as the field's type: tables as dataclasses, lists as tuples,
+    integers as floats where a float is wanted. Anything else that does not have the
+    field's type is an error naming the field and the type: ``"no"`` is not a bool."""
     if _is_dataclass_type(kind):
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a table of {kind.__name__}'s fields; got {value!r}.")
         return _from_dict(kind, value, where)
-    origin = typing.get_origin(kind)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
-        if value is None:
+        if value is None and type(None) in args:
             return None
-        (kind,) = [a for a in typing.get_args(kind) if a is not type(None)][:1] or (kind,)
-        origin = typing.get_origin(kind)
-    if origin is tuple and isinstance(value, list):
-        return tuple(value)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(option, value, where)
+            except ValueError:
+                continue
+    elif origin is Literal:
+        if value in args:
+            return value
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            element = args[0]
+            return tuple(_coerce(element, v, f"{where}[{i}]") for i, v in enumerate(value))
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ValueError(f"{where} must be {_type_name(kind)}; got {value!r}.")
 
 
 def _from_dict(cls, data: dict, where: str, *, base=None):
@@ -303,15 +332,16 @@ def from_dict(data: dict, *, where: str = "config") -> RunConfig:
     ``method`` picks the preset; ``algorithm`` overrides its fields. Raises ValueError
     naming an unknown key and the allowed ones, or a value out of range."""
     data = dict(data)
-    method = data.pop("method", RunConfig.method)
-    if method not in algorithms.PRESETS:
-        raise ValueError(f"{where}: unknown method {method!r}; the presets are {', '.join(algorithms.PRESETS)}.")
+    method = _coerce(str, data.pop("method", RunConfig.method), f"{where}.method")
+    try:
+        preset = algorithms.get(method)
+    except ValueError as error:
+        raise ValueError(f"{where}.method: {error}") from None
     overrides = data.pop("algorithm", {})
     if not isinstance(overrides, dict):
         raise ValueError(f"{where}.algorithm must be a table of Algorithm fields; got {overrides!r}.")
-    algorithm = _from_dict(algorithms.Algorithm, overrides, f"{where}.algorithm", base=algorithms.get(method))
-    default = RunConfig()
-    base = dataclasses.replace(default, method=method, algorithm=algorithm) if method != default.method else default
+    algorithm = _from_dict(algorithms.Algorithm, overrides, f"{where}.algorithm", base=preset)
+    base = dataclasses.replace(RunConfig(), method=method, algorithm=algorithm)
     return _from_dict(RunConfig, data, where, base=base)
 
 

@@ -3,7 +3,7 @@ r"""The records of a training run: what ``jaxrl-llm train --run-dir DIR`` leaves
 .. code-block:: python
 
     with RunRecorder(run_dir, total_steps=steps) as recorder:
-        training.train(..., steps=steps, callback=recorder.log)
+        training.train(..., steps=steps, callback=lambda end: recorder.log(end.step, end.metrics))
     print(recorder.summary())
 
 The run directory holds:
@@ -345,8 +345,9 @@ def _is_terminal(stream: Any) -> bool:
 
 
 class RunRecorder:
-    """Writes a training run's records into ``run_dir`` (see the module doc); pass its
-    :meth:`log` as :func:`jaxrl_llm.training.train`'s ``callback``.
+    """Writes a training run's records into ``run_dir`` (see the module doc); call
+    :meth:`log` from :func:`jaxrl_llm.training.train`'s ``callback`` with the
+    :class:`~jaxrl_llm.training.StepEnd`'s ``step`` and ``metrics``.
 
     Args:
       run_dir: the run directory (created if missing).

@@ -30,6 +30,7 @@ SIGKILL on CPU).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -81,7 +82,7 @@ def stored_config(run_dir: str | os.PathLike) -> RunConfig | None:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise RunDirectoryError(f"{str(run_dir)!r} is not empty and holds no {CONFIG_FILE}: not a run directory. "
-                                "Choose another --run-dir, or pass --overwrite to delete its contents.")
+                                "Choose another --run-dir (--overwrite replaces only run directories).")
     try:
         return from_dict(json.loads(path.read_text()), where=str(path))
     except (ValueError, json.JSONDecodeError) as error:
@@ -105,19 +106,32 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
     try:
         stored = stored_config(run_dir)
     except RunDirectoryError:
-        if overwrite:
-            return None
+        if overwrite and (pathlib.Path(run_dir) / CONFIG_FILE).is_file():
+            return None  # a run directory whose config no longer reads: replaced
         raise
-    if resume and stored is None:
-        raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no run to resume.")
+    if resume and (stored is None or not training.Checkpointer(pathlib.Path(run_dir) / CHECKPOINTS).all_steps()):
+        raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no "
+                                f"{'run' if stored is None else 'checkpoint'} to resume from.")
     if stored is not None and not overwrite:
         changed = differences(stored, config, ignore=_ignorable(stored))
         if changed:
+            hint = (" (`steps` sets the end of the decaying learning rate: set train.decay_steps to extend a run)"
+                    if any(c.startswith("steps:") for c in changed) else "")
             raise RunDirectoryError(
                 f"{str(run_dir)!r} holds a different run ({len(changed)} setting{'s' if len(changed) > 1 else ''} "
-                f"differ, stored -> requested: {'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}). "
+                f"differ, stored -> requested: {'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}){hint}. "
                 "Choose another --run-dir, or pass --overwrite to replace it.")
     return None if overwrite else stored
+
+
+def absolute_paths(config: RunConfig) -> RunConfig:
+    """``config`` with its model and data paths absolute: a run continues from anywhere."""
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, path=absolute(config.model.path)),
+        task=dataclasses.replace(config.task, path=absolute(config.task.path), test_path=absolute(config.task.test_path)))
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
@@ -172,8 +186,12 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
       stream: where messages and the summary go (``None``: nowhere).
     """
     run_dir = pathlib.Path(run_dir)
+    config = absolute_paths(config)
     stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
     build.check_model_path(config.model)
+    if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
+                         "`pip install wandb`, or leave wandb_project unset.")
     tokenizer = build.tokenizer(config.model)
     task = build.task(config.task, tokenizer, checkpoint=config.model.path)
     if config.train.eval_every and not task.split_size("test"):
@@ -197,11 +215,15 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
         state = checkpointer.restore(like=build.abstract_state(config, model, abstract_params))
         params = state.params
         start = int(state.step)
+        for unreadable in (s for s in checkpointer.all_steps() if s > start):
+            aside = run_dir / CHECKPOINTS / f"unreadable-{unreadable}"
+            os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
+            _print(f"Checkpoint {unreadable} cannot be read (moved to {aside}); continuing from step {start}.",
+                   stream)
+        latest = start
         warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
         _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
     else:
-        for leftover in (records.METRICS_FILE, records.SAMPLES_FILE):  # a run killed before its first checkpoint
-            (run_dir / leftover).unlink(missing_ok=True)
         start = 0
         model, params = build.model(config, task)
         started = time.perf_counter()
@@ -222,15 +244,22 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
                f"--overwrite to start again.\n{summary}", stream)
         return RunResult(run_dir, config, None, [], warm, summary)
 
+    # Ctrl-C during the evaluation of step `start - 1` left its record without it; the
+    # checkpoint holds the params it evaluates, so it is run now, as it would have been.
+    unevaluated = _unevaluated_record(run_dir, start, config)
+    if unevaluated is not None:
+        unevaluated.update(evaluate_model(model, params, task, config))
     recorder = records.RunRecorder(
-        run_dir, total_steps=config.steps, start_step=start, tensorboard=config.tensorboard,
-        plot_every=config.plot_every, progress=progress, wandb_project=config.wandb_project,
-        wandb_config=to_dict(config))
+        run_dir, total_steps=config.steps, start_step=start - (unevaluated is not None),
+        tensorboard=config.tensorboard, plot_every=config.plot_every, progress=progress,
+        wandb_project=config.wandb_project, wandb_config=to_dict(config))
+    if unevaluated is not None:
+        recorder.log(start - 1, unevaluated)
     saved = {latest} if latest is not None else set()
 
     def save(state: training.TrainState, metrics: dict[str, float] | None = None) -> None:
         step = int(state.step)
-        if step in saved or step == 0:
+        if step in saved or step == 0 or step in checkpointer.all_steps():  # (a save Ctrl-C interrupted completes)
             return
         checkpointer.save(step, state, metadata={"reward": metrics.get("reward")} if metrics else None)
         saved.add(step)
@@ -248,11 +277,17 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
         state, history = training.train(model, params, config.algorithm, config.train, steps=config.steps - start,
                                          task=task, state=state, callback=on_step,
                                          compilation_cache=config.compilation_cache)
-    except training.RunStopped as stopped:  # and NonFiniteUpdates: the state holds finite params
-        _save_stopped(save, stopped, recorder, checkpointer, stream, run_dir)
-        raise
-    except training.RunInterrupted as interrupted:
-        _save_stopped(save, interrupted, recorder, checkpointer, stream, run_dir)
+    except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
+        try:
+            for step, metrics in enumerate(stopped.history, start=start):  # completed, not recorded: Ctrl-C
+                if not recorder.rows or recorder.rows[-1]["step"] < step:  # came during its evaluation or hook
+                    recorder.log(step, metrics)
+            save(stopped.state)
+            _print(f"Saved a checkpoint of step {int(stopped.state.step)}; continue with: "
+                   f"jaxrl-llm train --run-dir {run_dir} --resume", stream)
+        finally:
+            recorder.close()
+            checkpointer.close()
         raise
     recorder.close()
     checkpointer.close()
@@ -261,15 +296,16 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     return RunResult(run_dir, config, state, history, warm, summary)
 
 
-def _save_stopped(save, stopped, recorder, checkpointer, stream, run_dir) -> None:
-    """Saves the state of a run that ended early, and closes its records."""
-    try:
-        save(stopped.state)
-        _print(f"Saved a checkpoint of step {int(stopped.state.step)}; continue with: "
-               f"jaxrl-llm train --run-dir {run_dir} --resume", stream)
-    finally:
-        recorder.close()
-        checkpointer.close()
+def _unevaluated_record(run_dir: pathlib.Path, start: int, config: RunConfig) -> dict[str, Any] | None:
+    """The metrics of step ``start - 1`` (without ``step``) if it should have, and has not,
+    its evaluation; else ``None``."""
+    every = config.train.eval_every
+    if not (start and every and start % every == 0):
+        return None
+    last = next((row for row in records.read_metrics(run_dir) if row["step"] == start - 1), None)
+    if last is None or "eval_greedy_accuracy" in last:
+        return None
+    return {name: value for name, value in last.items() if name != "step"}
 
 
 def _summary(run_dir: pathlib.Path, warm: dict[str, Any]) -> str:
@@ -329,11 +365,21 @@ def evaluate_run(run_dir: str | os.PathLike, *, step: int | None = None, num_sam
     return results
 
 
-def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None) -> int:
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
+               overwrite: bool = False) -> int:
     """Writes checkpoint ``step``'s policy (default: the latest) as a Hugging Face directory
     with its tokenizer and a generation config holding the task's stop ids and the run's
     sampling settings (the policy trained is the one sampled at ``train.temperature``);
-    returns the step."""
+    returns the step. ``out`` must not hold anything unless ``overwrite`` (its model and
+    tokenizer files are then replaced, other files kept), nor lie in the run directory.
+
+    Raises RunDirectoryError for such an ``out``, before reading the checkpoint."""
+    out_path, run_path = pathlib.Path(out).resolve(), pathlib.Path(run_dir).resolve()
+    if out_path == run_path or run_path in out_path.parents:
+        raise RunDirectoryError(f"--out {str(out)!r} lies in the run directory {str(run_dir)!r}; export elsewhere.")
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
+        raise RunDirectoryError(f"--out {str(out)!r} exists and is not empty; choose another directory, or pass "
+                                "--overwrite to replace the model and tokenizer files there.")
     config, task, model, params, step = restore_policy(run_dir, step)
     train = config.train
     sampling = {"top_k": train.top_k, "top_p": train.top_p, "min_p": train.min_p}

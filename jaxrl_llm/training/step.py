@@ -131,8 +131,15 @@ def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, lr_schedu
 
 
 def _matrices(params):
-    """Weight decay's mask: params with two or more axes (not norm scales, not biases)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Weight decay's mask: the weight matrices (embeddings, projections), not the norms'
+    scales or the biases, whatever their rank (Qwen2's q/k/v biases are ``[heads, head_dim]``)."""
+
+    def decayed(path, param) -> bool:
+        names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+        name = next((n for n in reversed(names) if n and n != "value"), "")  # nnx leaves end in `.value`
+        return param.ndim >= 2 and not name.endswith("bias") and "norm" not in name
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: float, lr_schedule: str = "constant",

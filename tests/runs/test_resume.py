@@ -1,8 +1,10 @@
-"""A run killed with SIGKILL and resumed ends exactly where the uninterrupted run does.
+"""A run killed with SIGKILL, resumed, interrupted with SIGINT and resumed again ends
+exactly where the uninterrupted run does.
 
 Each run is a real ``jaxrl-llm train`` process on the ``tiny`` config. The reference runs
 to the end; the other is killed (SIGKILL: no handler, no cleanup) once it has saved a
-checkpoint and before its last step, then resumed with ``--resume``. Its final
+checkpoint and logged a step after it, resumed with ``--resume``, stopped by SIGINT
+(Ctrl-C: it saves a checkpoint and exits with status 130) and resumed again. Its final
 parameters must be bitwise equal to the reference's and every line of ``metrics.jsonl``
 equal, timings aside: the prompts, keys and counters all live in the checkpointed state.
 """
@@ -21,7 +23,7 @@ import pytest
 from jaxrl_llm import runs
 from jaxrl_llm.runs import run
 
-STEPS = 8
+STEPS = 12
 
 
 def command(run_dir, *flags):
@@ -50,20 +52,35 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_param
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     subprocess.run(command(reference), env=env, check=True, capture_output=True, timeout=600)
 
+    def stop_after_a_checkpoint(process, sig, since=0):
+        """Sends ``sig`` once a checkpoint after step ``since`` exists and a step after it is logged."""
+        deadline = time.monotonic() + 600
+        while process.poll() is None and time.monotonic() < deadline:
+            saved = [s for s in complete_checkpoints(killed) if s > since]
+            if saved and len(runs.read_metrics(killed)) > saved[-1]:
+                break
+            time.sleep(0.01)
+        os.kill(process.pid, sig)
+        return process.wait(timeout=600)
+
     process = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 600
-    while not complete_checkpoints(killed) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    assert stop_after_a_checkpoint(process, signal.SIGKILL) == -signal.SIGKILL
     saved = complete_checkpoints(killed)
     assert saved and saved[-1] < STEPS, (saved, process.stderr.read().decode()[-2000:])
-    logged = runs.read_metrics(killed)
-    assert len(logged) < STEPS  # it was stopped before the end
+    assert saved[-1] < len(runs.read_metrics(killed)) < STEPS  # logged a step it had not saved; not at the end
+
+    process = subprocess.Popen(command(killed, "--resume"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert stop_after_a_checkpoint(process, signal.SIGINT, since=saved[-1]) == 130
+    out, err = process.communicate()
+    assert f"from its checkpoint of step {saved[-1]}" in out
+    interrupted = complete_checkpoints(killed)[-1]
+    assert interrupted < STEPS and "interrupted" in err and f"checkpoint of step {interrupted}" in out, err[-2000:]
+    assert [row["step"] for row in runs.read_metrics(killed)] == list(range(interrupted))  # saved what it logged
 
     resumed = subprocess.run(command(killed, "--resume"), env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"from its checkpoint of step {saved[-1]}" in resumed.stdout
+    assert f"from its checkpoint of step {interrupted}" in resumed.stdout
 
     expected, got = runs.read_metrics(reference), runs.read_metrics(killed)
     assert [row["step"] for row in got] == list(range(STEPS))

@@ -192,3 +192,20 @@ def test_bad_optimizer_settings_are_refused_naming_the_field_and_what_is_allowed
 def test_decay_steps_are_allowed_and_ignored_with_a_constant_schedule():
     assert training.TrainConfig(decay_steps=10).lr_schedule == "constant"
     assert LR_SCHEDULES == ("constant", "linear", "cosine")
+
+
+def test_weight_decay_reaches_the_weight_matrices_of_a_qwen2_model_and_not_its_biases_or_norms():
+    from jaxrl_llm import models
+
+    config = models.ModelConfig(architecture="qwen2", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                                num_heads=2, num_kv_heads=1, head_dim=4, attention_bias=True)
+    _, params = models.init(config, jax.random.key(0))
+    optimizer = training.make_optimizer(learning_rate=1e-1, warmup_steps=1, max_grad_norm=1.0, weight_decay=0.5)
+    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    moved = {jax.tree_util.keystr(path): bool(jnp.any(u != 0))
+             for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+    # With zero gradients only the decay moves a parameter.
+    assert {name for name, m in moved.items() if not m} == {
+        "['layers'][0]['input_layernorm'].value", "['layers'][0]['post_attention_layernorm'].value",
+        "['layers'][0]['self_attn']['q_bias'].value", "['layers'][0]['self_attn']['k_bias'].value",
+        "['layers'][0]['self_attn']['v_bias'].value", "['norm'].value"}

@@ -1,103 +1,56 @@
-"""GRPO raises the held-out accuracy of a tiny model on the text arithmetic task.
+"""The embedded default run (``make run``) raises held-out accuracy by at least 20 points.
 
-The whole text pipeline, end to end: a character tokenizer with a chat template, the
+The whole text pipeline, end to end, as ``jaxrl-llm train`` runs it (``runs.train_run``
+on ``RunConfig()``): the built-in character tokenizer with its chat template, the
 arithmetic task ("Solve 3 + 4") rendering its prompts through that template, a supervised
-warm start on the task's own demonstrations, then ``training.train`` with GRPO and the
-task's default reward (exact match on the completion's last number), scored by
-``evaluation.evaluate`` on the test split, whose 20 expressions the train stream never draws.
+warm start on the task's own demonstrations, then GRPO with the task's default reward
+(exact match on the completion's last number), evaluated every 10 steps on the test
+split, whose 20 expressions the train stream never draws.
 
 The warm start uses systematically wrong labels: 70% of the demonstrations answer
 ``a + b + 1``. The model learns the sums, on held-out expressions too, but with the right
 answer as the weaker of two modes, so greedy decoding mostly answers one too many while
-sampling finds the right answer often (pass@1 about 0.3): the reward gives GRPO a clear
-signal, and the fix, preferring ``a + b`` to ``a + b + 1``, carries over to expressions it
-never trains on. Uniformly random wrong labels do not make such a test: the right answer
-stays the greedy mode, and the noise only hurts held-out accuracy.
+sampling often finds the right answer: the reward gives GRPO a clear signal, and the fix,
+preferring ``a + b`` to ``a + b + 1``, carries over to expressions it never trains on.
 
-Held-out greedy accuracy before -> after 30 GRPO steps (pass@1 of 16 samples at T = 1):
-
-    seed 0: 0.20 -> 0.65 (0.33 -> 0.53)    seed 1: 0.10 -> 0.95 (0.26 -> 0.69)
-    seed 2: 0.40 -> 0.85 (0.41 -> 0.59)    seed 3: 0.05 -> 0.80 (0.25 -> 0.64)
-    seed 4: 0.35 -> 1.00 (0.39 -> 0.72)
-
-The test runs seed 0 and asks for a gain of ``MARGIN``, below the smallest seen (0.45).
+Held-out greedy accuracy after the warm start -> after 40 GRPO steps: seed 0 0.35 -> 0.80,
+seed 1 0.10 -> 0.70, seed 2 0.55 -> 0.85. The test runs seed 0 and asks for the 20 points
+the README promises.
 """
 
-import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms, evaluation, models, tasks, training
+from jaxrl_llm import runs
+from jaxrl_llm.runs import build
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- message['role'][0] + ':' + message['content'] + '\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- 'a:' }}{%- endif %}"
-)
-"""A user turn "Solve 3 + 4" renders as "u:Solve 3 + 4\\na:" (a system turn as "s:...\\n")."""
-ALPHABET = "0123456789+ :\nSolveua"
-"""Every character the template, the prompts and the answers use."""
-SEED = 0
-MAX_NEW_TOKENS = 3  # answers are 0..19 (with the wrong labels), then EOS
-WRONG_LABELS = 0.7  # the fraction of demonstrations answering a + b + 1
-RL_STEPS = 30
-MARGIN = 0.3  # greedy accuracy gained on the 20 held-out expressions: 6 of them
-
-
-def warm_started(seed: int):
-    """The task and a tiny model fine-tuned on demonstrations with wrong labels."""
-    tokenizer = tasks.build_char_tokenizer(ALPHABET)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    task = tasks.arithmetic(tokenizer=tokenizer)  # a + b, one-digit operands; 20 test expressions
-    config = models.ModelConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, max_position_embeddings=32, bos_token_id=tokenizer.bos_token_id, eos_token_ids=task.eos_ids,
-        pad_token_id=task.pad_id)
-    model, params = models.init(config, jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-
-    def mostly_one_too_many(record):
-        return str(int(record["answer"]) + 1) if rng.random() < WRONG_LABELS else record["answer"]
-
-    demonstrations = task.demonstrations("train", np.arange(1024), completion=mostly_one_too_many,
-                                         max_new_tokens=MAX_NEW_TOKENS, seed=seed)
-    params, losses = training.supervised_finetune(model, params, *demonstrations, steps=300, batch_size=64,
-                                                  learning_rate=1e-3, seed=seed)
-    # Anneal: a lower rate settles the model near the labels' distribution (at 1e-3 the
-    # greedy answer flips with the latest minibatches, the two modes being close).
-    params, annealed = training.supervised_finetune(model, params, *demonstrations, steps=100, batch_size=64,
-                                                    learning_rate=2e-4, seed=seed + 1)
-    return task, model, params, losses + annealed
-
-
-def learn(seed: int):
-    """Warm start, then GRPO: the held-out metrics before and after, and the run's history."""
-    task, model, params, losses = warm_started(seed)
-    evaluate = lambda p: evaluation.evaluate(  # noqa: E731
-        model, p, task, split="test", max_new_tokens=MAX_NEW_TOKENS, num_samples=16, progress=False)
-    before = evaluate(params)
-    config = training.TrainConfig(num_prompts=8, group_size=8, max_new_tokens=MAX_NEW_TOKENS, learning_rate=2e-4,
-                                  seed=seed)
-    state, history = training.train(model, params, algorithms.GRPO, config, steps=RL_STEPS, task=task)
-    return task, losses, before, evaluate(state.params), history
+MARGIN = 0.2  # greedy accuracy gained on the 20 held-out expressions: 4 of them
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_held_out_accuracy_of_a_model_warm_started_through_the_chat_template():
-    task, losses, before, after, history = learn(SEED)
+def test_the_default_run_raises_the_held_out_accuracy_of_its_warm_start_by_20_points(tmp_path):
+    config = runs.RunConfig()
+    result = runs.train_run(config, tmp_path / "run", progress=False, stream=None)
+    metrics = runs.read_metrics(tmp_path / "run")
+    evaluations = [row for row in metrics if row.get("eval_greedy_accuracy") is not None]
+    before, after = result.warm_start, evaluations[-1]
 
     # The prompts went through the chat template, over the tokenizer's alphabet only.
+    task = build.task(config.task, build.tokenizer(config.model))
     assert task.chat_template
     test = task.examples("test", np.arange(task.split_size("test")), seed=0)
     assert task.tokenizer.decode(test.tokens[0]) == f"u:Solve {test.columns['expression'][0]}\na:"
     assert task.tokenizer.unk_token_id not in test.tokens
     # Held out: the warm start and RL draw from the train stream, which skips the test expressions.
-    train_expressions = task.examples("train", np.arange(1024), seed=SEED).columns["expression"]
+    train_expressions = task.examples("train", np.arange(1024), seed=config.train.seed).columns["expression"]
     assert not set(train_expressions) & set(test.columns["expression"])
 
-    assert np.mean(losses[-20:]) < losses[0]
-    assert before["examples"] == after["examples"] == 20
-    assert before["greedy_accuracy"] <= 0.5, before  # room to improve: the wrong mode mostly wins
-    assert after["greedy_accuracy"] - before["greedy_accuracy"] >= MARGIN, (before, after)
-    assert after["pass@1"] - before["pass@1"] >= 0.1, (before, after)  # sampling at T = 1 improves too
-    assert all(np.isfinite(value) for metrics in history for value in metrics.values())
-    assert history[-1]["update_traces"] == 1 and history[-1]["skipped_updates"] == 0
+    assert before["last_loss"] < before["first_loss"]
+    assert before["eval_examples"] == after["eval_examples"] == 20
+    assert [row["step"] for row in evaluations] == [9, 19, 29, 39] and len(metrics) == config.steps
+    assert before["eval_greedy_accuracy"] <= 0.5, before  # room to improve: the wrong mode mostly wins
+    assert after["eval_greedy_accuracy"] - before["eval_greedy_accuracy"] >= MARGIN, (before, after)
+    assert after["eval_pass@1"] - before["eval_pass@1"] >= 0.05, (before, after)  # sampling at T = 1 improves too
+    assert all(np.isfinite(v) for row in metrics for v in row.values() if v is not None)
+    assert metrics[-1]["update_traces"] == 1 and metrics[-1]["skipped_updates"] == 0
+    assert f"Held-out greedy accuracy: {before['eval_greedy_accuracy']:.2f} after the warm start" in result.summary
