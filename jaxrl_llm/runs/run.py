@@ -194,9 +194,7 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
                          "`pip install wandb`, or leave wandb_project unset.")
     tokenizer = build.tokenizer(config.model)
     task = build.task(config.task, tokenizer, checkpoint=config.model.path)
-    if config.train.eval_every and not task.split_size("test"):
-        raise ValueError(f"train.eval_every={config.train.eval_every} evaluates on the task's test split, which is "
-                         "empty; give the task a test split or set train.eval_every = 0.")
+    training.loop.check_evaluation(task, config.train)
     if config.warm_start.steps + config.warm_start.anneal_steps:
         build.demonstrations(dataclasses.replace(config, warm_start=dataclasses.replace(config.warm_start,
                                                                                          examples=1)), task)

@@ -121,6 +121,14 @@ def _interrupts_held():
             raise KeyboardInterrupt
 
 
+def check_evaluation(task: tasks.Task, config: TrainConfig) -> None:
+    """Raises ValueError if ``config.eval_every`` asks for evaluations the task's test split cannot give."""
+    if config.eval_every and not task.split_size("test"):
+        raise ValueError(f"train: eval_every={config.eval_every} evaluates on the task's test split, but it has "
+                         f"{'no end' if task.split_size('test') is None else 'no examples'}; give the task a test "
+                         f"split (test_records=, test_fraction=) or set eval_every=0.")
+
+
 def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.Task, config: TrainConfig, *,
                        prompt_bucket: int = 8) -> dict[str, float]:
     """The task's test split evaluated with the run's sampling settings
@@ -204,10 +212,7 @@ def train(
     _checks.positive_int("train", "prompt_bucket", prompt_bucket)
     task = tasks.DigitSumTask() if task is None else task
     tasks.check_task(task)
-    if config.eval_every and not task.split_size("test"):
-        raise ValueError(f"train: eval_every={config.eval_every} evaluates on the task's test split, but it has "
-                         f"{'no end' if task.split_size('test') is None else 'no examples'}; give the task a test "
-                         f"split (test_records=, test_fraction=) or set eval_every=0.")
+    check_evaluation(task, config)
     if rollout is not None and rollout_mesh is not None:
         raise ValueError("train: pass `rollout_mesh` or your own `rollout` backend (which places its own work), "
                          "not both.")
