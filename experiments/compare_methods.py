@@ -86,10 +86,10 @@ class CompareConfig:
     def __post_init__(self):
         where = "CompareConfig"
         # `--algorithms grpo,ppo` arrives as one entry: split it, so both spellings mean the same.
-        names = tuple(name.strip() for entry in self.algorithms for name in entry.split(",") if name.strip())
-        object.__setattr__(self, "algorithms", names)
-        if not names:
-            raise ValueError(f"{where}: `algorithms` names no method; known: {', '.join(ALL_METHODS)}.")
+        try:
+            object.__setattr__(self, "algorithms", algorithms.preset_names(self.algorithms))
+        except ValueError as error:
+            raise ValueError(f"{where}: `algorithms`: {error}") from None
         for field in ("hidden_size", "num_layers", "sft_steps", "rl_steps", "num_prompts", "group_size",
                       "max_new_tokens"):
             _checks.positive_int(where, field, getattr(self, field))
@@ -106,7 +106,7 @@ class CompareConfig:
         if self.plot and self.out_dir is not None and importlib.util.find_spec("matplotlib") is None:
             raise ValueError(f"{where}: `plot` needs matplotlib (pip install matplotlib); or pass --no-plot.")
         train_config = self.train_config()  # validates the RL settings (learning rate, batch shape)
-        for method in self.methods():  # unknown names, and methods these settings cannot run
+        for method in self.methods():  # methods these settings cannot run
             training.check_supported(method, train_config)
 
     def methods(self) -> list[algorithms.Algorithm]:

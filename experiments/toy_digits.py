@@ -78,11 +78,10 @@ class ToyConfig:
     def __post_init__(self):
         where = "ToyConfig"
         # `--algorithms grpo,ppo` arrives as one entry: split it, so both spellings mean the same.
-        names = tuple(name.strip() for entry in self.algorithms for name in entry.split(",") if name.strip())
-        object.__setattr__(self, "algorithms", names)
-        if not names:
-            raise ValueError(f"{where}: `algorithms` names no method; known: {', '.join(ALL_METHODS)}.")
-        self.methods()  # unknown names
+        try:
+            object.__setattr__(self, "algorithms", algorithms.preset_names(self.algorithms))
+        except ValueError as error:
+            raise ValueError(f"{where}: `algorithms`: {error}") from None
         for field in ("steps", "num_prompts", "group_size", "max_new_tokens", "hidden"):
             _checks.positive_int(where, field, getattr(self, field))
         if self.group_size < 2:

@@ -25,6 +25,7 @@ Conventions chosen where the papers leave room are documented on each field.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import jax
@@ -463,6 +464,18 @@ def get(name: str) -> Algorithm:
     if name not in PRESETS:
         raise ValueError(f"Unknown algorithm {name!r}; known: {', '.join(PRESETS)}.")
     return PRESETS[name]
+
+
+def preset_names(entries: Sequence[str]) -> tuple[str, ...]:
+    """Preset names from command-line entries, each one name or several comma-separated
+    (``["grpo", "ppo"]`` and ``["grpo,ppo"]`` are the same). Raises ValueError for an
+    unknown name or none at all."""
+    names = tuple(name.strip() for entry in entries for name in entry.split(",") if name.strip())
+    if not names:
+        raise ValueError(f"No method named; known: {', '.join(PRESETS)}.")
+    for name in names:
+        get(name)
+    return names
 
 
 __all__ = [

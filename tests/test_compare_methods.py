@@ -37,7 +37,7 @@ def test_the_flags_parse_to_the_config():
     (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
     (["--group-size", "1", "--algorithms", "grpo"], "Algorithm 'grpo' compares each completion"),
     (["--algorithms", "grpo2"], "Unknown algorithm 'grpo2'"),
-    (["--algorithms", ","], "`algorithms` names no method"),
+    (["--algorithms", ","], "`algorithms`: No method named"),
     (["--sft-accuracy", "1.5"], r"`sft_accuracy` must be in \[0.0, 1.0\]; got 1.5"),
     (["--out-dir", __file__], "`out_dir` must be a directory"),
 ])
