@@ -144,8 +144,9 @@ def test_listings_and_the_module_entry_point(capsys):
 def finished_run(tmp_path_factory):
     """A ``tiny`` run interrupted (KeyboardInterrupt) in its evaluation after step 3, then
     continued to the end by the same command."""
-    run_dir = tmp_path_factory.mktemp("cli") / "run"
-    argv = ["train", "--config", "tiny", "--run-dir", str(run_dir), "--progress", "off", "--steps", "5"]
+    base = tmp_path_factory.mktemp("cli")
+    run_dir = base / "run"
+    argv = ["train", "--config", "tiny", "--run-dir", "run", "--progress", "off", "--steps", "5"]  # relative
     evaluate = loop.evaluation_metrics
     calls = []
 
@@ -156,11 +157,14 @@ def finished_run(tmp_path_factory):
         return evaluate(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(base)
         patch.setattr(loop, "evaluation_metrics", interrupting)
         interrupted = cli.main(argv)
-    checkpoints = training.Checkpointer(run_dir / run.CHECKPOINTS).all_steps()
-    logged = [row["step"] for row in runs.read_metrics(run_dir)]
-    finished = cli.main(argv)  # the same command again continues the run
+        checkpoints = training.Checkpointer(run_dir / run.CHECKPOINTS).all_steps()
+        logged = [row["step"] for row in runs.read_metrics(run_dir)]
+        patch.undo()
+        patch.chdir(base)
+        finished = cli.main(argv)  # the same command again continues the run
     return run_dir, interrupted, checkpoints, logged, finished
 
 

@@ -280,9 +280,14 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
             for step, metrics in enumerate(stopped.history, start=start):  # completed, not recorded: Ctrl-C
                 if not recorder.rows or recorder.rows[-1]["step"] < step:  # came during its evaluation or hook
                     recorder.log(step, metrics)
-            save(stopped.state)
-            _print(f"Saved a checkpoint of step {int(stopped.state.step)}; continue with: "
-                   f"jaxrl-llm train --run-dir {run_dir} --resume", stream)
+            try:
+                save(stopped.state)
+            except Exception as error:  # noqa: BLE001 (the run's own error is the one to raise)
+                _print(f"Could not save a checkpoint of step {int(stopped.state.step)}: {type(error).__name__}: "
+                       f"{error}", sys.stderr)
+            else:
+                _print(f"Saved a checkpoint of step {int(stopped.state.step)}; continue with: "
+                       f"jaxrl-llm train --run-dir {run_dir} --resume", stream)
         finally:
             recorder.close()
             checkpointer.close()

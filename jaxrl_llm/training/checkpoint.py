@@ -115,7 +115,8 @@ class Checkpointer:
     """The checkpoints of one run in ``directory`` (created on the first save).
 
     Args:
-      directory: the run's checkpoint directory (local path or an ``epath`` URL).
+      directory: the run's checkpoint directory (a local path, made absolute, or an
+        ``epath`` URL).
       max_to_keep: keep the last this many checkpoints (``None``: all); older ones are
         deleted after each save.
 
@@ -128,7 +129,9 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"Checkpointer: max_to_keep must be >= 1 or None; got {max_to_keep}.")
-        self.directory = os.fspath(directory)
+        directory = os.fspath(directory)
+        # orbax wants absolute paths (a relative one fails mid-save); URLs (gs://...) as given.
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=False, enable_async_checkpointing=True)
         self._manager: ocp.CheckpointManager | None = None
