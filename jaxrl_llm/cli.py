@@ -108,15 +108,21 @@ def train(argv: Sequence[str]) -> int:
     except (UsageError, ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except training.RunInterrupted as interrupted:
-        print(f"{PROG}: {interrupted}", file=sys.stderr)
+        print(f"{PROG}: {_without_api_hint(interrupted)}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted before the first train step; no checkpoint to save.", file=sys.stderr)
         return 130
     except training.RunStopped as stopped:
-        print(f"{PROG}: {stopped}", file=sys.stderr)
+        print(f"{PROG}: {_without_api_hint(stopped)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _without_api_hint(stopped: BaseException) -> str:
+    """A stopped run's message without the hint for Python callers (``.state``, ``.history``)."""
+    message, hint, _ = str(stopped).partition("; `.state` and `.history`")
+    return message + "." if hint else message
 
 
 def evaluate(argv: Sequence[str]) -> int:

@@ -29,6 +29,7 @@ same ``RunConfig``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import pathlib
@@ -310,8 +311,10 @@ def _from_dict(cls, data: dict, where: str, *, base=None):
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                         f"the allowed keys are {', '.join(names)}.")
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                         f"{f' (did you mean {close[0]!r}?)' if close else ''}; the allowed keys are "
+                         f"{', '.join(names)}.")
     hints = _hints(cls)
     values = {}
     for name, value in data.items():

@@ -118,8 +118,8 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
             hint = (" (`steps` sets the end of the decaying learning rate: set train.decay_steps to extend a run)"
                     if any(c.startswith("steps:") for c in changed) else "")
             raise RunDirectoryError(
-                f"{str(run_dir)!r} holds a different run ({len(changed)} setting{'s' if len(changed) > 1 else ''} "
-                f"differ, stored -> requested: {'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}){hint}. "
+                f"{str(run_dir)!r} holds a different run ({len(changed)} "
+                f"{'settings differ' if len(changed) > 1 else 'setting differs'}, stored -> requested: {'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}){hint}. "
                 "Choose another --run-dir, or pass --overwrite to replace it.")
     return None if overwrite else stored
 
