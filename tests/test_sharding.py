@@ -177,3 +177,31 @@ def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(
         if not jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):  # a key's sharding covers its bits too
             want = wanted[jax.tree_util.keystr(path)]
             assert got.sharding.is_equivalent_to(want, got.ndim), (path, got.sharding, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, mesh_shape", [("grpo", (2, 2, 2)), ("ppo", (1, 4, 2))])
+def test_train_on_a_mesh_runs_the_single_device_run(method, mesh_shape):
+    """``training.train(..., mesh=)``: the state placed by the rules and kept so, the same
+    metrics and parameters as on one device (the second step samples from the first's
+    parameters, so rollouts agree too)."""
+    from jaxrl_llm import algorithms, models, training
+    from tests.training.test_step import CONFIG, RUN, TASK
+
+    algorithm = algorithms.get(method)
+    model, params = models.init(CONFIG, jax.random.key(0))
+    expected, expected_history = training.train(model, params, algorithm, RUN, steps=2, task=TASK)
+    mesh = sharding.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
+    state, history = training.train(model, params, algorithm, RUN, steps=2, task=TASK, mesh=mesh)
+
+    for got, want in zip(history, expected_history):
+        for name in ("reward", "loss", "kl_exact", "entropy", "completion_length", "grad_norm"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    q_proj = state.params["layers"][0]["self_attn"]["q_proj"][...]  # [E, H, D]: (fsdp, tensor) by the rules
+    assert tuple(q_proj.sharding.spec) == ("fsdp", "tensor")
+    assert len({s.device for s in q_proj.addressable_shards}) == 8
+    with pytest.raises(ValueError, match="must be among data, fsdp, tensor"):
+        training.train(model, params, algorithm, RUN, steps=1, task=TASK,
+                       mesh=jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,)))

@@ -46,7 +46,8 @@ from jaxrl_llm import _checks, algorithms, models, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
-from jaxrl_llm.training.step import Batch, TrainState, check_params, check_state, init_state, make_train_step
+from jaxrl_llm.training.step import (Batch, TrainState, check_params, check_state, init_state, make_train_step,
+                                     state_shardings)
 
 
 class StepEnd(NamedTuple):
@@ -159,6 +160,8 @@ def train(
     rollout: sampling.RolloutBackend | None = None,
     prompt_bucket: int = 8,
     rollout_mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: sharding.Rules | None = None,
     callback=None,
     compilation_cache: bool = True,
 ) -> tuple[TrainState, list[dict[str, float]]]:
@@ -184,6 +187,13 @@ def train(
         (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
         size); ``score`` and ``update`` run where the state is. Only with the built-in
         sampler.
+      mesh, rules: run ``score`` and ``update`` sharded over this mesh (axes among
+        ``data``, ``fsdp``, ``tensor``: :func:`jaxrl_llm.sharding.make_mesh`): the state
+        placed by ``rules`` (default ``sharding.RULES["fsdp_tensor"]``: parameters,
+        optimizer state, reference and critic really split), the batch's rows split over
+        ``data x fsdp``, XLA partitioning the rest; the rollouts split over ``data`` with
+        the params gathered on each device. The numbers are the single-device run's up to
+        float rounding (tested).
       callback: called as ``callback(StepEnd(step, metrics, state, collected))`` after
         each step (logging, checkpoints, samples); an exception it raises stops the run
         (``RunStopped``) with the step counted.
@@ -224,6 +234,18 @@ def train(
             return fn(*args)
         return traced
 
+    if mesh is not None:
+        unknown = [axis for axis in mesh.axis_names if axis not in sharding.AXES]
+        if unknown or rollout_mesh is not None:
+            raise ValueError(f"train: the mesh's axes must be among {', '.join(sharding.AXES)} (got "
+                             f"{', '.join(mesh.axis_names)}), and `rollout_mesh` is then the same mesh: pass one.")
+        row_devices = mesh.shape.get(sharding.DATA, 1) * mesh.shape.get(sharding.FSDP, 1)
+        if config.batch_size % row_devices or config.num_prompts % mesh.shape.get(sharding.DATA, 1):
+            raise ValueError(f"train: the batch's B = {config.batch_size} rows are split over data x fsdp = "
+                             f"{row_devices} devices and its {config.num_prompts} prompts over data = "
+                             f"{mesh.shape.get(sharding.DATA, 1)}: each must divide.")
+        if sharding.DATA in mesh.axis_names:
+            rollout_mesh = mesh
     if rollout_mesh is not None and config.num_prompts % sharding.data_size(rollout_mesh):
         raise ValueError(f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
                          f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices.")
@@ -242,6 +264,15 @@ def train(
     halves = make_train_step(model, algorithm, config, total_steps=int(state.step) + steps)
     score = jax.jit(counting("score", halves.score))
     update = jax.jit(counting("update", halves.update), donate_argnums=0)
+    place_batch = None
+    if mesh is not None:
+        shardings = state_shardings(state, algorithm, config, mesh,
+                                    sharding.RULES["fsdp_tensor"] if rules is None else rules)
+        state = jax.device_put(state, shardings)
+        update = jax.jit(counting("update", halves.update), donate_argnums=0, out_shardings=(shardings, None))
+        row_axes = tuple(axis for axis in (sharding.DATA, sharding.FSDP) if axis in mesh.axis_names)
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes or None))
+        place_batch = lambda batch: jax.device_put(batch, rows)  # noqa: E731
     if rollout is None:
         rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id,
                                    temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
@@ -279,6 +310,8 @@ def train(
             batch = Batch(tokens=jnp.asarray(rollouts.tokens), attention_mask=jnp.asarray(rollouts.attention_mask),
                           completion_mask=jnp.asarray(rollouts.completion_mask),
                           sampling_logp=jnp.asarray(rollouts.logprobs), rewards=jnp.asarray(rollouts.rewards))
+            if place_batch is not None:
+                batch = place_batch(batch)
             score_started = time.perf_counter()
             scored, baseline, score_metrics = jax.block_until_ready(score(state, batch))
             update_started = time.perf_counter()

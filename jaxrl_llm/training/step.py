@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm import _checks, advantages as adv_lib, algorithms, kl as kl_lib, models, objectives, ops, trpo
+from jaxrl_llm import _checks, advantages as adv_lib, algorithms, kl as kl_lib, models, objectives, ops, sharding, trpo
 from jaxrl_llm.training import critic as critic_lib
 from jaxrl_llm.training.config import LR_SCHEDULES, TrainConfig
 
@@ -262,6 +262,14 @@ def init_state(model: models.Model, params: models.Params, algorithm: algorithms
         key=jax.random.key(config.seed),
         step=zero(), skipped_updates=zero(), consecutive_skips=zero(), prompts_drawn=zero(),
     )
+
+
+def state_shardings(state: TrainState, algorithm: algorithms.Algorithm, config: TrainConfig,
+                    mesh: jax.sharding.Mesh, rules: sharding.Rules) -> TrainState:
+    """The ``NamedSharding`` of every leaf of ``state`` on ``mesh`` by ``rules``
+    (:func:`jaxrl_llm.sharding.state_shardings` with the run's optimizers)."""
+    policy, critic = _optimizers(algorithm, config, decay_steps=1)  # the state's structure only
+    return sharding.state_shardings(state, mesh, rules, optimizer=policy, critic_optimizer=critic)
 
 
 def check_params(model: models.Model, params: models.Params, *, name: str = "params") -> None:
