@@ -245,10 +245,6 @@ class RunConfig:
 # Files <-> RunConfig
 
 
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _is_dataclass_type(kind) -> bool:
     return isinstance(kind, type) and dataclasses.is_dataclass(kind)
 
@@ -315,7 +311,7 @@ def _from_dict(cls, data: dict, where: str, *, base=None):
         raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
                          f"{f' (did you mean {close[0]!r}?)' if close else ''}; the allowed keys are "
                          f"{', '.join(names)}.")
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     values = {}
     for name, value in data.items():
         if _is_dataclass_type(hints[name]) and isinstance(value, dict):

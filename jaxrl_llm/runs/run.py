@@ -218,7 +218,6 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
             os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
             _print(f"Checkpoint {unreadable} cannot be read (moved to {aside}); continuing from step {start}.",
                    stream)
-        latest = start
         warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
         _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
     else:
@@ -253,14 +252,12 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
         wandb_project=config.wandb_project, wandb_config=to_dict(config))
     if unevaluated is not None:
         recorder.log(start - 1, unevaluated)
-    saved = {latest} if latest is not None else set()
 
     def save(state: training.TrainState, metrics: dict[str, float] | None = None) -> None:
         step = int(state.step)
-        if step in saved or step == 0 or step in checkpointer.all_steps():  # (a save Ctrl-C interrupted completes)
+        if step == 0 or step in checkpointer.all_steps():  # saved already (also by a save Ctrl-C interrupted)
             return
         checkpointer.save(step, state, metadata={"reward": metrics.get("reward")} if metrics else None)
-        saved.add(step)
 
     def on_step(end: training.StepEnd) -> None:
         recorder.log(end.step, end.metrics)

@@ -262,17 +262,18 @@ def train(
         compilation_cache_lib.enable()
     # A decaying learning rate without `decay_steps` ends with the run: `state.step + steps`.
     halves = make_train_step(model, algorithm, config, total_steps=int(state.step) + steps)
-    score = jax.jit(counting("score", halves.score))
-    update = jax.jit(counting("update", halves.update), donate_argnums=0)
     place_batch = None
+    placement = {}  # the update's output shardings, on a mesh: the state stays where the rules put it
     if mesh is not None:
         shardings = state_shardings(state, algorithm, config, mesh,
                                     sharding.RULES["fsdp_tensor"] if rules is None else rules)
         state = jax.device_put(state, shardings)
-        update = jax.jit(counting("update", halves.update), donate_argnums=0, out_shardings=(shardings, None))
+        placement = {"out_shardings": (shardings, None)}
         row_axes = tuple(axis for axis in (sharding.DATA, sharding.FSDP) if axis in mesh.axis_names)
         rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes or None))
         place_batch = lambda batch: jax.device_put(batch, rows)  # noqa: E731
+    score = jax.jit(counting("score", halves.score))
+    update = jax.jit(counting("update", halves.update), donate_argnums=0, **placement)
     if rollout is None:
         rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id,
                                    temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
