@@ -25,6 +25,9 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/core_ops.py
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/grpo_step.py
+	$(BIN)/python benchmarks/loss_memory.py
+	$(BIN)/python benchmarks/state_memory.py
+	$(BIN)/python benchmarks/layer_scan.py
 
 # The same GRPO step in TRL's GRPOTrainer (PyTorch, CPU), in its own venv: .venv is untouched.
 TRL_VENV := .venv-trl

@@ -151,12 +151,10 @@ def main(argv=None) -> None:
         completion = np.asarray(rollout.completion_tokens)  # waits for the rollout
         rewards = (completion[:, 0] % 2).astype(np.float32)  # a stand-in verifier on the host
         rolled = time.perf_counter()
-        batch = training.Batch(tokens=rollout.tokens, attention_mask=rollout.attention_mask,
-                               completion_mask=rollout.completion_mask, sampling_logp=rollout.logprobs,
-                               rewards=jnp.asarray(rewards))
-        scored, baseline, _ = jax.block_until_ready(score(state, batch))
+        batch = training.Batch.from_rollout(prompts, prompt_mask, rollout, rewards)
+        scored, _ = jax.block_until_ready(score(state, batch))
         scored_at = time.perf_counter()
-        state, metrics = jax.block_until_ready(update(state._replace(baseline=baseline), scored))
+        state, metrics = jax.block_until_ready(update(state, scored))
         done = time.perf_counter()
         assert int(rollout.lengths.max()) == NEW_TOKENS and np.isfinite(float(metrics["loss"]))
         if repeat:

@@ -117,7 +117,8 @@ class CompareConfig:
         """The settings of each method's RL run."""
         return training.TrainConfig(
             num_prompts=self.num_prompts, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
-            learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate, seed=self.seed)
+            learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate, seed=self.seed,
+            exact_kl=True)  # every method's KL to its start, those without a KL term too
 
 
 def warm_started_model(config: CompareConfig, task: DigitSumTask) -> tuple[models.Model, models.Params, list[float]]:

@@ -4,6 +4,7 @@
 
     jaxrl-llm train  [--config NAME_OR_PATH] --run-dir DIR [--resume] [--overwrite] [--method NAME]
                      [--steps N] [--save-every K] [--train.learning-rate 1e-5] [--any.config.field VALUE]
+                     [--mesh.fsdp 8] [--distributed | --coordinator-address H:P --num-processes N --process-id I]
     jaxrl-llm eval   --run-dir DIR [--step N] [--num-samples K]
     jaxrl-llm eval   --model HF_DIR [--config NAME_OR_PATH] [--task.name jsonl --task.path data.jsonl ...]
     jaxrl-llm export --run-dir DIR --out OUT_DIR [--step N]
@@ -82,7 +83,32 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", help=f"the preset: {', '.join(algorithms.PRESETS)}")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="the progress bar (auto: on a terminal)")
+    group = parser.add_argument_group(
+        "several processes (GPU nodes, TPU pod slices; every process runs the same command)")
+    group.add_argument("--distributed", action="store_true",
+                       help="connect to the run's other processes (jax.distributed), what SLURM, Open MPI and TPU "
+                            "pods tell JAX through their environment; the options below imply it")
+    group.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
+    group.add_argument("--num-processes", type=int, metavar="N", help="the run's processes")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process's index, from 0")
+    group.add_argument("--local-device-ids", metavar="0,1,...", help="this process's devices (default: all)")
     return parser
+
+
+def _connect(args: argparse.Namespace) -> None:
+    """``jax.distributed`` from the multi-process options, before JAX starts."""
+    given = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
+             "process_id": args.process_id}
+    if args.local_device_ids is not None:
+        try:
+            given["local_device_ids"] = [int(i) for i in args.local_device_ids.split(",")]
+        except ValueError:
+            raise UsageError(f"--local-device-ids must be comma-separated integers; got "
+                             f"{args.local_device_ids!r}.") from None
+    if args.distributed or any(value is not None for value in given.values()):
+        from jaxrl_llm import distributed
+
+        distributed.initialize(**given)
 
 
 def parse_train(argv: Sequence[str]) -> tuple[argparse.Namespace, run_config.RunConfig]:
@@ -104,6 +130,7 @@ def train(argv: Sequence[str]) -> int:
     try:
         args, config = parse_train(argv)
         progress = {"auto": None, "on": True, "off": False}[args.progress]
+        _connect(args)
         run.train_run(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, progress=progress)
     except (UsageError, ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")

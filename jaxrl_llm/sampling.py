@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import _checks, models, sharding
+from jaxrl_llm import _checks, distributed, models, sharding
 
 
 class Rollout(NamedTuple):
@@ -177,8 +177,11 @@ def sample(
       bucket: prompt and completion buffers are rounded up to multiples of this.
       mesh: decode data-parallel over the mesh's ``data`` axis: each device takes
         ``P / D`` prompts and their completions, with the params replicated (see
-        :mod:`jaxrl_llm.sharding`). ``P`` must be a multiple of the axis size ``D``.
-        The samples are those of one device with the same key.
+        :mod:`jaxrl_llm.sharding`). ``P`` must be a multiple of the axis size ``D``. On a
+        mesh with a ``tensor`` axis the params keep Megatron's tensor-parallel split
+        (``sharding.TENSOR_PARALLEL``: heads, MLP columns, vocabulary; gathered over
+        ``fsdp``), so a model too large for one device decodes too. The samples are
+        those of one device with the same key, up to float rounding.
 
     Returns:
       A :class:`Rollout` with ``B = P * G`` rows (split over ``mesh``'s devices if given).
@@ -226,8 +229,13 @@ def sample(
         if prompt_tokens.shape[0] % devices:
             raise ValueError(f"{fn}: the {prompt_tokens.shape[0]} prompts must split evenly over the mesh's "
                              f"{devices} {sharding.DATA!r} devices; pass a multiple of {devices} prompts.")
-        prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), sharding.rows(mesh))
-        params, key = jax.device_put((params, key), sharding.replicated(mesh))
+        # `distributed.put`: over several processes each holds the same prompts, params and key.
+        prompt_tokens, prompt_mask = distributed.put((prompt_tokens, prompt_mask), sharding.rows(mesh))
+        key = distributed.put(key, sharding.replicated(mesh))
+        if mesh.shape.get(sharding.TENSOR, 1) > 1:  # tensor-parallel: heads, MLP and vocabulary stay split
+            params = distributed.put(params, sharding.param_shardings(params, mesh, sharding.TENSOR_PARALLEL))
+        else:
+            params = distributed.put(params, sharding.replicated(mesh))
 
     # Shape buckets: extra left padding on the prompt, extra slots for the completion.
     padded_length = min(_round_up(length, bucket), limit - max_new_tokens)
@@ -353,13 +361,15 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
               **settings) -> Rollout:
     """The whole rollout in bucket-sized buffers (``S'`` prompt columns, ``slots``
     completion columns); with a ``mesh``, each device runs :func:`_decode` on its rows
-    (``shard_map``: its own loop and stopping test, no communication)."""
+    (``shard_map``: its own loop and stopping test, no communication), or, when the mesh
+    has a ``tensor`` axis, XLA partitions one program over the params' tensor-parallel
+    layout and the rows' ``data`` split (all-reductions over ``tensor`` in every layer)."""
     # Every random number of the rollout at once, for all B rows (the same numbers with or
     # without a mesh): inside the loop, the RNG's own rounds would cost more per step than
     # the sampling itself.
     uniforms = jax.random.uniform(key, (settings["slots"], tokens.shape[0] * settings["num_samples"]))  # [slots, B]
     decode = functools.partial(_decode, model, **settings)
-    if mesh is not None:
+    if mesh is not None and mesh.shape.get(sharding.TENSOR, 1) == 1:
         rows, whole = sharding.ROWS, sharding.WHOLE
         by_row = jax.sharding.PartitionSpec(None, sharding.DATA)  # uniforms [slots, B]
         decode = jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, by_row, whole, whole, whole, whole),

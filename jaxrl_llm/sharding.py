@@ -64,6 +64,10 @@ matrix split along its model dimension over ``fsdp`` (ZeRO-3: each device holds
 tensor parallelism over ``tensor``: query/key/value projections split by head, the
 output projection by its input heads, the MLP's gate/up by column and down by row,
 embeddings and output layer by vocabulary. Norm scales stay whole."""
+TENSOR_PARALLEL: Rules = tuple((name, axis) for name, axis in RULES["fsdp_tensor"] if axis == TENSOR)
+"""The tensor-parallel half of ``fsdp_tensor``: how the sampler keeps the params split
+on a mesh with a ``tensor`` axis (the ``fsdp`` split is gathered once per rollout, not
+at every decode step)."""
 ROWS = PartitionSpec(DATA)
 """Leading axis split over ``data``, the rest whole (as a ``shard_map`` spec too)."""
 WHOLE = PartitionSpec()
@@ -85,8 +89,10 @@ def make_mesh(num_devices: int | None = None, *, fsdp: int | None = None, tensor
     def size(name, value, default):
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= len(devices):
+            hint = (" On a CPU, JAX_NUM_CPU_DEVICES=k (before JAX starts) splits it into k devices."
+                    if devices[0].platform == "cpu" else "")
             raise ValueError(f"make_mesh: `{name}` must be an integer in [1, {len(devices)}] (the devices "
-                             f"available); got {value!r}.")
+                             f"available); got {value!r}.{hint}")
         return value
 
     if fsdp is None and tensor is None and data is None:

@@ -77,3 +77,42 @@ def test_rollout_counts_match_xla(model_and_params):
     # Executed: each prompt prefilled once, every step attending to all cache slots.
     executed = rollout_flops(model, params, prompts=bench.PROMPTS, cache_sizes=[TOTAL] * (decode_steps + 1))
     assert bench.step_flops(bench.CONFIG, executed=True)["rollout"] == pytest.approx(executed, rel=0.02)
+
+
+# --- Smoke runs of the memory benchmarks at small sizes ------------------------------------------
+
+
+def test_loss_memory_prints_both_programs_and_they_agree(capsys):
+    import loss_memory
+
+    results = loss_memory.main(["--tokens", "512", "--vocab", "2048", "--hidden", "32", "--chunk-size", "64",
+                                "--check-tokens", "96"])
+    out = capsys.readouterr().out
+    assert "| naive: [T, V] float32 logits" in out and "| chunked: ops.chunked_token_logprobs, chunk 64 |" in out
+    assert "| dL/dW |" in out  # the numerical check ran (it raises beyond its tolerance)
+    assert all(parts["peak"] == parts["temp"] + parts["arguments"] + parts["outputs"] - parts["alias"]
+               for parts in results.values())
+    assert results["chunked"]["temp"] < results["naive"]["temp"] / 2
+
+
+def test_state_memory_prints_each_layout_and_fsdp_holds_an_eighth(capsys):
+    import state_memory
+
+    results = state_memory.main(["--tiny"])
+    out = capsys.readouterr().out
+    assert out.count("| 1x8x1 | fsdp |") == 2  # GRPO and PPO
+    for rows in results.values():
+        single = rows[0][2]["total"]
+        fsdp8 = next(parts for mesh, preset, parts in rows if (mesh, preset) == ("1x8x1", "fsdp"))
+        assert 1 / 8 <= fsdp8["total"] / single < 1.01 / 8
+
+
+def test_layer_scan_prints_every_variant_with_the_same_gradients(capsys):
+    import layer_scan
+
+    results = layer_scan.main(["--tiny", "--layers", "2", "--rows", "4", "--prompt-len", "4", "--completion-len", "4",
+                               "--group-size", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "| unrolled | no remat |" in out and "| scan | remat full |" in out
+    assert set(results) == {"unrolled", "scan", "unrolled, remat full", "scan, remat full"}
+    assert all(row["dg"] < 1e-4 and row["compile"] > 0 and row["step"] > 0 for row in results.values())

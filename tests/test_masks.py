@@ -5,7 +5,6 @@ A mask is bool, or numbers that are all 0 or 1: a concrete mask with any other v
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

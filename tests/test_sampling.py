@@ -209,6 +209,28 @@ def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices, se
     np.testing.assert_allclose(got.sampling_logprobs, expected.sampling_logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)],
+                         ids=lambda shape: "x".join(map(str, shape)))
+def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(mesh_shape):
+    """On the train step's meshes: rows over ``data``; with a ``tensor`` axis the params
+    stay split by heads, MLP columns and vocabulary (tensor-parallel decoding). Greedy
+    and sampled completions are the single-device ones."""
+    model, params = peaked_model(scale=2.0)
+    rng = np.random.default_rng(4)
+    prompts = jnp.asarray(rng.integers(3, VOCAB, size=(8, 4)))
+    prompt_mask = jnp.asarray(np.arange(4)[None] >= rng.integers(0, 3, size=(8, 1)))
+    mesh = sharding.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
+    placed = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
+    for settings in ({}, dict(temperature=0.0)):
+        expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(6),
+                                   **kwargs(num_samples=2, **settings))
+        got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh, **settings)(
+            placed, prompts, prompt_mask, jax.random.key(6), num_samples=2, max_new_tokens=9)
+        for name in ("tokens", "completion_mask", "lengths", "truncated"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=f"{settings} {name}")
+        np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+
+
 def test_prompts_must_split_evenly_over_the_mesh():
     model, params = peaked_model()
     with pytest.raises(ValueError, match=r"the 3 prompts must split evenly over the mesh's 2 'data' devices"):

@@ -7,11 +7,13 @@
     models.save_pretrained("path/to/out", model, params)  # weights and config
     # A complete export: also the tokenizer (chat template included) and generation_config.json.
     models.save_pretrained("path/to/out", model, params, tokenizer=tokenizer)
+    # Execution options for the same params: layers in one scan, rematerialised per layer.
+    model = models.with_options(model, scan_layers=True, remat="dots")
 
 ``model`` is static (config and graph definition); ``params`` is an immutable pytree.
 """
 
-from jaxrl_llm.models.config import ARCHITECTURES, ModelConfig, RopeConfig
+from jaxrl_llm.models.config import ARCHITECTURES, EXECUTION_OPTIONS, ModelConfig, RopeConfig
 from jaxrl_llm.models.decoder import KVCache
 from jaxrl_llm.models.functional import (
     Model,
@@ -21,6 +23,7 @@ from jaxrl_llm.models.functional import (
     completion_logprobs,
     decode_step,
     forward,
+    group_completion_hidden_states,
     hidden_states,
     init,
     init_cache,
@@ -29,13 +32,15 @@ from jaxrl_llm.models.functional import (
     output_kernel,
     prefill,
     rows_share_group_prompt,
+    with_options,
 )
 from jaxrl_llm.models.hf import from_pretrained, save_pretrained
 from jaxrl_llm.models.tokenizer import load_tokenizer, save_tokenizer
 
 __all__ = [
-    "ARCHITECTURES", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract", "completion_hidden_states",
-    "completion_logprobs", "decode_step", "forward", "from_pretrained", "hidden_states", "init", "init_cache",
-    "load_tokenizer", "logical_axes", "logits_from_hidden", "output_kernel", "prefill", "rows_share_group_prompt",
-    "save_pretrained", "save_tokenizer",
+    "ARCHITECTURES", "EXECUTION_OPTIONS", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract",
+    "completion_hidden_states", "completion_logprobs", "decode_step", "forward", "from_pretrained",
+    "group_completion_hidden_states", "hidden_states", "init", "init_cache", "load_tokenizer", "logical_axes",
+    "logits_from_hidden", "output_kernel", "prefill", "rows_share_group_prompt", "save_pretrained", "save_tokenizer",
+    "with_options",
 ]

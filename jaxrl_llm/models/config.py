@@ -19,6 +19,12 @@ _HF_CLASSES = {
 }
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_TYPES = ("default", "llama3")
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product_attention", "cudnn")
+EXECUTION_OPTIONS = ("scan_layers", "remat", "attention")
+"""The fields of :class:`ModelConfig` that choose how the model runs, not what it is: no
+effect on the parameters or (up to float rounding) the outputs, never written to a
+Hugging Face config."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +65,10 @@ class ModelConfig:
     Pre-norm blocks of RMSNorm, grouped-query attention with RoPE, and a SwiGLU MLP.
     The families differ only in switches: Qwen2 has biases on q/k/v, Qwen3 an RMSNorm on
     each head of q and k, Mistral a sliding attention window.
+
+    The last three fields (:data:`EXECUTION_OPTIONS`) are execution settings, not
+    architecture: :meth:`to_hf` leaves them out and :meth:`from_hf` gives the defaults. To
+    switch them on for a model you have, use :func:`jaxrl_llm.models.with_options`.
     """
 
     architecture: Architecture = "llama"
@@ -99,6 +109,30 @@ class ModelConfig:
     """Storage dtype of the parameters."""
     dtype: Any = jnp.float32
     """Compute dtype of matmuls and activations (norms, softmax and RoPE run in float32)."""
+    scan_layers: bool = False
+    """Teacher-forced passes (no KV cache; also both passes of the prompt-sharing
+    :func:`jaxrl_llm.models.group_completion_hidden_states`) run the layers as one
+    ``jax.lax.scan``: the program holds one layer, not ``L``, so tracing and (on GPU/TPU)
+    compiling stop growing with depth. The params keep one leaf per layer; the scan stacks
+    them inside the traced function, which costs one stacked copy of the layer weights,
+    and one of their gradients, per pass. XLA's CPU backend compiles the identical layers
+    of an unrolled model once anyway: there, the scan saves no compile time
+    (``benchmarks/layer_scan.py``). Decoding steps always run unrolled."""
+    remat: str = "none"
+    """Rematerialisation (``jax.checkpoint``) of each decoder layer in the backward pass:
+    ``none`` (keep what the backward pass needs), ``full`` (keep each layer's input only:
+    ``nothing_saveable``) or ``dots`` (keep the outputs of matmuls without batch dimensions,
+    the weight projections, and recompute attention and the elementwise ops:
+    ``dots_with_no_batch_dims_saveable``). On XLA's CPU backend only the scanned layers
+    (``scan_layers``) give the memory back; unrolled ones pay the recomputation without
+    lowering the peak."""
+    attention: str = "auto"
+    """Softmax attention kernel: ``xla`` (:func:`jaxrl_llm.models.decoder.attend`, its
+    backward pass tuned for XLA's CPU backend), ``dot_product_attention``
+    (``jax.nn.dot_product_attention`` with JAX's default implementation, which in JAX 0.10
+    is its XLA one on every backend), ``cudnn`` (its cuDNN flash attention: NVIDIA GPUs,
+    ``dtype`` bfloat16 or float16) or ``auto``: ``xla`` when JAX's default backend is the
+    CPU, else ``dot_product_attention`` (read when the function is traced)."""
 
     def __post_init__(self):
         def fail(message):
@@ -149,6 +183,12 @@ class ModelConfig:
         if len(set(windows)) > 1:
             fail(f"{self.architecture} uses a single window size; got sliding_windows={self.sliding_windows}.")
         object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
+        if not isinstance(self.scan_layers, bool):
+            fail(f"`scan_layers` must be True or False; got {self.scan_layers!r}.")
+        _checks.one_of("ModelConfig", "remat", self.remat, REMAT_POLICIES)
+        _checks.one_of("ModelConfig", "attention", self.attention, ATTENTION_IMPLEMENTATIONS)
+        if self.attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            fail(f"attention='cudnn' (cuDNN flash attention) computes in bfloat16 or float16; got dtype {self.dtype}.")
 
     def window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (``None``: full causal attention)."""

@@ -220,6 +220,38 @@ def _attend_backward(residuals, d_out):
 attend.defvjp(_attend_forward, _attend_backward)
 
 
+def attention_implementation(config: ModelConfig) -> str:
+    """``config.attention`` with ``auto`` resolved: ``xla`` (:func:`attend`) when JAX's
+    default backend is the CPU, else ``dot_product_attention``. Read at trace time."""
+    if config.attention != "auto":
+        return config.attention
+    return "xla" if jax.default_backend() == "cpu" else "dot_product_attention"
+
+
+def _attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of ``q`` ``[B, S, H, D]`` to ``k``, ``v`` ``[B, KVH, K, D]``
+    under ``mask`` ``[B, S, K]`` (bool) -> ``[B, S, H, D]``; query head ``h`` reads key-value
+    head ``h // (H / KVH)``.
+
+    ``xla``: :func:`attend`. Otherwise ``jax.nn.dot_product_attention``, with its default
+    (``dot_product_attention``) or cuDNN (``cudnn``) implementation: float32 scores and
+    softmax, and a finite score (``-0.7`` times the dtype's largest) at masked slots, so a
+    query with no valid key (a padding position) gets a uniform, finite row as in
+    :func:`attend`.
+    """
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if implementation == "xla":
+        q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [B, S, KVH, G, D]
+        q = q.transpose(0, 2, 3, 1, 4)  # [B, KVH, G, S, D]
+        return attend(q, k, v, mask).reshape(batch, length, heads, head_dim)
+    return jax.nn.dot_product_attention(
+        q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),  # [B, K, KVH, D]: jax's layout
+        mask=mask[:, None],  # [B, 1, S, K], shared by the heads
+        implementation="cudnn" if implementation == "cudnn" else None,
+    )
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k/v biases and q/k norms."""
 
@@ -277,9 +309,7 @@ class Attention(nnx.Module):
             cache = (k, v)
 
         batch, length, heads, head_dim = q.shape
-        groups = heads // c.num_kv_heads
-        q = q.reshape(batch, length, c.num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, S, D]
-        out = attend(q, k.astype(dtype), v.astype(dtype), mask).reshape(batch, length, heads, head_dim)
+        out = _attention(attention_implementation(c), q, k.astype(dtype), v.astype(dtype), mask)  # [B, S, H, D]
         o_proj = self.o_proj[...].astype(dtype)  # [H, D, E]
         out = dense(out.reshape(batch, length, heads * head_dim), o_proj.reshape(heads * head_dim, -1))  # [B, S, E]
         if c.output_bias:
@@ -314,7 +344,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = _param(None, (config.hidden_size,), ("norm",), config.param_dtype, ones=True)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, rope, mask, cache=None, cache_index=0):
+    def __call__(
+        self,
+        x: jax.Array,  # [B, S, E]
+        rope: tuple[jax.Array, jax.Array],  # (cos, sin) [B, S, 1, D]
+        mask: jax.Array,  # [B, S, K] bool
+        window: int | jax.Array | None = None,  # attend to at most this many most recent slots (None: all)
+        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D])
+        cache_index: jax.Array | int = 0,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        mask = _window(mask, window, cache_index)
         attended, cache = self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), rope, mask, cache,
                                          cache_index)
         x = x + attended.astype(x.dtype)
@@ -356,27 +395,98 @@ class CausalLM(nnx.Module):
         positions: jax.Array,  # [B, S] int
         mask: jax.Array,  # [B, S, K] bool
         cache: KVCache | None = None,
+        *,
+        scan: bool | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-norm hidden states ``[B, S, E]`` (and the updated cache).
+
+        ``scan``: run the layers in one ``jax.lax.scan`` (:meth:`scanned_layers`) rather
+        than a Python loop. ``None``: ``config.scan_layers`` for a pass without a cache; a
+        pass with a cache runs unrolled unless ``scan=True``, since a scan takes and returns
+        the cache stacked ``[L, ...]``, a copy of it each call (per decoding step, a copy of
+        the whole cache per token).
 
         ``tokens`` are not checked here (they may be traced): the embedding lookup is a
         JAX gather, so an id outside ``[0, V)`` reads another row (a negative id counts
         from the end, the rest are clamped). The public functions of
         :mod:`jaxrl_llm.models.functional` refuse such ids when they are concrete.
         """
-        x = self.embed_tokens[...][tokens].astype(self.config.dtype)  # [B, S, E]
-        rope = rope_angles(positions, inverse_frequencies(self.config.rope, self.config.head_dim))  # shared by layers
-        new_keys, new_values = [], []
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-            x, layer_cache = layer(x, rope, _window(mask, self.config.window(i), positions, cache), layer_cache,
-                                   0 if cache is None else cache.index)
-            if cache is not None:
-                new_keys.append(layer_cache[0])
-                new_values.append(layer_cache[1])
+        c = self.config
+        if scan is None:
+            scan = c.scan_layers and cache is None
+        x = self.embed_tokens[...][tokens].astype(c.dtype)  # [B, S, E]
+        rope = rope_angles(positions, inverse_frequencies(c.rope, c.head_dim))  # shared by layers
+        cache_index = 0 if cache is None else cache.index
+        kv = None if cache is None else (cache.keys, cache.values)
+        if scan:
+            x, kv = self.scanned_layers(x, rope, mask, kv, cache_index)
+        else:
+            new_keys, new_values = [], []
+            for i, layer in enumerate(self.layers):
+                layer_cache = None if kv is None else (kv[0][i], kv[1][i])
+                x, layer_cache = _remat(layer, c.remat)(x, rope, mask, c.window(i), layer_cache, cache_index)
+                if kv is not None:
+                    new_keys.append(layer_cache[0])
+                    new_values.append(layer_cache[1])
+            kv = None if kv is None else (tuple(new_keys), tuple(new_values))
         if cache is not None:
-            cache = cache._replace(keys=tuple(new_keys), values=tuple(new_values))
-        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), cache
+            cache = cache._replace(keys=kv[0], values=kv[1])
+        return rms_norm(x, self.norm[...], c.rms_norm_eps), cache
+
+    def scanned_layers(
+        self,
+        x: jax.Array,  # [B, S, E]
+        rope: tuple[jax.Array, jax.Array],  # (cos, sin) [B, S, 1, D]
+        mask: jax.Array,  # [B, S, K] bool, before the layers' windows
+        kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None = None,  # L x [B, KVH, K, D] each
+        cache_index: jax.Array | int = 0,
+    ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None]:
+        r"""The decoder layers as one ``jax.lax.scan`` over their stacked weights.
+
+        .. math::
+            x_{l+1} = f(x_l;\ \theta_l, w_l), \qquad l = 0 \dots L - 1
+
+        with :math:`\theta_l` layer ``l``'s weights and :math:`w_l` its attention window.
+        The same numbers as the unrolled loop up to float rounding, in both directions; the
+        program holds the layer once instead of ``L`` times. ``config.remat`` applies to the
+        scan's body.
+
+        The params keep one leaf per layer (the layout of Hugging Face checkpoints, of the
+        sharding rules and of saved states): the weights are stacked here, inside the traced
+        function, ``L x [...] -> [L, ...]``. The cost is one stacked copy of the layer
+        weights per pass, and in the backward pass one of their gradients (computed
+        ``[L, ...]``, then sliced back onto the per-layer leaves): about twice the layer
+        weights' size of extra memory for a forward and backward pass. Windows: a static one
+        when every layer has the same, else a per-layer ``[L]`` int32 operand (``None``,
+        full attention, as the largest int32). A cache, if given, is stacked ``[L, ...]``
+        into the scan and unstacked from it (a copy each way).
+        """
+        c = self.config
+        graphdef = nnx.graphdef(self.layers[0])
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[nnx.state(layer) for layer in self.layers])
+        windows = {c.window(i) for i in range(c.num_layers)}
+        if len(windows) == 1:  # one static window (or none) for every layer
+            window, layer_windows = windows.pop(), None
+        else:
+            window = None
+            full = np.iinfo(np.int32).max
+            layer_windows = jnp.asarray([full if w is None else w for w in map(c.window, range(c.num_layers))],
+                                        jnp.int32)  # [L]
+        stacked_kv = None if kv is None else (jnp.stack(kv[0]), jnp.stack(kv[1]))  # [L, B, KVH, K, D] each
+
+        def apply(state, x, layer_window, layer_kv):
+            layer = nnx.merge(graphdef, state)
+            return layer(x, rope, mask, window if layer_window is None else layer_window, layer_kv, cache_index)
+
+        apply = _checkpoint(apply, c.remat, prevent_cse=False)  # no CSE to guard against inside a scan
+
+        def step(x, per_layer):
+            return apply(x=x, **per_layer)
+
+        x, stacked_kv = jax.lax.scan(step, x, dict(state=stacked, layer_window=layer_windows, layer_kv=stacked_kv))
+        if stacked_kv is not None:
+            kv = (tuple(stacked_kv[0]), tuple(stacked_kv[1]))
+        return x, kv
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``[..., E] -> [..., V]`` float32 logits through the output projection (or tied embedding)."""
@@ -387,12 +497,44 @@ class CausalLM(nnx.Module):
         return jnp.matmul(hidden.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def _window(mask: jax.Array, window: int | None, positions: jax.Array, cache: KVCache | None) -> jax.Array:
-    """Restricts a ``[B, S, K]`` attention mask to the last ``window`` slots per query."""
+def _window(mask: jax.Array, window: int | jax.Array | None, start: jax.Array | int) -> jax.Array:
+    """Restricts a ``[B, S, K]`` attention mask to the last ``window`` slots per query, the
+    queries in slots ``start ... start + S - 1``."""
     if window is None:
         return mask
     length, slots = mask.shape[1], mask.shape[2]
-    start = 0 if cache is None else cache.index
     query_slot = start + jnp.arange(length)[:, None]  # [S, 1]
     key_slot = jnp.arange(slots)[None, :]  # [1, K]
     return mask & (query_slot - key_slot < window)[None]
+
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""``ModelConfig.remat`` -> the ``jax.checkpoint`` policy of each decoder layer (``none``:
+no checkpoint)."""
+
+
+def _checkpoint(fn, remat: str, *, prevent_cse: bool = True):
+    """``fn`` under ``jax.checkpoint`` with ``remat``'s policy; ``fn`` itself for ``none``."""
+    if remat == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def _remat(layer: DecoderLayer, remat: str):
+    """``layer``'s call under :func:`_checkpoint`, as a function of its weights (which
+    ``jax.checkpoint`` must see as inputs) with the window kept static; the call itself
+    for ``none``."""
+    if remat == "none":
+        return layer
+    graphdef, state = nnx.split(layer)
+
+    def call(x, rope, mask, window, cache, cache_index):
+        def apply(state, x, rope, mask, cache, cache_index):
+            return nnx.merge(graphdef, state)(x, rope, mask, window, cache, cache_index)
+
+        return _checkpoint(apply, remat)(state, x, rope, mask, cache, cache_index)
+
+    return call

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import _checks, ops
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.config import EXECUTION_OPTIONS, ModelConfig
 from jaxrl_llm.models.decoder import CausalLM, KVCache
 
 Params = nnx.State
@@ -64,6 +64,36 @@ def abstract(config: ModelConfig) -> tuple[Model, Params]:
     module = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
     graphdef, params = nnx.split(module, nnx.Param)
     return Model(config=config, graphdef=graphdef), params
+
+
+def with_options(model: Model, **options: Any) -> Model:
+    """``model`` with execution options changed, for the same params.
+
+    .. code-block:: python
+
+        model, params = models.from_pretrained("path/to/checkpoint")
+        fast = models.with_options(model, scan_layers=True, remat="dots")
+        logp = models.completion_logprobs(fast, params, tokens, mask, n)  # same params
+
+    Options are the fields of :data:`jaxrl_llm.models.config.EXECUTION_OPTIONS`
+    (``scan_layers``, ``remat``, ``attention``; see :class:`ModelConfig`). They change how
+    the model runs, not its parameters: the params pytree of ``model`` fits the returned
+    model unchanged. The graph definition is rebuilt from the new config (the modules read
+    their options from it).
+
+    Raises:
+      ValueError: an option that is not an execution option (an architecture field would
+        make the params another model's), or a value :class:`ModelConfig` refuses.
+    """
+    unknown = sorted(set(options) - set(EXECUTION_OPTIONS))
+    if unknown:
+        raise ValueError(f"with_options: {', '.join(map(repr, unknown))} is not an execution option; allowed: "
+                         f"{', '.join(map(repr, EXECUTION_OPTIONS))}. Other fields describe the architecture, "
+                         "which the params belong to: build a new model for another.")
+    config = dataclasses.replace(model.config, **options)
+    if config == model.config:
+        return model
+    return abstract(config)[0]
 
 
 def logical_axes(params: Params) -> Any:
@@ -205,29 +235,90 @@ def rows_share_group_prompt(tokens: jax.Array, attention_mask: jax.Array, comple
 
 
 def _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size):
-    """:func:`completion_hidden_states` with one prompt pass per group of ``G`` rows.
+    """:func:`completion_hidden_states` with one prompt pass per group of ``G`` rows: each
+    group's first prompt (its first row's, by striding) through
+    :func:`group_completion_hidden_states`, NaN for rows whose prompt differs from it.
 
-    ``tokens``, ``mask`` (bool), ``positions``: ``[B, S + N]``; returns ``[B, N, E]``."""
-    length = tokens.shape[1]
-    prompt_len, inputs = length - completion_len, completion_len - 1  # the last token is never an input
-    copies = functools.partial(jnp.repeat, repeats=group_size, axis=0)  # [P, ...] -> [B, ...]
-    prompt, prompt_mask = tokens[::group_size, :prompt_len], mask[::group_size, :prompt_len]  # [P, S]
-    slots = prompt_len + inputs
-    module = model.module(params)
-    # The prompts, once per group (P rows), into a cache of S + N - 1 slots.
-    prompt_hidden, cache = _prefill_hidden(model, module, prompt, prompt_mask, positions[::group_size, :prompt_len],
-                                           slots)  # [P, S, E]
-    hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
-    if inputs:
-        # The completions (B rows) attend to their group's prompt slots and causally to themselves.
-        cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)  # the slot index stays S
-        query_slot = prompt_len + jnp.arange(inputs)[:, None]  # [N - 1, 1]
-        attention = mask[:, None, :slots] & (jnp.arange(slots)[None, :] <= query_slot)[None]  # [B, N - 1, S + N - 1]
-        completion_hidden, _ = module.hidden_states(tokens[:, prompt_len:slots], positions[:, prompt_len:slots],
-                                                    attention, cache)  # [B, N - 1, E]
-        hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
+    ``tokens``, ``mask`` (bool): ``[B, S + N]``; returns ``[B, N, E]``."""
+    del positions  # left padding: the grouped pass derives the same ones
+    prompt_len = tokens.shape[1] - completion_len
+    hidden = group_completion_hidden_states(model, params, tokens[::group_size, :prompt_len],
+                                            mask[::group_size, :prompt_len], tokens[:, prompt_len:])
     same_prompt = rows_share_group_prompt(tokens, mask, completion_len, group_size)  # [B]: the contract, checked
     return jnp.where(same_prompt[:, None, None], hidden, jnp.nan)
+
+
+def group_completion_hidden_states(
+    model: Model,
+    params: Params,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    completion_tokens: jax.Array,
+    *,
+    share_prompts: bool = True,
+) -> jax.Array:
+    r"""``[B, N, E]`` hidden states before each completion token, for ``P`` prompts carried
+    once and their ``G = B / P`` completions each: row ``b`` continues prompt ``b // G``.
+
+    The layout of a rollout batch (prompts ``[P, S]`` beside completions ``[B, N]``), so
+    a batch split over devices keeps every group with its prompt. A completion token
+    attends to its prompt's real tokens and to every completion token before it; tokens
+    after a completion's stop are never read by a position before it, so they need no
+    mask (their own states are meaningless; mask them). Positions continue the prompt's:
+    completion token ``j`` of a prompt with ``s`` real tokens is at position ``s + j``.
+
+    With ``share_prompts`` (and ``G > 1``) each prompt runs once into a KV cache of
+    ``S + N - 1`` slots, copied to its ``G`` completions, which attend to it: the same
+    numbers as running every row whole (``share_prompts=False``) up to float rounding, in
+    both directions (the copies' gradients add up), for :math:`(1 - 1/G)\,S / (S + N)`
+    fewer token positions.
+
+    Args:
+      prompt_tokens: ``[P, S]`` left-padded prompt ids; prompt_mask: ``[P, S]``, true for
+        real tokens (each prompt at least one).
+      completion_tokens: ``[B, N]`` ids, ``B`` a multiple of ``P``, ``N >= 1``.
+      share_prompts: run each prompt once (above) or once per completion.
+    """
+    fn = "group_completion_hidden_states"
+    prompt_tokens, prompt_mask, _ = _inputs(fn, model, prompt_tokens, prompt_mask, None)
+    completion_tokens = _checks.integer(fn, "completion_tokens", completion_tokens)
+    _checks.rank(fn, "completion_tokens", completion_tokens, 2, "[B, N]")
+    _checks.nonempty(fn, "completion_tokens", completion_tokens, "at least one completion and one token")
+    _checks.token_ids(fn, "completion_tokens", completion_tokens, model.config.vocab_size)
+    (num_prompts, prompt_len), (batch, completion_len) = prompt_tokens.shape, completion_tokens.shape
+    if batch % num_prompts:
+        raise ValueError(f"{fn}: the {batch} completions must be a multiple of the {num_prompts} prompts (G per "
+                         "prompt, adjacent).")
+    if prompt_len + completion_len > model.config.max_position_embeddings:
+        raise ValueError(f"{fn}: prompt and completion ({prompt_len} + {completion_len} tokens) exceed the model's "
+                         f"max_position_embeddings ({model.config.max_position_embeddings}).")
+    group = batch // num_prompts
+    copies = functools.partial(jnp.repeat, repeats=group, axis=0)  # [P, ...] -> [B, ...]
+    if not share_prompts or group == 1:
+        tokens = jnp.concatenate([copies(prompt_tokens), completion_tokens], axis=1)  # [B, S + N]
+        mask = jnp.concatenate([copies(prompt_mask), jnp.ones(completion_tokens.shape, bool)], axis=1)
+        return completion_hidden_states(model, params, tokens, mask, completion_len)
+    inputs = completion_len - 1  # the last token is never an input
+    slots = prompt_len + inputs
+    module = model.module(params)
+    prompt_positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)  # [P, S]
+    # The prompts, once each (P rows), into a cache of S + N - 1 slots.
+    # With config.scan_layers both passes scan the layers, the cache stacked through them.
+    scan = module.config.scan_layers
+    prompt_hidden, cache = _prefill_hidden(model, module, prompt_tokens, prompt_mask, prompt_positions,
+                                           slots, scan=scan)  # [P, S, E]
+    hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
+    if inputs:
+        # The completions (B rows) attend to their prompt's slots and causally to themselves.
+        cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)  # the slot index stays S
+        keys = jnp.concatenate([copies(prompt_mask), jnp.ones((batch, inputs), bool)], axis=1)  # [B, S + N - 1]
+        query_slot = prompt_len + jnp.arange(inputs)[:, None]  # [N - 1, 1]
+        attention = keys[:, None, :] & (jnp.arange(slots)[None, :] <= query_slot)[None]  # [B, N - 1, S + N - 1]
+        positions = copies(jnp.sum(prompt_mask, axis=1))[:, None] + jnp.arange(inputs)[None, :]  # [B, N - 1]
+        completion_hidden, _ = module.hidden_states(completion_tokens[:, :inputs], positions, attention, cache,
+                                                    scan=scan)
+        hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
+    return hidden
 
 
 def completion_logprobs(
@@ -335,14 +426,16 @@ def prefill(
     return module.logits(hidden[:, -1] if last_logits_only else hidden), cache
 
 
-def _prefill_hidden(model: Model, module: CausalLM, tokens, mask, positions, cache_size: int):
+def _prefill_hidden(model: Model, module: CausalLM, tokens, mask, positions, cache_size: int, *,
+                    scan: bool = False):
     """Validated ``[B, S]`` prompt inputs through the decoder into a fresh cache of
-    ``cache_size`` slots: ``[B, S, E]`` hidden states and the cache, its next slot ``S``."""
+    ``cache_size`` slots: ``[B, S, E]`` hidden states and the cache, its next slot ``S``.
+    ``scan``: the layers as one scan (see :meth:`CausalLM.hidden_states`)."""
     batch, length = tokens.shape
     cache = init_cache(model, batch, cache_size)
     cache = cache._replace(valid=cache.valid.at[:, :length].set(mask))
     full_mask = jnp.zeros((batch, length, cache_size), bool).at[:, :, :length].set(_causal(mask))  # [B, S, K]
-    hidden, cache = module.hidden_states(tokens, positions, full_mask, cache)
+    hidden, cache = module.hidden_states(tokens, positions, full_mask, cache, scan=scan)
     return hidden, cache._replace(
         next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)
     )

@@ -3,7 +3,9 @@
 :func:`from_pretrained` reads ``config.json`` with ``transformers.AutoConfig`` (which also
 upgrades transformers-4 files) and the weights tensor by tensor, from ``model.safetensors``
 or the shards an index lists, straight into a params tree built abstractly: no random
-initialisation and no second full copy in host memory.
+initialisation and no second full copy in host memory. With ``mesh=``, each tensor goes
+straight into its shards (the sharding rules of :mod:`jaxrl_llm.sharding`): every device
+receives only its own slice, read from the file on its own.
 
 :func:`save_pretrained` writes a directory that ``transformers.AutoModelForCausalLM``
 loads: config and weights and, as an export, the tokenizer (with its chat template, loaded
@@ -40,6 +42,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl_llm import sharding as sharding_lib
 from jaxrl_llm.models.config import ModelConfig, dtype_from_name
 from jaxrl_llm.models.functional import Model, Params, abstract
 
@@ -76,6 +79,52 @@ _ATTENTION = {"q_proj": ("q_proj.weight", "in_heads"), "k_proj": ("k_proj.weight
               "v_bias": ("v_proj.bias", "heads_bias"), "o_bias": ("o_proj.bias", "same"),
               "q_norm": ("q_norm.weight", "same"),
               "k_norm": ("k_norm.weight", "same")}
+
+_Box = tuple[slice, ...]
+"""One shard's index into our layout: a ``slice(start, stop)`` per dimension."""
+
+
+def _read_box(tensor, layout: str, shape: tuple[int, ...], box: _Box) -> np.ndarray:
+    """``to_ours(tensor)[box]`` reading only the Hugging Face rows/columns the box covers.
+
+    ``tensor`` is a lazy safetensors slice (``safe_open(...).get_slice(name)``) in the HF
+    layout; ``shape`` is our full shape. Heads are contiguous runs of ``D`` rows (or
+    columns) of the fused ``H * D`` axis, so a box over heads reads those runs, and a box
+    over ``head_dim`` slices after the reshape.
+    """
+    sizes = [b.stop - b.start for b in box]
+    match layout:
+        case "same":
+            return tensor[box]
+        case "transpose":  # ours [A, B] <- HF [B, A]
+            return tensor[box[::-1]].T
+        case "in_heads":  # ours [E, H, D] <- HF [H * D, E]
+            e, h, d = box
+            rows = tensor[h.start * shape[2]:h.stop * shape[2], e]  # [h * D, e]
+            return rows.T.reshape(sizes[0], sizes[1], shape[2])[:, :, d]  # [e, h, d]
+        case "out_heads":  # ours [H, D, E] <- HF [E, H * D]
+            h, d, e = box
+            columns = tensor[e, h.start * shape[1]:h.stop * shape[1]]  # [e, h * D]
+            return columns.T.reshape(sizes[0], shape[1], sizes[2])[:, d, :]  # [h, d, e]
+        case "heads_bias":  # ours [H, D] <- HF [H * D]
+            h, d = box
+            return tensor[h.start * shape[1]:h.stop * shape[1]].reshape(sizes[0], shape[1])[:, d]  # [h, d]
+    raise KeyError(f"Unknown layout {layout!r}.")
+
+
+def _sharded(tensor, layout: str, shape: tuple[int, ...], dtype, placement: jax.sharding.Sharding) -> jax.Array:
+    """The parameter of our ``shape`` placed by ``placement``, each device's shard read from
+    the file on its own (a box several devices share is read once)."""
+    boxes: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        box = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+        key = tuple((b.start, b.stop) for b in box)
+        if key not in boxes:
+            boxes[key] = np.ascontiguousarray(_read_box(tensor, layout, shape, box), dtype=dtype)
+        return boxes[key]
+
+    return jax.make_array_from_callback(shape, placement, shard, dtype=dtype)
 
 
 def hf_name(path: tuple[Any, ...]) -> tuple[str, str]:
@@ -120,6 +169,8 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     *,
     compute_dtype: Any | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: sharding_lib.Rules | None = None,
 ) -> tuple[Model, Params]:
     """Loads a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3).
 
@@ -127,12 +178,28 @@ def from_pretrained(
     :func:`save_pretrained` describes; a checkpoint moved aside by a save that died
     mid-swap is renamed back to ``path``.
 
+    With ``mesh``, every parameter is created already sharded, with
+    ``sharding.param_shardings(params, mesh, rules)``: each device's shard is read from
+    the safetensors file on its own (``jax.make_array_from_callback``), so no device ever
+    holds a whole tensor that the rules split, and the host holds at most one tensor's
+    shards at a time. The values equal those of the load without a mesh, bit for bit.
+
+    .. code-block:: python
+
+        mesh = sharding.make_mesh(fsdp=4, tensor=2)
+        model, params = models.from_pretrained(path, jnp.bfloat16, mesh=mesh)  # FSDP + tensor
+
     Args:
       path: a directory with ``config.json`` and the weights: ``model.safetensors``, or
         ``model.safetensors.index.json`` and the files it lists, else every ``*.safetensors``
         file there. Symlinks are resolved.
       dtype: the parameters' dtype (``jnp.float32``, ``jnp.bfloat16``, or its name).
       compute_dtype: the activations' dtype; defaults to ``dtype``.
+      mesh: place the parameters on this mesh (:func:`jaxrl_llm.sharding.make_mesh`);
+        ``None``: whole, on the default device.
+      rules: the logical-axis rules that place them (default
+        ``sharding.RULES["fsdp_tensor"]``, as :func:`jaxrl_llm.training.train` uses);
+        only with ``mesh``.
 
     Returns:
       ``(model, params)`` for :func:`jaxrl_llm.models.forward` and friends.
@@ -140,15 +207,19 @@ def from_pretrained(
     Raises:
       FileNotFoundError: the directory, its config or its weights are missing.
       ValueError: an unsupported architecture or option, a missing or unexpected
-        tensor, or a tensor whose shape does not match the config (names both shapes).
+        tensor, or a tensor whose shape does not match the config (names both shapes);
+        ``rules`` without ``mesh``, or rules naming an unknown mesh axis.
     """
+    if rules is not None and mesh is None:
+        raise ValueError("from_pretrained: `rules` place the parameters on a mesh; pass `mesh=` too "
+                         "(sharding.make_mesh(...)).")
     directory = checkpoint_directory(path)
     import transformers
 
     hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     dtype = dtype_from_name(dtype)
     config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype_from_name(compute_dtype or dtype))
-    model, params, _ = read_weights(directory, config)
+    model, params, _ = read_weights(directory, config, mesh=mesh, rules=rules)
     return model, params
 
 
@@ -172,12 +243,16 @@ def read_weights(
     config: ModelConfig,
     *,
     extra: tuple[str, ...] = (),
+    mesh: jax.sharding.Mesh | None = None,
+    rules: sharding_lib.Rules | None = None,
 ) -> tuple[Model, Params, dict[str, np.ndarray]]:
     """The decoder of ``config`` read from the safetensors files in ``directory``.
 
     Tensors are read one at a time into an abstract params tree (no random init). The
     ``extra`` tensors (e.g. a sequence-classification head, ``score.weight``) are returned
-    as stored, in the Hugging Face layout, instead of counting as unexpected.
+    as stored, in the Hugging Face layout, instead of counting as unexpected. With
+    ``mesh``, each parameter is built shard by shard on it, placed by ``rules`` (default
+    ``sharding.RULES["fsdp_tensor"]``; see :func:`from_pretrained`).
 
     Returns:
       ``(model, params, {name: array})`` for the ``extra`` names.
@@ -193,33 +268,44 @@ def read_weights(
     if missing := [name for name in extra if name not in files]:
         raise ValueError(f"Checkpoint {directory} is missing tensor(s) {', '.join(map(repr, missing))}.")
 
+    placements = {}  # parameter path -> its NamedSharding on the mesh
+    if mesh is not None:
+        rules = sharding_lib.RULES["fsdp_tensor"] if rules is None else rules
+        placements = dict(nnx.to_flat_state(sharding_lib.param_shardings(shapes, mesh, rules)))
+
     loaded, used = [], set(extra)
     extras: dict[str, np.ndarray] = {}
     open_files: dict[pathlib.Path, Any] = {}
 
-    def tensor(name: str) -> np.ndarray:
+    def opened(name: str):
         file = files[name]
         if file not in open_files:
             open_files[file] = safe_open(file, framework="numpy").__enter__()
-        return open_files[file].get_tensor(name)
+        return open_files[file]
 
     try:
         for path_, variable in nnx.to_flat_state(shapes):
             name, layout = hf_name(path_)
             to_hf_shape, to_ours, _ = _LAYOUTS[layout]
-            expected = to_hf_shape(tuple(variable.get_value().shape))
+            shape = tuple(variable.get_value().shape)
+            expected = to_hf_shape(shape)
             if name not in files:
                 raise ValueError(f"Checkpoint {directory} is missing tensor {name!r} (shape {list(expected)}).")
-            array = tensor(name)
-            if tuple(array.shape) != expected:
+            tensor = opened(name).get_slice(name)  # lazy: nothing read yet
+            if tuple(tensor.get_shape()) != expected:
                 raise ValueError(
-                    f"Tensor {name!r} has shape {list(array.shape)} in the checkpoint, but the config implies "
+                    f"Tensor {name!r} has shape {list(tensor.get_shape())} in the checkpoint, but the config implies "
                     f"{list(expected)}."
                 )
-            value = jnp.asarray(to_ours(array, tuple(variable.get_value().shape)), dtype=dtype)
+            if mesh is None:
+                value = jnp.asarray(to_ours(opened(name).get_tensor(name), shape), dtype=dtype)
+            else:
+                placement = placements[path_]
+                placement = placement.get_value() if isinstance(placement, nnx.Variable) else placement
+                value = _sharded(tensor, layout, shape, dtype, placement)
             loaded.append((path_, variable.replace(value)))
             used.add(name)
-        extras = {name: tensor(name) for name in extra}
+        extras = {name: opened(name).get_tensor(name) for name in extra}
     finally:
         for handle in open_files.values():
             handle.__exit__(None, None, None)

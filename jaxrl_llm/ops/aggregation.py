@@ -104,6 +104,23 @@ def _aggregate(fn: str, values: jax.Array, mask: jax.Array, *, mode: str, max_le
     return jnp.sum(masked) / (num_seqs * length)
 
 
+def aggregation_count(mask: jax.Array, *, mode: AggregationMode) -> jax.Array:
+    r"""``[]`` float32: what :func:`aggregate` counts in its denominator: the valid tokens
+    (``token-mean``) or the non-empty rows :math:`B` (the ``seq-mean-*`` modes).
+
+    A batch split into parts :math:`k` with counts :math:`c_k` (any mode) has
+
+    .. math::  \operatorname{agg}(x, m) = \frac{\sum_k c_k \operatorname{agg}(x_k, m_k)}{\sum_k c_k},
+
+    so gradient accumulation over micro-batches weights each by :math:`c_k / \sum c`.
+    """
+    _checks.one_of("aggregation_count", "mode", mode, AGGREGATION_MODES)
+    mask = jnp.asarray(mask).astype(bool)
+    if mode == "token-mean":
+        return jnp.sum(mask).astype(jnp.float32)
+    return jnp.sum(jnp.any(mask, axis=-1)).astype(jnp.float32)
+
+
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean over valid entries (``token-mean``); 0 when none are valid. Shapes ``[B, T]``,
     masks as in :func:`aggregate`."""

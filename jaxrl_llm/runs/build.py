@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import transformers
 
-from jaxrl_llm import models, rewards, tasks, training
+from jaxrl_llm import models, rewards, sharding, tasks, training
 from jaxrl_llm.runs.config import BUILTIN_ALPHABET, BUILTIN_CHAT_TEMPLATE, ModelSpec, RunConfig, TaskSpec
 
 REWARDS: dict[str, Callable[..., Any]] = {
@@ -59,20 +59,28 @@ def model_config(spec: ModelSpec, task: tasks.Task, max_positions: int) -> model
         param_dtype=_DTYPES[spec.param_dtype], dtype=_DTYPES[spec.dtype or spec.param_dtype])
 
 
-def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False) -> tuple[models.Model, models.Params]:
+def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=None
+          ) -> tuple[models.Model, models.Params]:
     """The policy before training: the model directory's weights, or the built-in decoder
-    initialised from ``config.train.seed``. ``abstract``: shapes and dtypes only
-    (``jax.ShapeDtypeStruct`` leaves), nothing read or computed."""
+    initialised from ``config.train.seed``, with the spec's execution options (layer scan,
+    remat, attention). ``abstract``: shapes and dtypes only (``jax.ShapeDtypeStruct``
+    leaves), nothing read or computed. ``mesh``: a model directory's tensors are read
+    straight into their shards by ``config.mesh.rules``."""
     spec = config.model
+    options = dict(scan_layers=spec.scan_layers, remat=spec.remat, attention=spec.attention)
     if spec.path is None:
         built = model_config(spec, task, config.train.max_prompt_length + config.train.max_new_tokens)
-        return models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
-    check_model_path(spec)
-    dtype, compute = _DTYPES[spec.param_dtype], _DTYPES[spec.dtype or spec.param_dtype]
-    if abstract:
-        hf_config = transformers.AutoConfig.from_pretrained(spec.path, local_files_only=True)
-        return models.abstract(models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute))
-    return models.from_pretrained(spec.path, dtype, compute_dtype=compute)
+        model_, params = models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
+    else:
+        check_model_path(spec)
+        dtype, compute = _DTYPES[spec.param_dtype], _DTYPES[spec.dtype or spec.param_dtype]
+        if abstract:
+            hf_config = transformers.AutoConfig.from_pretrained(spec.path, local_files_only=True)
+            model_, params = models.abstract(models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute))
+        else:
+            model_, params = models.from_pretrained(spec.path, dtype, compute_dtype=compute, mesh=mesh,
+                                                    rules=None if mesh is None else sharding.RULES[config.mesh.rules])
+    return models.with_options(model_, **options), params
 
 
 def reward_function(name: str) -> Callable[..., Any]:

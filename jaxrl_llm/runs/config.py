@@ -37,7 +37,7 @@ import string
 import tomllib
 import types
 import typing
-from typing import Any, Literal
+from typing import Literal
 
 from jaxrl_llm import _checks, algorithms, training
 
@@ -89,6 +89,16 @@ class ModelSpec:
     """Built-in model only: attention heads."""
     num_kv_heads: int = 2
     """Built-in model only: key/value heads (grouped-query attention)."""
+    scan_layers: bool = False
+    """Run the decoder layers in one ``lax.scan`` in the teacher-forced passes
+    (``models.ModelConfig.scan_layers``): with ``remat``, far less activation memory."""
+    remat: Literal["none", "full", "dots"] = "none"
+    """Recompute each layer's activations in the backward pass: ``full`` saves nothing,
+    ``dots`` keeps the projections' outputs (``models.ModelConfig.remat``)."""
+    attention: Literal["auto", "xla", "dot_product_attention", "cudnn"] = "auto"
+    """The attention kernel (``models.ModelConfig.attention``): ``auto`` is the CPU-tuned
+    one on CPUs, ``jax.nn.dot_product_attention`` elsewhere; ``cudnn`` its cuDNN flash
+    attention (NVIDIA GPUs, bfloat16)."""
 
     def __post_init__(self):
         where = "ModelSpec"
@@ -199,6 +209,31 @@ class WarmStartConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSpec:
+    """The device mesh the train step is sharded over (:mod:`jaxrl_llm.sharding`). Every
+    size ``None`` (the default) runs on one device; a run over several processes needs a
+    mesh over all their devices."""
+
+    data: int | None = None
+    """Devices the batch's rows are split over (``None``: the devices left over by
+    ``fsdp x tensor``)."""
+    fsdp: int | None = None
+    """Devices the parameters and optimizer state are split over (ZeRO-3), rows too."""
+    tensor: int | None = None
+    """Devices attention heads, MLP columns and the vocabulary are split over."""
+    rules: Literal["data_parallel", "fsdp", "fsdp_tensor"] = "fsdp_tensor"
+    """How parameters map onto the mesh (``sharding.RULES``)."""
+
+    def build(self):
+        """The ``jax.sharding.Mesh``, or ``None`` for one device."""
+        from jaxrl_llm import sharding
+
+        if self.data is None and self.fsdp is None and self.tensor is None:
+            return None
+        return sharding.make_mesh(data=self.data, fsdp=self.fsdp, tensor=self.tensor)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a run does: model, task, warm start, method, training settings, steps,
     and what it records."""
@@ -213,6 +248,7 @@ class RunConfig:
     train: training.TrainConfig = training.TrainConfig(
         num_prompts=8, group_size=8, max_new_tokens=3, learning_rate=2e-4, critic_learning_rate=2e-4,
         eval_every=10, eval_samples=8)
+    mesh: MeshSpec = MeshSpec()
     steps: int = 40
     """Train steps (rollout batches) of the whole run."""
     save_every: int = 10

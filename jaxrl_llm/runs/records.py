@@ -298,7 +298,7 @@ def _duration(seconds: float) -> str:
 
 def summarize(rows: Sequence[Mapping[str, Any]], *, window: int = SUMMARY_WINDOW) -> str:
     """A short text table of a run (:func:`read_metrics`): steps, wall time, and how
-    reward, each reward function, ``kl_exact``, completion length and entropy moved (the
+    reward, each reward function, the KL (``kl_exact``, ``kl_k3``), completion length and entropy moved (the
     means of the first and the last ``window`` steps) and the held-out accuracy (the first
     and the last evaluation)."""
     if not rows:
@@ -311,7 +311,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], *, window: int = SUMMARY_WINDOW
                      f"evaluation {_duration(eval_seconds)}")
     names = _all_names(rows)
     table = []
-    for name in ["reward", *reward_function_metrics(names), "kl_exact", "completion_length", "entropy"]:
+    for name in ["reward", *reward_function_metrics(names), "kl_exact", "kl_k3", "completion_length", "entropy"]:
         found = [value for _, value in _numbers(rows, name)]
         if found:
             start, end = np.mean(found[:window]), np.mean(found[-window:])
@@ -483,7 +483,8 @@ class RunRecorder:
             self.plot()
             self._plotted = self._logged
         if self._bar is not None:
-            shown = {"reward": "reward", "kl": "kl_exact", "step_s": "step_seconds"}
+            kl = "kl_exact" if row.get("kl_exact") is not None else "kl_k3"  # exact when asked for
+            shown = {"reward": "reward", "kl": kl, "step_s": "step_seconds"}
             self._bar.set_postfix({label: f"{row[name]:.3g}" for label, name in shown.items()
                                    if row.get(name) is not None}, refresh=False)
             self._bar.update(step + 1 - self._bar.n)

@@ -41,9 +41,10 @@ import tempfile
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
-from jaxrl_llm import compilation_cache, models, training
+from jaxrl_llm import compilation_cache, distributed, models, sharding, training
 from jaxrl_llm.runs import build, records
 from jaxrl_llm.runs.config import RunConfig, differences, from_dict, to_dict
 
@@ -52,10 +53,11 @@ WARM_START_FILE = "warm_start.json"
 CHECKPOINTS = "checkpoints"
 
 RUN_MANAGEMENT = ("steps", "save_every", "keep_checkpoints", "samples_every", "samples_prompts", "plot_every",
-                  "tensorboard", "wandb_project", "compilation_cache")
-"""Settings a continued run may change: they decide how long it runs and what it writes,
-not what it computes (``steps`` also sets the end of a decaying learning-rate schedule
-without ``train.decay_steps``, and is then fixed)."""
+                  "tensorboard", "wandb_project", "compilation_cache", "mesh")
+"""Settings a continued run may change: they decide how long it runs, what it writes and
+on which devices (a checkpoint restores onto another mesh), not what it computes (``steps``
+also sets the end of a decaying learning-rate schedule without ``train.decay_steps``, and
+is then fixed)."""
 
 TIMING_METRICS = ("tokens_per_second", "score_traces", "update_traces")
 """Metrics (besides ``*_seconds``) that depend on the machine or the process, not the run."""
@@ -187,8 +189,11 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     """
     run_dir = pathlib.Path(run_dir)
     config = absolute_paths(config)
+    main = distributed.is_main_process()  # over several processes, process 0 writes and prints
+    stream = stream if main else None
     stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
     build.check_model_path(config.model)
+    mesh, rules = config.mesh.build(), sharding.RULES[config.mesh.rules]
     if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError(f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
                          "`pip install wandb`, or leave wandb_project unset.")
@@ -198,10 +203,12 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     if config.warm_start.steps + config.warm_start.anneal_steps:
         build.demonstrations(dataclasses.replace(config, warm_start=dataclasses.replace(config.warm_start,
                                                                                          examples=1)), task)
-    if overwrite and run_dir.exists():
-        shutil.rmtree(run_dir) if run_dir.is_dir() else run_dir.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(run_dir / CONFIG_FILE, to_dict(config))
+    if main:
+        if overwrite and run_dir.exists():
+            shutil.rmtree(run_dir) if run_dir.is_dir() else run_dir.unlink()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / CONFIG_FILE, to_dict(config))
+    distributed.barrier("run directory ready")
     if config.compilation_cache:
         compilation_cache.enable()
 
@@ -210,7 +217,11 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     state = None
     if latest is not None:
         model, abstract_params = build.model(config, task, abstract=True)
-        state = checkpointer.restore(like=build.abstract_state(config, model, abstract_params))
+        like = build.abstract_state(config, model, abstract_params)
+        if mesh is not None:  # restored straight into its shards on this run's mesh
+            like = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+                                like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
+        state = checkpointer.restore(like=like)
         params = state.params
         start = int(state.step)
         for unreadable in (s for s in checkpointer.all_steps() if s > start):
@@ -222,7 +233,7 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
         _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
     else:
         start = 0
-        model, params = build.model(config, task)
+        model, params = build.model(config, task, mesh=mesh)
         started = time.perf_counter()
         params, losses = build.warm_start(config, model, params, task)
         warm = {"steps": len(losses), "first_loss": losses[0] if losses else None,
@@ -230,7 +241,8 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
                 "seconds": time.perf_counter() - started}
         if config.train.eval_every:
             warm.update(evaluate_model(model, params, task, config))
-        _write_json(run_dir / WARM_START_FILE, warm)
+        if main:
+            _write_json(run_dir / WARM_START_FILE, warm)
         if "eval_greedy_accuracy" in warm:
             _print(f"Warm start: {warm['steps']} steps, held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.",
                    stream)
@@ -249,7 +261,7 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     recorder = records.RunRecorder(
         run_dir, total_steps=config.steps, start_step=start - (unevaluated is not None),
         tensorboard=config.tensorboard, plot_every=config.plot_every, progress=progress,
-        wandb_project=config.wandb_project, wandb_config=to_dict(config))
+        wandb_project=config.wandb_project, wandb_config=to_dict(config)) if main else _NoRecords()
     if unevaluated is not None:
         recorder.log(start - 1, unevaluated)
 
@@ -270,7 +282,7 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
 
     try:
         state, history = training.train(model, params, config.algorithm, config.train, steps=config.steps - start,
-                                         task=task, state=state, callback=on_step,
+                                         task=task, state=state, callback=on_step, mesh=mesh, rules=rules,
                                          compilation_cache=config.compilation_cache)
     except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
         try:
@@ -291,9 +303,21 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
         raise
     recorder.close()
     checkpointer.close()
-    summary = _summary(run_dir, warm)
+    summary = _summary(run_dir, warm) if main else ""
     _print(summary, stream)
     return RunResult(run_dir, config, state, history, warm, summary)
+
+
+class _NoRecords:
+    """The recorder of a process other than 0: it writes nothing."""
+
+    rows: list = []
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    log_samples = log
+    close = log
 
 
 def _unevaluated_record(run_dir: pathlib.Path, start: int, config: RunConfig) -> dict[str, Any] | None:

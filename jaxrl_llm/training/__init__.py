@@ -23,6 +23,7 @@ from jaxrl_llm.training.step import (
     ScoredBatch,
     TrainState,
     TrainStep,
+    batch_shardings,
     check_params,
     check_state,
     check_supported,
@@ -30,12 +31,14 @@ from jaxrl_llm.training.step import (
     init_state,
     make_optimizer,
     make_train_step,
+    rollout_key,
     state_shardings,
+    uses_reference,
 )
 
 __all__ = [
     "Batch", "Checkpointer", "CriticParams", "NonFiniteUpdates", "RunInterrupted", "RunStopped", "ScoredBatch", "StepEnd", "TrainConfig",
-    "TrainState", "TrainStep", "check_params", "check_state", "check_supported", "collect_batch", "completion_values", "evaluation_metrics",
-    "fit_overlong_buffer", "in_float32", "init_critic", "init_state", "make_optimizer", "make_train_step", "rollout_and_score", "state_shardings",
-    "sft_loss", "supervised_finetune", "train",
+    "TrainState", "TrainStep", "batch_shardings", "check_params", "check_state", "check_supported", "collect_batch", "completion_values", "evaluation_metrics",
+    "fit_overlong_buffer", "in_float32", "init_critic", "init_state", "make_optimizer", "make_train_step", "rollout_and_score", "rollout_key",
+    "state_shardings", "sft_loss", "supervised_finetune", "train", "uses_reference",
 ]

@@ -86,13 +86,16 @@ def _paths(tree) -> list[tuple[str, ...]]:
 
 
 def _data_sharding(key_leaf):
-    """The sharding of ``key_data(key)`` for a key (array or abstract) with this sharding."""
+    """The sharding of ``key_data(key)`` for a key (array or abstract) with this sharding.
+
+    A ``NamedSharding`` is used as it is: its spec leaves the trailing key-bits axis whole,
+    and the key wrapped back carries exactly it (a spec padded with ``None`` would come
+    back as an equivalent but unequal sharding on a one-device mesh)."""
     sharding = getattr(key_leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
     if isinstance(key_leaf, jax.Array):
         return jax.random.key_data(key_leaf).sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):  # the key bits are a trailing, unsharded axis
-        spec = tuple(sharding.spec) + (None,) * (key_leaf.ndim - len(sharding.spec))
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec, None))
     return sharding
 
 

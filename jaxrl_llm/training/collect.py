@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import algorithms, models, rewards, sampling, tasks
+from jaxrl_llm import algorithms, distributed, models, rewards, sampling, tasks
 from jaxrl_llm.training.config import PROMPT_TRUNCATION, TrainConfig
 
 
@@ -90,31 +90,38 @@ def decode_completions(tokenizer, completion_tokens: np.ndarray, lengths: np.nda
 
 @dataclasses.dataclass
 class Rollouts:
-    """Host copies of rollouts with their rewards, one row per completion (``R`` rows)."""
+    """Host copies of rollouts with their rewards: ``P`` prompts, each once, and their
+    ``R = P * G`` completions (prompt ``p``'s rows ``p G ... p G + G - 1``)."""
 
-    tokens: np.ndarray  # [R, S + N] int32
-    attention_mask: np.ndarray  # [R, S + N] bool
-    completion_mask: np.ndarray  # [R, N] bool
+    prompt_tokens: np.ndarray  # [P, S] int32, left-padded
+    prompt_mask: np.ndarray  # [P, S] bool
+    completion_tokens: np.ndarray  # [R, N] int32
+    completion_mask: np.ndarray  # [R, N] bool: the tokens that enter the loss
     logprobs: np.ndarray  # [R, N] float32
     lengths: np.ndarray  # [R] int32
     truncated: np.ndarray  # [R] bool: hit the budget without a stop
     rewards: np.ndarray  # [R] float32: what the advantages see (the task's, plus shaping)
 
-    def take(self, rows: np.ndarray) -> Rollouts:
-        return Rollouts(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+    _ROW_FIELDS = ("completion_tokens", "completion_mask", "logprobs", "lengths", "truncated", "rewards")
+
+    def take_groups(self, groups: np.ndarray) -> Rollouts:
+        """Prompts ``groups`` ``[g]`` with their completions, in that order."""
+        group = len(self.rewards) // len(self.prompt_tokens)
+        rows = (np.asarray(groups)[:, None] * group + np.arange(group)).reshape(-1)
+        return Rollouts(prompt_tokens=self.prompt_tokens[groups], prompt_mask=self.prompt_mask[groups],
+                        **{name: getattr(self, name)[rows] for name in self._ROW_FIELDS})
 
     @staticmethod
     def concatenate(parts: list[Rollouts], pad_id: int) -> Rollouts:
-        width = max(p.tokens.shape[1] for p in parts)  # prompt widths can differ between rounds
+        width = max(p.prompt_tokens.shape[1] for p in parts)  # prompt widths can differ between rounds
 
         def left_pad(x, value):
             return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
 
         return Rollouts(
-            tokens=np.concatenate([left_pad(p.tokens, pad_id) for p in parts]),
-            attention_mask=np.concatenate([left_pad(p.attention_mask, False) for p in parts]),
-            **{name: np.concatenate([getattr(p, name) for p in parts])
-               for name in ("completion_mask", "logprobs", "lengths", "truncated", "rewards")},
+            prompt_tokens=np.concatenate([left_pad(p.prompt_tokens, pad_id) for p in parts]),
+            prompt_mask=np.concatenate([left_pad(p.prompt_mask, False) for p in parts]),
+            **{name: np.concatenate([getattr(p, name) for p in parts]) for name in Rollouts._ROW_FIELDS},
         )
 
 
@@ -152,14 +159,17 @@ def rollout_and_score(
     """
     tokens, mask, truncated_prompts = fit_prompts(batch, max_length=max_prompt_length, truncation=prompt_truncation,
                                                   bucket=prompt_bucket, pad_id=task.pad_id)
-    host = jax.device_get(backend(params, tokens, mask, key, num_samples=num_samples, max_new_tokens=max_new_tokens))
-    host = jax.tree.map(np.asarray, host)
+    rollout = backend(params, tokens, mask, key, num_samples=num_samples, max_new_tokens=max_new_tokens)
+    n = rollout.completion_mask.shape[1]
+    # Only the completions come to the host (every process's: they are small), the prompts
+    # are here already, once each.
+    host = distributed.gather(rollout._replace(tokens=rollout.tokens[:, -n:],
+                                               attention_mask=rollout.attention_mask[:, -n:]))
     if task.stop_strings:
         host = sampling.stop_at_strings(host, tokenizer=task.tokenizer, stop_strings=task.stop_strings,
                                         pad_id=task.pad_id)
     started = time.perf_counter()
-    completion_tokens = host.tokens[:, -host.completion_mask.shape[1]:]
-    texts, completion_ids = decode_completions(task.tokenizer, completion_tokens, host.lengths, eos_ids=task.eos_ids)
+    texts, completion_ids = decode_completions(task.tokenizer, host.tokens, host.lengths, eos_ids=task.eos_ids)
     completions = texts
     if any(not isinstance(p, str) for p in batch.prompts):  # TRL's conversational format: messages in, messages out
         completions = [[{"role": "assistant", "content": text}] for text in texts]
@@ -169,16 +179,62 @@ def rollout_and_score(
         columns={name: [copy.deepcopy(v) for v in values for _ in range(num_samples)]  # a function may mutate its
                  for name, values in batch.columns.items()},
     )
-    result = rewards.compute_rewards(task.reward_fns, task.reward_weights, on_error=on_reward_error, **arguments)
+    result = rewards_by_process(task.reward_fns, task.reward_weights, on_error=on_reward_error, **arguments)
     total = result.total
     if shaping is not None:
-        total = total + rewards.compute_rewards([shaping], [1.0], **arguments).total
+        total = total + rewards_by_process([shaping], [1.0], **arguments).total
     reward_seconds = time.perf_counter() - started
     return ScoredRound(
         prompts=list(batch.prompts),
-        rollouts=Rollouts(tokens=host.tokens, attention_mask=host.attention_mask, completion_mask=host.completion_mask,
-                          logprobs=host.logprobs, lengths=host.lengths, truncated=host.truncated, rewards=total),
+        rollouts=Rollouts(prompt_tokens=tokens, prompt_mask=mask, completion_tokens=host.tokens,
+                          completion_mask=host.completion_mask, logprobs=host.logprobs, lengths=host.lengths,
+                          truncated=host.truncated, rewards=total),
         result=result, completions=texts, truncated_prompts=truncated_prompts, reward_seconds=reward_seconds)
+
+
+def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **arguments) -> rewards.RewardResult:
+    """:func:`jaxrl_llm.rewards.compute_rewards` of every row, each process of a
+    multi-process run calling the reward functions on its share of the rows only (the
+    ``i``-th of ``jax.process_count()`` equal blocks), every process getting all of them.
+
+    A reward function that raises on one process stops every process, with the original
+    error where it happened: the others would otherwise wait for it in their next
+    collective. One process: ``compute_rewards`` itself.
+    """
+    if jax.process_count() == 1:
+        return rewards.compute_rewards(reward_fns, weights, on_error=on_error, **arguments)
+    num_rows = len(arguments["completions"])
+    rows = np.array_split(np.arange(num_rows), jax.process_count())[jax.process_index()]
+
+    def mine(values):
+        return [values[row] for row in rows]
+
+    local = dict(prompts=mine(arguments["prompts"]), completions=mine(arguments["completions"]),
+                 completion_ids=mine(arguments["completion_ids"]),
+                 columns={name: mine(values) for name, values in arguments["columns"].items()})
+    failure = None
+    try:
+        result = rewards.compute_rewards(reward_fns, weights, on_error=on_error, **local)
+    except Exception as error:  # noqa: BLE001 (raised again below, on every process)
+        failure, result = error, None
+    if distributed.process_sum(np.int32(failure is not None)):
+        if failure is not None:
+            raise failure
+        raise rewards.RewardFunctionError("A reward function failed on another process of the run (its log has "
+                                          "the error); stopping every process.")
+    names = rewards.reward_names(reward_fns)
+
+    def everyone(values):  # [b] here -> [B] from every process's block
+        whole = np.zeros(num_rows, np.float32)
+        whole[rows] = values
+        return whole
+
+    totals = distributed.process_sum({"total": everyone(result.total),
+                                      **{name: everyone(result.values[name]) for name in names},
+                                      **{f"errors/{name}": np.int32(result.errors.get(name, 0)) for name in names}})
+    return rewards.RewardResult(total=totals["total"], values={name: totals[name] for name in names},
+                                errors={name: int(totals[f"errors/{name}"]) for name in names
+                                        if totals[f"errors/{name}"]})
 
 
 @dataclasses.dataclass
@@ -251,7 +307,7 @@ def collect_batch(
     if algorithm.dynamic_sampling:
         rollouts = Rollouts.concatenate([r.rollouts for r in rounds], task.pad_id)
         order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:num_prompts]
-        rollouts = rollouts.take((order[:, None] * group + np.arange(group)).reshape(-1))
+        rollouts = rollouts.take_groups(order)
         rollouts.completion_mask = rollouts.completion_mask & np.repeat(informative[order], group)[:, None]
     return CollectedBatch(
         rollouts=rollouts, first_round=rounds[0], refill_rounds=len(rounds) - 1,

@@ -98,6 +98,22 @@ class TrainConfig:
     ``G`` completions (:func:`jaxrl_llm.models.completion_hidden_states`): the same
     numbers, with a fraction ``(1 - 1/G) S / (S + N)`` of the token positions fewer.
     Shuffled minibatches mix groups and always run every row in full."""
+    micro_batch_size: int | None = None
+    """Gradient accumulation: sequences per forward and backward pass; each optimizer step's
+    gradient is summed over ``minibatch_size / micro_batch_size`` micro-batches, weighted so
+    that it equals the whole minibatch's (the loss's normaliser spans the minibatch). Cuts
+    the activations' memory by that factor. ``None``: the whole minibatch at once. Must
+    divide the minibatch (or ``B``)."""
+    reference_metrics: bool = False
+    """Log the KL to the reference (``kl_k3``) for methods without a KL term too. Their
+    reference model is otherwise neither kept nor run: this costs its copy of the params
+    and a forward pass per step."""
+    exact_kl: bool = False
+    r"""Log ``kl_exact``, the exact :math:`D_{KL}(\pi_{old}\|\pi_{ref})` over the vocabulary
+    at the batch's states (once per step, at the params that sampled it). Keeps and runs
+    the reference like ``reference_metrics``, and costs a policy forward pass per step
+    when the update would not otherwise recompute the old log-probs (``num_iterations =
+    1`` and one minibatch)."""
 
     def __post_init__(self):
         where = "TrainConfig"
@@ -115,8 +131,9 @@ class TrainConfig:
                 _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
         _checks.one_of(where, "prompt_truncation", self.prompt_truncation, PROMPT_TRUNCATION)
         _checks.one_of(where, "on_reward_error", self.on_reward_error, ON_ERROR)
-        if not isinstance(self.share_prompts, bool):
-            raise ValueError(f"TrainConfig: `share_prompts` must be True or False; got {self.share_prompts!r}.")
+        for field in ("share_prompts", "reference_metrics", "exact_kl"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"TrainConfig: `{field}` must be True or False; got {getattr(self, field)!r}.")
         for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "temperature", "adam_eps"):
             _checks.finite_number(where, field, getattr(self, field))
             _checks.positive(where, field, getattr(self, field))
@@ -135,6 +152,13 @@ class TrainConfig:
                     f"TrainConfig: `minibatch_size` must divide the batch B = num_prompts * group_size = "
                     f"{self.batch_size}; got {self.minibatch_size}."
                 )
+        if self.micro_batch_size is not None:
+            _checks.positive_int(where, "micro_batch_size", self.micro_batch_size)
+            rows = self.batch_size if self.minibatch_size is None else self.minibatch_size
+            if rows % self.micro_batch_size:
+                raise ValueError(f"TrainConfig: `micro_batch_size` must divide the rows of an optimizer step "
+                                 f"({'minibatch_size' if self.minibatch_size else 'B'} = {rows}); got "
+                                 f"{self.micro_batch_size}.")
 
     @property
     def batch_size(self) -> int:
@@ -144,3 +168,9 @@ class TrainConfig:
     @property
     def num_minibatches(self) -> int:
         return 1 if self.minibatch_size is None else self.batch_size // self.minibatch_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Forward and backward passes per optimizer step (gradient accumulation)."""
+        rows = self.batch_size // self.num_minibatches
+        return 1 if self.micro_batch_size is None else rows // self.micro_batch_size

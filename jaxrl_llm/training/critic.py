@@ -39,23 +39,23 @@ def init_critic(model: models.Model, params: models.Params) -> CriticParams:
 def completion_values(
     model: models.Model,
     critic_params: CriticParams,
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    completion_len: int,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    completion_tokens: jax.Array,
     *,
-    group_size: int = 1,
+    share_prompts: bool = True,
 ) -> jax.Array:
     """``[B, N]`` float32 values :math:`V(s_t)` of the states before each completion token.
 
     Args:
       model: the policy's model (the critic's backbone has its architecture).
       critic_params: from :func:`init_critic`.
-      tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``.
-      completion_len: ``N``.
-      group_size: ``G`` consecutive rows share a prompt, which then runs once (see
-        :func:`jaxrl_llm.models.completion_hidden_states`).
+      prompt_tokens: ``[P, S]`` left-padded prompts; prompt_mask: ``[P, S]``.
+      completion_tokens: ``[B, N]``, ``G = B / P`` per prompt, adjacent (see
+        :func:`jaxrl_llm.models.group_completion_hidden_states`, which ``share_prompts``
+        is passed to).
     """
-    hidden = models.completion_hidden_states(model, critic_params["backbone"], tokens, attention_mask,
-                                             completion_len, group_size=group_size)  # [B, N, E]
+    hidden = models.group_completion_hidden_states(model, critic_params["backbone"], prompt_tokens, prompt_mask,
+                                                   completion_tokens, share_prompts=share_prompts)  # [B, N, E]
     head = critic_params["head"]
     return hidden.astype(jnp.float32) @ head["kernel"] + head["bias"]

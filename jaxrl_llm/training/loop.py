@@ -39,15 +39,14 @@ import time
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import _checks, algorithms, models, sampling, sharding, tasks
+from jaxrl_llm import _checks, algorithms, distributed, models, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
-from jaxrl_llm.training.step import (Batch, TrainState, check_params, check_state, init_state, make_train_step,
-                                     state_shardings)
+from jaxrl_llm.training.step import (Batch, TrainState, batch_shardings, check_params, check_state, init_state,
+                                     make_train_step, rollout_key, state_shardings)
 
 
 class StepEnd(NamedTuple):
@@ -176,7 +175,8 @@ def train(
         :class:`jaxrl_llm.tasks.Task` (default: :class:`~jaxrl_llm.tasks.DigitSumTask`).
       state: continue from this state instead of a fresh one (it is donated: its
         buffers are reused by the first update).
-      ref_params: the frozen reference (default: a copy of ``params``).
+      ref_params: the frozen reference (default: a copy of ``params``; only for runs that use
+        one: :func:`jaxrl_llm.training.uses_reference`).
       rollout: the :class:`~jaxrl_llm.sampling.RolloutBackend` that samples completions
         (default: the built-in KV-cache sampler with the task's stop ids and the config's
         temperature, top-k, top-p and min-p). The evaluation of ``config.eval_every``
@@ -234,6 +234,14 @@ def train(
             return fn(*args)
         return traced
 
+    if jax.process_count() > 1:
+        if mesh is None or mesh.devices.size != jax.device_count():
+            raise ValueError(f"train: this run spans {jax.process_count()} processes; pass a `mesh` over all their "
+                             f"{jax.device_count()} devices (sharding.make_mesh(...), after "
+                             "distributed.initialize()).")
+        if config.eval_every or rollout is not None:
+            raise ValueError("train: over several processes the run cannot evaluate yet (eval_every=0) nor take its "
+                             "own `rollout` backend.")
     if mesh is not None:
         unknown = [axis for axis in mesh.axis_names if axis not in sharding.AXES]
         if unknown or rollout_mesh is not None:
@@ -267,11 +275,10 @@ def train(
     if mesh is not None:
         shardings = state_shardings(state, algorithm, config, mesh,
                                     sharding.RULES["fsdp_tensor"] if rules is None else rules)
-        state = jax.device_put(state, shardings)
+        state = distributed.put(state, shardings)  # every process holds the same state
         placement = {"out_shardings": (shardings, None)}
-        row_axes = tuple(axis for axis in (sharding.DATA, sharding.FSDP) if axis in mesh.axis_names)
-        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes or None))
-        place_batch = lambda batch: jax.device_put(batch, rows)  # noqa: E731
+        placed_batch = batch_shardings(mesh)
+        place_batch = lambda batch: distributed.put(batch, placed_batch)  # noqa: E731 (the same on every process)
     score = jax.jit(counting("score", halves.score))
     update = jax.jit(counting("update", halves.update), donate_argnums=0, **placement)
     if rollout is None:
@@ -298,23 +305,22 @@ def train(
         for _ in range(steps):
             started = time.perf_counter()
             step = int(state.step)
-            key, rollout_key = jax.random.split(state.key)
 
             # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
-            collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key,
+            collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key(state),
                                       position=int(state.prompts_drawn), prompt_bucket=prompt_bucket)
             rollouts, first = collected.rollouts, collected.first_round
             reward_seconds = collected.reward_seconds
             rollout_seconds = time.perf_counter() - started - reward_seconds
 
             # 3. Score (reference / old log-probs, values, advantages) and update.
-            batch = Batch(tokens=jnp.asarray(rollouts.tokens), attention_mask=jnp.asarray(rollouts.attention_mask),
-                          completion_mask=jnp.asarray(rollouts.completion_mask),
-                          sampling_logp=jnp.asarray(rollouts.logprobs), rewards=jnp.asarray(rollouts.rewards))
-            if place_batch is not None:
-                batch = place_batch(batch)
+            batch = Batch(prompt_tokens=rollouts.prompt_tokens, prompt_mask=rollouts.prompt_mask,
+                          completion_tokens=rollouts.completion_tokens, completion_mask=rollouts.completion_mask,
+                          sampling_logp=rollouts.logprobs, rewards=rollouts.rewards,
+                          prompts_drawn=np.asarray(collected.prompts_drawn, np.int32))
+            batch = jax.device_put(batch) if place_batch is None else place_batch(batch)
             score_started = time.perf_counter()
-            scored, baseline, score_metrics = jax.block_until_ready(score(state, batch))
+            scored, score_metrics = jax.block_until_ready(score(state, batch))
             update_started = time.perf_counter()
 
             task_rewards = first.result.total  # [P * G]: the task's weighted sum, shaping aside
@@ -331,11 +337,9 @@ def train(
                 rollout_seconds=rollout_seconds, reward_seconds=reward_seconds,
                 logprob_seconds=update_started - score_started,
             )
-            prompts_drawn = jnp.asarray(int(state.prompts_drawn) + collected.prompts_drawn, jnp.int32)
             # The update consumes (donates) the state: from here on only its result is valid.
             with _interrupts_held():
-                state, update_metrics = update(state._replace(key=key, baseline=baseline, prompts_drawn=prompts_drawn),
-                                               scored)
+                state, update_metrics = update(state, scored)
                 pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
             metrics = record(*pending)
             pending = None
@@ -344,13 +348,10 @@ def train(
             if callback is not None:
                 callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
             if metrics["consecutive_skips"] >= config.max_consecutive_skips:
-                mismatched = int(metrics["prompt_mismatch_rows"])
-                hint = (f" {mismatched} rows of the last batch do not share their group's prompt, which makes the "
-                        "shared-prompt passes NaN (TrainConfig.share_prompts)." if mismatched else "")
                 raise NonFiniteUpdates(
                     f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite "
                     f"loss, gradient or update (max_consecutive_skips={config.max_consecutive_skips}); the state "
-                    f"keeps the params of the last finite update.{hint}", state, history)
+                    f"keeps the params of the last finite update.", state, history)
     except RunStopped:
         raise
     except (Exception, KeyboardInterrupt) as error:

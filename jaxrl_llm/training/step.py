@@ -2,14 +2,22 @@ r"""The train state and the two jitted halves of a train step: ``score`` and ``u
 
 After the rollout and the host's rewards, a train step is
 
-1. ``score(state, batch) -> (scored, baseline, metrics)``: log-probs under the reference
-   (and, only when they can differ from the sampler's, under the old params), the
-   critic's values, and the advantages (:func:`jaxrl_llm.algorithms.compute_advantages`);
+1. ``score(state, batch) -> (scored, metrics)``: log-probs under the reference (when the
+   method or a metric needs it) and, only when they can differ from the sampler's, under
+   the old params; the critic's values; the advantages
+   (:func:`jaxrl_llm.algorithms.compute_advantages`) and the running baseline after them;
 2. ``update(state, scored) -> (state, metrics)``: ``num_iterations`` passes over shuffled
    minibatches in one ``lax.scan`` of optax steps (or one TRPO natural-gradient step),
    plus the critic's steps for PPO. The state is donated.
 
 Both are pure functions built once per run by :func:`make_train_step` and jitted once.
+Every change to the state happens inside them: the next PRNG key (the rollout draws
+from :func:`rollout_key`), the running baseline, the prompts consumed, the optimizer's
+step, so a step is a function of ``(state, batch)`` alone.
+
+**The batch** carries each of its ``P`` prompts once, ``[P, S]``, beside the ``B = P G``
+completions ``[B, N]``: row ``b`` continues prompt ``b // G``. Split over devices, a
+group stays with its prompt.
 
 **Old log-probs.** With ``num_iterations = 1`` and one minibatch, the single gradient is
 taken at the params that sampled the batch, so :math:`\log\pi_{old} = \operatorname{sg}
@@ -17,11 +25,16 @@ taken at the params that sampled the batch, so :math:`\log\pi_{old} = \operatorn
 Otherwise ``score`` recomputes them at the snapshot (the same teacher-forced path as the
 update, so the first minibatch's ratios are exactly 1 too).
 
-**Shared prompts.** A batch holds ``P`` groups of ``G`` adjacent rows with one prompt
-each. With ``TrainConfig.share_prompts``, every teacher-forced pass over whole groups
-(``score``'s, the update's when there is one minibatch, TRPO's) runs each prompt once
-(:func:`jaxrl_llm.models.completion_hidden_states` with ``group_size=G``); with one
-minibatch the rows keep their order, which no full-batch loss depends on.
+**Shared prompts.** With ``TrainConfig.share_prompts``, every teacher-forced pass over
+whole groups (``score``'s, the update's when its (micro-)batches hold whole groups,
+TRPO's) runs each prompt once for its ``G`` completions
+(:func:`jaxrl_llm.models.group_completion_hidden_states`). Shuffled minibatches mix
+groups: each of their rows runs its own prompt.
+
+**Gradient accumulation.** With ``TrainConfig.micro_batch_size``, each optimizer step's
+gradient is the sum of its micro-batches' gradients weighted by their share of the
+loss's normaliser (:func:`jaxrl_llm.ops.aggregation_count`): the whole minibatch's
+gradient, for a fraction of its activations' memory.
 
 **Non-finite updates.** A minibatch whose loss, gradient or new parameters (policy's or
 critic's) would not all be finite changes nothing: params and optimizer states keep their
@@ -35,9 +48,11 @@ at least one skipped minibatch; the loop stops when that reaches
 parameters' dtype, and low-precision params take their steps on float32 master copies
 kept in the optimizer state (:func:`in_float32`).
 
-**The reference.** Every step runs the reference model once: its log-probs feed the KL
-terms and the ``kl_k3`` metric, and its ``[B, N, E]`` hidden states the exact
-:math:`D_{KL}(\pi_\theta\|\pi_{ref})` metric (``kl_exact``, chunked over the vocabulary).
+**The reference** is kept and run only when it is used (:func:`uses_reference`): by the
+method's KL term (in the loss or the reward), or by the metrics
+``TrainConfig.reference_metrics`` (``kl_k3``) and ``TrainConfig.exact_kl``
+(``kl_exact``: :math:`D_{KL}(\pi_{old}\|\pi_{ref})` over the vocabulary, chunked, once
+per step in ``score``). Otherwise ``state.ref_params`` is ``None``.
 """
 
 from __future__ import annotations
@@ -62,7 +77,7 @@ class TrainState(NamedTuple):
 
     params: models.Params
     opt_state: Any  # optax state of the policy; () for TRPO, which has none
-    ref_params: models.Params  # frozen: the initial policy by default
+    ref_params: models.Params | None  # frozen: the initial policy by default; None when unused
     critic_params: critic_lib.CriticParams | None  # methods with GAE only
     critic_opt_state: Any
     baseline: adv_lib.RunningMeanState
@@ -74,27 +89,95 @@ class TrainState(NamedTuple):
 
 
 class Batch(NamedTuple):
-    """A rollout batch with its rewards, as ``score`` consumes it; ``B = P * G``."""
+    """A rollout batch with its rewards, as ``score`` consumes it: ``P`` prompts, each
+    carried once, and their ``G`` completions (``B = P * G``, row ``b`` of prompt ``b // G``)."""
 
-    tokens: jax.Array  # [B, S + N] int32
-    attention_mask: jax.Array  # [B, S + N] bool
+    prompt_tokens: jax.Array  # [P, S] int32, left-padded
+    prompt_mask: jax.Array  # [P, S] bool: real prompt tokens
+    completion_tokens: jax.Array  # [B, N] int32
     completion_mask: jax.Array  # [B, N] bool: tokens that enter the loss
     sampling_logp: jax.Array  # [B, N] float32: log pi_T of the sampler (Rollout.logprobs)
     rewards: jax.Array  # [B] float32
+    prompts_drawn: jax.Array  # [] int32: prompts taken from the task's stream for it (refills included)
+
+    @classmethod
+    def from_rollout(cls, prompt_tokens: jax.Array, prompt_mask: jax.Array, rollout, rewards: jax.Array, *,
+                     prompts_drawn: int | None = None) -> Batch:
+        """The batch of a :class:`jaxrl_llm.sampling.Rollout` of ``prompt_tokens`` /
+        ``prompt_mask`` ``[P, S]`` with its ``rewards`` ``[B]``; ``prompts_drawn``
+        defaults to ``P``."""
+        num_prompts = prompt_tokens.shape[0]
+        return cls(prompt_tokens=jnp.asarray(prompt_tokens), prompt_mask=jnp.asarray(prompt_mask, bool),
+                   completion_tokens=jnp.asarray(rollout.completion_tokens),
+                   completion_mask=jnp.asarray(rollout.completion_mask), sampling_logp=jnp.asarray(rollout.logprobs),
+                   rewards=jnp.asarray(rewards, jnp.float32),
+                   prompts_drawn=jnp.asarray(num_prompts if prompts_drawn is None else prompts_drawn, jnp.int32))
 
 
 class ScoredBatch(NamedTuple):
-    """A batch with everything ``update`` needs; ``None`` fields are not used by the method."""
+    """A batch with everything ``update`` needs; ``None`` fields are not used by the run."""
 
-    tokens: jax.Array  # [B, S + N] int32
-    attention_mask: jax.Array  # [B, S + N] bool
+    prompt_tokens: jax.Array  # [P, S] int32
+    prompt_mask: jax.Array  # [P, S] bool
+    completion_tokens: jax.Array  # [B, N] int32
     completion_mask: jax.Array  # [B, N] bool
     old_logp: jax.Array  # [B, N] float32: log pi_old (the sampler's when on-policy)
-    ref_logp: jax.Array  # [B, N] float32
-    ref_hidden: jax.Array  # [B, N, E]: the reference's hidden states, for the exact KL
+    ref_logp: jax.Array | None  # [B, N] float32; None without a reference
     advantages: jax.Array  # [B] or [B, N] float32
     returns: jax.Array | None  # [B, N] float32: the critic's targets (GAE)
     old_values: jax.Array | None  # [B, N] float32: the critic's values at scoring time
+    baseline: adv_lib.RunningMeanState  # the running baseline after this batch
+    prompts_drawn: jax.Array  # [] int32
+
+
+_PROMPT_FIELDS = ("prompt_tokens", "prompt_mask")
+_ROW_FIELDS = ("completion_tokens", "completion_mask", "old_logp", "ref_logp", "advantages", "returns", "old_values")
+
+
+def _each_row_its_prompt(scored: ScoredBatch, rows: jax.Array) -> ScoredBatch:
+    """The rows ``rows`` ``[b]`` of ``scored``, each with its own copy of its prompt
+    (``P = b``): shuffled minibatches mix groups."""
+    group = scored.completion_tokens.shape[0] // scored.prompt_tokens.shape[0]
+    return scored._replace(
+        **{name: getattr(scored, name)[rows // group] for name in _PROMPT_FIELDS},
+        **{name: getattr(scored, name)[rows] for name in _ROW_FIELDS if getattr(scored, name) is not None})
+
+
+def _split_rows(scored: ScoredBatch, parts: int) -> ScoredBatch:
+    """``scored`` cut into ``parts`` consecutive micro-batches: every row and prompt field
+    gets a leading ``[parts]`` axis. Micro-batches that would split a group carry a prompt
+    per row."""
+    num_prompts, batch = scored.prompt_tokens.shape[0], scored.completion_tokens.shape[0]
+    group = batch // num_prompts
+    if (batch // parts) % group:
+        scored = scored._replace(**{name: jnp.repeat(getattr(scored, name), group, axis=0)
+                                    for name in _PROMPT_FIELDS})
+    split = {name: getattr(scored, name).reshape(parts, -1, *getattr(scored, name).shape[1:])
+             for name in (*_PROMPT_FIELDS, *_ROW_FIELDS) if getattr(scored, name) is not None}
+    return scored._replace(**split, baseline=None, prompts_drawn=None)  # the batch's, not the rows'
+
+
+def batch_shardings(mesh: jax.sharding.Mesh) -> Batch:
+    """Where a :class:`Batch` goes on ``mesh``: completions split by rows over ``data x
+    fsdp``, prompts over ``data`` (a device's rows continue prompts of its ``data`` slice),
+    the count replicated."""
+    row_axes = tuple(axis for axis in (sharding.DATA, sharding.FSDP) if axis in mesh.axis_names)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes or None))
+    prompts = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.DATA if sharding.DATA in mesh.axis_names else None))
+    return Batch(prompt_tokens=prompts, prompt_mask=prompts, completion_tokens=rows, completion_mask=rows,
+                 sampling_logp=rows, rewards=rows, prompts_drawn=sharding.replicated(mesh))
+
+
+def uses_reference(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
+    """Whether the run keeps and runs the reference model: for the method's KL term (in
+    the loss or the reward) or for the KL metrics the config asks for."""
+    return algorithm.needs_reference or config.reference_metrics or config.exact_kl
+
+
+def rollout_key(state: TrainState) -> jax.Array:
+    """The PRNG key the step's rollouts draw from; ``update`` moves ``state.key`` past it."""
+    return jax.random.split(state.key)[1]
 
 
 def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, lr_schedule: str = "constant",
@@ -162,8 +245,8 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: fl
     two or more axes (matrices, embeddings), as in GPT-2 and Hugging Face's ``Trainer``:
     decaying norm scales and biases towards 0 is not wanted.
 
-    The rate in use is ``state.inner[1].hyperparams["learning_rate"]``. The state also
-    holds ``b1``, ``b2``, ``eps`` and ``weight_decay`` (optax's ``inject_hyperparams``),
+    The rate in use is the state's ``learning_rate`` hyperparameter (``inner[1].hyperparams``).
+    It also holds ``b1``, ``b2``, ``eps`` and ``weight_decay`` (optax's ``inject_hyperparams``),
     but every update uses the values given here, so a state restored from a checkpoint
     takes the current settings.
     """
@@ -247,15 +330,22 @@ def _copy(tree):
 def init_state(model: models.Model, params: models.Params, algorithm: algorithms.Algorithm, config: TrainConfig,
                *, ref_params: models.Params | None = None) -> TrainState:
     """The state at step 0: policy and reference copied from ``params`` (or the given
-    ``ref_params``), a critic initialised from the policy when the method has one."""
+    ``ref_params``), a critic initialised from the policy when the method has one. The
+    reference is ``None`` when the run does not use one (:func:`uses_reference`); then
+    ``ref_params`` must not be given."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     policy_optimizer, critic_optimizer = _optimizers(algorithm, config, decay_steps=1)
     critic_params = critic_lib.init_critic(model, params) if algorithm.needs_critic else None
+    with_reference = uses_reference(algorithm, config)
+    if ref_params is not None and not with_reference:
+        raise ValueError(f"init_state: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "
+                         "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
+                         "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it.")
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
     return TrainState(
         params=_copy(params),
         opt_state=policy_optimizer.init(params) if policy_optimizer else (),
-        ref_params=_copy(params if ref_params is None else ref_params),
+        ref_params=_copy(params if ref_params is None else ref_params) if with_reference else None,
         critic_params=critic_params,
         critic_opt_state=critic_optimizer.init(critic_params) if critic_params is not None else None,
         baseline=adv_lib.running_mean_init(),
@@ -361,6 +451,9 @@ def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> Non
             f"Algorithm {name!r} takes one natural-gradient step on the whole batch: set "
             f"TrainConfig.minibatch_size=None (got {config.minibatch_size} of B={config.batch_size})."
         )
+    if algorithm.update == "trpo" and config.micro_batch_size is not None:
+        raise ValueError(f"Algorithm {name!r}: TRPO's conjugate gradient and line search take the whole batch at "
+                         "once; gradient accumulation is not available: set TrainConfig.micro_batch_size=None.")
     if algorithm.update == "trpo" and algorithm.needs_critic:
         raise ValueError(f"Algorithm {name!r}: the TRPO update trains no critic, so GAE is not available with "
                          "update='trpo'; use a critic-free advantage (rloo, grpo, ...).")
@@ -419,8 +512,27 @@ def _reduce(metrics: Metrics) -> Metrics:
 class TrainStep:
     """The pure halves of a train step for one (model, method, config); jit each once."""
 
-    score: Callable[[TrainState, Batch], tuple[ScoredBatch, adv_lib.RunningMeanState, Metrics]]
+    score: Callable[[TrainState, Batch], tuple[ScoredBatch, Metrics]]
     update: Callable[[TrainState, ScoredBatch], tuple[TrainState, Metrics]]
+
+
+def _learning_rate(opt_state) -> jax.Array:
+    """``[]``: the rate of the optimizer's last step, found by name in its state (optax's
+    ``inject_hyperparams``), wherever the chain keeps it."""
+    return optax.tree_utils.tree_get(opt_state, "learning_rate",
+                                     filtering=lambda path, value: isinstance(value, jax.Array))
+
+
+def _combine(metrics: Metrics, weights: jax.Array) -> Metrics:
+    """Per-micro-batch metrics ``[k]`` -> scalars: min of ``*_min``, max of ``*_max``, else
+    the mean weighted like the loss (``weights`` ``[k]`` sum to 1, or are all 0)."""
+    def combine(name, values):
+        if name.endswith("_min"):
+            return jnp.min(values)
+        if name.endswith("_max"):
+            return jnp.max(values)
+        return jnp.sum(values * weights.astype(values.dtype))
+    return {name: combine(name, values) for name, values in metrics.items()}
 
 
 def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config: TrainConfig, *,
@@ -438,82 +550,124 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     num_steps = a.num_iterations * config.num_minibatches  # optimizer steps per batch
     on_policy = num_steps == 1  # the one gradient is taken at the sampling params
     whole_batch = config.num_minibatches == 1  # every optimizer step sees the batch, groups intact
+    micro_batches = config.num_micro_batches
+    with_reference = uses_reference(a, config)
     logprob_options = dict(chunk_size=config.chunk_size, temperature=config.temperature)
-    # Passes over whole groups run each prompt once (TrainConfig.share_prompts).
-    group_rows = config.group_size if config.share_prompts else 1
-    minibatch_group_rows = group_rows if whole_batch else 1
 
-    def completion_len(batch) -> int:
-        return batch.completion_mask.shape[1]
+    def hidden_states(params, rows: Batch | ScoredBatch) -> jax.Array:
+        """``[b, N, E]`` states before each completion token (each prompt once if shared)."""
+        return models.group_completion_hidden_states(model, params, rows.prompt_tokens, rows.prompt_mask,
+                                                     rows.completion_tokens, share_prompts=config.share_prompts)
+
+    def token_logprobs(params, hidden, rows, **options):
+        return ops.chunked_token_logprobs(hidden, models.output_kernel(model, params), rows.completion_tokens,
+                                          **logprob_options, **options)
+
+    def values(critic_params, rows) -> jax.Array:
+        return critic_lib.completion_values(model, critic_params, rows.prompt_tokens, rows.prompt_mask,
+                                            rows.completion_tokens, share_prompts=config.share_prompts)
 
     def score(state: TrainState, batch: Batch):
-        n = completion_len(batch)
-        completion_tokens = batch.tokens[:, -n:]
-        ref_hidden = models.completion_hidden_states(model, state.ref_params, batch.tokens, batch.attention_mask, n,
-                                                     group_size=group_rows)
-        ref_logp = ops.chunked_token_logprobs(ref_hidden, models.output_kernel(model, state.ref_params),
-                                              completion_tokens, **logprob_options)
+        mask = batch.completion_mask
+        metrics = {}
+        ref_logp = ref_hidden = policy_hidden = None
+        if with_reference:
+            ref_hidden = hidden_states(state.ref_params, batch)  # [B, N, E]
+            ref_logp = token_logprobs(state.ref_params, ref_hidden, batch)
         if on_policy or a.update == "trpo" or not a.needs_old_logp:
             old_logp = batch.sampling_logp  # TRPO recomputes its own in `update`
         else:
-            old_logp = models.completion_logprobs(model, state.params, batch.tokens, batch.attention_mask, n,
-                                                  group_size=group_rows, **logprob_options)
-        old_values = None
-        if a.needs_critic:
-            old_values = critic_lib.completion_values(model, state.critic_params, batch.tokens, batch.attention_mask, n,
-                                                      group_size=group_rows)
+            policy_hidden = hidden_states(state.params, batch)
+            old_logp = token_logprobs(state.params, policy_hidden, batch)
+        if config.exact_kl:
+            if policy_hidden is None:
+                policy_hidden = hidden_states(state.params, batch)
+            per_token = ops.chunked_categorical_kl(policy_hidden, models.output_kernel(model, state.params),
+                                                   ref_hidden, models.output_kernel(model, state.ref_params),
+                                                   **logprob_options)  # [B, N]
+            metrics["kl_exact"] = ops.masked_mean(per_token, mask)
+        old_values = values(state.critic_params, batch) if a.needs_critic else None
         advantages, returns, baseline = algorithms.compute_advantages(
-            a, batch.rewards, batch.completion_mask, group_size=config.group_size, logp=old_logp, ref_logp=ref_logp,
+            a, batch.rewards, mask, group_size=config.group_size, logp=old_logp, ref_logp=ref_logp,
             values=old_values, baseline=state.baseline)
-        mask = batch.completion_mask
         token_advantages = jnp.broadcast_to(advantages.reshape(advantages.shape[0], -1), mask.shape)  # [B, N]
-        metrics = {
-            # Rows whose prompt is not their group's: group baselines and shared-prompt passes assume it is.
-            "prompt_mismatch_rows": jnp.sum(~models.rows_share_group_prompt(
-                batch.tokens, batch.attention_mask, n, config.group_size)).astype(jnp.float32),
-            "advantage_mean": ops.masked_mean(token_advantages, mask),
-            "advantage_std": jnp.sqrt(ops.masked_mean(
+        metrics.update(
+            advantage_mean=ops.masked_mean(token_advantages, mask),
+            advantage_std=jnp.sqrt(ops.masked_mean(
                 jnp.square(token_advantages - ops.masked_mean(token_advantages, mask)), mask)),
-            "advantage_min": ops.masked_min(token_advantages, mask),
-            "advantage_max": ops.masked_max(token_advantages, mask),
-        }
-        scored = ScoredBatch(tokens=batch.tokens, attention_mask=batch.attention_mask, completion_mask=mask,
-                             old_logp=old_logp, ref_logp=ref_logp, ref_hidden=ref_hidden, advantages=advantages,
-                             returns=returns, old_values=old_values)
-        return scored, baseline, metrics
+            advantage_min=ops.masked_min(token_advantages, mask),
+            advantage_max=ops.masked_max(token_advantages, mask),
+        )
+        scored = ScoredBatch(
+            prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask,
+            completion_tokens=batch.completion_tokens, completion_mask=mask, old_logp=old_logp, ref_logp=ref_logp,
+            advantages=advantages, returns=returns, old_values=old_values, baseline=baseline,
+            prompts_drawn=batch.prompts_drawn)
+        return scored, metrics
 
-    def policy_loss(params, mb: ScoredBatch, old_logp=None):
-        """``(loss, (metrics, hidden))`` on one minibatch; ``old_logp`` overrides the batch's."""
-        n = completion_len(mb)
-        hidden = models.completion_hidden_states(model, params, mb.tokens, mb.attention_mask, n,
-                                                 group_size=minibatch_group_rows)  # [b, N, E]
-        logp, entropy = ops.chunked_token_logprobs(hidden, models.output_kernel(model, params), mb.tokens[:, -n:],
-                                                   with_entropy=True, **logprob_options)
+    def policy_loss(params, rows: ScoredBatch, old_logp=None):
+        """``(loss, metrics)`` on some rows; ``old_logp`` overrides theirs."""
+        n = rows.completion_tokens.shape[1]
+        logp, entropy = token_logprobs(params, hidden_states(params, rows), rows, with_entropy=True)
         if old_logp is None:
-            old_logp = jax.lax.stop_gradient(logp) if on_policy else mb.old_logp
+            old_logp = jax.lax.stop_gradient(logp) if on_policy else rows.old_logp
         if a.entropy_coef == 0:
             entropy = jax.lax.stop_gradient(entropy)  # a metric only
-        loss, metrics = algorithms.policy_loss(a, logp, old_logp, mb.advantages, mb.completion_mask,
-                                               ref_logp=mb.ref_logp, entropy=entropy, max_len=n)
-        metrics["kl_k3"] = ops.masked_mean(jax.lax.stop_gradient(kl_lib.k3(logp, mb.ref_logp)), mb.completion_mask)
-        return loss, (metrics, jax.lax.stop_gradient(hidden))
+        loss, metrics = algorithms.policy_loss(a, logp, old_logp, rows.advantages, rows.completion_mask,
+                                               ref_logp=rows.ref_logp, entropy=entropy, max_len=n)
+        if rows.ref_logp is not None:
+            metrics["kl_k3"] = ops.masked_mean(jax.lax.stop_gradient(kl_lib.k3(logp, rows.ref_logp)),
+                                               rows.completion_mask)
+        return loss, metrics
 
-    def exact_kl_to_reference(params, hidden, ref_params, mb: ScoredBatch):
-        """Token mean of the exact D_KL(pi_params || pi_ref) at the minibatch's states."""
-        per_token = ops.chunked_categorical_kl(hidden, models.output_kernel(model, params), mb.ref_hidden,
-                                               models.output_kernel(model, ref_params), **logprob_options)
-        return ops.masked_mean(jax.lax.stop_gradient(per_token), mb.completion_mask)
+    def critic_loss(critic_params, rows: ScoredBatch):
+        return objectives.value_loss(values(critic_params, rows), rows.old_values, rows.returns,
+                                     rows.completion_mask, clip=a.value_clip)
 
-    def critic_loss(critic_params, mb: ScoredBatch):
-        values = critic_lib.completion_values(model, critic_params, mb.tokens, mb.attention_mask, completion_len(mb),
-                                              group_size=minibatch_group_rows)
-        return objectives.value_loss(values, mb.old_values, mb.returns, mb.completion_mask, clip=a.value_clip)
+    def gradients(params, critic_params, rows: ScoredBatch):
+        """``((loss, metrics, grads), critic)`` of one optimizer step's rows, ``critic`` the
+        critic's ``(loss, metrics, grads)`` or None, over ``micro_batches`` passes weighted
+        by their share of each loss's normaliser (the value loss is a token mean)."""
+        def one_pass(rows):
+            (loss, metrics), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, rows)
+            if not a.needs_critic:
+                return ((loss, metrics, grads),)
+            (value_loss, critic_metrics), critic_grads = jax.value_and_grad(critic_loss, has_aux=True)(
+                critic_params, rows)
+            return (loss, metrics, grads), (value_loss, critic_metrics, critic_grads)
+
+        if micro_batches == 1:
+            results = one_pass(rows)
+            return results[0], (results[1] if a.needs_critic else None)
+        modes = (a.agg, "token-mean") if a.needs_critic else (a.agg,)  # the policy's, the critic's
+        counts = [ops.aggregation_count(rows.completion_mask, mode=mode) for mode in modes]
+
+        def accumulate(totals, part):
+            results = one_pass(part)
+            sums, outputs = [], []
+            for (loss, metrics, grads), (loss_sum, grad_sum), mode, count in zip(results, totals, modes, counts):
+                weight = ops.aggregation_count(part.completion_mask, mode=mode) / jnp.maximum(count, 1.0)
+                sums.append((loss_sum + weight * loss,
+                             jax.tree.map(lambda total, g: total + weight * g.astype(jnp.float32), grad_sum, grads)))
+                outputs.append((metrics, weight))
+            return tuple(sums), tuple(outputs)
+
+        zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
+        trees = (params, critic_params)[:len(modes)]
+        totals = tuple((jnp.zeros((), jnp.float32), zeros(tree)) for tree in trees)
+        sums, outputs = jax.lax.scan(accumulate, totals, _split_rows(rows, micro_batches))
+        results = tuple((loss, _combine(metrics, weights), grads)
+                        for (loss, grads), (metrics, weights) in zip(sums, outputs))
+        return results[0], (results[1] if a.needs_critic else None)
 
     def update(state: TrainState, scored: ScoredBatch):
+        key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
+        state = state._replace(key=key, baseline=scored.baseline,
+                               prompts_drawn=state.prompts_drawn + scored.prompts_drawn)
         if a.update == "trpo":
             return trpo_update(state, scored)
         key, shuffle_key = jax.random.split(state.key)
-        batch_size = scored.tokens.shape[0]
+        batch_size = scored.completion_tokens.shape[0]
         if whole_batch:  # the rows' order changes no full-batch loss: keep the groups intact
             order = jnp.broadcast_to(jnp.arange(batch_size), (a.num_iterations, batch_size))  # [mu, B]
         else:
@@ -523,27 +677,24 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
 
         def one_minibatch(carry, indices):
             params, opt_state, critic_params, critic_opt_state, skipped = carry
-            mb = scored if whole_batch else jax.tree.map(lambda x: x[indices], scored)
-            (loss, (metrics, hidden)), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, mb)
+            rows = scored if whole_batch else _each_row_its_prompt(scored, indices)
+            (loss, metrics, grads), critic = gradients(params, critic_params, rows)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _step_is_finite(
                 policy_optimizer, grads, opt_state, params)
             # A minibatch of padding rows only (dynamic sampling) has a zero gradient, but an
             # AdamW step would still move the params by momentum: it takes no step.
-            has_tokens = jnp.any(mb.completion_mask)
+            has_tokens = jnp.any(rows.completion_mask)
             if a.needs_critic:
-                (critic_loss_value, critic_metrics), critic_grads = jax.value_and_grad(critic_loss, has_aux=True)(
-                    critic_params, mb)
-                finite = finite & jnp.isfinite(critic_loss_value) & jnp.isfinite(
-                    optax.tree.norm(critic_grads)) & _step_is_finite(critic_optimizer, critic_grads, critic_opt_state,
-                                                                     critic_params)
+                value_loss, critic_metrics, critic_grads = critic
+                metrics.update(critic_metrics)
+                finite = finite & jnp.isfinite(value_loss) & jnp.isfinite(optax.tree.norm(critic_grads)) & (
+                    _step_is_finite(critic_optimizer, critic_grads, critic_opt_state, critic_params))
                 # Policy and critic step together or not at all.
                 critic_params, critic_opt_state = _apply_if(finite & has_tokens, critic_optimizer, critic_grads,
                                                             critic_opt_state, critic_params)
-                metrics.update(critic_metrics)
-            metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, mb)
             params, opt_state = _apply_if(finite & has_tokens, policy_optimizer, grads, opt_state, params)
-            metrics.update(grad_norm=grad_norm, learning_rate=opt_state.inner[1].hyperparams["learning_rate"])
+            metrics.update(grad_norm=grad_norm, learning_rate=_learning_rate(opt_state))
             skipped = skipped + (~finite).astype(jnp.int32)
             return (params, opt_state, critic_params, critic_opt_state, skipped), metrics
 
@@ -559,28 +710,23 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         return state, _reduce(metrics)
 
     def trpo_update(state: TrainState, scored: ScoredBatch):
-        n = completion_len(scored)
         old_params = state.params
-        old_hidden = jax.lax.stop_gradient(models.completion_hidden_states(
-            model, old_params, scored.tokens, scored.attention_mask, n, group_size=group_rows))
+        old_hidden = jax.lax.stop_gradient(hidden_states(old_params, scored))
         old_kernel = jax.lax.stop_gradient(models.output_kernel(model, old_params))
-        old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.tokens[:, -n:], **logprob_options)
+        old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.completion_tokens, **logprob_options)
 
         def surrogate(p):
             return policy_loss(p, scored, old_logp=old_logp)[0]
 
         def kl_from_old(p):  # exact mean KL(pi_old || pi_p) over the batch's completion states
-            hidden = models.completion_hidden_states(model, p, scored.tokens, scored.attention_mask, n,
-                                                     group_size=group_rows)
-            per_token = ops.chunked_categorical_kl(old_hidden, old_kernel, hidden, models.output_kernel(model, p),
-                                                   **logprob_options)
+            per_token = ops.chunked_categorical_kl(old_hidden, old_kernel, hidden_states(p, scored),
+                                                   models.output_kernel(model, p), **logprob_options)
             return ops.masked_mean(per_token, scored.completion_mask)
 
         params, info = trpo.natural_gradient_step(
             old_params, surrogate_fn=surrogate, kl_fn=kl_from_old, max_kl=a.max_kl, damping=a.cg_damping,
             cg_iters=a.cg_iters, backtrack_coef=a.backtrack_coef, max_backtracks=a.max_backtracks)
-        _, (metrics, hidden) = policy_loss(params, scored, old_logp=old_logp)  # diagnostics after the step
-        metrics["kl_exact"] = exact_kl_to_reference(params, hidden, state.ref_params, scored)
+        _, metrics = policy_loss(params, scored, old_logp=old_logp)  # diagnostics after the step
         metrics.update({f"trpo_{name}": value.astype(jnp.float32) for name, value in info.items()})
         # A non-finite gradient counts as a skip; a candidate with a non-finite parameter, KL
         # or surrogate is rejected by the line search and the params stay.

@@ -54,7 +54,8 @@ def test_shared_prompt_states_and_gradients_equal_the_full_pass(name):
     expected = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=1)  # [B, N, E]
     shared = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=GROUP)
     assert shared.shape == expected.shape == (PROMPTS * GROUP, COMPLETION_LEN, CONFIGS[name].hidden_size)
-    np.testing.assert_allclose(shared, expected, atol=2e-5)  # padding positions too: the same computation
+    real = np.asarray(completion_mask)[..., None]  # after a stop a state is meaningless: the shared pass
+    np.testing.assert_allclose(np.where(real, shared, 0), np.where(real, expected, 0), atol=2e-5)  # attends to it
 
     weights = jax.random.normal(jax.random.key(1), completion_mask.shape)
     full_grad = weighted_logprob_grad(model, params, tokens, mask, completion_mask, weights, group_size=1)
@@ -68,11 +69,13 @@ def test_shared_prompt_states_and_gradients_equal_the_full_pass(name):
 def test_shared_prompt_states_match_in_bfloat16():
     config = dataclasses.replace(CONFIGS["mistral-window-3"], dtype=jnp.bfloat16)
     model, params = models.init(config, jax.random.key(0))
-    tokens, mask, _ = grouped_batch(config.vocab_size)
+    tokens, mask, completion_mask = grouped_batch(config.vocab_size)
     expected = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=1)
     shared = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=GROUP)
     assert shared.dtype == expected.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(shared, np.float32), np.asarray(expected, np.float32), atol=2e-2)
+    real = np.asarray(completion_mask)[..., None]
+    np.testing.assert_allclose(np.where(real, np.asarray(shared, np.float32), 0),
+                               np.where(real, np.asarray(expected, np.float32), 0), atol=2e-2)
 
 
 def test_a_one_token_completion_needs_only_the_prompt_pass():
@@ -85,14 +88,16 @@ def test_a_one_token_completion_needs_only_the_prompt_pass():
 
 def test_a_row_whose_prompt_differs_from_its_group_gets_nan():
     model, params = models.init(CONFIGS["llama-gqa"], jax.random.key(0))
-    tokens, mask, _ = grouped_batch(61)
+    tokens, mask, completion_mask = grouped_batch(61)
     tokens = tokens.at[4, PROMPT_LEN - 1].set((tokens[4, PROMPT_LEN - 1] + 1) % 61)  # row 1 of group 1
     mask = mask.at[7, 3].set(True)  # row 1 of group 2: a padding slot made real
     states = np.asarray(hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=GROUP))
     bad = np.isnan(states).all(axis=(1, 2))
     np.testing.assert_array_equal(bad, np.isin(np.arange(PROMPTS * GROUP), [4, 7]))
     expected = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=1)
-    np.testing.assert_allclose(states[~bad], np.asarray(expected)[~bad], atol=2e-5)
+    real = np.asarray(completion_mask)[~bad][..., None]
+    np.testing.assert_allclose(np.where(real, states[~bad], 0), np.where(real, np.asarray(expected)[~bad], 0),
+                               atol=2e-5)
 
 
 def test_padding_tokens_may_differ_within_a_group():
@@ -128,3 +133,46 @@ def test_chunked_logprobs_with_shared_prompts_match_recomputed_rollout_logprobs(
                                              group_size=GROUP)
     logp = ops.chunked_token_logprobs(states, models.output_kernel(model, params), rollout.completion_tokens)
     np.testing.assert_allclose(jnp.where(rollout.completion_mask, logp, 0.0), rollout.logprobs, atol=2e-5)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "share_prompts"))
+def grouped_logprob_grad(model, params, prompts, prompt_mask, completion, completion_mask, weights, *,
+                         share_prompts):
+    """``(states, gradient of sum(w * log pi))`` through ``group_completion_hidden_states``."""
+    def objective(p):
+        states = models.group_completion_hidden_states(model, p, prompts, prompt_mask, completion,
+                                                       share_prompts=share_prompts)
+        logp = ops.chunked_token_logprobs(states, models.output_kernel(model, p), completion)
+        return jnp.sum(jnp.where(completion_mask, weights * logp, 0.0)), states
+    return jax.grad(objective, has_aux=True)(params)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prompts_carried_once_give_the_states_and_gradients_of_full_rows(name):
+    """``[P, S]`` prompts beside ``[B, N]`` completions, with or without running each
+    prompt once, against the full forward pass over each row's prompt + completion
+    (the reference), at the completion's real tokens."""
+    model, params = models.init(CONFIGS[name], jax.random.key(0))
+    tokens, mask, completion_mask = grouped_batch(CONFIGS[name].vocab_size)
+    prompts, prompt_mask = tokens[::GROUP, :PROMPT_LEN], mask[::GROUP, :PROMPT_LEN]  # [P, S]
+    completion = tokens[:, PROMPT_LEN:]  # [B, N]
+    expected = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=1)
+    weights = jax.random.normal(jax.random.key(1), completion_mask.shape)
+    expected_grad = weighted_logprob_grad(model, params, tokens, mask, completion_mask, weights, group_size=1)
+    real = np.asarray(completion_mask)[..., None]  # tokens after a stop: no state that a loss reads
+    for share in (True, False):
+        grad, states = grouped_logprob_grad(model, params, prompts, prompt_mask, completion, completion_mask,
+                                            weights, share_prompts=share)
+        assert states.shape == expected.shape
+        np.testing.assert_allclose(np.where(real, states, 0), np.where(real, expected, 0), atol=2e-5)
+        for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(expected_grad)):
+            np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-4)
+
+
+def test_prompts_carried_once_refuse_a_batch_that_is_not_groups_of_them():
+    model, params = models.init(CONFIGS["llama-gqa"], jax.random.key(0))
+    prompts, prompt_mask = jnp.ones((3, 4), jnp.int32), jnp.ones((3, 4), bool)
+    with pytest.raises(ValueError, match=r"the 8 completions must be a multiple of the 3 prompts"):
+        models.group_completion_hidden_states(model, params, prompts, prompt_mask, jnp.ones((8, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"`completion_tokens` must hold token ids in \[0, 61\)"):
+        models.group_completion_hidden_states(model, params, prompts, prompt_mask, jnp.full((6, 2), 61, jnp.int32))

@@ -195,8 +195,8 @@ def scored_round() -> ScoredRound:
     prompts = ["1 + 1 =", [{"role": "user", "content": "2 + 2?"}], "3 + 3 ="]
     rows = 6
     rollouts = Rollouts(
-        tokens=np.zeros((rows, 8), np.int32), attention_mask=np.ones((rows, 8), bool),
-        completion_mask=np.ones((rows, 4), bool), logprobs=np.zeros((rows, 4), np.float32),
+        prompt_tokens=np.zeros((3, 4), np.int32), prompt_mask=np.ones((3, 4), bool),
+        completion_tokens=np.zeros((rows, 4), np.int32), completion_mask=np.ones((rows, 4), bool), logprobs=np.zeros((rows, 4), np.float32),
         lengths=np.array([3, 4, 2, 4, 1, 2], np.int32), truncated=np.array([0, 1, 0, 1, 0, 0], bool),
         rewards=np.array([1.5, 0.0, 1.0, -0.2, 0.0, 0.0], np.float32))
     result = RewardResult(

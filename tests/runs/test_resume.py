@@ -94,3 +94,25 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_param
     assert samples == sorted(samples) and len(samples) == len(set(samples)) * 2 * 2  # 2 prompts x 2 completions
     assert json.loads((killed / run.CONFIG_FILE).read_text()) == json.loads((reference / run.CONFIG_FILE).read_text())
     assert np.isfinite([row["reward"] for row in got]).all()
+
+
+@pytest.mark.slow
+def test_a_run_continues_on_another_mesh_where_the_single_device_run_goes(tmp_path):
+    """Two steps FSDP over 4 devices, saved; two more on a 2 x 2 (data x fsdp) mesh, the
+    checkpoint restored into that mesh's shards: the metrics of four steps on one device."""
+    import dataclasses
+
+    config = dataclasses.replace(runs.load("tiny"), steps=4, save_every=2)
+    expected = run.train_run(config, tmp_path / "one", progress=False, stream=None).history
+    run.train_run(dataclasses.replace(config, steps=2, mesh=runs.MeshSpec(data=1, fsdp=4)), tmp_path / "moved",
+                  progress=False, stream=None)
+    continued = run.train_run(dataclasses.replace(config, mesh=runs.MeshSpec(data=2, fsdp=2)), tmp_path / "moved",
+                              progress=False, stream=None)
+    q_proj = continued.state.params["layers"][0]["self_attn"]["q_proj"][...]
+    assert tuple(q_proj.sharding.spec)[:1] == ("fsdp",) and len(q_proj.sharding.device_set) == 4
+    rows = runs.read_metrics(tmp_path / "moved")
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    for got, want in zip(rows, runs.read_metrics(tmp_path / "one")):
+        for name in ("reward", "loss", "kl_k3", "grad_norm"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=f"{got['step']} {name}")
+    assert len(expected) == 4

@@ -28,9 +28,16 @@ def _batch(model, params, seed=0, run=RUN):
         model, params, prompts.tokens, prompts.mask, jax.random.key(seed), num_samples=run.group_size,
         max_new_tokens=run.max_new_tokens, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id))
     rewards = TASK.rewards(np.asarray(rollout.completion_tokens), rollout.lengths, np.repeat(answers, run.group_size))
-    return training.Batch(tokens=jnp.asarray(rollout.tokens), attention_mask=jnp.asarray(rollout.attention_mask),
-                          completion_mask=jnp.asarray(rollout.completion_mask),
-                          sampling_logp=jnp.asarray(rollout.logprobs), rewards=jnp.asarray(rewards))
+    return training.Batch.from_rollout(prompts.tokens, prompts.mask, rollout, rewards)
+
+
+def _rows(batch):
+    """``(tokens, mask)`` ``[B, S + N]``: each completion after its own copy of its prompt."""
+    group = batch.completion_tokens.shape[0] // batch.prompt_tokens.shape[0]
+    tokens = jnp.concatenate([jnp.repeat(batch.prompt_tokens, group, 0), batch.completion_tokens], axis=1)
+    mask = jnp.concatenate([jnp.repeat(batch.prompt_mask, group, 0), jnp.ones(batch.completion_tokens.shape, bool)],
+                           axis=1)
+    return tokens, mask
 
 
 class _Scored(DigitSumTask):
@@ -76,7 +83,7 @@ def _changed(tree_a, tree_b) -> bool:
 def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monkeypatch):
     model, params, score, update, state = _step(algorithms.GRPO)
     batch = _batch(model, params)
-    scored, baseline, _ = score(state, batch)
+    scored, _ = score(state, batch)
     np.testing.assert_array_equal(scored.old_logp, batch.sampling_logp)  # reused, not recomputed
     state, metrics = update(state, scored)
     assert float(metrics["ratio_min"]) == float(metrics["ratio_max"]) == 1.0
@@ -84,10 +91,9 @@ def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monk
 
     # Count the decoder passes each half traces: score runs the reference only.
     passes = []
-    real = models.functional.completion_hidden_states
+    real = models.group_completion_hidden_states
     counting = lambda *a, **k: passes.append(1) or real(*a, **k)  # noqa: E731
-    monkeypatch.setattr(models, "completion_hidden_states", counting)  # what the train step calls
-    monkeypatch.setattr(models.functional, "completion_hidden_states", counting)  # completion_logprobs' call
+    monkeypatch.setattr(models, "group_completion_hidden_states", counting)  # what the train step calls
     for mu, expected_score_passes in ((1, 1), (2, 2)):
         passes.clear()
         method = dataclasses.replace(algorithms.GRPO, num_iterations=mu)
@@ -100,12 +106,13 @@ def test_with_several_iterations_old_logprobs_come_from_the_snapshot():
     method = dataclasses.replace(algorithms.GRPO, num_iterations=3)
     model, params, score, update, state = _step(method, dataclasses.replace(RUN, learning_rate=3e-2))
     batch = _batch(model, params)
-    snapshot = models.completion_logprobs(model, params, batch.tokens, batch.attention_mask, RUN.max_new_tokens)
-    scored, _, _ = score(state, batch)
+    tokens, mask = _rows(batch)
+    snapshot = models.completion_logprobs(model, params, tokens, mask, RUN.max_new_tokens)
+    scored, _ = score(state, batch)
     np.testing.assert_allclose(scored.old_logp, snapshot, atol=1e-6)  # teacher-forced at the sampling params
     state, metrics = update(state, scored)
     assert float(metrics["ratio_max"]) - float(metrics["ratio_min"]) > 1e-3  # later passes moved away
-    after = models.completion_logprobs(model, state.params, batch.tokens, batch.attention_mask, RUN.max_new_tokens)
+    after = models.completion_logprobs(model, state.params, tokens, mask, RUN.max_new_tokens)
     assert float(jnp.max(jnp.abs(after - snapshot) * batch.completion_mask)) > 1e-3
 
 
@@ -122,11 +129,11 @@ def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
         run = dataclasses.replace(RUN, share_prompts=share)
         halves = training.make_train_step(model, method, run)
         state = training.init_state(model, params, method, run)
-        scored, baseline, score_metrics = jax.jit(halves.score)(state, batch)
-        state, metrics = jax.jit(halves.update)(state._replace(baseline=baseline), scored)
+        scored, score_metrics = jax.jit(halves.score)(state, batch)
+        state, metrics = jax.jit(halves.update)(state, scored)
         results.append((scored, {**score_metrics, **metrics}, state.params, state.critic_params))
     (plain, plain_metrics, *plain_params), (shared, shared_metrics, *shared_params) = results
-    for field in ("old_logp", "ref_logp", "ref_hidden", "advantages", "returns", "old_values"):
+    for field in ("old_logp", "ref_logp", "advantages", "returns", "old_values"):
         if getattr(plain, field) is not None:
             np.testing.assert_allclose(getattr(shared, field), getattr(plain, field), atol=2e-5, err_msg=field)
     assert shared_metrics.keys() == plain_metrics.keys()
@@ -134,20 +141,6 @@ def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
         np.testing.assert_allclose(shared_metrics[key], plain_metrics[key], rtol=1e-4, atol=1e-5, err_msg=key)
     chex.assert_trees_all_close(shared_params, plain_params, atol=1e-5)
     assert _changed(plain_params[0], params)  # the step did something to compare
-
-
-def test_a_row_whose_prompt_is_not_its_groups_is_counted_and_its_update_skipped():
-    model, params, score, update, state = _step(algorithms.GRPO)
-    batch = _batch(model, params)
-    assert float(score(state, batch)[2]["prompt_mismatch_rows"]) == 0
-    last_prompt_slot = batch.tokens.shape[1] - RUN.max_new_tokens - 1
-    tampered = batch._replace(tokens=batch.tokens.at[5, last_prompt_slot].set(  # row 1 of group 1
-        (batch.tokens[5, last_prompt_slot] + 1) % CONFIG.vocab_size))
-    scored, _, metrics = score(state, tampered)
-    assert float(metrics["prompt_mismatch_rows"]) == 1
-    new_state, _ = update(state, scored)  # the shared-prompt pass gives that row NaN: no update
-    assert int(new_state.skipped_updates) == 1
-    chex.assert_trees_all_equal(new_state.params, params)
 
 
 def test_a_rollout_mesh_must_split_the_prompts_evenly():
@@ -160,7 +153,7 @@ def test_minibatches_take_one_optimizer_step_each_per_pass():
     run = dataclasses.replace(RUN, minibatch_size=4)  # B = 16: 4 minibatches
     method = dataclasses.replace(algorithms.RLOO, num_iterations=2)
     model, params, score, update, state = _step(method, run)
-    scored, _, _ = score(state, _batch(model, params))
+    scored, _ = score(state, _batch(model, params))
     state, metrics = update(state, scored)
     assert int(state.opt_state.inner[1].count) == 8  # mu * M Adam steps
     assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
@@ -173,8 +166,9 @@ def test_trpo_step_respects_the_kl_bound_on_its_batch():
     assert float(metrics["trpo_accepted"]) == 1.0
     # Independently: full logits of both params, exact categorical KL, token mean.
     n = RUN.max_new_tokens
-    old = models.forward(model, params, batch.tokens, attention_mask=batch.attention_mask)[:, -n - 1:-1]
-    new = models.forward(model, state.params, batch.tokens, attention_mask=batch.attention_mask)[:, -n - 1:-1]
+    tokens, mask = _rows(batch)
+    old = models.forward(model, params, tokens, attention_mask=mask)[:, -n - 1:-1]
+    new = models.forward(model, state.params, tokens, attention_mask=mask)[:, -n - 1:-1]
     divergence = float(ops.masked_mean(kl.categorical(old, new), batch.completion_mask))
     assert 0 < divergence <= algorithms.TRPO.max_kl * (1 + 1e-4)
     np.testing.assert_allclose(divergence, float(metrics["trpo_kl"]), rtol=1e-3)
@@ -206,7 +200,7 @@ def test_advantage_metrics_match_numpy_and_stay_finite_for_equal_rewards():
     model, params, score, _, state = _step(algorithms.PG)
     batch = _batch(model, params)
     for values in (np.full(16, 1.1, np.float32), np.random.default_rng(0).normal(100.0, 0.01, 16).astype(np.float32)):
-        _, _, metrics = score(state, batch._replace(rewards=jnp.asarray(values)))
+        _, metrics = score(state, batch._replace(rewards=jnp.asarray(values)))
         per_token = np.broadcast_to(values[:, None], batch.completion_mask.shape)[np.asarray(batch.completion_mask)]
         np.testing.assert_allclose(float(metrics["advantage_std"]), per_token.astype(np.float64).std(), atol=2e-6)
         np.testing.assert_allclose(float(metrics["advantage_mean"]), per_token.mean(), rtol=1e-6)
@@ -215,12 +209,13 @@ def test_advantage_metrics_match_numpy_and_stay_finite_for_equal_rewards():
 def test_ppo_critic_starts_at_zero_and_its_value_loss_falls_on_a_batch():
     model, params, score, update, state = _step(algorithms.PPO)
     batch = _batch(model, params, seed=2)._replace(rewards=jnp.linspace(0.0, 1.5, 16))
-    values = training.completion_values(model, state.critic_params, batch.tokens, batch.attention_mask, 3)
+    values = training.completion_values(model, state.critic_params, batch.prompt_tokens, batch.prompt_mask,
+                                        batch.completion_tokens)
     np.testing.assert_array_equal(values, 0.0)
     losses = []
     for _ in range(6):
-        scored, baseline, _ = score(state, batch)
-        state, metrics = update(state._replace(baseline=baseline), scored)
+        scored, _ = score(state, batch)
+        state, metrics = update(state, scored)
         losses.append(float(metrics["value_loss"]))
     assert losses[-1] < 0.5 * losses[0], losses
 
@@ -325,7 +320,8 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     assert collected.refill_rounds >= 1 and kept.any()
     assert collected.prompts_drawn == (1 + collected.refill_rounds) * RUN.num_prompts
     np.testing.assert_array_equal(kept, rewards.max(1) > rewards.min(1))  # exactly the groups with signal
-    assert rollouts.tokens.shape == (RUN.batch_size, 8 + RUN.max_new_tokens)
+    assert rollouts.prompt_tokens.shape == (RUN.num_prompts, 8)  # each prompt once, beside its completions
+    assert rollouts.completion_tokens.shape == (RUN.batch_size, RUN.max_new_tokens)
 
 
 def test_a_buffer_that_fits_the_budget_is_kept_and_the_presets_is_scaled_to_a_fifth():

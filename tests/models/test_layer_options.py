@@ -1,0 +1,332 @@
+"""Execution options of the decoder (layer scan, rematerialisation, attention kernel)
+against the reference: the unrolled layers with the CPU-tuned ``attend`` and no remat.
+
+Tolerances (float32): hidden states and log-probs within 2e-5 absolute (they are O(1));
+each gradient leaf within 2e-5 of its own largest entry, the same bound as the
+shared-prompt tests. Both sides compute the same function; only the order of float
+operations differs.
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import models
+from jaxrl_llm.models import decoder
+
+ATOL, GRAD_RTOL = 2e-5, 2e-5
+BATCH, PROMPT_LEN, COMPLETION_LEN, GROUP = 4, 6, 5, 2
+
+_SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+              head_dim=8, max_position_embeddings=32)
+CONFIGS = {
+    "llama": models.ModelConfig(**_SMALL),
+    "qwen2-biases": models.ModelConfig(**_SMALL, architecture="qwen2", attention_bias=True),
+    "qwen3-qk-norm-tied": models.ModelConfig(**{**_SMALL, "num_kv_heads": 1}, architecture="qwen3", qk_norm=True,
+                                             tie_word_embeddings=True),
+    "mistral-window-3": models.ModelConfig(**_SMALL, architecture="mistral", sliding_windows=(3, 3, 3)),
+    # Qwen2's layout: full attention in the first layers, windows after; and one with the two interleaved.
+    "qwen2-full-then-window": models.ModelConfig(**_SMALL, architecture="qwen2", attention_bias=True,
+                                                 sliding_windows=(None, 3, 3)),
+    "qwen2-window-full-window": models.ModelConfig(**_SMALL, architecture="qwen2", attention_bias=True,
+                                                   sliding_windows=(2, None, 2)),
+}
+
+
+def perturbed_init(config: models.ModelConfig, seed: int = 0):
+    """``models.init`` with noise on every parameter, so that biases (zero at init) and
+    norm scales (one at init) take part in the comparisons."""
+    model, params = models.init(config, jax.random.key(seed))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noisy = [leaf + 0.05 * jax.random.normal(key, leaf.shape, leaf.dtype) for leaf, key in zip(leaves, keys)]
+    return model, jax.tree.unflatten(treedef, noisy)
+
+
+def rollout_batch(vocab: int, *, group_size: int = 1, seed: int = 0):
+    """``[B, S + N]`` ids and mask, prompts left-padded by 0, 2, 3, 1 tokens; with
+    ``group_size`` > 1 consecutive rows share a prompt. And ``[B, N]`` loss weights."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, vocab, size=(BATCH, PROMPT_LEN))
+    prompt_mask = np.arange(PROMPT_LEN)[None, :] >= np.array([0, 2, 3, 1])[:, None]  # [B, S]
+    if group_size > 1:
+        prompts = np.repeat(prompts[::group_size], group_size, axis=0)
+        prompt_mask = np.repeat(prompt_mask[::group_size], group_size, axis=0)
+    prompts[~prompt_mask] = 0
+    tokens = np.concatenate([prompts, rng.integers(0, vocab, size=(BATCH, COMPLETION_LEN))], axis=1)
+    mask = np.concatenate([prompt_mask, np.ones((BATCH, COMPLETION_LEN), bool)], axis=1)
+    weights = rng.normal(size=(BATCH, COMPLETION_LEN)).astype(np.float32)
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), jnp.asarray(weights)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def hidden(model, params, tokens, mask):
+    return models.hidden_states(model, params, tokens, attention_mask=mask)
+
+
+def objective(model, params, tokens, mask, weights, *, group_size):
+    """A scalar of every completion log-prob: ``sum(w * log pi)``."""
+    logp = models.completion_logprobs(model, params, tokens, mask, COMPLETION_LEN, group_size=group_size)
+    return jnp.sum(weights * logp)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "group_size"))
+def value_and_grad(model, params, tokens, mask, weights, *, group_size=1):
+    return jax.value_and_grad(functools.partial(objective, model, group_size=group_size))(params, tokens, mask,
+                                                                                          weights)
+
+
+def assert_gradients_close(actual, expected):
+    """Every leaf within ``GRAD_RTOL`` of the largest entry of the expected leaf."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)):
+        scale = float(jnp.max(jnp.abs(b)))
+        assert scale > 0, jax.tree_util.keystr(path)  # every parameter takes part
+        np.testing.assert_allclose(a, b, rtol=0, atol=GRAD_RTOL * scale, err_msg=jax.tree_util.keystr(path))
+
+
+# --- Layer scan ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_scanned_layers_give_the_hidden_states_of_the_unrolled_layers(name):
+    model, params = perturbed_init(CONFIGS[name])
+    scanned = models.with_options(model, scan_layers=True)
+    tokens, mask, _ = rollout_batch(CONFIGS[name].vocab_size)
+    expected = hidden(model, params, tokens, mask)  # [B, S + N, E]
+    np.testing.assert_allclose(hidden(scanned, params, tokens, mask), expected, rtol=0, atol=ATOL)  # padding too
+    np.testing.assert_allclose(models.forward(scanned, params, tokens, attention_mask=mask),
+                               models.forward(model, params, tokens, attention_mask=mask), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, group_size", [(name, 1) for name in CONFIGS] + [
+    (name, GROUP) for name in ("qwen3-qk-norm-tied", "qwen2-full-then-window", "qwen2-window-full-window")])
+def test_scanned_layers_give_the_gradients_of_the_unrolled_layers(name, group_size):
+    model, params = perturbed_init(CONFIGS[name])
+    tokens, mask, weights = rollout_batch(CONFIGS[name].vocab_size, group_size=group_size)
+    value, grads = value_and_grad(model, params, tokens, mask, weights, group_size=group_size)
+    scanned_value, scanned_grads = value_and_grad(models.with_options(model, scan_layers=True), params, tokens,
+                                                  mask, weights, group_size=group_size)
+    np.testing.assert_allclose(scanned_value, value, rtol=1e-5)
+    assert_gradients_close(scanned_grads, grads)
+
+
+def test_the_scan_holds_one_layer_and_decoding_stays_unrolled():
+    config = CONFIGS["qwen2-full-then-window"]
+    model, params = perturbed_init(config)
+    scanned = models.with_options(model, scan_layers=True)
+    tokens, mask, weights = rollout_batch(config.vocab_size)
+
+    def loss(model, group_size=1):
+        return functools.partial(objective, model, tokens=tokens, mask=mask, weights=weights, group_size=group_size)
+
+    # A scan of length L runs the layers (the only other scan, over vocabulary chunks, has length 1 here).
+    layer_scan = re.compile(rf"length={config.num_layers}\b")
+    assert not layer_scan.search(str(jax.make_jaxpr(loss(model))(params)))
+    for group_size in (1, GROUP):  # both passes of the shared prompt too
+        assert len(layer_scan.findall(str(jax.make_jaxpr(loss(scanned, group_size))(params)))) == group_size
+    cache = models.init_cache(scanned, BATCH, PROMPT_LEN + 1)
+    assert "scan[" not in str(jax.make_jaxpr(lambda p, c: models.decode_step(scanned, p, tokens[:, 0], c))(params,
+                                                                                                            cache))
+
+
+def test_decoding_with_every_option_set_gives_the_reference_logits():
+    config = CONFIGS["qwen2-full-then-window"]
+    model, params = perturbed_init(config)
+    optioned = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")
+    tokens, mask, _ = rollout_batch(config.vocab_size)
+    results = []
+    for m in (model, optioned):
+        logits, cache = models.prefill(m, params, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN],
+                                       cache_size=PROMPT_LEN + 2)
+        results.append([logits])
+        for t in range(2):
+            step_logits, cache = models.decode_step(m, params, tokens[:, PROMPT_LEN + t], cache)
+            results[-1].append(step_logits)
+    for expected, actual in zip(*results, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
+
+
+# --- Rematerialisation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("remat, policy", [("full", "nothing_saveable"), ("dots", "dots_with_no_batch_dims_saveable")])
+def test_remat_gives_the_loss_and_gradients_of_none_and_is_applied(remat, policy, scan_layers):
+    policy = getattr(jax.checkpoint_policies, policy)
+    assert decoder.REMAT_POLICIES[remat] is policy
+    config = CONFIGS["qwen2-full-then-window"]
+    model, params = perturbed_init(config)
+    tokens, mask, weights = rollout_batch(config.vocab_size, group_size=GROUP)
+    base = models.with_options(model, scan_layers=scan_layers)
+    rematted = models.with_options(model, scan_layers=scan_layers, remat=remat)
+    for group_size in (1, GROUP):
+        value, grads = value_and_grad(base, params, tokens, mask, weights, group_size=group_size)
+        remat_value, remat_grads = value_and_grad(rematted, params, tokens, mask, weights, group_size=group_size)
+        np.testing.assert_allclose(remat_value, value, rtol=1e-5)
+        assert_gradients_close(remat_grads, grads)
+
+    def jaxpr(model):
+        return str(jax.make_jaxpr(functools.partial(objective, model, group_size=1))(params, tokens, mask, weights))
+
+    printed = f"policy=<function {policy.__name__} " if hasattr(policy, "__name__") else f"policy={policy!r}"
+
+    def checkpoints(model):  # jax.checkpoint with the policy (the log-probs' chunk scan has its own)
+        return jaxpr(model).count(printed)
+
+    # One per layer (unrolled) or one around the scan's body.
+    assert checkpoints(rematted) - checkpoints(base) == (1 if scan_layers else config.num_layers)
+
+
+def test_remat_and_scan_keep_forward_over_reverse_products():
+    """TRPO's Fisher-vector products linearize the gradient (forward mode over reverse)."""
+    config = CONFIGS["qwen2-full-then-window"]
+    model, params = perturbed_init(config)
+    tokens, mask, weights = rollout_batch(config.vocab_size)
+    tangent = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
+
+    @functools.partial(jax.jit, static_argnames="model")
+    def hessian_vector_product(model, params):
+        grad = jax.grad(functools.partial(objective, model, tokens=tokens, mask=mask, weights=weights, group_size=1))
+        return jax.jvp(grad, (params,), (tangent,))[1]
+
+    expected = hessian_vector_product(model, params)
+    actual = hessian_vector_product(models.with_options(model, scan_layers=True, remat="dots"), params)
+    assert_gradients_close(actual, expected)
+
+
+# --- Attention implementation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-qk-norm-tied", "mistral-window-3", "qwen2-window-full-window"])
+def test_dot_product_attention_gives_the_outputs_and_gradients_of_xla(name):
+    model, params = perturbed_init(CONFIGS[name])
+    xla = models.with_options(model, attention="xla")
+    fused = models.with_options(model, attention="dot_product_attention")
+    tokens, mask, weights = rollout_batch(CONFIGS[name].vocab_size)
+    np.testing.assert_allclose(hidden(fused, params, tokens, mask), hidden(xla, params, tokens, mask), rtol=0,
+                               atol=ATOL)  # left-padding positions included: finite, the same uniform rows
+    value, grads = value_and_grad(xla, params, tokens, mask, weights)
+    fused_value, fused_grads = value_and_grad(fused, params, tokens, mask, weights)
+    np.testing.assert_allclose(fused_value, value, rtol=1e-5)
+    assert_gradients_close(fused_grads, grads)
+
+
+def test_a_query_with_no_valid_key_gets_the_same_finite_row_from_both_kernels():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)  # [B, S, H, D]
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, 5, 8)), jnp.float32) for _ in range(2))  # [B, KVH, K, D]
+    valid = jnp.arange(5)[None, :] >= jnp.array([[0], [3]])  # [B, K]: row 1 left-padded by 3
+    mask = jnp.tril(jnp.ones((5, 5), bool))[None] & valid[:, None, :]
+    mask = mask.at[1, :3].set(False)  # [B, S, K]: row 1's first 3 queries are padding, with no valid key
+    cotangent = jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
+
+    def run(implementation):
+        out, vjp = jax.vjp(lambda q, k, v: decoder._attention(implementation, q, k, v, mask), q, k, v)
+        return out, vjp(cotangent)
+
+    (out, grads), (expected, expected_grads) = run("dot_product_attention"), run("xla")
+    assert np.isfinite(out).all() and all(np.isfinite(g).all() for g in grads)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-6)
+    uniform = jnp.repeat(jnp.mean(v[1], axis=1), 2, axis=0)  # [H, D]: each head's values averaged over all K
+    np.testing.assert_allclose(out[1, :3], jnp.broadcast_to(uniform, (3, 4, 8)), rtol=0, atol=1e-6)
+    for g, e in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-5)
+
+
+def test_auto_attention_is_xla_on_cpu_and_dot_product_attention_elsewhere(monkeypatch):
+    config = CONFIGS["llama"]
+    assert decoder.attention_implementation(config) == "xla"  # the tests run on CPU
+    for explicit in ("xla", "dot_product_attention"):
+        assert decoder.attention_implementation(dataclasses.replace(config, attention=explicit)) == explicit
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert decoder.attention_implementation(config) == "dot_product_attention"
+    assert decoder.attention_implementation(dataclasses.replace(config, attention="xla")) == "xla"
+
+
+# --- Configuration ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(remat="checkpoint_dots"), "ModelConfig: `remat` must be one of 'none', 'full', 'dots'; got "
+                                        "'checkpoint_dots'"),
+        (dict(remat=None), "`remat` must be one of 'none', 'full', 'dots'; got None"),
+        (dict(attention="flash"), "`attention` must be one of 'auto', 'xla', 'dot_product_attention', 'cudnn'; "
+                                  "got 'flash'"),
+        (dict(scan_layers="yes"), "`scan_layers` must be True or False; got 'yes'"),
+        (dict(scan_layers=1), "`scan_layers` must be True or False; got 1"),
+        (dict(attention="cudnn"), "attention='cudnn' .* computes in bfloat16 or float16; got dtype float32"),
+    ],
+)
+def test_bad_options_name_the_allowed_values(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CONFIGS["llama"], **changes)
+
+
+def test_cudnn_is_accepted_with_a_half_precision_dtype():
+    config = dataclasses.replace(CONFIGS["llama"], dtype=jnp.bfloat16, attention="cudnn")
+    assert config.attention == "cudnn"
+
+
+def test_options_are_not_architecture_hugging_face_never_sees_them():
+    config = CONFIGS["qwen2-full-then-window"]
+    optioned = dataclasses.replace(config, scan_layers=True, remat="dots", attention="dot_product_attention")
+    assert optioned.to_hf().to_dict() == config.to_hf().to_dict()
+    assert models.ModelConfig.from_hf(optioned.to_hf()) == config  # options back at their defaults
+    assert set(models.EXECUTION_OPTIONS) == {"scan_layers", "remat", "attention"}
+    # Configs are static jit arguments: equal options, equal hashes; other options, another config.
+    again = dataclasses.replace(config, scan_layers=True, remat="dots", attention="dot_product_attention")
+    assert again == optioned and hash(again) == hash(optioned)
+    assert optioned != config
+
+
+def test_with_options_keeps_the_params_as_they_are():
+    from jaxrl_llm import training
+
+    model, params = perturbed_init(CONFIGS["qwen2-full-then-window"])
+    optioned = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")
+    assert (optioned.config.scan_layers, optioned.config.remat, optioned.config.attention) == (
+        True, "full", "dot_product_attention")
+    assert model.config.scan_layers is False  # the original is untouched
+    module = optioned.module(params)  # the modules read the options from the graph definition
+    assert module.config == optioned.config and module.layers[0].self_attn.config == optioned.config
+    assert jax.tree.structure(models.abstract(optioned.config)[1]) == jax.tree.structure(params)
+    training.check_params(optioned, params)
+    assert models.with_options(model) is model
+    # Equal options, an equal (static, hashable) Model: jitted functions do not retrace.
+    again = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")
+    assert again == optioned and hash(again) == hash(optioned)
+
+
+def test_with_options_refuses_architecture_fields_and_bad_values():
+    model, _ = models.abstract(CONFIGS["llama"])
+    with pytest.raises(ValueError, match=r"with_options: 'num_layers' is not an execution option; allowed: "
+                                         r"'scan_layers', 'remat', 'attention'"):
+        models.with_options(model, num_layers=2)
+    with pytest.raises(ValueError, match="`remat` must be one of 'none', 'full', 'dots'"):
+        models.with_options(model, remat="everything")
+
+
+def test_scanned_layers_on_a_sharded_mesh_give_the_single_device_gradients():
+    """FSDP x tensor-parallel params (one leaf per layer, as the rules shard them) through
+    the scan: the stacked weights keep their layers' shardings."""
+    from jaxrl_llm import sharding
+
+    config = CONFIGS["qwen2-full-then-window"]
+    model, params = perturbed_init(config)
+    tokens, mask, weights = rollout_batch(config.vocab_size, group_size=GROUP)
+    expected_value, expected = value_and_grad(model, params, tokens, mask, weights, group_size=GROUP)
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
+    rows = sharding.rows(mesh)
+    value, grads = value_and_grad(models.with_options(model, scan_layers=True, remat="dots"), sharded,
+                                  *(jax.device_put(x, rows) for x in (tokens, mask, weights)), group_size=GROUP)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    assert_gradients_close(grads, expected)
