@@ -106,28 +106,6 @@ def run_steps(mesh_shape, rules_name: str):
     return state, rows, local, history
 
 
-TRAIN_MESH = (2, 4, 1)
-TRAIN_METRICS = ("reward", "loss", "kl_k3", "grad_norm", "completion_length", "advantage_std")
-
-
-def run_train():
-    """``training.train`` as a user calls it over a mesh: two GRPO steps on the digit task
-    (rollouts, each process scoring its share of the rows, score and update). Returns
-    ``(state, history)``."""
-    import jax
-
-    from jaxrl_llm import algorithms, models, sharding, training
-    from jaxrl_llm.tasks import DigitSumTask
-
-    task = DigitSumTask()
-    config = models.ModelConfig(vocab_size=len(task.tokenizer), hidden_size=16, intermediate_size=32, num_layers=1,
-                                num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=16)
-    model, params = models.init(config, jax.random.key(0))
-    run = training.TrainConfig(num_prompts=8, group_size=2, max_new_tokens=3, learning_rate=1e-2, warmup_steps=1)
-    mesh = sharding.make_mesh(data=TRAIN_MESH[0], fsdp=TRAIN_MESH[1], tensor=TRAIN_MESH[2])
-    return training.train(model, params, algorithms.GRPO, run, steps=2, task=task, mesh=mesh)
-
-
 def flat_params(params) -> dict[str, np.ndarray]:
     import jax
 
@@ -227,13 +205,6 @@ def main(argv=None) -> int:
             assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
             np.testing.assert_array_equal(distributed.to_local(got), distributed.to_local(want))
         saved[f"{name}/restored"] = np.bool_(True)
-
-    state, history = run_train()
-    saved.update({f"train/metric/{step}/{key}": np.float64(metrics[key]) for step, metrics in enumerate(history)
-                  for key in TRAIN_METRICS})
-    params = distributed.gather(state.params)
-    if distributed.is_main_process():
-        np.savez(os.path.join(args.out, "params_train.npz"), **flat_params(params))
 
     np.savez(os.path.join(args.out, f"process_{index}.npz"), **saved)
     print(f"process {index} of {count}: done", flush=True)

@@ -124,7 +124,6 @@ def test_two_processes_train_like_one_process_on_as_many_devices(tmp_path):
     workers, out = _start_workers(tmp_path)
     try:  # this process's run meanwhile
         expected = {name: worker.run_steps(mesh_shape, rules) for name, (mesh_shape, rules) in worker.MESHES.items()}
-        trained, trained_history = worker.run_train()
     finally:
         _wait(workers, timeout_s=240)
 
@@ -153,16 +152,6 @@ def test_two_processes_train_like_one_process_on_as_many_devices(tmp_path):
                     np.testing.assert_allclose(saved[f"{name}/metric/{step}/{key}"], value, rtol=1e-5, atol=1e-6,
                                                err_msg=f"{name} step {step} {key} of process {i}")
             assert saved[f"{name}/restored"]
-    # training.train over both processes: the rollouts, rewards (each process its share),
-    # score and update of the run on this process's 8 devices.
-    got = np.load(out / "params_train.npz")
-    for path, value in worker.flat_params(trained.params).items():
-        np.testing.assert_allclose(got[path], value, rtol=1e-5, atol=1e-6, err_msg=f"train {path}")
-    for i, saved in enumerate(processes):
-        for step, metrics in enumerate(trained_history):
-            for key in worker.TRAIN_METRICS:
-                np.testing.assert_allclose(saved[f"train/metric/{step}/{key}"], metrics[key], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"train step {step} {key} of process {i}")
 
 
 @pytest.mark.slow

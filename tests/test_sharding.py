@@ -46,6 +46,103 @@ def test_a_mesh_without_a_data_axis_is_refused_with_its_axes():
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]  # data x fsdp x tensor
 
 
+def test_a_three_axis_mesh_has_the_sizes_asked_for_and_refuses_what_does_not_fit():
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(sharding.make_mesh(fsdp=4).shape) == {"data": 2, "fsdp": 4, "tensor": 1}  # data: the rest
+    with pytest.raises(ValueError, match=r"2 x 4 x 2 = 16 devices; 8 are available"):
+        sharding.make_mesh(data=2, fsdp=4, tensor=2)
+    with pytest.raises(ValueError, match="not both"):
+        sharding.make_mesh(4, fsdp=2)
+    with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+        sharding.spec_for(PartitionSpec("embed"), (8,), mesh, (("embed", "model"),))
+
+
+def _expected_spec(name: str, shape, fsdp: int, tensor: int) -> tuple:
+    """Megatron's layout written out by parameter name (an independent reference for the
+    ``fsdp_tensor`` rules): the model dimension over ``fsdp``, heads / MLP columns /
+    vocabulary over ``tensor``, where the sizes divide."""
+    def f(dim):
+        return "fsdp" if fsdp > 1 and shape[dim] % fsdp == 0 else None
+
+    def t(dim):
+        return "tensor" if tensor > 1 and shape[dim] % tensor == 0 else None
+
+    layouts = {"embed_tokens": lambda: (t(0), f(1)), "lm_head": lambda: (f(0), t(1)),
+               "q_proj": lambda: (f(0), t(1)), "k_proj": lambda: (f(0), t(1)), "v_proj": lambda: (f(0), t(1)),
+               "o_proj": lambda: (t(0), None, f(2)), "gate_proj": lambda: (f(0), t(1)),
+               "up_proj": lambda: (f(0), t(1)), "down_proj": lambda: (t(0), f(1))}
+    spec = list(layouts[name]()) if name in layouts else []
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def _model_and_state(algorithm, param_dtype=None):
+    import jax.numpy as jnp
+
+    from jaxrl_llm import models, training
+
+    config = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4,
+                                num_kv_heads=2, head_dim=4, param_dtype=param_dtype or jnp.float32)
+    model, params = models.init(config, jax.random.key(0))
+    return model, params, training.init_state(model, params, algorithm, training.TrainConfig())
+
+
+@pytest.mark.parametrize("data, fsdp, tensor", MESHES)
+def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(data, fsdp, tensor):
+    import jax.numpy as jnp
+
+    from jaxrl_llm import algorithms, training
+    from jaxrl_llm.training import step as step_lib
+
+    mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+    model, params, state = _model_and_state(algorithms.PPO, jnp.bfloat16)  # a critic and float32 master copies
+    policy, critic = step_lib._optimizers(algorithms.PPO, training.TrainConfig(), decay_steps=1)
+    placed = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.RULES["fsdp_tensor"],
+                                                            optimizer=policy, critic_optimizer=critic))
+    checked = 0
+    for field in ("params", "ref_params", "critic_params", "opt_state", "critic_opt_state"):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(placed, field))[0]:
+            names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+            name = next((n for n in reversed(names) if n not in ("value", "")), "")
+            in_head = "head" in names
+            if leaf.ndim >= 2 and not in_head:  # matrices: parameters, their moments and master copies
+                assert tuple(leaf.sharding.spec) == _expected_spec(name, leaf.shape, fsdp, tensor), (field, names)
+                checked += 1
+            else:  # norms, the critic's head, counts, hyperparameters: whole
+                assert leaf.sharding.is_fully_replicated, (field, names, leaf.sharding)
+    # params, reference, critic backbone; policy and critic Adam mu, nu and master: 9 per matrix.
+    assert checked == 9 * 9
+    for leaf in jax.tree.leaves(placed._replace(params=None, ref_params=None, critic_params=None, opt_state=None,
+                                                critic_opt_state=None)):
+        assert leaf.sharding.is_fully_replicated
+
+
+def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
+    from jaxrl_llm import algorithms, training
+    from jaxrl_llm.training import step as step_lib
+
+    _, _, state = _model_and_state(algorithms.GRPO)
+    policy, _ = step_lib._optimizers(algorithms.GRPO, training.TrainConfig(), decay_steps=1)
+    mesh = sharding.make_mesh(fsdp=8)
+    placed = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.RULES["fsdp"], optimizer=policy))
+    device = jax.devices()[0]
+
+    def nbytes(tree, on_device):
+        total = 0
+        for leaf in jax.tree.leaves(tree):
+            if leaf.ndim >= 2:
+                total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device) if on_device \
+                    else leaf.nbytes
+        return total
+
+    for field in ("params", "opt_state", "ref_params"):
+        assert nbytes(getattr(placed, field), True) * 8 == nbytes(getattr(placed, field), False), field
+
+
+
+
 @functools.cache
 def _single_device_step(method: str):
     """``(run, model, params, batch, halves, score_metrics, new_state, metrics)`` of one
@@ -68,10 +165,11 @@ def _single_device_step(method: str):
     return run, model, params, batch, halves, score_metrics, new, metrics
 
 
-# GRPO on every mesh; each other method on two, one of them with a `tensor` axis. (The
-# full 4 x 5 cross passes too; its 20 compilations would take a quarter of CI's budget.)
-STEP_CASES = [*(("grpo", mesh) for mesh in MESHES), ("ppo", (2, 4, 1)), ("ppo", (1, 4, 2)), ("trpo", (1, 8, 1)),
-              ("trpo", (2, 2, 2)), ("dapo", (8, 1, 1)), ("dapo", (1, 4, 2))]
+# GRPO on every mesh; PPO and DAPO on two, TRPO (the costliest to compile) on one, each
+# with a `tensor` axis. (The full 4 x 5 cross passes too; its 20 compilations would take a
+# quarter of CI's budget.)
+STEP_CASES = [*(("grpo", mesh) for mesh in MESHES), ("ppo", (2, 4, 1)), ("ppo", (1, 4, 2)), ("trpo", (2, 2, 2)),
+              ("dapo", (8, 1, 1)), ("dapo", (1, 4, 2))]
 
 
 @pytest.mark.slow

@@ -191,10 +191,14 @@ def completion_hidden_states(
     set, and the same mask), the layout of :class:`jaxrl_llm.sampling.Rollout`. Prompt
     positions attend only to the prompt, so their states are the same in every row of a
     group: the prompt then runs once per group (``B / G`` rows), and the completions
-    attend to its keys and values, copied to the group's rows. Same numbers as ``G = 1``
-    up to float rounding, in both directions (the copies' gradients add up), for
-    :math:`(1 - 1/G)\,S / (S + N)` fewer token positions. A row whose prompt differs
-    from its group's first row gets NaN states: wrong loudly, never silently.
+    attend to its keys and values, copied to the group's rows
+    (:func:`group_completion_hidden_states`): there the completion part of
+    ``attention_mask`` is not read, each completion attending to all its tokens before
+    it, positions continuing its prompt's. So the numbers are those of ``G = 1`` up to
+    float rounding, in both directions (the copies' gradients add up), at every
+    completion token before the first masked one (a rollout's: its tokens up to its
+    stop), for :math:`(1 - 1/G)\,S / (S + N)` fewer token positions. A row whose prompt
+    differs from its group's first row gets NaN states: wrong loudly, never silently.
 
     Args:
       tokens: ``[B, S + N]`` prompt and completion ids; attention_mask: ``[B, S + N]``

@@ -422,14 +422,14 @@ def load(name_or_path: str | os.PathLike, *, method: str | None = None) -> RunCo
 
 
 def differences(a: RunConfig, b: RunConfig, *, ignore: tuple[str, ...] = ()) -> list[str]:
-    """The dotted names of the fields where ``a`` and ``b`` differ (``ignore``: top-level
-    fields left out), each as ``name: a -> b``."""
+    """The dotted names of the fields where ``a`` and ``b`` differ (``ignore``: fields left
+    out, by dotted name: ``"mesh"``, ``"model.remat"``), each as ``name: a -> b``."""
     found = []
 
     def walk(x, y, prefix):
         if isinstance(x, dict) and isinstance(y, dict):
             for key in dict.fromkeys([*x, *y]):
-                if not prefix and key in ignore:
+                if f"{prefix}{key}" in ignore:
                     continue
                 walk(x.get(key), y.get(key), f"{prefix}{key}.")
         elif x != y:

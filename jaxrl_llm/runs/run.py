@@ -53,11 +53,12 @@ WARM_START_FILE = "warm_start.json"
 CHECKPOINTS = "checkpoints"
 
 RUN_MANAGEMENT = ("steps", "save_every", "keep_checkpoints", "samples_every", "samples_prompts", "plot_every",
-                  "tensorboard", "wandb_project", "compilation_cache", "mesh")
-"""Settings a continued run may change: they decide how long it runs, what it writes and
-on which devices (a checkpoint restores onto another mesh), not what it computes (``steps``
-also sets the end of a decaying learning-rate schedule without ``train.decay_steps``, and
-is then fixed)."""
+                  "tensorboard", "wandb_project", "compilation_cache", "mesh", "model.scan_layers", "model.remat",
+                  "model.attention")
+"""Settings a continued run may change, by dotted name: they decide how long it runs, what
+it writes, on which devices (a checkpoint restores onto another mesh) and how the model
+executes, not what it computes (``steps`` also sets the end of a decaying learning-rate
+schedule without ``train.decay_steps``, and is then fixed)."""
 
 TIMING_METRICS = ("tokens_per_second", "score_traces", "update_traces")
 """Metrics (besides ``*_seconds``) that depend on the machine or the process, not the run."""
@@ -191,9 +192,11 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     config = absolute_paths(config)
     main = distributed.is_main_process()  # over several processes, process 0 writes and prints
     stream = stream if main else None
-    stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
-    build.check_model_path(config.model)
     mesh, rules = config.mesh.build(), sharding.RULES[config.mesh.rules]
+    _check_processes(config, mesh)
+    stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
+    distributed.barrier("run directory checked")  # before process 0 changes it
+    build.check_model_path(config.model)
     if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError(f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
                          "`pip install wandb`, or leave wandb_project unset.")
@@ -221,14 +224,16 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
         if mesh is not None:  # restored straight into its shards on this run's mesh
             like = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
                                 like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
-        state = checkpointer.restore(like=like)
+        state = _restore(checkpointer, like)
         params = state.params
         start = int(state.step)
         for unreadable in (s for s in checkpointer.all_steps() if s > start):
             aside = run_dir / CHECKPOINTS / f"unreadable-{unreadable}"
-            os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
+            if main:
+                os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
             _print(f"Checkpoint {unreadable} cannot be read (moved to {aside}); continuing from step {start}.",
                    stream)
+        distributed.barrier("checkpoints restored")
         warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
         _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
     else:
@@ -306,6 +311,33 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     summary = _summary(run_dir, warm) if main else ""
     _print(summary, stream)
     return RunResult(run_dir, config, state, history, warm, summary)
+
+
+def _check_processes(config: RunConfig, mesh) -> None:
+    """Refuses, before anything is written, a run over several processes that ``train``
+    would refuse after the warm start."""
+    if jax.process_count() == 1:
+        return
+    if mesh is None or mesh.devices.size != jax.device_count():
+        raise ValueError(f"This run spans {jax.process_count()} processes: set a mesh over all their "
+                         f"{jax.device_count()} devices (--mesh.fsdp / --mesh.data / --mesh.tensor; the sizes "
+                         f"multiply to {jax.device_count()}).")
+    if config.train.eval_every:
+        raise ValueError(f"Over several processes a run cannot evaluate during training yet: set "
+                         f"--train.eval-every 0 (got {config.train.eval_every}); evaluate a checkpoint afterwards "
+                         "with `jaxrl-llm eval --run-dir`.")
+
+
+def _restore(checkpointer: training.Checkpointer, like: training.TrainState) -> training.TrainState:
+    """The latest readable checkpoint, restored into ``like``. A checkpoint saved with a
+    reference the run no longer keeps (methods without a KL term, saved before they
+    dropped it) is read with it, and the reference then dropped."""
+    try:
+        return checkpointer.restore(like=like)
+    except ValueError as error:
+        if like.ref_params is not None or "ref_params" not in str(error):
+            raise
+        return checkpointer.restore(like=like._replace(ref_params=like.params))._replace(ref_params=None)
 
 
 class _NoRecords:

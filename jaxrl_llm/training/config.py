@@ -93,11 +93,11 @@ class TrainConfig:
     seed: int = 0
     """Seeds the initial PRNG key (rollouts, shuffles) and the prompt stream."""
     share_prompts: bool = True
-    """Teacher-forced passes over the whole batch (reference and old log-probs, critic
-    values, the update when there is one minibatch) run each group's prompt once for its
-    ``G`` completions (:func:`jaxrl_llm.models.completion_hidden_states`): the same
-    numbers, with a fraction ``(1 - 1/G) S / (S + N)`` of the token positions fewer.
-    Shuffled minibatches mix groups and always run every row in full."""
+    """Teacher-forced passes over whole groups (reference and old log-probs, critic values,
+    the update's (micro-)batches when they hold whole groups, TRPO's) run each prompt once
+    for its ``G`` completions (:func:`jaxrl_llm.models.group_completion_hidden_states`):
+    the same numbers, with a fraction ``(1 - 1/G) S / (S + N)`` of the token positions
+    fewer. Shuffled minibatches mix groups and always run every row in full."""
     micro_batch_size: int | None = None
     """Gradient accumulation: sequences per forward and backward pass; each optimizer step's
     gradient is summed over ``minibatch_size / micro_batch_size`` micro-batches, weighted so

@@ -240,8 +240,8 @@ def train(
                              f"{jax.device_count()} devices (sharding.make_mesh(...), after "
                              "distributed.initialize()).")
         if config.eval_every or rollout is not None:
-            raise ValueError("train: over several processes the run cannot evaluate yet (eval_every=0) nor take its "
-                             "own `rollout` backend.")
+            raise ValueError(f"train: over several processes a run cannot yet evaluate during training (set "
+                             f"eval_every=0; got {config.eval_every}) nor take its own `rollout` backend.")
     if mesh is not None:
         unknown = [axis for axis in mesh.axis_names if axis not in sharding.AXES]
         if unknown or rollout_mesh is not None:

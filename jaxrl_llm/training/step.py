@@ -523,14 +523,20 @@ def _learning_rate(opt_state) -> jax.Array:
                                      filtering=lambda path, value: isinstance(value, jax.Array))
 
 
-def _combine(metrics: Metrics, weights: jax.Array) -> Metrics:
-    """Per-micro-batch metrics ``[k]`` -> scalars: min of ``*_min``, max of ``*_max``, else
-    the mean weighted like the loss (``weights`` ``[k]`` sum to 1, or are all 0)."""
+_LOSS_METRICS = ("loss", "policy_loss")
+"""Metrics aggregated like the loss; the others are token means (:func:`ops.masked_mean`)."""
+
+
+def _combine(metrics: Metrics, loss_weights: jax.Array, token_weights: jax.Array) -> Metrics:
+    """Per-micro-batch metrics ``[k]`` -> the whole minibatch's: min of ``*_min``, max of
+    ``*_max``, the loss weighted by its normaliser's shares (``loss_weights`` ``[k]``), the
+    token means by the tokens' (``token_weights``); each set of weights sums to 1, or is 0."""
     def combine(name, values):
         if name.endswith("_min"):
             return jnp.min(values)
         if name.endswith("_max"):
             return jnp.max(values)
+        weights = loss_weights if name in _LOSS_METRICS else token_weights
         return jnp.sum(values * weights.astype(values.dtype))
     return {name: combine(name, values) for name, values in metrics.items()}
 
@@ -640,24 +646,28 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
             results = one_pass(rows)
             return results[0], (results[1] if a.needs_critic else None)
         modes = (a.agg, "token-mean") if a.needs_critic else (a.agg,)  # the policy's, the critic's
-        counts = [ops.aggregation_count(rows.completion_mask, mode=mode) for mode in modes]
+
+        def share(part_mask, mode):  # the part's share of the minibatch's count
+            return ops.aggregation_count(part_mask, mode=mode) / jnp.maximum(
+                ops.aggregation_count(rows.completion_mask, mode=mode), 1.0)
 
         def accumulate(totals, part):
             results = one_pass(part)
+            tokens = share(part.completion_mask, "token-mean")
             sums, outputs = [], []
-            for (loss, metrics, grads), (loss_sum, grad_sum), mode, count in zip(results, totals, modes, counts):
-                weight = ops.aggregation_count(part.completion_mask, mode=mode) / jnp.maximum(count, 1.0)
+            for (loss, metrics, grads), (loss_sum, grad_sum), mode in zip(results, totals, modes):
+                weight = share(part.completion_mask, mode)
                 sums.append((loss_sum + weight * loss,
                              jax.tree.map(lambda total, g: total + weight * g.astype(jnp.float32), grad_sum, grads)))
-                outputs.append((metrics, weight))
+                outputs.append((metrics, weight, tokens))
             return tuple(sums), tuple(outputs)
 
         zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
         trees = (params, critic_params)[:len(modes)]
         totals = tuple((jnp.zeros((), jnp.float32), zeros(tree)) for tree in trees)
         sums, outputs = jax.lax.scan(accumulate, totals, _split_rows(rows, micro_batches))
-        results = tuple((loss, _combine(metrics, weights), grads)
-                        for (loss, grads), (metrics, weights) in zip(sums, outputs))
+        results = tuple((loss, _combine(metrics, weights, tokens), grads)
+                        for (loss, grads), (metrics, weights, tokens) in zip(sums, outputs))
         return results[0], (results[1] if a.needs_critic else None)
 
     def update(state: TrainState, scored: ScoredBatch):

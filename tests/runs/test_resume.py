@@ -102,7 +102,9 @@ def test_a_run_continues_on_another_mesh_where_the_single_device_run_goes(tmp_pa
     checkpoint restored into that mesh's shards: the metrics of four steps on one device."""
     import dataclasses
 
-    config = dataclasses.replace(runs.load("tiny"), steps=4, save_every=2)
+    tiny = runs.load("tiny")
+    config = dataclasses.replace(tiny, steps=4, save_every=2, warm_start=dataclasses.replace(tiny.warm_start, steps=2),
+                                 train=dataclasses.replace(tiny.train, eval_every=0))
     expected = run.train_run(config, tmp_path / "one", progress=False, stream=None).history
     run.train_run(dataclasses.replace(config, steps=2, mesh=runs.MeshSpec(data=1, fsdp=4)), tmp_path / "moved",
                   progress=False, stream=None)
@@ -116,3 +118,27 @@ def test_a_run_continues_on_another_mesh_where_the_single_device_run_goes(tmp_pa
         for name in ("reward", "loss", "kl_k3", "grad_norm"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=f"{got['step']} {name}")
     assert len(expected) == 4
+
+
+def test_a_checkpoint_with_a_reference_the_run_no_longer_keeps_still_restores(tmp_path):
+    """A method without a KL term keeps no reference now; its checkpoints saved with one
+    (before, or with reference_metrics) restore, the reference dropped."""
+    import dataclasses
+
+    import jax
+
+    from jaxrl_llm import algorithms, models, training
+
+    model, params = models.init(models.ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                                                   num_heads=2, num_kv_heads=1, head_dim=4), jax.random.key(0))
+    config = training.TrainConfig()
+    with_reference = training.init_state(model, params, algorithms.DAPO,
+                                         dataclasses.replace(config, reference_metrics=True))
+    with training.Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        checkpointer.save(3, with_reference._replace(step=jax.numpy.asarray(3, jax.numpy.int32)))
+        like = jax.eval_shape(lambda p: training.init_state(model, p, algorithms.DAPO, config), params)
+        with pytest.raises(ValueError, match="ref_params"):
+            checkpointer.restore(like=like)
+        state = run._restore(checkpointer, like)
+    assert state.ref_params is None and int(state.step) == 3
+    chex.assert_trees_all_equal(state.params, params)

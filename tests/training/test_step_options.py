@@ -47,9 +47,9 @@ def test_gradient_accumulation_over_micro_batches_equals_the_whole_minibatch(met
     accumulated_run = dataclasses.replace(run, micro_batch_size=micro_batch_size)
     assert accumulated_run.num_micro_batches == (minibatch_size or 16) // micro_batch_size
     accumulated, metrics = _one_update(model, params, algorithm, accumulated_run, batch)
-    for name in ("loss", "grad_norm", *(("value_loss",) if algorithm.needs_critic else ())):
+    for name in ("loss", "grad_norm", "entropy", "ratio_mean", *(("value_loss",) if algorithm.needs_critic else ())):
         np.testing.assert_allclose(float(metrics[name]), float(whole_metrics[name]), rtol=2e-5, atol=1e-7,
-                                   err_msg=name)
+                                   err_msg=name)  # the loss's normaliser, and token means
     chex.assert_trees_all_close((accumulated.params, accumulated.critic_params),
                                 (whole.params, whole.critic_params), atol=2e-6, rtol=1e-5)
     assert float(whole_metrics["grad_norm"]) > 0
