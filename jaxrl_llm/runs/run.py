@@ -193,7 +193,7 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     main = distributed.is_main_process()  # over several processes, process 0 writes and prints
     stream = stream if main else None
     mesh, rules = config.mesh.build(), sharding.RULES[config.mesh.rules]
-    _check_processes(config, mesh)
+    training.loop.check_processes(config.train, mesh)  # before anything is written
     stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
     distributed.barrier("run directory checked")  # before process 0 changes it
     build.check_model_path(config.model)
@@ -311,21 +311,6 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     summary = _summary(run_dir, warm) if main else ""
     _print(summary, stream)
     return RunResult(run_dir, config, state, history, warm, summary)
-
-
-def _check_processes(config: RunConfig, mesh) -> None:
-    """Refuses, before anything is written, a run over several processes that ``train``
-    would refuse after the warm start."""
-    if jax.process_count() == 1:
-        return
-    if mesh is None or mesh.devices.size != jax.device_count():
-        raise ValueError(f"This run spans {jax.process_count()} processes: set a mesh over all their "
-                         f"{jax.device_count()} devices (--mesh.fsdp / --mesh.data / --mesh.tensor; the sizes "
-                         f"multiply to {jax.device_count()}).")
-    if config.train.eval_every:
-        raise ValueError(f"Over several processes a run cannot evaluate during training yet: set "
-                         f"--train.eval-every 0 (got {config.train.eval_every}); evaluate a checkpoint afterwards "
-                         "with `jaxrl-llm eval --run-dir`.")
 
 
 def _restore(checkpointer: training.Checkpointer, like: training.TrainState) -> training.TrainState:

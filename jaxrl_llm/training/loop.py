@@ -129,6 +129,22 @@ def check_evaluation(task: tasks.Task, config: TrainConfig) -> None:
                          f"split (test_records=, test_fraction=) or set eval_every=0.")
 
 
+def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh | None, *, custom_rollout: bool = False) -> None:
+    """Raises ValueError when a run over several processes cannot go on: it needs a mesh
+    over every process's devices, and cannot yet evaluate during training or take its own
+    rollout backend. Nothing in one process."""
+    if jax.process_count() == 1:
+        return
+    if mesh is None or mesh.devices.size != jax.device_count():
+        raise ValueError(f"This run spans {jax.process_count()} processes: pass a mesh over all their "
+                         f"{jax.device_count()} devices (train(mesh=sharding.make_mesh(...)), or --mesh.fsdp / "
+                         f"--mesh.data / --mesh.tensor whose sizes multiply to {jax.device_count()}).")
+    if config.eval_every or custom_rollout:
+        raise ValueError(f"Over several processes a run cannot yet evaluate during training (set eval_every=0, "
+                         f"--train.eval-every 0; got {config.eval_every}; evaluate a checkpoint afterwards with "
+                         "`jaxrl-llm eval --run-dir`) nor take its own `rollout` backend.")
+
+
 def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.Task, config: TrainConfig, *,
                        prompt_bucket: int = 8) -> dict[str, float]:
     """The task's test split evaluated with the run's sampling settings
@@ -234,14 +250,7 @@ def train(
             return fn(*args)
         return traced
 
-    if jax.process_count() > 1:
-        if mesh is None or mesh.devices.size != jax.device_count():
-            raise ValueError(f"train: this run spans {jax.process_count()} processes; pass a `mesh` over all their "
-                             f"{jax.device_count()} devices (sharding.make_mesh(...), after "
-                             "distributed.initialize()).")
-        if config.eval_every or rollout is not None:
-            raise ValueError(f"train: over several processes a run cannot yet evaluate during training (set "
-                             f"eval_every=0; got {config.eval_every}) nor take its own `rollout` backend.")
+    check_processes(config, mesh, custom_rollout=rollout is not None)
     if mesh is not None:
         unknown = [axis for axis in mesh.axis_names if axis not in sharding.AXES]
         if unknown or rollout_mesh is not None:

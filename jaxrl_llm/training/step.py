@@ -65,7 +65,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm import _checks, advantages as adv_lib, algorithms, kl as kl_lib, models, objectives, ops, sharding, trpo
+from jaxrl_llm import _checks, algorithms, distributed, models, objectives, ops, sharding, trpo
+from jaxrl_llm import advantages as adv_lib, kl as kl_lib
 from jaxrl_llm.training import critic as critic_lib
 from jaxrl_llm.training.config import LR_SCHEDULES, TrainConfig
 
@@ -161,8 +162,7 @@ def batch_shardings(mesh: jax.sharding.Mesh) -> Batch:
     """Where a :class:`Batch` goes on ``mesh``: completions split by rows over ``data x
     fsdp``, prompts over ``data`` (a device's rows continue prompts of its ``data`` slice),
     the count replicated."""
-    row_axes = tuple(axis for axis in (sharding.DATA, sharding.FSDP) if axis in mesh.axis_names)
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes or None))
+    rows = distributed.rows_sharding(mesh)
     prompts = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(sharding.DATA if sharding.DATA in mesh.axis_names else None))
     return Batch(prompt_tokens=prompts, prompt_mask=prompts, completion_tokens=rows, completion_mask=rows,
