@@ -3,6 +3,7 @@ persistent compilation cache for every test."""
 
 import os
 import shutil
+import signal
 import tempfile
 
 # Must happen before JAX initialises its backends.
@@ -17,6 +18,11 @@ if "JAXRL_LLM_COMPILATION_CACHE" not in os.environ:
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# A suite started in the background of a non-interactive shell (`make test &`) inherits
+# SIGINT ignored, and so would the subprocesses it starts; the interrupt tests send real SIGINTs.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
