@@ -28,6 +28,7 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/loss_memory.py
 	$(BIN)/python benchmarks/state_memory.py
 	$(BIN)/python benchmarks/layer_scan.py
+	$(BIN)/python benchmarks/compile_depth.py
 
 # The same GRPO step in TRL's GRPOTrainer (PyTorch, CPU), in its own venv: .venv is untouched.
 TRL_VENV := .venv-trl

@@ -12,11 +12,14 @@ Compilation is excluded (one warm-up call each); the table shows the median of
 
 Two models: ``tiny`` (2 layers, d_model 64), where per-step overhead dominates, and
 ``train-bench`` (the training benchmark's 4 layers, d_model 256), where the matmuls do.
+Ours runs twice: layers unrolled (the default) and scanned (``scan_layers``: stacked
+weights and cache, one layer's slices per scan step).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 
 import jax
@@ -53,19 +56,21 @@ def main(argv=None) -> None:
     batch = args.prompts * args.group
     print(f"batch {args.prompts} prompts x {args.group} = {batch}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, float32, temperature 1")
-    header = f"{'model':<12} {'sampler':<26} {'median s':>9} {'tokens/s':>10} {'vs generate':>12}"
+    header = f"{'model':<12} {'sampler':<34} {'median s':>9} {'tokens/s':>10} {'vs generate':>12}"
     print(header)
     print("-" * len(header))
     for name, config in CONFIGS.items():
-        ours_s, theirs_s = compare(config, args)
+        ours_s, scanned_s, theirs_s = compare(config, args)
         tokens_out = batch * args.new_tokens
-        for sampler, seconds in (("jaxrl_llm.sampling.sample", ours_s), ("transformers generate", theirs_s)):
-            print(f"{name:<12} {sampler:<26} {seconds:>9.4f} {tokens_out / seconds:>10.0f} "
+        for sampler, seconds in (("jaxrl_llm.sampling.sample", ours_s), ("jaxrl_llm, scan_layers", scanned_s),
+                                 ("transformers generate", theirs_s)):
+            print(f"{name:<12} {sampler:<34} {seconds:>9.4f} {tokens_out / seconds:>10.0f} "
                   f"{theirs_s / seconds:>11.2f}x")
 
 
-def compare(config: models.ModelConfig, args) -> tuple[float, float]:
-    """Median seconds of one batch for (ours, transformers) on the same weights."""
+def compare(config: models.ModelConfig, args) -> tuple[float, float, float]:
+    """Median seconds of one batch for (ours, ours with scanned layers, transformers) on
+    the same weights."""
     model, params = models.init(config, jax.random.key(0))
     eos = config.vocab_size - 1
     with tempfile.TemporaryDirectory() as directory:
@@ -76,9 +81,9 @@ def compare(config: models.ModelConfig, args) -> tuple[float, float]:
     prompts = rng.integers(0, eos, size=(args.prompts, args.prompt_len))
     mask = np.ones_like(prompts)
     batch = args.prompts * args.group
-    keys = iter(jax.random.split(jax.random.key(1), args.repeats + 1))
+    keys = iter(jax.random.split(jax.random.key(1), 2 * (args.repeats + 1)))
 
-    def ours():
+    def ours(model=model):
         rollout = sampling.sample(model, params, jnp.asarray(prompts), jnp.asarray(mask), next(keys),
                                   num_samples=args.group, max_new_tokens=args.new_tokens, eos_ids=(eos,), pad_id=0)
         jax.block_until_ready(rollout)
@@ -94,7 +99,8 @@ def compare(config: models.ModelConfig, args) -> tuple[float, float]:
                                     pad_token_id=0, use_cache=True)
         assert out.shape == (batch, args.prompt_len + args.new_tokens)
 
-    return median_seconds(ours, repeats=args.repeats), median_seconds(theirs, repeats=args.repeats)
+    scanned = functools.partial(ours, model=models.with_options(model, scan_layers=True))
+    return tuple(median_seconds(fn, repeats=args.repeats) for fn in (ours, scanned, theirs))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl_llm import _checks, models, rewards, sampling, tasks
+from jaxrl_llm import _checks, distributed, models, rewards, sampling, tasks
 from jaxrl_llm.training import collect
 
 
@@ -151,6 +151,7 @@ def evaluate(
     seed: int = 0,
     on_reward_error: str = "raise",
     progress: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, float]:
     r"""Greedy accuracy, mean rewards and pass@k of ``params`` over every example of a split.
 
@@ -197,6 +198,9 @@ def evaluate(
       threshold: a completion is solved when that function returns at least this.
       seed: seeds the sampling keys, and is passed to ``task.examples``.
       progress: show a ``tqdm`` bar of the examples done.
+      mesh: decode each batch over this mesh's devices (:func:`jaxrl_llm.sampling.sample`);
+        needed when ``params`` are split over several processes, each of which then calls
+        this with the same arguments, scores its share of the rows and gets every metric.
 
     Returns:
       A flat dict of floats:
@@ -243,11 +247,11 @@ def evaluate(
                 "(jaxrl_llm.tasks.text.from_records, from_jsonl, from_dataset)." if split == "test" else "")
         raise ValueError(f"{fn}: the {split!r} split of {type(task).__name__} has no examples.{hint}")
 
-    greedy = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, temperature=0.0)
+    greedy = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, temperature=0.0, mesh=mesh)
     truncation = {name: value for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
                   if value is not None}
     sampler = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, temperature=temperature,
-                               **truncation) if num_samples else None
+                               mesh=mesh, **truncation) if num_samples else None
     settings = dict(max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length,
                     prompt_truncation=prompt_truncation, prompt_bucket=prompt_bucket, on_reward_error=on_reward_error)
 
@@ -256,7 +260,8 @@ def evaluate(
     greedy_reward = sample_reward = 0.0  # float64 sums on the host
     solved_counts = []  # per batch: [P] int, solved samples of each example
     truncated_prompts = reward_errors = 0
-    with tqdm(total=size, desc=f"evaluate {split}", unit="example", disable=not progress) as bar:
+    show = progress and distributed.is_main_process()
+    with tqdm(total=size, desc=f"evaluate {split}", unit="example", disable=not show) as bar:
         for number, start in enumerate(range(0, size, batch_size)):
             indices = np.arange(start, min(start + batch_size, size), dtype=np.int64)  # [P]
             batch = task.examples(split, indices, seed=seed)

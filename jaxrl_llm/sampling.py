@@ -38,7 +38,9 @@ completion buffer rounded up likewise; the completion budget itself is a traced 
 bound, so different ``max_new_tokens`` within a bucket share a compilation (a prompt
 width or budget off the buckets adds a small jitted slice back to the caller's sizes).
 The KV cache is created inside the compiled function and carried by the
-``lax.while_loop``, whose state buffers XLA updates in place. The prefill runs once per
+``lax.while_loop``, whose state buffers XLA updates in place (one array per layer, or,
+with ``config.scan_layers``, one stacked ``[L, ...]`` array the layer scan writes in
+place). The prefill runs once per
 distinct prompt (``P`` rows, last position's logits only) and its cache is copied to the
 ``G`` completions, not recomputed ``G`` times.
 """
@@ -175,13 +177,18 @@ def sample(
         at the first.
       pad_id: written after EOS and in unused completion slots.
       bucket: prompt and completion buffers are rounded up to multiples of this.
-      mesh: decode data-parallel over the mesh's ``data`` axis: each device takes
-        ``P / D`` prompts and their completions, with the params replicated (see
-        :mod:`jaxrl_llm.sharding`). ``P`` must be a multiple of the axis size ``D``. On a
-        mesh with a ``tensor`` axis the params keep Megatron's tensor-parallel split
-        (``sharding.TENSOR_PARALLEL``: heads, MLP columns, vocabulary; gathered over
-        ``fsdp``), so a model too large for one device decodes too. The samples are
-        those of one device with the same key, up to float rounding.
+      mesh: decode data-parallel over the mesh's ``data`` and ``fsdp`` axes (``D x F``
+        devices), with the params gathered whole on each device (see
+        :mod:`jaxrl_llm.sharding`): each device takes ``P / (D F)`` prompts and their
+        completions, or, when ``P`` does not split so, each of the ``F`` devices of a
+        ``data`` shard prefills its ``P / D`` prompts and decodes a ``1 / F`` block of
+        their ``G``-fold rows (where ``P G / (D F)`` is whole; else the ``fsdp`` devices
+        decode the same rows). When ``P`` is not a multiple of ``D``, every device decodes
+        every row. On a mesh with a ``tensor`` axis the params keep Megatron's
+        tensor-parallel split (``sharding.TENSOR_PARALLEL``: heads, MLP columns,
+        vocabulary; gathered over ``fsdp``), so a model too large for one device decodes
+        too; the rows are split over ``fsdp`` there only when the prompts are. The samples
+        are those of one device with the same key, up to float rounding.
 
     Returns:
       A :class:`Rollout` with ``B = P * G`` rows (split over ``mesh``'s devices if given).
@@ -224,13 +231,12 @@ def sample(
             f"max_position_embeddings ({limit})."
         )
 
+    split = None
     if mesh is not None:
-        devices = sharding.data_size(mesh)
-        if prompt_tokens.shape[0] % devices:
-            raise ValueError(f"{fn}: the {prompt_tokens.shape[0]} prompts must split evenly over the mesh's "
-                             f"{devices} {sharding.DATA!r} devices; pass a multiple of {devices} prompts.")
+        split = _row_split(mesh, num_prompts=prompt_tokens.shape[0], num_samples=num_samples)
         # `distributed.put`: over several processes each holds the same prompts, params and key.
-        prompt_tokens, prompt_mask = distributed.put((prompt_tokens, prompt_mask), sharding.rows(mesh))
+        prompt_tokens, prompt_mask = distributed.put((prompt_tokens, prompt_mask),
+                                                     jax.sharding.NamedSharding(mesh, split.prompts))
         key = distributed.put(key, sharding.replicated(mesh))
         if mesh.shape.get(sharding.TENSOR, 1) > 1:  # tensor-parallel: heads, MLP and vocabulary stay split
             params = distributed.put(params, sharding.param_shardings(params, mesh, sharding.TENSOR_PARALLEL))
@@ -252,7 +258,7 @@ def sample(
         jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
         num_samples=num_samples, slots=slots, top_k=None if greedy else top_k,
         use_top_p=top_p is not None and not greedy, use_min_p=min_p is not None and not greedy, greedy=greedy,
-        eos_ids=eos_ids, pad_id=int(pad_id), mesh=mesh,
+        eos_ids=eos_ids, pad_id=int(pad_id), mesh=mesh, split=split,
     )
     return rollout if (length, max_new_tokens) == (padded_length, slots) else _trim(
         rollout, prompt_len=length, max_new_tokens=max_new_tokens)
@@ -353,43 +359,80 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
     return jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0] - top - log_total
 
 
+class _RowSplit(NamedTuple):
+    """How a mesh shares a rollout: the specs of the prompts ``[P, S]`` and of the rows
+    ``[B, ...]``, and ``row_blocks``, the ``fsdp`` blocks each device's prompts' rows are
+    cut into (1: none, the prompts are split already)."""
+
+    prompts: jax.sharding.PartitionSpec
+    rows: jax.sharding.PartitionSpec
+    row_blocks: int
+
+
+def _row_split(mesh: jax.sharding.Mesh, *, num_prompts: int, num_samples: int) -> _RowSplit:
+    """Rows split over ``data`` and ``fsdp``: the prompts over both when ``P`` allows,
+    else the prompts over ``data`` and their ``G``-fold rows over ``fsdp`` (each device
+    prefills its ``data`` shard's prompts and decodes its block of their rows), else the
+    rows over ``data`` alone, the ``fsdp`` devices decoding the same rows; and when ``P``
+    does not split over ``data``, every device decodes every row."""
+    data = sharding.data_size(mesh)
+    if num_prompts % data:
+        return _RowSplit(sharding.WHOLE, sharding.WHOLE, 1)
+    fsdp = mesh.shape.get(sharding.FSDP, 1)
+    both = jax.sharding.PartitionSpec((sharding.DATA, sharding.FSDP))
+    if fsdp == 1:
+        return _RowSplit(sharding.ROWS, sharding.ROWS, 1)
+    if num_prompts % (data * fsdp) == 0:
+        return _RowSplit(both, both, 1)
+    if num_prompts * num_samples % (data * fsdp) == 0 and mesh.shape.get(sharding.TENSOR, 1) == 1:
+        return _RowSplit(sharding.ROWS, both, fsdp)
+    return _RowSplit(sharding.ROWS, sharding.ROWS, 1)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "use_min_p", "greedy", "eos_ids", "pad_id", "mesh"),
+    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "use_min_p", "greedy", "eos_ids", "pad_id", "mesh",
+                     "split"),
 )
-def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, min_p, *, mesh,
+def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, min_p, *, mesh, split,
               **settings) -> Rollout:
     """The whole rollout in bucket-sized buffers (``S'`` prompt columns, ``slots``
     completion columns); with a ``mesh``, each device runs :func:`_decode` on its rows
     (``shard_map``: its own loop and stopping test, no communication), or, when the mesh
     has a ``tensor`` axis, XLA partitions one program over the params' tensor-parallel
-    layout and the rows' ``data`` split (all-reductions over ``tensor`` in every layer)."""
+    layout and the rows' ``data`` (and ``fsdp``) split (all-reductions over ``tensor``
+    in every layer). ``split``: :func:`_row_split`'s, with a mesh."""
     # Every random number of the rollout at once, for all B rows (the same numbers with or
     # without a mesh): inside the loop, the RNG's own rounds would cost more per step than
     # the sampling itself.
     uniforms = jax.random.uniform(key, (settings["slots"], tokens.shape[0] * settings["num_samples"]))  # [slots, B]
     decode = functools.partial(_decode, model, **settings)
     if mesh is not None and mesh.shape.get(sharding.TENSOR, 1) == 1:
-        rows, whole = sharding.ROWS, sharding.WHOLE
-        by_row = jax.sharding.PartitionSpec(None, sharding.DATA)  # uniforms [slots, B]
-        decode = jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, by_row, whole, whole, whole, whole),
-                               out_specs=rows, check_vma=False)  # no collectives inside
+        whole = sharding.WHOLE
+        by_row = jax.sharding.PartitionSpec(None, *split.rows)  # uniforms [slots, B]
+        decode = jax.shard_map(functools.partial(decode, row_blocks=split.row_blocks), mesh=mesh,
+                               in_specs=(whole, split.prompts, split.prompts, by_row, whole, whole, whole, whole),
+                               out_specs=split.rows, check_vma=False)  # no collectives inside
     return decode(params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, min_p)
 
 
 def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, min_p, *, num_samples, slots,
-            top_k, use_top_p, use_min_p, greedy, eos_ids, pad_id) -> Rollout:
+            top_k, use_top_p, use_min_p, greedy, eos_ids, pad_id, row_blocks: int = 1) -> Rollout:
     """The ``P`` distinct prompts ``[P, S']`` prefilled, the cache and next-token logits
     copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode
-    step, and the last token's sample -> record. ``uniforms`` ``[slots, B]`` drive the draws."""
+    step, and the last token's sample -> record. ``uniforms`` ``[slots, B]`` drive the draws.
+
+    ``row_blocks > 1`` (inside ``shard_map``): this device keeps block ``i`` of the ``P * G``
+    rows, ``i`` its index along ``fsdp``, and ``uniforms`` are that block's ``[slots, B / row_blocks]``."""
     tokens, mask = tokens.astype(jnp.int32), mask.astype(bool)
     logits, cache = models.prefill(
         model, params, tokens, mask, cache_size=tokens.shape[1] + slots, last_logits_only=True
     )  # [P, V], cache of P rows
-    copies = functools.partial(jnp.repeat, repeats=num_samples, axis=0)  # row p -> rows p*G ... p*G+G-1
-    logits = copies(logits)  # [B, V]
-    cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)  # the slot index stays []
-    batch = logits.shape[0]
+    batch = tokens.shape[0] * num_samples // row_blocks
+    first = 0 if row_blocks == 1 else jax.lax.axis_index(sharding.FSDP) * batch
+    rows = (first + jnp.arange(batch)) // num_samples  # [B]: row b continues prompt b // G
+    logits = jnp.take(logits, rows, axis=0)  # [B, V]
+    cache = cache.take_rows(rows)
     eos = jnp.asarray(eos_ids, jnp.int32)
 
     class State(NamedTuple):
@@ -461,8 +504,8 @@ def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, 
     final, _ = sample_and_record(jax.lax.while_loop(keep_going, step, init))
     completion_mask = jnp.arange(slots)[None, :] < final.lengths[:, None]  # [B, slots]
     return Rollout(
-        tokens=jnp.concatenate([copies(tokens), final.tokens], axis=1),
-        attention_mask=jnp.concatenate([copies(mask), completion_mask], axis=1),
+        tokens=jnp.concatenate([jnp.take(tokens, rows, axis=0), final.tokens], axis=1),
+        attention_mask=jnp.concatenate([jnp.take(mask, rows, axis=0), completion_mask], axis=1),
         completion_mask=completion_mask,
         logprobs=final.logprobs,
         sampling_logprobs=final.sampling_logprobs,

@@ -116,3 +116,14 @@ def test_layer_scan_prints_every_variant_with_the_same_gradients(capsys):
     assert "| unrolled | no remat |" in out and "| scan | remat full |" in out
     assert set(results) == {"unrolled", "scan", "unrolled, remat full", "scan, remat full"}
     assert all(row["dg"] < 1e-4 and row["compile"] > 0 and row["step"] > 0 for row in results.values())
+
+
+def test_compile_depth_prints_every_program_unrolled_and_scanned(capsys):
+    import compile_depth
+
+    results = compile_depth.main(["--tiny", "--depths", "2", "--prompts", "2", "--group-size", "2", "--prompt-len",
+                                  "4", "--completion-len", "4"])
+    out = capsys.readouterr().out
+    assert "| sampler | 2 |" in out and "| logprobs | 2 |" in out and "| loss+grad | 2 |" in out
+    assert set(results) == {(p, 2, s) for p in compile_depth.PROGRAMS for s in (False, True)}
+    assert all(row["compile"] > 0 and row["lower"] > 0 for row in results.values())

@@ -22,6 +22,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- One process: every helper is a plain conversion ---------------------------------------
 
+def test_a_multi_process_run_without_a_mesh_over_every_device_or_with_its_own_backend_is_refused(monkeypatch):
+    from jaxrl_llm import training
+
+    config = training.TrainConfig(num_prompts=4, group_size=2, max_new_tokens=2, eval_every=2)
+    training.loop.check_processes(config, None)  # one process: anything goes
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"spans 2 processes: pass a mesh over all their 8 devices"):
+        training.loop.check_processes(config, None)
+    with pytest.raises(ValueError, match=r"spans 2 processes: pass a mesh over all their 8 devices"):
+        training.loop.check_processes(config, sharding.make_mesh(data=1, fsdp=4))
+    training.loop.check_processes(config, sharding.make_mesh(data=2, fsdp=4))  # evaluations decode over it
+    with pytest.raises(ValueError, match=r"cannot take its own `rollout` backend"):
+        training.loop.check_processes(config, sharding.make_mesh(data=2, fsdp=4), custom_rollout=True)
+
+
 def test_one_process_holds_every_row_and_the_helpers_convert_plainly():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     assert distributed.rows_sharding(mesh).spec == PartitionSpec(("data", "fsdp"))
@@ -157,15 +172,16 @@ def test_two_processes_train_like_one_process_on_as_many_devices(tmp_path):
 @pytest.mark.slow
 def test_the_cli_trains_over_two_processes_like_one_and_only_process_0_writes(tmp_path):
     """``jaxrl-llm train`` in two processes of 4 CPU devices (``--coordinator-address
-    --num-processes --process-id``, a ``--mesh.fsdp 4`` mesh over both): the records and
-    checkpoints of the same run in this process on its 8 devices, written once."""
+    --num-processes --process-id``, a ``--mesh.fsdp 4`` mesh over both), evaluating after
+    step 2: the records and checkpoints of the same run in this process on its 8 devices,
+    written once."""
     import json
 
     from jaxrl_llm import cli
     from jaxrl_llm.runs import run as runs
 
     flags = ["--config", "tiny", "--steps", "2", "--save-every", "1", "--mesh.fsdp", "4", "--train.num-prompts", "4",
-             "--train.eval-every", "0", "--tensorboard", "False", "--progress", "off"]
+             "--train.eval-every", "2", "--tensorboard", "False", "--progress", "off"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": ROOT}
     port = _free_port()
     workers = []
@@ -188,6 +204,10 @@ def test_the_cli_trains_over_two_processes_like_one_and_only_process_0_writes(tm
     for got, want in zip(two, one):
         for name in ("reward", "loss", "kl_k3", "grad_norm", "completion_length"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    evaluated = [name for name in two[1] if name.startswith("eval_") and name != "eval_seconds"]
+    assert {"eval_greedy_accuracy", "eval_reward", "eval_pass@2"} <= set(evaluated) and "eval_reward" not in two[0]
+    for name in evaluated:
+        np.testing.assert_allclose(two[1][name], one[1][name], rtol=1e-5, atol=1e-6, err_msg=name)
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     logs = [(tmp_path / f"cli_{i}.log").read_text() for i in range(2)]
     assert "train steps recorded" in logs[0] and "train steps recorded" not in logs[1]

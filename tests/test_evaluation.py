@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import evaluation, models, sampling
+from jaxrl_llm import evaluation, models, sampling, sharding
 from jaxrl_llm.evaluation import evaluate, pass_at_k
 from jaxrl_llm.tasks import DigitSumTask
 
@@ -204,6 +204,19 @@ def test_each_batch_samples_with_its_own_key(policy):
     sampled = [call[0] for call in task.calls[1::2]]  # 25 batches of the same 4 prompts, 16 completions each
     assert len(sampled) == 25
     assert len({str(ids) for ids in sampled}) > 1
+
+
+def test_evaluating_over_a_mesh_gives_the_single_device_metrics(policy):
+    """Batches of 32 prompts split over a 2 x 4 (data x fsdp) mesh; the last, of 4, over
+    data alone (its 4 greedy rows decoded on every fsdp device, its 8 sampled rows in
+    blocks over fsdp): the metrics of one device."""
+    model, params = policy
+    settings = dict(num_samples=2, max_new_tokens=MAX_NEW_TOKENS, progress=False, seed=3)
+    expected = evaluate(model, params, DigitSumTask(), **settings)
+    got = evaluate(model, params, DigitSumTask(), mesh=sharding.make_mesh(data=2, fsdp=4), **settings)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
 
 
 def test_correct_reward_and_threshold_define_solved(policy, independent_greedy):

@@ -212,9 +212,9 @@ def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices, se
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)],
                          ids=lambda shape: "x".join(map(str, shape)))
 def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(mesh_shape):
-    """On the train step's meshes: rows over ``data``; with a ``tensor`` axis the params
-    stay split by heads, MLP columns and vocabulary (tensor-parallel decoding). Greedy
-    and sampled completions are the single-device ones."""
+    """On the train step's meshes: rows over ``data x fsdp``; with a ``tensor`` axis the
+    params stay split by heads, MLP columns and vocabulary (tensor-parallel decoding).
+    Greedy and sampled completions are the single-device ones."""
     model, params = peaked_model(scale=2.0)
     rng = np.random.default_rng(4)
     prompts = jnp.asarray(rng.integers(3, VOCAB, size=(8, 4)))
@@ -229,13 +229,68 @@ def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(
         for name in ("tokens", "completion_mask", "lengths", "truncated"):
             np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=f"{settings} {name}")
         np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+        if mesh_shape[2] == 1:  # each device decoded rows of its own
+            assert got.tokens.sharding.is_equivalent_to(ROWS_OVER_DATA_AND_FSDP(mesh), 2)
 
 
-def test_prompts_must_split_evenly_over_the_mesh():
+def test_scanned_layers_decode_over_a_tensor_parallel_mesh_like_one_device():
+    """``scan_layers``: the stacked ``[L, ...]`` cache through tensor-parallel decoding
+    (params split by heads, MLP columns and vocabulary) gives the unrolled single-device
+    samples."""
+    model, params = peaked_model(scale=2.0)
+    scanned = models.with_options(model, scan_layers=True)
+    rng = np.random.default_rng(5)
+    prompts = jnp.asarray(rng.integers(3, VOCAB, size=(4, 4)))
+    prompt_mask = jnp.asarray(np.arange(4)[None] >= rng.integers(0, 3, size=(4, 1)))
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    placed = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
+    expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(3), **kwargs(num_samples=2))
+    got = sampling.Sampler(model=scanned, eos_ids=(EOS,), pad_id=PAD, mesh=mesh)(
+        placed, prompts, prompt_mask, jax.random.key(3), num_samples=2, max_new_tokens=9)
+    for name in ("tokens", "completion_mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+
+
+def ROWS_OVER_DATA_AND_FSDP(mesh):
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec((sharding.DATA, sharding.FSDP)))
+
+
+@pytest.mark.parametrize("mesh_shape, num_prompts, group", [
+    ((1, 8, 1), 4, 2),  # 8 rows: each device prefills the 4 prompts and decodes 1 row
+    ((2, 4, 1), 2, 4),  # a data shard's 1 prompt, its 4 rows over 4 fsdp devices: groups split
+    ((2, 2, 1), 2, 3),  # 3 rows per data shard do not split over 2: both fsdp devices decode them
+], ids=["1x8x1-P4-G2", "2x4x1-P2-G4", "2x2x1-P2-G3"])
+def test_rows_split_over_fsdp_when_the_prompts_do_not_are_the_single_device_samples(mesh_shape, num_prompts, group):
+    """Fewer prompts than ``data x fsdp`` devices: each ``data`` shard's prompts are
+    prefilled on all its ``fsdp`` devices and their rows decoded in blocks, one per
+    device, where the rows split evenly; else the ``fsdp`` devices decode the same rows.
+    Either way the samples are the single-device ones."""
+    model, params = peaked_model(scale=2.0)
+    rng = np.random.default_rng(7)
+    prompts = jnp.asarray(rng.integers(3, VOCAB, size=(num_prompts, 4)))
+    prompt_mask = jnp.asarray(np.arange(4)[None] >= rng.integers(0, 3, size=(num_prompts, 1)))
+    mesh = sharding.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
+    expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(8),
+                               **kwargs(num_samples=group))
+    got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh)(
+        params, prompts, prompt_mask, jax.random.key(8), num_samples=group, max_new_tokens=9)
+    for name in ("tokens", "completion_mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+    rows_split = num_prompts * group % mesh.size == 0
+    expected_sharding = ROWS_OVER_DATA_AND_FSDP(mesh) if rows_split else sharding.rows(mesh)
+    assert got.tokens.sharding.is_equivalent_to(expected_sharding, 2)
+
+
+def test_prompts_that_do_not_split_over_the_mesh_are_decoded_whole_on_every_device():
     model, params = peaked_model()
-    with pytest.raises(ValueError, match=r"the 3 prompts must split evenly over the mesh's 2 'data' devices"):
-        sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), mesh=sharding.make_mesh(2),
-                        **kwargs())
+    expected = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs())
+    mesh = sharding.make_mesh(2)
+    got = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), mesh=mesh, **kwargs())  # 3 prompts
+    assert got.tokens.sharding.is_equivalent_to(sharding.replicated(mesh), 2)
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
     with pytest.raises(ValueError, match=r"`num_devices` must be an integer in \[1, 8\]"):
         sharding.make_mesh(9)
 

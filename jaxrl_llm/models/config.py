@@ -110,14 +110,20 @@ class ModelConfig:
     dtype: Any = jnp.float32
     """Compute dtype of matmuls and activations (norms, softmax and RoPE run in float32)."""
     scan_layers: bool = False
-    """Teacher-forced passes (no KV cache; also both passes of the prompt-sharing
-    :func:`jaxrl_llm.models.group_completion_hidden_states`) run the layers as one
-    ``jax.lax.scan``: the program holds one layer, not ``L``, so tracing and (on GPU/TPU)
-    compiling stop growing with depth. The params keep one leaf per layer; the scan stacks
-    them inside the traced function, which costs one stacked copy of the layer weights,
-    and one of their gradients, per pass. XLA's CPU backend compiles the identical layers
-    of an unrolled model once anyway: there, the scan saves no compile time
-    (``benchmarks/layer_scan.py``). Decoding steps always run unrolled."""
+    """Run the decoder layers as one ``jax.lax.scan`` in every pass: teacher-forced ones,
+    both passes of :func:`jaxrl_llm.models.group_completion_hidden_states`, the prefill and
+    each decoding step. The program holds one layer, not ``L``, so tracing and lowering
+    stop growing with depth, and so does compiling where XLA compiles each layer's code
+    anew (GPU, TPU). The params keep one leaf per layer; the scan stacks them inside the
+    traced function (once per rollout in the sampler, whose decoding loop XLA hoists the
+    stacking out of), which costs one stacked copy of the layer weights, and one of their
+    gradients, per pass. The KV cache is stacked ``[L, B, KVH, K, D]``
+    (:class:`jaxrl_llm.models.KVCache`) and updated in place by the scan. XLA's CPU
+    backend compiles the identical kernels of unrolled layers once, so there the saving is
+    small, the gradient's slicing back onto the per-layer leaves still takes one kernel
+    per layer and leaf, and the scan costs run time (each layer's weights and cache are
+    sliced out of the stacks, a copy per layer). Measured in the README's "Performance"
+    (``benchmarks/compile_depth.py``, ``benchmarks/layer_scan.py``)."""
     remat: str = "none"
     """Rematerialisation (``jax.checkpoint``) of each decoder layer in the backward pass:
     ``none`` (keep what the backward pass needs), ``full`` (keep each layer's input only:

@@ -1,7 +1,8 @@
 r"""A Llama-family decoder in Flax NNX: RMSNorm, GQA with RoPE, SwiGLU.
 
 The modules hold parameters only: no caches, no RNG state, nothing that mutates in a
-forward pass. A KV cache is an explicit :class:`KVCache` pytree passed in and returned.
+forward pass. A KV cache is an explicit :class:`KVCache` pytree passed in and returned
+(one array per layer, or one stacked ``[L, ...]`` array that scanned layers update in place).
 Every parameter carries logical axis names (``out_sharding`` metadata, not applied
 eagerly), so that a rules table can map them to a device mesh:
 
@@ -277,8 +278,9 @@ class Attention(nnx.Module):
         x: jax.Array,  # [B, S, E]
         rope: tuple[jax.Array, jax.Array],  # (cos, sin) [B, S, 1, D]: rope_angles of the positions
         mask: jax.Array,  # [B, S, K] bool: query s may attend key slot k
-        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D])
+        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D]), or [L, ...] each
         cache_index: jax.Array | int = 0,
+        layer: jax.Array | int | None = None,  # with a stacked [L, ...] cache: this layer's index in it
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         c, dtype = self.config, self.config.dtype
         x = x.astype(dtype)
@@ -302,11 +304,16 @@ class Attention(nnx.Module):
         # (and the cache) in place, batched over (B, KVH), with no per-step transpose.
         k = k.transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
-        if cache is not None:  # write this call's keys/values at cache_index, attend to all slots
+        if cache is not None and layer is None:  # write this call's keys/values at cache_index, attend to all slots
             start = (0, 0, cache_index, 0)
             k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
             cache = (k, v)
+        elif cache is not None:  # the same in layer `layer` of the stacked cache, in place; then read that layer
+            start = (layer, 0, 0, cache_index, 0)
+            cache = tuple(jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype), start)
+                          for stacked, new in zip(cache, (k, v)))  # [L, B, KVH, K, D] each
+            k, v = (jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False) for stacked in cache)
 
         batch, length, heads, head_dim = q.shape
         out = _attention(attention_implementation(c), q, k.astype(dtype), v.astype(dtype), mask)  # [B, S, H, D]
@@ -350,12 +357,13 @@ class DecoderLayer(nnx.Module):
         rope: tuple[jax.Array, jax.Array],  # (cos, sin) [B, S, 1, D]
         mask: jax.Array,  # [B, S, K] bool
         window: int | jax.Array | None = None,  # attend to at most this many most recent slots (None: all)
-        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D])
+        cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D]), or [L, ...] each
         cache_index: jax.Array | int = 0,
+        layer: jax.Array | int | None = None,  # with a stacked cache: this layer's index in it
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         mask = _window(mask, window, cache_index)
         attended, cache = self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), rope, mask, cache,
-                                         cache_index)
+                                         cache_index, layer)
         x = x + attended.astype(x.dtype)
         x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], self.eps)).astype(x.dtype)
         return x, cache
@@ -366,15 +374,45 @@ class KVCache(NamedTuple):
 
     Slot ``j`` holds the token written at step ``j`` (prompt tokens from the prefill,
     then one per decode step), left padding included; ``valid`` marks real tokens.
+
+    Two layouts of ``keys`` and ``values``, each updated in place by a decode step
+    (:func:`jaxrl_llm.models.init_cache` picks the model's): one array per layer, for
+    unrolled layers, or one stacked ``[L, B, KVH, K, D]`` array for scanned ones
+    (``config.scan_layers``), which the layer scan carries, writing each layer's new slot
+    at ``(layer, ..., index)``. Either layout runs through either setting, at the cost of
+    a stacking copy per call when a per-layer cache meets scanned layers.
     """
 
-    # One array per layer, not one stacked [L, ...] array: each step then updates every
-    # layer's buffer in place, where a stacked cache would be sliced and re-stacked (copied).
-    keys: tuple[jax.Array, ...]  # L x [B, KVH, K, D]
-    values: tuple[jax.Array, ...]  # L x [B, KVH, K, D]
+    keys: tuple[jax.Array, ...] | jax.Array  # L x [B, KVH, K, D], or stacked [L, B, KVH, K, D]
+    values: tuple[jax.Array, ...] | jax.Array  # as keys
     valid: jax.Array  # [B, K] bool
     next_position: jax.Array  # [B] int32: RoPE position of the next token per row
     index: jax.Array  # [] int32: the next slot to write
+
+    @property
+    def stacked(self) -> bool:
+        """Keys and values stacked ``[L, B, KVH, K, D]`` (else one array per layer)."""
+        return not isinstance(self.keys, tuple)
+
+    def take_rows(self, rows: jax.Array) -> KVCache:
+        """The cache of rows ``rows`` (``[b]`` int, repeats allowed: ``rows = arange(B) // G``
+        copies each prompt's cache to its ``G`` completions); the slot index is shared."""
+        return self._map_rows(functools.partial(jnp.take, indices=rows))
+
+    def repeat_rows(self, repeats: int) -> KVCache:
+        """Each row ``repeats`` times, adjacent: :meth:`take_rows` of ``arange(B * repeats) //
+        repeats``, as a repeat (whose transpose is a sum, not a scatter-add)."""
+        return self._map_rows(functools.partial(jnp.repeat, repeats=repeats))
+
+    def _map_rows(self, fn) -> KVCache:
+        """``fn(leaf, axis=...)`` applied along the rows of every per-row leaf."""
+        def kv(leaves):
+            if isinstance(leaves, tuple):
+                return tuple(fn(leaf, axis=0) for leaf in leaves)
+            return fn(leaves, axis=1)  # [L, B, ...]: rows are axis 1
+
+        return self._replace(keys=kv(self.keys), values=kv(self.values), valid=fn(self.valid, axis=0),
+                             next_position=fn(self.next_position, axis=0))
 
 
 class CausalLM(nnx.Module):
@@ -397,14 +435,18 @@ class CausalLM(nnx.Module):
         cache: KVCache | None = None,
         *,
         scan: bool | None = None,
+        carry_cache: bool = True,
+        stacked_layers: nnx.State | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Final-norm hidden states ``[B, S, E]`` (and the updated cache).
+        """Final-norm hidden states ``[B, S, E]`` (and the updated cache, in its layout).
 
         ``scan``: run the layers in one ``jax.lax.scan`` (:meth:`scanned_layers`) rather
-        than a Python loop. ``None``: ``config.scan_layers`` for a pass without a cache; a
-        pass with a cache runs unrolled unless ``scan=True``, since a scan takes and returns
-        the cache stacked ``[L, ...]``, a copy of it each call (per decoding step, a copy of
-        the whole cache per token).
+        than a Python loop; ``None``: ``config.scan_layers``, with or without a cache.
+        ``carry_cache``: how a scan takes the cache (see :meth:`scanned_layers`): carried
+        and updated in place (prefill and decoding), or as the scan's input and output, a
+        copy per call whose gradient stays per layer (a differentiated pass).
+        ``stacked_layers``: :meth:`stack_layers`, when several scanned passes share them (their
+        gradients then add up stacked, and are sliced onto the layers once).
 
         ``tokens`` are not checked here (they may be traced): the embedding lookup is a
         JAX gather, so an id outside ``[0, V)`` reads another row (a negative id counts
@@ -413,13 +455,17 @@ class CausalLM(nnx.Module):
         """
         c = self.config
         if scan is None:
-            scan = c.scan_layers and cache is None
+            scan = c.scan_layers
         x = self.embed_tokens[...][tokens].astype(c.dtype)  # [B, S, E]
         rope = rope_angles(positions, inverse_frequencies(c.rope, c.head_dim))  # shared by layers
         cache_index = 0 if cache is None else cache.index
         kv = None if cache is None else (cache.keys, cache.values)
         if scan:
-            x, kv = self.scanned_layers(x, rope, mask, kv, cache_index)
+            x, kv = self.scanned_layers(x, rope, mask, kv, cache_index, carry_cache=carry_cache,
+                                        stacked_layers=stacked_layers)
+        elif cache is not None and cache.stacked:  # each layer updates its slice of the stacked cache in place
+            for i, layer in enumerate(self.layers):
+                x, kv = _remat(layer, c.remat, layer_index=i)(x, rope, mask, c.window(i), kv, cache_index)
         else:
             new_keys, new_values = [], []
             for i, layer in enumerate(self.layers):
@@ -438,9 +484,12 @@ class CausalLM(nnx.Module):
         x: jax.Array,  # [B, S, E]
         rope: tuple[jax.Array, jax.Array],  # (cos, sin) [B, S, 1, D]
         mask: jax.Array,  # [B, S, K] bool, before the layers' windows
-        kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None = None,  # L x [B, KVH, K, D] each
+        kv: tuple[jax.Array, jax.Array] | tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None = None,
         cache_index: jax.Array | int = 0,
-    ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None]:
+        *,
+        carry_cache: bool = True,
+        stacked_layers: nnx.State | None = None,
+    ) -> tuple[jax.Array, tuple | None]:
         r"""The decoder layers as one ``jax.lax.scan`` over their stacked weights.
 
         .. math::
@@ -458,12 +507,20 @@ class CausalLM(nnx.Module):
         ``[L, ...]``, then sliced back onto the per-layer leaves): about twice the layer
         weights' size of extra memory for a forward and backward pass. Windows: a static one
         when every layer has the same, else a per-layer ``[L]`` int32 operand (``None``,
-        full attention, as the largest int32). A cache, if given, is stacked ``[L, ...]``
-        into the scan and unstacked from it (a copy each way).
+        full attention, as the largest int32). ``stacked_layers``: :meth:`stack_layers`,
+        stacked already.
+
+        ``kv``: the cache's keys and values, stacked ``[L, B, KVH, K, D]`` each (or one array
+        per layer: stacked here, and returned unstacked). ``carry_cache``: the scan carries
+        the stacked cache, each layer writing its new slots in place and reading its own
+        ``[B, KVH, K, D]`` slice (prefill, decoding: no copy of the cache per call). Else the
+        cache is the scan's ``xs``, each layer's updated slice its ``ys``: one copy per call,
+        but differentiable at the cost of one cache's worth of cotangent, where a carried
+        cache's gradient would add a whole-cache array per layer.
         """
         c = self.config
         graphdef = nnx.graphdef(self.layers[0])
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[nnx.state(layer) for layer in self.layers])
+        stacked = self.stack_layers() if stacked_layers is None else stacked_layers
         windows = {c.window(i) for i in range(c.num_layers)}
         if len(windows) == 1:  # one static window (or none) for every layer
             window, layer_windows = windows.pop(), None
@@ -472,21 +529,35 @@ class CausalLM(nnx.Module):
             full = np.iinfo(np.int32).max
             layer_windows = jnp.asarray([full if w is None else w for w in map(c.window, range(c.num_layers))],
                                         jnp.int32)  # [L]
-        stacked_kv = None if kv is None else (jnp.stack(kv[0]), jnp.stack(kv[1]))  # [L, B, KVH, K, D] each
+        per_layer = kv is not None and isinstance(kv[0], tuple)
+        if per_layer:
+            kv = (jnp.stack(kv[0]), jnp.stack(kv[1]))  # [L, B, KVH, K, D] each
 
-        def apply(state, x, layer_window, layer_kv):
-            layer = nnx.merge(graphdef, state)
-            return layer(x, rope, mask, window if layer_window is None else layer_window, layer_kv, cache_index)
+        def apply(state, x, layer_window, layer_kv, layer):
+            module = nnx.merge(graphdef, state)
+            return module(x, rope, mask, window if layer_window is None else layer_window, layer_kv, cache_index,
+                          layer)
 
         apply = _checkpoint(apply, c.remat, prevent_cse=False)  # no CSE to guard against inside a scan
+        xs = dict(state=stacked, layer_window=layer_windows)
+        if kv is not None and carry_cache:
+            def step(carry, per_layer):
+                x, kv = apply(x=carry[0], layer_kv=carry[1], **per_layer)
+                return (x, kv), None
 
-        def step(x, per_layer):
-            return apply(x=x, **per_layer)
+            (x, kv), _ = jax.lax.scan(step, (x, kv), dict(xs, layer=jnp.arange(c.num_layers, dtype=jnp.int32)))
+        else:
+            def step(x, per_layer):
+                return apply(x=x, layer=None, **per_layer)
 
-        x, stacked_kv = jax.lax.scan(step, x, dict(state=stacked, layer_window=layer_windows, layer_kv=stacked_kv))
-        if stacked_kv is not None:
-            kv = (tuple(stacked_kv[0]), tuple(stacked_kv[1]))
+            x, kv = jax.lax.scan(step, x, dict(xs, layer_kv=kv))
+        if per_layer:
+            kv = (tuple(kv[0]), tuple(kv[1]))
         return x, kv
+
+    def stack_layers(self) -> nnx.State:
+        """The decoder layers' weights stacked, one ``[L, ...]`` leaf per layer leaf."""
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[nnx.state(layer) for layer in self.layers])
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``[..., E] -> [..., V]`` float32 logits through the output projection (or tied embedding)."""
@@ -523,17 +594,17 @@ def _checkpoint(fn, remat: str, *, prevent_cse: bool = True):
     return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
 
 
-def _remat(layer: DecoderLayer, remat: str):
+def _remat(layer: DecoderLayer, remat: str, *, layer_index: int | None = None):
     """``layer``'s call under :func:`_checkpoint`, as a function of its weights (which
     ``jax.checkpoint`` must see as inputs) with the window kept static; the call itself
-    for ``none``."""
+    for ``none``. ``layer_index``: the layer's index in a stacked cache (static)."""
     if remat == "none":
-        return layer
+        return functools.partial(layer, layer=layer_index)
     graphdef, state = nnx.split(layer)
 
     def call(x, rope, mask, window, cache, cache_index):
         def apply(state, x, rope, mask, cache, cache_index):
-            return nnx.merge(graphdef, state)(x, rope, mask, window, cache, cache_index)
+            return nnx.merge(graphdef, state)(x, rope, mask, window, cache, cache_index, layer_index)
 
         return _checkpoint(apply, remat)(state, x, rope, mask, cache, cache_index)
 

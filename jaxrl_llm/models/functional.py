@@ -306,21 +306,23 @@ def group_completion_hidden_states(
     slots = prompt_len + inputs
     module = model.module(params)
     prompt_positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)  # [P, S]
-    # The prompts, once each (P rows), into a cache of S + N - 1 slots.
-    # With config.scan_layers both passes scan the layers, the cache stacked through them.
-    scan = module.config.scan_layers
+    # The prompts, once each (P rows), into a cache of S + N - 1 slots. With
+    # config.scan_layers both passes scan the layers, over the same stacked weights (one
+    # slicing of their gradient onto the layers), the cache (stacked) their xs and ys: a
+    # carried cache's gradient would cost a whole-cache array per layer.
+    layers = module.stack_layers() if module.config.scan_layers else None
     prompt_hidden, cache = _prefill_hidden(model, module, prompt_tokens, prompt_mask, prompt_positions,
-                                           slots, scan=scan)  # [P, S, E]
+                                           slots, carry_cache=False, stacked_layers=layers)  # [P, S, E]
     hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
     if inputs:
         # The completions (B rows) attend to their prompt's slots and causally to themselves.
-        cache = jax.tree.map(lambda leaf: copies(leaf) if leaf.ndim else leaf, cache)  # the slot index stays S
+        cache = cache.repeat_rows(group)  # the slot index stays S
         keys = jnp.concatenate([copies(prompt_mask), jnp.ones((batch, inputs), bool)], axis=1)  # [B, S + N - 1]
         query_slot = prompt_len + jnp.arange(inputs)[:, None]  # [N - 1, 1]
         attention = keys[:, None, :] & (jnp.arange(slots)[None, :] <= query_slot)[None]  # [B, N - 1, S + N - 1]
         positions = copies(jnp.sum(prompt_mask, axis=1))[:, None] + jnp.arange(inputs)[None, :]  # [B, N - 1]
         completion_hidden, _ = module.hidden_states(completion_tokens[:, :inputs], positions, attention, cache,
-                                                    scan=scan)
+                                                    carry_cache=False, stacked_layers=layers)
         hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
     return hidden
 
@@ -379,7 +381,9 @@ def forward(
 
 
 def init_cache(model: Model, batch: int, cache_size: int) -> KVCache:
-    """An empty cache with ``cache_size`` slots per sequence."""
+    """An empty cache with ``cache_size`` slots per sequence: keys and values one
+    ``[B, KVH, K, D]`` array per layer, or, with ``config.scan_layers``, one stacked
+    ``[L, B, KVH, K, D]`` array each, which the layer scan updates in place."""
     c = model.config
     if cache_size > c.max_position_embeddings:
         raise ValueError(
@@ -387,9 +391,15 @@ def init_cache(model: Model, batch: int, cache_size: int) -> KVCache:
             f"({c.max_position_embeddings})."
         )
     shape = (batch, c.num_kv_heads, cache_size, c.head_dim)
+
+    def empty():
+        if c.scan_layers:
+            return jnp.zeros((c.num_layers, *shape), c.dtype)  # [L, B, KVH, K, D]
+        return tuple(jnp.zeros(shape, c.dtype) for _ in range(c.num_layers))
+
     return KVCache(
-        keys=tuple(jnp.zeros(shape, c.dtype) for _ in range(c.num_layers)),
-        values=tuple(jnp.zeros(shape, c.dtype) for _ in range(c.num_layers)),
+        keys=empty(),
+        values=empty(),
         valid=jnp.zeros((batch, cache_size), bool),
         next_position=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
@@ -405,7 +415,8 @@ def prefill(
     cache_size: int,
     last_logits_only: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs the prompt and returns its logits ``[B, S, V]`` and a cache holding it.
+    """Runs the prompt and returns its logits ``[B, S, V]`` and a cache holding it, in
+    :func:`init_cache`'s layout (stacked ``[L, ...]`` with ``config.scan_layers``).
 
     Args:
       tokens: ``[B, S]`` left-padded prompt ids, checked as in :func:`hidden_states`.
@@ -431,15 +442,17 @@ def prefill(
 
 
 def _prefill_hidden(model: Model, module: CausalLM, tokens, mask, positions, cache_size: int, *,
-                    scan: bool = False):
+                    carry_cache: bool = True, stacked_layers=None):
     """Validated ``[B, S]`` prompt inputs through the decoder into a fresh cache of
-    ``cache_size`` slots: ``[B, S, E]`` hidden states and the cache, its next slot ``S``.
-    ``scan``: the layers as one scan (see :meth:`CausalLM.hidden_states`)."""
+    ``cache_size`` slots (:func:`init_cache`'s layout): ``[B, S, E]`` hidden states and the
+    cache, its next slot ``S``. ``carry_cache``, ``stacked_layers``: see
+    :meth:`CausalLM.hidden_states`."""
     batch, length = tokens.shape
     cache = init_cache(model, batch, cache_size)
     cache = cache._replace(valid=cache.valid.at[:, :length].set(mask))
     full_mask = jnp.zeros((batch, length, cache_size), bool).at[:, :, :length].set(_causal(mask))  # [B, S, K]
-    hidden, cache = module.hidden_states(tokens, positions, full_mask, cache, scan=scan)
+    hidden, cache = module.hidden_states(tokens, positions, full_mask, cache, carry_cache=carry_cache,
+                                         stacked_layers=stacked_layers)
     return hidden, cache._replace(
         next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)
     )
@@ -452,9 +465,12 @@ def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache)
       tokens: ``[B]`` token ids in ``[0, V)``, written to slot ``cache.index`` at each row's
         next position. Concrete ids outside raise ``ValueError``; under ``jit`` the
         embedding lookup clamps them.
-      cache: from :func:`prefill` or a previous step, with a free slot left. A step on a
-        full cache cannot raise under ``jit``; it returns NaN logits instead (loudly wrong,
-        never silently: a clamped write would overwrite the last slot).
+      cache: from :func:`prefill` or a previous step, with a free slot left; returned in
+        its layout, updated in place when donated (or carried by a loop). Either layout
+        runs with either ``config.scan_layers``; a per-layer one through scanned layers
+        costs a copy. A step on a full cache cannot raise under ``jit``; it returns NaN
+        logits instead (loudly wrong, never silently: a clamped write would overwrite the
+        last slot).
     """
     ids = _checks.integer("decode_step", "tokens", tokens)
     _checks.rank("decode_step", "tokens", ids, 1, "[B]")

@@ -134,6 +134,7 @@ def compute_rewards(
     completion_ids: Sequence[Sequence[int]],
     columns: Mapping[str, Sequence[Any]],
     on_error: str = "raise",
+    first_row: int = 0,
 ) -> RewardResult:
     """Calls each reward function in TRL's convention and combines the results.
 
@@ -142,6 +143,7 @@ def compute_rewards(
       prompts, completions, completion_ids: ``[B]`` each, in rollout order.
       columns: name -> ``[B]`` values, already repeated per completion.
       on_error: ``"raise"`` (default) or ``"zero"``, see :data:`ON_ERROR`.
+      first_row: the number of the first row in error messages (a part of a larger batch).
 
     Raises:
       RewardFunctionError: a function raised (with ``on_error="raise"``; the original
@@ -159,18 +161,19 @@ def compute_rewards(
     values, errors = {}, {}
     for name, fn in zip(reward_names(reward_fns), reward_fns, strict=True):
         try:
-            values[name] = _checked(name, fn(**arguments), batch, prompts, completions)
+            values[name] = _checked(name, fn(**arguments), batch, prompts, completions, first_row=first_row)
         except RewardFunctionError:
             raise
         except Exception:
             # Which rows raise? One call per row names the example, and scores the others.
-            values[name], errors[name] = _row_by_row(name, fn, arguments, batch, on_error)
+            values[name], errors[name] = _row_by_row(name, fn, arguments, batch, on_error, first_row)
     weighted = [w * np.nan_to_num(v, nan=0.0) for w, v in zip(weights, values.values(), strict=True)]
     return RewardResult(total=np.sum(weighted, axis=0, dtype=np.float32), values=values,
                         errors={name: count for name, count in errors.items() if count})
 
 
-def _row_by_row(name: str, fn: Any, arguments: dict[str, list], batch: int, on_error: str) -> tuple[np.ndarray, int]:
+def _row_by_row(name: str, fn: Any, arguments: dict[str, list], batch: int, on_error: str,
+                first_row: int) -> tuple[np.ndarray, int]:
     """``fn`` called on one row at a time, after it raised on the whole batch: ``[B]``
     values (0 where it raises) and the count of rows that raised."""
     prompts, completions = arguments["prompts"], arguments["completions"]
@@ -182,11 +185,13 @@ def _row_by_row(name: str, fn: Any, arguments: dict[str, list], batch: int, on_e
             if on_error == "raise":
                 raise RewardFunctionError(
                     f"Reward function {name!r} raised {type(error).__name__}: {error} at "
-                    f"{_example(row, prompts, completions)}. Fix the function, or pass on_reward_error='zero' to "
-                    f"score such completions 0 (counted in the `reward_errors` metric).") from error
+                    f"{_example(row, prompts, completions, first_row)}. Fix the function, or pass "
+                    f"on_reward_error='zero' to score such completions 0 (counted in the `reward_errors` "
+                    f"metric).") from error
             failed += 1
             continue
-        values[row] = _checked(name, returned, 1, prompts[row:row + 1], completions[row:row + 1], first_row=row)[0]
+        values[row] = _checked(name, returned, 1, prompts[row:row + 1], completions[row:row + 1],
+                               first_row=first_row + row)[0]
     if not failed and on_error == "raise":  # each row alone works; the batch does not
         raise RewardFunctionError(f"Reward function {name!r} raised on the batch of {batch} completions but not on "
                                   f"any one of them alone; it must accept lists of any length.")

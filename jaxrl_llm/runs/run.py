@@ -245,7 +245,7 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
                 "last_loss": float(np.mean(losses[-20:])) if losses else None,
                 "seconds": time.perf_counter() - started}
         if config.train.eval_every:
-            warm.update(evaluate_model(model, params, task, config))
+            warm.update(evaluate_model(model, params, task, config, mesh=mesh))
         if main:
             _write_json(run_dir / WARM_START_FILE, warm)
         if "eval_greedy_accuracy" in warm:
@@ -262,7 +262,7 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     # checkpoint holds the params it evaluates, so it is run now, as it would have been.
     unevaluated = _unevaluated_record(run_dir, start, config)
     if unevaluated is not None:
-        unevaluated.update(evaluate_model(model, params, task, config))
+        unevaluated.update(evaluate_model(model, params, task, config, mesh=mesh))
     recorder = records.RunRecorder(
         run_dir, total_steps=config.steps, start_step=start - (unevaluated is not None),
         tensorboard=config.tensorboard, plot_every=config.plot_every, progress=progress,
@@ -384,12 +384,12 @@ def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
 
 
 def evaluate_model(model: models.Model, params: models.Params, task, config: RunConfig, *,
-                   num_samples: int | None = None) -> dict[str, float]:
+                   num_samples: int | None = None, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
     """Greedy accuracy, mean rewards and pass@k on ``task``'s test split with the run's
     sampling settings, as training's evaluations report them (``eval_*``), with
-    ``num_samples`` samples per prompt (default ``train.eval_samples``)."""
+    ``num_samples`` samples per prompt (default ``train.eval_samples``), decoded over ``mesh``."""
     train = config.train if num_samples is None else dataclasses.replace(config.train, eval_samples=num_samples)
-    return training.evaluation_metrics(model, params, task, train)
+    return training.evaluation_metrics(model, params, task, train, mesh=mesh)
 
 
 def evaluate_run(run_dir: str | os.PathLike, *, step: int | None = None, num_samples: int | None = None

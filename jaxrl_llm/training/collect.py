@@ -214,7 +214,8 @@ def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **argume
                  columns={name: mine(values) for name, values in arguments["columns"].items()})
     failure = None
     try:
-        result = rewards.compute_rewards(reward_fns, weights, on_error=on_error, **local)
+        result = rewards.compute_rewards(reward_fns, weights, on_error=on_error,
+                                         first_row=int(rows[0]) if len(rows) else 0, **local)
     except Exception as error:  # noqa: BLE001 (raised again below, on every process)
         failure, result = error, None
     if distributed.process_sum(np.int32(failure is not None)):

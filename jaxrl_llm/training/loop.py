@@ -131,25 +131,25 @@ def check_evaluation(task: tasks.Task, config: TrainConfig) -> None:
 
 def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh | None, *, custom_rollout: bool = False) -> None:
     """Raises ValueError when a run over several processes cannot go on: it needs a mesh
-    over every process's devices, and cannot yet evaluate during training or take its own
-    rollout backend. Nothing in one process."""
+    over every process's devices, and cannot take its own rollout backend (each process
+    would draw its own samples). Nothing in one process."""
     if jax.process_count() == 1:
         return
     if mesh is None or mesh.devices.size != jax.device_count():
         raise ValueError(f"This run spans {jax.process_count()} processes: pass a mesh over all their "
                          f"{jax.device_count()} devices (train(mesh=sharding.make_mesh(...)), or --mesh.fsdp / "
                          f"--mesh.data / --mesh.tensor whose sizes multiply to {jax.device_count()}).")
-    if config.eval_every or custom_rollout:
-        raise ValueError(f"Over several processes a run cannot yet evaluate during training (set eval_every=0, "
-                         f"--train.eval-every 0; got {config.eval_every}; evaluate a checkpoint afterwards with "
-                         "`jaxrl-llm eval --run-dir`) nor take its own `rollout` backend.")
+    if custom_rollout:
+        raise ValueError("Over several processes a run cannot take its own `rollout` backend: every process "
+                         "must draw the same samples. Leave `rollout` unset (the built-in sampler decodes over "
+                         "the mesh).")
 
 
 def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.Task, config: TrainConfig, *,
-                       prompt_bucket: int = 8) -> dict[str, float]:
+                       prompt_bucket: int = 8, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
     """The task's test split evaluated with the run's sampling settings
-    (:func:`jaxrl_llm.evaluation.evaluate`), as ``eval_*`` metrics and ``eval_seconds``:
-    what ``train`` adds every ``config.eval_every`` steps."""
+    (:func:`jaxrl_llm.evaluation.evaluate`, decoded over ``mesh``), as ``eval_*`` metrics
+    and ``eval_seconds``: what ``train`` adds every ``config.eval_every`` steps."""
     from jaxrl_llm import evaluation  # evaluation imports training
 
     started = time.perf_counter()
@@ -158,7 +158,7 @@ def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.T
         max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length,
         prompt_truncation=config.prompt_truncation, prompt_bucket=prompt_bucket, top_k=config.top_k,
         top_p=config.top_p, min_p=config.min_p, seed=config.seed, on_reward_error=config.on_reward_error,
-        progress=False)
+        progress=False, mesh=mesh)
     return {**{f"eval_{name}": value for name, value in results.items()}, "eval_seconds": time.perf_counter() - started}
 
 
@@ -199,16 +199,17 @@ def train(
         uses the built-in sampler.
       prompt_bucket: the narrowest prompt width; wider ones double it (``8, 16, 32, ...``
         up to ``config.max_prompt_length``).
-      rollout_mesh: decode the rollouts data-parallel over this mesh's ``data`` axis
-        (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
-        size); ``score`` and ``update`` run where the state is. Only with the built-in
+      rollout_mesh: decode the rollouts and evaluations data-parallel over this mesh
+        (:func:`jaxrl_llm.sharding.make_mesh`; split as :func:`jaxrl_llm.sampling.sample`
+        says); ``score`` and ``update`` run where the state is. Only with the built-in
         sampler.
       mesh, rules: run ``score`` and ``update`` sharded over this mesh (axes among
         ``data``, ``fsdp``, ``tensor``: :func:`jaxrl_llm.sharding.make_mesh`): the state
         placed by ``rules`` (default ``sharding.RULES["fsdp_tensor"]``: parameters,
         optimizer state, reference and critic really split), the batch's rows split over
-        ``data x fsdp``, XLA partitioning the rest; the rollouts split over ``data`` with
-        the params gathered on each device. The numbers are the single-device run's up to
+        ``data x fsdp``, XLA partitioning the rest; the rollouts and evaluations split over
+        ``data x fsdp`` (see :func:`jaxrl_llm.sampling.sample`) with the params gathered on
+        each device. The numbers are the single-device run's up to
         float rounding (tested).
       callback: called as ``callback(StepEnd(step, metrics, state, collected))`` after
         each step (logging, checkpoints, samples); an exception it raises stops the run
@@ -353,7 +354,8 @@ def train(
             metrics = record(*pending)
             pending = None
             if config.eval_every and (step + 1) % config.eval_every == 0:
-                metrics.update(evaluation_metrics(model, state.params, task, config, prompt_bucket=prompt_bucket))
+                metrics.update(evaluation_metrics(model, state.params, task, config, prompt_bucket=prompt_bucket,
+                                                   mesh=rollout_mesh))
             if callback is not None:
                 callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
             if metrics["consecutive_skips"] >= config.max_consecutive_skips:

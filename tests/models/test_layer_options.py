@@ -116,7 +116,7 @@ def test_scanned_layers_give_the_gradients_of_the_unrolled_layers(name, group_si
     assert_gradients_close(scanned_grads, grads)
 
 
-def test_the_scan_holds_one_layer_and_decoding_stays_unrolled():
+def test_the_scan_holds_one_layer_in_every_pass_decoding_included():
     config = CONFIGS["qwen2-full-then-window"]
     model, params = perturbed_init(config)
     scanned = models.with_options(model, scan_layers=True)
@@ -130,9 +130,125 @@ def test_the_scan_holds_one_layer_and_decoding_stays_unrolled():
     assert not layer_scan.search(str(jax.make_jaxpr(loss(model))(params)))
     for group_size in (1, GROUP):  # both passes of the shared prompt too
         assert len(layer_scan.findall(str(jax.make_jaxpr(loss(scanned, group_size))(params)))) == group_size
-    cache = models.init_cache(scanned, BATCH, PROMPT_LEN + 1)
-    assert "scan[" not in str(jax.make_jaxpr(lambda p, c: models.decode_step(scanned, p, tokens[:, 0], c))(params,
-                                                                                                            cache))
+    for m, scans in ((model, 0), (scanned, 1)):
+        prefill = jax.make_jaxpr(lambda p: models.prefill(m, p, tokens[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 1))
+        cache = models.init_cache(m, BATCH, PROMPT_LEN + 1)
+        decode = jax.make_jaxpr(lambda p, c: models.decode_step(m, p, tokens[:, 0], c))
+        assert len(layer_scan.findall(str(prefill(params)))) == scans
+        assert len(layer_scan.findall(str(decode(params, cache)))) == scans
+
+
+# --- Scanned decoding ------------------------------------------------------------------------------
+
+
+def decode(model, params, tokens, mask, *, steps, cache=None):
+    """Prefill of the ``[B, S]`` prompts, then ``steps`` greedy decode steps: the logits of
+    each (``[B, V]``), the greedy tokens ``[B, steps]`` and the final cache."""
+    if cache is None:
+        logits, cache = jax.jit(functools.partial(models.prefill, cache_size=tokens.shape[1] + steps,
+                                                  last_logits_only=True), static_argnums=0)(model, params, tokens, mask)
+    else:  # the first greedy token from zero logits: token 0
+        logits = jnp.zeros((tokens.shape[0], model.config.vocab_size))
+    step = jax.jit(functools.partial(models.decode_step, model))
+    all_logits, greedy = [logits], []
+    for _ in range(steps):
+        greedy.append(jnp.argmax(all_logits[-1], axis=-1).astype(jnp.int32))
+        logits, cache = step(params, greedy[-1], cache)
+        all_logits.append(logits)
+    return all_logits, jnp.stack(greedy, axis=1), cache
+
+
+def unstacked(cache):
+    """A cache's keys and values one array per layer, whatever its layout."""
+    return tuple(tuple(kv) for kv in (cache.keys, cache.values))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-qk-norm-tied", "mistral-window-3", "qwen2-window-full-window"])
+def test_scanned_prefill_and_decoding_give_the_unrolled_logits_tokens_and_cache(name):
+    model, params = perturbed_init(CONFIGS[name])
+    scanned = models.with_options(model, scan_layers=True)
+    tokens, mask, _ = rollout_batch(CONFIGS[name].vocab_size)
+    prompt, prompt_mask = tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN]
+    expected_logits, expected_tokens, expected_cache = decode(model, params, prompt, prompt_mask, steps=4)
+    logits, greedy, cache = decode(scanned, params, prompt, prompt_mask, steps=4)
+    assert not expected_cache.stacked and cache.stacked
+    assert cache.keys.shape == (3, BATCH, CONFIGS[name].num_kv_heads, PROMPT_LEN + 4, 8)  # [L, B, KVH, K, D]
+    np.testing.assert_array_equal(greedy, expected_tokens)
+    for step, (actual, expected) in enumerate(zip(logits, expected_logits, strict=True)):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4, err_msg=f"step {step}")
+    for actual, expected in zip(jax.tree.leaves(unstacked(cache)), jax.tree.leaves(unstacked(expected_cache))):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=ATOL)
+    for field in ("valid", "next_position", "index"):
+        np.testing.assert_array_equal(getattr(cache, field), getattr(expected_cache, field))
+
+
+def test_either_cache_layout_decodes_through_either_layer_setting():
+    model, params = perturbed_init(CONFIGS["qwen2-full-then-window"])
+    scanned = models.with_options(model, scan_layers=True)
+    tokens, mask, _ = rollout_batch(CONFIGS["qwen2-full-then-window"].vocab_size)
+    prompt, prompt_mask = tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN]
+    _, per_layer = models.prefill(model, params, prompt, prompt_mask, cache_size=PROMPT_LEN + 3)
+    _, stacked = models.prefill(scanned, params, prompt, prompt_mask, cache_size=PROMPT_LEN + 3)
+    expected_logits, expected_tokens, expected_cache = decode(model, params, prompt, prompt_mask, steps=3,
+                                                              cache=per_layer)
+    for m, cache in ((scanned, per_layer), (model, stacked)):  # the other setting's layout
+        logits, greedy, final = decode(m, params, prompt, prompt_mask, steps=3, cache=cache)
+        assert final.stacked == cache.stacked  # returned in the layout it came in
+        np.testing.assert_array_equal(greedy, expected_tokens)
+        for actual, expected in zip(logits[1:], expected_logits[1:], strict=True):
+            np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
+        for actual, expected in zip(jax.tree.leaves(unstacked(final)), jax.tree.leaves(unstacked(expected_cache))):
+            np.testing.assert_allclose(actual, expected, rtol=0, atol=ATOL)
+
+
+def test_take_rows_and_repeat_rows_copy_rows_in_both_layouts():
+    model, params = perturbed_init(CONFIGS["llama"])
+    tokens, mask, _ = rollout_batch(CONFIGS["llama"].vocab_size)
+    rows = jnp.asarray([2, 0, 0, 3, 1])
+    taken = []
+    for m in (model, models.with_options(model, scan_layers=True)):
+        _, cache = models.prefill(m, params, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 2)
+        taken.append(cache.take_rows(rows))
+        assert taken[-1].valid.shape == (5, PROMPT_LEN + 2) and taken[-1].index == cache.index
+        for copy, source in zip(jax.tree.leaves(unstacked(taken[-1])), jax.tree.leaves(unstacked(cache))):
+            np.testing.assert_array_equal(copy, source[rows])
+        repeated = cache.repeat_rows(2)
+        for a, b in zip(jax.tree.leaves(repeated), jax.tree.leaves(cache.take_rows(jnp.arange(2 * BATCH) // 2))):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(unstacked(taken[0])), jax.tree.leaves(unstacked(taken[1]))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+
+
+def test_scanned_decoding_updates_the_stacked_cache_in_place():
+    """A decode step's temporaries hold no copy of the stacked cache (at most one layer's
+    slice of it, beside the stacked weights), and the donated cache comes back in the same
+    buffers."""
+    config = dataclasses.replace(CONFIGS["llama"], max_position_embeddings=512)
+    model, params = perturbed_init(config)
+    scanned = models.with_options(model, scan_layers=True)
+    cache = models.init_cache(scanned, BATCH, 512)
+    step = jax.jit(functools.partial(models.decode_step, scanned), donate_argnums=2)
+    memory = step.lower(params, jnp.zeros((BATCH,), jnp.int32), cache).compile().memory_analysis()
+    cache_bytes = cache.keys.nbytes + cache.values.nbytes
+    assert memory.alias_size_in_bytes >= cache_bytes
+    layer_weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params["layers"]))
+    assert 2 * cache_bytes / config.num_layers + layer_weights + 2**16 < cache_bytes  # the bound excludes a copy
+    assert memory.temp_size_in_bytes < 2 * cache_bytes / config.num_layers + layer_weights + 2**16
+
+
+def test_a_scanned_greedy_rollout_gives_the_unrolled_rollout():
+    from jaxrl_llm import sampling
+
+    config = CONFIGS["qwen2-window-full-window"]
+    model, params = perturbed_init(config)
+    tokens, mask, _ = rollout_batch(config.vocab_size, group_size=GROUP)
+    prompts, prompt_mask = tokens[::GROUP, :PROMPT_LEN], mask[::GROUP, :PROMPT_LEN]
+    rollouts = [sampling.sample(m, params, prompts, prompt_mask, jax.random.key(0), num_samples=GROUP,
+                                max_new_tokens=6, eos_ids=(0,), pad_id=0, temperature=0.0)
+                for m in (model, models.with_options(model, scan_layers=True))]
+    np.testing.assert_array_equal(rollouts[1].tokens, rollouts[0].tokens)
+    np.testing.assert_array_equal(rollouts[1].completion_mask, rollouts[0].completion_mask)
+    np.testing.assert_allclose(rollouts[1].logprobs, rollouts[0].logprobs, rtol=0, atol=1e-4)
 
 
 def test_decoding_with_every_option_set_gives_the_reference_logits():

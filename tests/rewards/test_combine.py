@@ -14,9 +14,9 @@ IDS = [[5, 2], [8, 2], [9]]
 COLUMNS = {"answer": ["2", "4", "6"], "level": [1, 2, 3]}
 
 
-def _compute(fns, weights=None, *, on_error="raise", columns=COLUMNS):
+def _compute(fns, weights=None, *, on_error="raise", columns=COLUMNS, first_row=0):
     return rewards.compute_rewards(fns, weights or [1.0] * len(fns), prompts=PROMPTS, completions=COMPLETIONS,
-                                   completion_ids=IDS, columns=columns, on_error=on_error)
+                                   completion_ids=IDS, columns=columns, on_error=on_error, first_row=first_row)
 
 
 def accuracy(completions, answer, **kwargs):  # exactly as written for TRL
@@ -100,6 +100,14 @@ def test_a_function_that_raises_is_named_with_the_example_that_raised():
                              r"'2\+2=', completion '5'\)\. .* on_reward_error='zero'") as error:
         _compute([_raises_on_level_2])
     assert isinstance(error.value.__cause__, KeyError)
+    # Rows numbered in the whole batch when these are a part of it (one process's share).
+    with pytest.raises(rewards.RewardFunctionError, match=r"KeyError: 'level 2 is not handled' at row 11 \(prompt"):
+        _compute([_raises_on_level_2], first_row=10)
+    def bad(**kwargs):
+        return [0.0, 1.0, float("nan")]
+
+    with pytest.raises(rewards.RewardFunctionError, match=r"'bad' returned nan at row 12 \(prompt"):
+        _compute([bad], first_row=10)
 
 
 def test_with_on_error_zero_the_rows_that_raise_score_zero_and_are_counted():

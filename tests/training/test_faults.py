@@ -250,7 +250,7 @@ def test_ctrl_c_during_the_update_dispatch_is_delivered_once_its_result_is_held(
 
 def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(textwrap.dedent("""
         import jax
         from jaxrl_llm import algorithms, models, training
         from jaxrl_llm.tasks import DigitSumTask
