@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install run test bench bench-trl lock clean
+.PHONY: install run test bench bench-trl bench-tunix lock clean
 
 install: $(INSTALLED)
 
@@ -42,9 +42,21 @@ $(TRL_INSTALLED): benchmarks/trl/requirements.txt
 bench-trl: $(TRL_INSTALLED)
 	$(TRL_VENV)/bin/python benchmarks/trl_grpo_step.py
 
+# The same GRPO step in Tunix's GRPOLearner (JAX, CPU), in its own venv: .venv is untouched.
+TUNIX_VENV := .venv-tunix
+TUNIX_INSTALLED := $(TUNIX_VENV)/.installed
+
+$(TUNIX_INSTALLED): benchmarks/tunix/requirements.txt
+	$(PYTHON) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/pip install --quiet --requirement benchmarks/tunix/requirements.txt
+	touch $@
+
+bench-tunix: $(TUNIX_INSTALLED)
+	$(TUNIX_VENV)/bin/python benchmarks/tunix_grpo_step.py
+
 # Re-pin constraints.txt to what is installed now (after changing pyproject.toml ranges).
 lock: $(INSTALLED)
 	$(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//' > constraints.txt
 
 clean:
-	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRL_VENV) $(TUNIX_VENV) .pytest_cache .hypothesis

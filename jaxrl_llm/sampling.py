@@ -191,7 +191,8 @@ def sample(
         are those of one device with the same key, up to float rounding.
 
     Returns:
-      A :class:`Rollout` with ``B = P * G`` rows (split over ``mesh``'s devices if given).
+      A :class:`Rollout` with ``B = P * G`` rows (with a ``mesh``, split over its devices
+      as above, or whole on each when ``P`` does not split over ``data``).
 
     Raises:
       ValueError: on bad settings, and on prompts that would be misread: ids outside
@@ -429,10 +430,14 @@ def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, 
         model, params, tokens, mask, cache_size=tokens.shape[1] + slots, last_logits_only=True
     )  # [P, V], cache of P rows
     batch = tokens.shape[0] * num_samples // row_blocks
-    first = 0 if row_blocks == 1 else jax.lax.axis_index(sharding.FSDP) * batch
-    rows = (first + jnp.arange(batch)) // num_samples  # [B]: row b continues prompt b // G
-    logits = jnp.take(logits, rows, axis=0)  # [B, V]
-    cache = cache.take_rows(rows)
+    if row_blocks == 1:  # row b continues prompt b // G: a repeat, which keeps a split over rows split
+        to_rows = functools.partial(jnp.repeat, repeats=num_samples, axis=0)
+        cache = cache.repeat_rows(num_samples)
+    else:  # this device's block of the rows: first, ..., first + B - 1 (a gather, local in shard_map)
+        prompt_of_row = (jax.lax.axis_index(sharding.FSDP) * batch + jnp.arange(batch)) // num_samples  # [B]
+        to_rows = functools.partial(jnp.take, indices=prompt_of_row, axis=0)
+        cache = cache.take_rows(prompt_of_row)
+    logits = to_rows(logits)  # [B, V]
     eos = jnp.asarray(eos_ids, jnp.int32)
 
     class State(NamedTuple):
@@ -504,8 +509,8 @@ def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, 
     final, _ = sample_and_record(jax.lax.while_loop(keep_going, step, init))
     completion_mask = jnp.arange(slots)[None, :] < final.lengths[:, None]  # [B, slots]
     return Rollout(
-        tokens=jnp.concatenate([jnp.take(tokens, rows, axis=0), final.tokens], axis=1),
-        attention_mask=jnp.concatenate([jnp.take(mask, rows, axis=0), completion_mask], axis=1),
+        tokens=jnp.concatenate([to_rows(tokens), final.tokens], axis=1),
+        attention_mask=jnp.concatenate([to_rows(mask), completion_mask], axis=1),
         completion_mask=completion_mask,
         logprobs=final.logprobs,
         sampling_logprobs=final.sampling_logprobs,

@@ -17,12 +17,14 @@ parameters through ``optax.tree_utils.tree_map_params``):
 A dimension is split only when its size is a multiple of the mesh axis's; otherwise it
 stays whole (a 2-head KV projection on a 4-way ``tensor`` axis is replicated).
 
-**Rollouts.** The sampler splits a rollout's rows over the ``data`` axis,
-with the params replicated on it (``sampling.sample(..., mesh=mesh)``). Every row of a
-rollout is decoded independently, so each device runs its own prefill and decode loop
-(``shard_map``) on its share of the prompts and their ``G`` completions, stopping when
-its own rows have finished, with no communication; the random numbers are drawn for the
-whole batch first, so the samples are the ones a single device draws.
+**Rollouts.** The sampler splits a rollout's rows over the ``data`` and ``fsdp`` axes,
+with the params gathered whole on each device (``sampling.sample(..., mesh=mesh)``, which
+says what happens when the prompts or rows do not split so; with a ``tensor`` axis the
+params stay split by it). Every row of a rollout is decoded independently, so each
+device runs its own prefill and decode loop (``shard_map``) on its share of the prompts
+and their ``G`` completions, stopping when its own rows have finished, with no
+communication; the random numbers are drawn for the whole batch first, so the samples
+are the ones a single device draws.
 
 .. code-block:: python
 

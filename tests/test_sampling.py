@@ -229,8 +229,8 @@ def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(
         for name in ("tokens", "completion_mask", "lengths", "truncated"):
             np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=f"{settings} {name}")
         np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
-        if mesh_shape[2] == 1:  # each device decoded rows of its own
-            assert got.tokens.sharding.is_equivalent_to(ROWS_OVER_DATA_AND_FSDP(mesh), 2)
+        # Each device decoded rows of its own (with a tensor axis: its tensor group's).
+        assert got.tokens.sharding.is_equivalent_to(ROWS_OVER_DATA_AND_FSDP(mesh), 2)
 
 
 def test_scanned_layers_decode_over_a_tensor_parallel_mesh_like_one_device():

@@ -90,7 +90,7 @@ class ModelSpec:
     num_kv_heads: int = 2
     """Built-in model only: key/value heads (grouped-query attention)."""
     scan_layers: bool = False
-    """Run the decoder layers in one ``lax.scan`` in the teacher-forced passes
+    """Run the decoder layers in one ``lax.scan`` in every pass, decoding included
     (``models.ModelConfig.scan_layers``): with ``remat``, far less activation memory."""
     remat: Literal["none", "full", "dots"] = "none"
     """Recompute each layer's activations in the backward pass: ``full`` saves nothing,

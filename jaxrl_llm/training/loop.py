@@ -200,7 +200,8 @@ def train(
       prompt_bucket: the narrowest prompt width; wider ones double it (``8, 16, 32, ...``
         up to ``config.max_prompt_length``).
       rollout_mesh: decode the rollouts and evaluations data-parallel over this mesh
-        (:func:`jaxrl_llm.sharding.make_mesh`; split as :func:`jaxrl_llm.sampling.sample`
+        (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
+        ``data`` size; evaluation batches split as :func:`jaxrl_llm.sampling.sample`
         says); ``score`` and ``update`` run where the state is. Only with the built-in
         sampler.
       mesh, rules: run ``score`` and ``update`` sharded over this mesh (axes among
