@@ -30,28 +30,22 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/layer_scan.py
 	$(BIN)/python benchmarks/compile_depth.py
 
-# The same GRPO step in TRL's GRPOTrainer (PyTorch, CPU), in its own venv: .venv is untouched.
+# The same GRPO step in a peer library, each in its own venv (.venv-<peer>, from
+# benchmarks/<peer>/requirements.txt): .venv is untouched.
 TRL_VENV := .venv-trl
-TRL_INSTALLED := $(TRL_VENV)/.installed
+TUNIX_VENV := .venv-tunix
 
-$(TRL_INSTALLED): benchmarks/trl/requirements.txt
-	$(PYTHON) -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/pip install --quiet --requirement benchmarks/trl/requirements.txt
+.venv-%/.installed: benchmarks/%/requirements.txt
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/pip install --quiet --requirement $<
 	touch $@
 
-bench-trl: $(TRL_INSTALLED)
+# TRL's GRPOTrainer (PyTorch, CPU).
+bench-trl: $(TRL_VENV)/.installed
 	$(TRL_VENV)/bin/python benchmarks/trl_grpo_step.py
 
-# The same GRPO step in Tunix's GRPOLearner (JAX, CPU), in its own venv: .venv is untouched.
-TUNIX_VENV := .venv-tunix
-TUNIX_INSTALLED := $(TUNIX_VENV)/.installed
-
-$(TUNIX_INSTALLED): benchmarks/tunix/requirements.txt
-	$(PYTHON) -m venv $(TUNIX_VENV)
-	$(TUNIX_VENV)/bin/pip install --quiet --requirement benchmarks/tunix/requirements.txt
-	touch $@
-
-bench-tunix: $(TUNIX_INSTALLED)
+# Tunix's GRPOLearner (JAX, CPU).
+bench-tunix: $(TUNIX_VENV)/.installed
 	$(TUNIX_VENV)/bin/python benchmarks/tunix_grpo_step.py
 
 # Re-pin constraints.txt to what is installed now (after changing pyproject.toml ranges).
