@@ -21,14 +21,15 @@ def _message(stderr: str) -> str:
     return " ".join(re.sub("[│╭╮╰╯─]", " ", stderr).split())
 
 
-def test_the_flags_parse_to_the_config():
+def test_the_flags_parse_to_the_config(tmp_path):
     assert compare_methods.parse([]) == compare_methods.CompareConfig()
     assert compare_methods.parse([]).algorithms == tuple(algorithms.PRESETS)
     config = compare_methods.parse(["--algorithms", "grpo,ppo", "--no-plot", "--out-dir", "None", "--rl-steps", "3"])
     assert config.algorithms == ("grpo", "ppo") and not config.plot and config.out_dir is None
     assert config.rl_steps == 3 and [m.name for m in config.methods()] == ["grpo", "ppo"]
-    config = compare_methods.parse(["--algorithms", "grpo", "rloo,ppo", "--plot", "--out-dir", "/tmp/x"])
-    assert config.algorithms == ("grpo", "rloo", "ppo") and config.plot and config.out_dir == pathlib.Path("/tmp/x")
+    out_dir = tmp_path / "results"  # need not exist yet
+    config = compare_methods.parse(["--algorithms", "grpo", "rloo,ppo", "--plot", "--out-dir", str(out_dir)])
+    assert config.algorithms == ("grpo", "rloo", "ppo") and config.plot and config.out_dir == out_dir
 
 
 @pytest.mark.parametrize("argv, message", [
