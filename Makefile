@@ -4,6 +4,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
+TRL_VENV := .venv-trl
+TUNIX_VENV := .venv-tunix
 
 .PHONY: install run test bench bench-trl bench-tunix lock clean
 
@@ -21,7 +23,9 @@ run: $(INSTALLED)
 test: $(INSTALLED)
 	$(BIN)/python -m pytest -n 2 -q
 
-bench: $(INSTALLED)
+# Every benchmark's table, then the side-by-side run against TRL and Tunix (each in its own
+# venv below), which writes benchmarks/results/side_by_side.{md,json} and scaling.png.
+bench: $(INSTALLED) $(TRL_VENV)/.installed $(TUNIX_VENV)/.installed
 	$(BIN)/python benchmarks/core_ops.py
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/grpo_step.py
@@ -29,12 +33,10 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/state_memory.py
 	$(BIN)/python benchmarks/layer_scan.py
 	$(BIN)/python benchmarks/compile_depth.py
+	$(BIN)/python benchmarks/side_by_side.py --scaling $(BENCH_FLAGS)
 
 # The same GRPO step in a peer library, each in its own venv (.venv-<peer>, from
 # benchmarks/<peer>/requirements.txt): .venv is untouched.
-TRL_VENV := .venv-trl
-TUNIX_VENV := .venv-tunix
-
 .venv-%/.installed: benchmarks/%/requirements.txt
 	$(PYTHON) -m venv .venv-$*
 	.venv-$*/bin/pip install --quiet --requirement $<

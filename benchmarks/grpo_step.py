@@ -94,22 +94,25 @@ def forward_flops(config: models.ModelConfig, *, queries: int, keys: int, logits
     return 2.0 * (per_token * queries + attention + logits * d * config.vocab_size)
 
 
-def step_flops(config: models.ModelConfig, *, executed: bool = False, share_prompts: bool = True) -> dict[str, float]:
-    """Model FLOPs of each phase or, with ``executed``, those of the matmuls that run: the
-    sampler's attention over every slot of its cache, and with ``share_prompts`` the
-    teacher-forced passes' prompts once per group (then ``N - 1`` completion inputs per
-    row attending to ``S + N - 1`` slots)."""
-    batch, total = PROMPTS * GROUP, PROMPT_LEN + NEW_TOKENS
+def step_flops(config: models.ModelConfig, *, executed: bool = False, share_prompts: bool = True,
+               prompts: int = PROMPTS, group: int = GROUP, prompt_len: int = PROMPT_LEN,
+               new_tokens: int = NEW_TOKENS) -> dict[str, float]:
+    """Model FLOPs of each phase of a step of ``prompts x group`` completions of
+    ``new_tokens`` tokens after ``prompt_len``-token prompts or, with ``executed``, those of
+    the matmuls that run: the sampler's attention over every slot of its cache, and with
+    ``share_prompts`` the teacher-forced passes' prompts once per group (then ``N - 1``
+    completion inputs per row attending to ``S + N - 1`` slots)."""
+    batch, total = prompts * group, prompt_len + new_tokens
     cache = total  # the sampler's cache: prompt and completion buffers, both multiples of its bucket here
-    prefill = forward_flops(config, queries=PROMPT_LEN, keys=cache if executed else PROMPT_LEN, logits=1)
-    decode = sum(forward_flops(config, queries=1, keys=cache if executed else PROMPT_LEN + t + 1, logits=1)
-                 for t in range(NEW_TOKENS - 1))
-    teacher_forced = batch * forward_flops(config, queries=total, keys=total, logits=NEW_TOKENS)
+    prefill = forward_flops(config, queries=prompt_len, keys=cache if executed else prompt_len, logits=1)
+    decode = sum(forward_flops(config, queries=1, keys=cache if executed else prompt_len + t + 1, logits=1)
+                 for t in range(new_tokens - 1))
+    teacher_forced = batch * forward_flops(config, queries=total, keys=total, logits=new_tokens)
     if executed and share_prompts:
-        teacher_forced = PROMPTS * forward_flops(config, queries=PROMPT_LEN, keys=total - 1, logits=1) + (
-            batch * forward_flops(config, queries=NEW_TOKENS - 1, keys=total - 1, logits=NEW_TOKENS - 1))
+        teacher_forced = prompts * forward_flops(config, queries=prompt_len, keys=total - 1, logits=1) + (
+            batch * forward_flops(config, queries=new_tokens - 1, keys=total - 1, logits=new_tokens - 1))
     # The model count prefills all B sequences; the sampler runs each of the P prompts once.
-    prefills = PROMPTS if executed else batch
+    prefills = prompts if executed else batch
     return {"rollout": prefills * prefill + batch * decode, "logprobs": teacher_forced, "update": 3 * teacher_forced}
 
 

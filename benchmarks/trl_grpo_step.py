@@ -2,17 +2,22 @@
 reference for ``grpo_step.py``. Run it with ``make bench-trl``, which builds its own venv
 (``.venv-trl``, from ``benchmarks/trl/requirements.txt``); this file imports no JAX.
 
-Configuration (grpo_step.py's): a random Llama-style model, 4 layers, d_model 256, 4 heads
-of 64 (4 KV heads), MLP 1024, vocab 512, untied output layer, float32; 8 prompts x 4
-completions per optimizer step, prompt 16 tokens, completion 32 tokens, beta 0.04 (so the
+Configuration (``--shape tiny``, the default, grpo_step.py's): a random Llama-style model,
+4 layers, d_model 256, 4 heads of 64 (4 KV heads), MLP 1024, vocab 512, untied output
+layer, float32; 8 prompts x 4 completions per optimizer step, prompt 16 tokens, completion
+32 tokens. ``--shape qwen05b``: transformers' ``Qwen2ForCausalLM`` with Qwen2.5-0.5B's sizes
+(24 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864, vocab 151,936, tied
+embeddings, q/k/v biases, RoPE theta 1e6), random weights, float32; 2 prompts x 4, prompt
+32, completion 64. ``--layers``, ``--group-size`` and ``--new-tokens`` override the
+shape's (``side_by_side.py``'s scaling curves). Both: beta 0.04 (so the
 reference model runs), mu = 1, temperature 1.0, plain ``generate`` (no vLLM), no gradient
 checkpointing, no mixed precision. ``per_device_train_batch_size`` 32 with no gradient
 accumulation makes one optimizer step one generation round and one backward pass over all
 32 completions (our single minibatch), and no extra "old" log-prob pass runs. The
-tokenizer is a word-level one over ``w000`` ... ``w511`` (token i is ``w{i:03d}``; pad
-``w000``, EOS ``w511``, as in grpo_step.py), so a prompt of 16 words is 16 tokens, and
-``min_new_tokens`` keeps EOS from ending any completion before 32 tokens. The reward is
-the parity of the first completion token, computed on the host.
+tokenizer is a word-level one (token i is the word ``w{i:03d}``; pad ``w000``, EOS the
+last id, as in grpo_step.py), so a prompt of 16 words is 16 tokens, and
+``min_new_tokens`` keeps EOS from ending any completion early. The reward is the parity
+of the first completion token, computed on the host.
 
 A ``TrainerCallback`` times each optimizer step (``on_step_begin`` to ``on_step_end``:
 generation, scoring, loss forward and backward, gradient clipping, the AdamW step). The
@@ -25,40 +30,65 @@ split wraps the trainer's own methods and maps onto grpo_step.py's phases:
 * update: the rest of the step (the policy's forward and backward pass, the optimizer).
 
 On a 2-core machine the step times are noisy (and anything else running skews them); the
-minimum shows an undisturbed step.
+minimum shows an undisturbed step. The first step (``first_step_s``; TRL compiles nothing,
+so it is mostly allocator and thread-pool warm-up) is left out of the medians, like the
+second; ``to_first_step_s`` counts from the process's start, imports and model loading
+included. The last line of output is one JSON object (``side_by_side.py`` reads it).
 
-    .venv-trl/bin/python benchmarks/trl_grpo_step.py [--repeats 10]
+    .venv-trl/bin/python benchmarks/trl_grpo_step.py [--shape tiny|qwen05b] [--repeats 10]
+                                                     [--layers L] [--group-size G] [--new-tokens N]
 """
 
 from __future__ import annotations
 
-import os
+import time
+
+PROCESS_STARTED = time.perf_counter()  # before the imports: they count toward the first step
+
+import os  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing is fetched
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import argparse
-import functools
-import statistics
-import tempfile
-import time
-import warnings
-from collections import defaultdict
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import warnings  # noqa: E402
+from collections import defaultdict  # noqa: E402
 
-import torch
-import transformers
-import trl
-from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from trl import GRPOConfig, GRPOTrainer
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import trl  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,  # noqa: E402
+                          Qwen2ForCausalLM, TrainerCallback)
+from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-CONFIG = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
-                     tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=511)
-PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 4, 16, 32
+SHAPES = {
+    "tiny": dict(
+        model=LlamaForCausalLM, prompts=8, group=4, prompt_len=16, new_tokens=32,
+        config=lambda: LlamaConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=None, eos_token_id=511),
+    ),
+    "qwen05b": dict(
+        model=Qwen2ForCausalLM, prompts=2, group=4, prompt_len=32, new_tokens=64,
+        config=lambda: Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=151935),
+    ),
+}
 WARMUP = 2  # optimizer steps not counted (allocator and thread-pool warm-up)
 PHASES = ("rollout", "logprobs", "reference", "update", "step")
 
@@ -67,26 +97,35 @@ def word(token_id: int) -> str:
     return f"w{token_id:03d}"
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
+def make_tokenizer(config) -> PreTrainedTokenizerFast:
     """A word-level tokenizer, built offline: token i is the word ``w{i:03d}``, no BOS."""
-    vocab = {word(i): i for i in range(CONFIG.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=word(CONFIG.pad_token_id)))  # no unknown words occur
+    vocab = {word(i): i for i in range(config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=word(config.pad_token_id)))  # no unknown words occur
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=word(CONFIG.pad_token_id),
-                                   eos_token=word(CONFIG.eos_token_id), padding_side="left")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=word(config.pad_token_id),
+                                   eos_token=word(config.eos_token_id), padding_side="left")
 
 
-def make_dataset(rows: int) -> Dataset:
-    """``rows`` prompts of ``PROMPT_LEN`` random words, neither pad nor EOS."""
+def make_dataset(config, rows: int, prompt_len: int) -> Dataset:
+    """``rows`` prompts of ``prompt_len`` random words, neither pad nor EOS."""
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, CONFIG.eos_token_id, (rows, PROMPT_LEN), generator=generator)
+    ids = torch.randint(1, config.eos_token_id, (rows, prompt_len), generator=generator)
     return Dataset.from_dict({"prompt": [" ".join(word(int(i)) for i in row) for row in ids]})
 
 
-def parity_reward(completions, completion_ids, **kwargs) -> list[float]:
-    """A stand-in verifier on the host: the parity of the first completion token."""
-    assert all(len(ids) == NEW_TOKENS for ids in completion_ids), "a completion ended early"
-    return [float(ids[0] % 2) for ids in completion_ids]
+def make_parity_reward(new_tokens: int):
+    def parity_reward(completions, completion_ids, **kwargs) -> list[float]:  # TRL logs rewards by __name__
+        """A stand-in verifier on the host: the parity of the first completion token."""
+        assert all(len(ids) == new_tokens for ids in completion_ids), "a completion ended early"
+        return [float(ids[0] % 2) for ids in completion_ids]
+
+    return parity_reward
+
+
+def versions() -> dict[str, str]:
+    found = {name: importlib.metadata.version(name) for name in ("trl", "torch", "transformers", "accelerate")}
+    found["python"] = platform.python_version()
+    return found
 
 
 class StepTimer(TrainerCallback):
@@ -117,38 +156,52 @@ class StepTimer(TrainerCallback):
         self.current["begin"] = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.current["step"] = time.perf_counter() - self.current.pop("begin")
+        now = time.perf_counter()
+        self.current["step"] = now - self.current.pop("begin")
+        self.current["since_start"] = now - PROCESS_STARTED
         self.steps.append(dict(self.current))
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
     args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    config = shape["config"]()
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+    prompts, prompt_len = shape["prompts"], shape["prompt_len"]
+    group = args.group_size or shape["group"]
+    new_tokens = args.new_tokens or shape["new_tokens"]
 
     torch.set_num_threads(os.cpu_count())
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # TRL reads transformers' deprecated names
     torch.manual_seed(0)
-    tokenizer = make_tokenizer()
-    assert all(len(ids) == PROMPT_LEN for ids in tokenizer(list(make_dataset(PROMPTS)["prompt"]))["input_ids"])
+    tokenizer = make_tokenizer(config)
+    assert all(len(ids) == prompt_len
+               for ids in tokenizer(list(make_dataset(config, prompts, prompt_len)["prompt"]))["input_ids"])
 
     with tempfile.TemporaryDirectory() as tmp:
         # TRL builds the reference model from the policy's path (config._name_or_path), so
         # the random model is saved first and the trainer loads both models from there.
         model_dir = os.path.join(tmp, "model")
-        LlamaForCausalLM(CONFIG).save_pretrained(model_dir)
+        shape["model"](config).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        config = GRPOConfig(
+        trl_config = GRPOConfig(
             output_dir=os.path.join(tmp, "out"), max_steps=WARMUP + args.repeats, seed=0, use_cpu=True,
-            per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1, num_generations=GROUP,
-            max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS}, temperature=1.0,
+            per_device_train_batch_size=prompts * group, gradient_accumulation_steps=1, num_generations=group,
+            max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0,
             beta=0.04, num_iterations=1, use_vllm=False, activation_checkpointing=False, bf16=False, fp16=False,
             report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
         )
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=parity_reward, args=config,
-                              train_dataset=make_dataset(PROMPTS * (WARMUP + args.repeats)),
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=make_parity_reward(new_tokens), args=trl_config,
+                              train_dataset=make_dataset(config, prompts * (WARMUP + args.repeats), prompt_len),
                               processing_class=tokenizer)
         trainer.remove_callback(PrinterCallback)  # the end-of-training metrics dict
         trainer.remove_callback(ProgressCallback)
@@ -162,9 +215,9 @@ def main(argv=None) -> None:
         assert trainer.ref_model is not None and not trainer.args.activation_checkpointing
         trainer.train()
 
-    steps = timer.steps[WARMUP:]
+    first, steps = timer.steps[0], timer.steps[WARMUP:]
     assert len(steps) == args.repeats
-    for step in steps:  # the three phases partition the step
+    for step in timer.steps:  # the three phases partition the step
         step["logprobs"] = step["scoring"] - step["rollout"]
         step["update"] = step["step"] - step["scoring"]
 
@@ -172,18 +225,31 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), trl {trl.__version__}, "
           f"transformers {transformers.__version__}; {model.dtype}, attention {model.config._attn_implementation}, "
           f"optimizer {type(trainer.optimizer.optimizer).__name__}")
-    print(f"TRL GRPOTrainer step: {PROMPTS} prompts x {GROUP} completions, prompt {PROMPT_LEN}, completion "
-          f"{NEW_TOKENS}; {CONFIG.num_hidden_layers} layers, d_model {CONFIG.hidden_size}, vocab "
-          f"{CONFIG.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
-    header = f"{'phase':<12} {'median s':>9} {'min s':>8} {'share':>7}"
+    print(f"TRL GRPOTrainer step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
+          f"completion {new_tokens}; {config.num_hidden_layers} layers, d_model {config.hidden_size}, vocab "
+          f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
+    header = f"{'phase':<12} {'median s':>9} {'min s':>8} {'share':>7} {'first s':>9}"
     print(header)
     print("-" * len(header))
     step_s = statistics.median(step["step"] for step in steps)
+    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    results = {"library": "trl", "shape": args.shape, "versions": versions(), "prompts": prompts, "group": group,
+               "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_hidden_layers,
+               "params": sum(p.numel() for p in model.parameters()), "repeats": args.repeats, "warmup": WARMUP,
+               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "phases": {}}
     for phase in PHASES:
         times = [step[phase] for step in steps]
         label = "  reference" if phase == "reference" else phase  # a part of logprobs
         print(f"{label:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
-              f"{statistics.median(times) / step_s:>6.0%}")
+              f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
+        results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
+                                    "first_s": first[phase], "all_s": times}
+    print(f"first step {first['step']:.2f} s, {first['since_start']:.2f} s from the process's start; "
+          f"peak RSS {peak_rss_gb:.2f} GB")
+    results.update(first_step_s=first["step"], to_first_step_s=first["since_start"], step_median_s=step_s,
+                   step_min_s=min(step["step"] for step in steps), peak_rss_gb=peak_rss_gb)
+    print(json.dumps(results))
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -79,42 +79,53 @@ set: one CPU device, XLA's own thread pool over every core (grpo_step.py instead
 the rollout over two host devices). On a 2-core machine the step times are noisy (and
 anything else running skews them); the minimum shows an undisturbed step.
 
+``--layers``, ``--group-size`` and ``--new-tokens`` override the shape's
+(``side_by_side.py``'s scaling curves). The first step (compilation included) is left out
+of the medians and reported as ``first_step_s``; ``to_first_step_s`` counts from the
+process's start, imports and model creation included. The last line of output is one
+JSON object (``side_by_side.py`` reads it).
+
     .venv-tunix/bin/python benchmarks/tunix_grpo_step.py [--shape tiny|qwen05b] [--repeats 10]
+                                                         [--layers L] [--group-size G] [--new-tokens N]
 """
 
 from __future__ import annotations
 
-import os
+import time
+
+PROCESS_STARTED = time.perf_counter()  # before the imports: they count toward the first step
+
+import os  # noqa: E402
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Tunix imports transformers: nothing is fetched
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import argparse
-import functools
-import importlib.metadata
-import json
-import logging
-import platform
-import resource
-import statistics
-import sys
-import time
-import warnings
-from collections import defaultdict
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from collections import defaultdict  # noqa: E402
 
-import jax
-import numpy as np
-import optax
-from absl import logging as absl_logging
-from flax import nnx
-from tunix.models import dummy_model_creator
-from tunix.models.llama3 import model as llama3_lib
-from tunix.models.qwen2 import model as qwen2_lib
-from tunix.rl import rl_cluster as rl_cluster_lib
-from tunix.rl.grpo import grpo_learner
-from tunix.rl.rollout import base_rollout
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from flax import nnx  # noqa: E402
+from tunix.models import dummy_model_creator  # noqa: E402
+from tunix.models.llama3 import model as llama3_lib  # noqa: E402
+from tunix.models.qwen2 import model as qwen2_lib  # noqa: E402
+from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
+from tunix.rl.grpo import grpo_learner  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
 
 SHAPES = {
     "tiny": dict(
@@ -236,15 +247,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
-    prompts, group, prompt_len, new_tokens = (shape[k] for k in ("prompts", "group", "prompt_len", "new_tokens"))
+    prompts, prompt_len = shape["prompts"], shape["prompt_len"]
+    group = args.group_size or shape["group"]
+    new_tokens = args.new_tokens or shape["new_tokens"]
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # the sampler's _init_cache fallback
     steps = WARMUP + args.repeats
     config = shape["config"]()
+    if args.layers is not None:
+        config = dataclasses.replace(config, num_layers=args.layers)
     tokenizer = WordTokenizer(config.vocab_size)
     batches = make_batches(tokenizer, steps, prompts, prompt_len)
     assert all(len(tokenizer.encode(p)) == prompt_len for p in batches[0]["prompts"])
@@ -322,8 +340,10 @@ def main(argv=None) -> None:
               f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
         results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
                                     "first_s": first[phase], "all_s": times}
-    print(f"first step (compilation included) {first['step']:.2f} s; peak RSS {peak_rss_gb:.2f} GB")
-    results.update(first_step_s=first["step"], step_median_s=step_s, step_min_s=min(s["step"] for s in timed),
+    print(f"first step (compilation included) {first['step']:.2f} s, {first['since_start']:.2f} s from the "
+          f"process's start; peak RSS {peak_rss_gb:.2f} GB")
+    results.update(first_step_s=first["step"], to_first_step_s=first["since_start"], layers=config.num_layers,
+                   step_median_s=step_s, step_min_s=min(s["step"] for s in timed),
                    peak_rss_gb=peak_rss_gb)
     print(json.dumps(results))
     sys.stdout.flush()

@@ -6,6 +6,7 @@ analysis counts every operation of the lowered program; at these shapes the matm
 all but ~1% of it, so the two agree to a couple of percent when the count is right.
 """
 
+import json
 import pathlib
 import sys
 
@@ -44,14 +45,25 @@ def teacher_forced_flops(model, params, *, group_size: int, backward: bool = Fal
 
 def rollout_flops(model, params, *, prompts: int, cache_sizes: list[int]) -> float:
     """A prefill of ``prompts`` rows into a cache of ``cache_sizes[0]`` slots, then one
-    decode step of all rows with each later cache size."""
+    decode step of all rows with each later cache size. A decode step's count is linear in
+    its cache size (attention scores and values), so XLA counts the smallest and the
+    largest, and a middle size checks the line."""
     prompt = jnp.ones((prompts, bench.PROMPT_LEN), jnp.int32)
     flops = xla_flops(lambda p: models.prefill(model, p, prompt, cache_size=cache_sizes[0], last_logits_only=True),
                       params)
-    for size in cache_sizes[1:]:
+
+    def decode_flops(size: int) -> float:
         cache = models.init_cache(model, BATCH, size)._replace(index=jnp.asarray(size - 1, jnp.int32))
-        flops += xla_flops(lambda p, c: models.decode_step(model, p, jnp.ones((BATCH,), jnp.int32), c), params, cache)
-    return flops
+        return xla_flops(lambda p, c: models.decode_step(model, p, jnp.ones((BATCH,), jnp.int32), c), params, cache)
+
+    sizes = cache_sizes[1:]
+    low, high = min(sizes), max(sizes)
+    at_low, at_high = decode_flops(low), decode_flops(high)
+    slope = (at_high - at_low) / (high - low) if high > low else 0.0
+    if high - low >= 2:
+        middle = (low + high) // 2
+        assert decode_flops(middle) == pytest.approx(at_low + slope * (middle - low), rel=1e-3)
+    return flops + sum(at_low + slope * (size - low) for size in sizes)
 
 
 def test_teacher_forced_counts_match_xla(model_and_params):
@@ -127,3 +139,47 @@ def test_compile_depth_prints_every_program_unrolled_and_scanned(capsys):
     assert "| sampler | 2 |" in out and "| logprobs | 2 |" in out and "| loss+grad | 2 |" in out
     assert set(results) == {(p, 2, s) for p in compile_depth.PROGRAMS for s in (False, True)}
     assert all(row["compile"] > 0 and row["lower"] > 0 for row in results.values())
+
+
+# --- The side-by-side run: jaxrl_llm's entry and the report --------------------------------------
+
+
+def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives_from_them(capsys):
+    import side_by_side
+    import train_step
+
+    from jaxrl_llm import tasks
+
+    tasks.check_task(train_step.WordParityTask(vocab_size=512, prompt_len=16))
+    result = train_step.main(["--shape", "tiny", "--layers", "1", "--group-size", "2", "--new-tokens", "3",
+                              "--repeats", "2"])
+    assert capsys.readouterr().out.splitlines()[-1] == json.dumps(result)  # what side_by_side.py reads
+    assert (result["layers"], result["group"], result["new_tokens"], result["prompts"]) == (1, 2, 3, 8)
+    phases = result["phases"]
+    for i in range(2):  # the three phases partition each step, as the peers' scripts count them
+        parts = sum(phases[p]["all_s"][i] for p in side_by_side.PHASES)
+        assert parts == pytest.approx(phases["step"]["all_s"][i], rel=1e-9)
+    assert result["to_first_step_s"] > result["first_step_s"] > 0 and result["peak_rss_gb"] > 0
+
+    peak, bandwidth = 1e11, 1e10
+    derived = side_by_side.derived(result, peak, bandwidth)
+    config = side_by_side.model_config("tiny", 1)
+    update_flops = bench.step_flops(config, prompts=8, group=2, prompt_len=16, new_tokens=3)["update"]
+    assert derived["update_mfu"] == pytest.approx(update_flops / (phases["update"]["median_s"] * peak))
+    weights = 4 * sum(x.size for x in jax.tree.leaves(models.init(config, jax.random.key(0))[1]))
+    assert weights == 4 * result["params"]
+    assert derived["decode_bandwidth_share"] == pytest.approx(
+        weights * 2 / phases["rollout"]["median_s"] / bandwidth)  # 2 decode steps after the prefill's token
+
+    result.update(derived)
+    machine = {"cpu": "a CPU", "avx512": False, "cores": 2, "memory_gb": 24.0, "platform": "Linux",
+               "matmul_peak_flops": peak, "matmul_peak_shape": "[8, 8] @ [8, 8]",
+               "read_bandwidth_bytes_per_s": bandwidth}
+    peer = dict(result, library="peer", step_median_s=2 * result["step_median_s"])
+    report = {"date": "2026-12-04T00:00:00+00:00", "machine": machine, "versions": {"jaxrl_llm": result["versions"]},
+              "shapes": {"tiny": {"jaxrl_llm": result, "peer": peer}}}
+    table = side_by_side.markdown(report)
+    assert "2026-12-04" in table and "a CPU (2 cores)" in table and "100 GFLOP/s" in table
+    rows = [line for line in table.splitlines() if line.startswith("| jaxrl_llm") or line.startswith("| peer")]
+    assert rows[0].startswith(f"| jaxrl_llm | {result['step_median_s']:.3f} s |") and "| 1.00x |" in rows[0]
+    assert "| 2.00x |" in rows[1] and f"{derived['update_mfu']:.0%}" in rows[0]

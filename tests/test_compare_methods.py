@@ -4,7 +4,6 @@ That every preset learns in this experiment is tests/training/test_learning.py's
 """
 
 import json
-import pathlib
 import re
 
 import numpy as np

@@ -132,7 +132,8 @@ def _wait(workers, timeout_s: float) -> None:
 @pytest.mark.slow
 def test_two_processes_train_like_one_process_on_as_many_devices(tmp_path):
     """Two processes of 4 CPU devices each, connected by ``distributed.initialize``, run
-    two GRPO steps on an 8-device mesh (FSDP, and FSDP x tensor), each process feeding
+    two GRPO steps on an 8-device 2 x 2 x 2 mesh (data x FSDP x tensor; the CLI test
+    below runs 2 x 4 x 1), each process feeding
     only its half of the batch: the same params, metrics, advantages and log-probs as
     this process's run of the same steps on its 8 devices; a checkpoint saved by both
     and restored by both is the state."""

@@ -56,8 +56,9 @@ def test_greedy_equals_stepwise_argmax_of_full_forward_passes(new_tokens):
     tokens = np.repeat(np.asarray(PROMPTS), 2, axis=0)
     mask = np.repeat(np.asarray(PROMPT_MASK), 2, axis=0).astype(bool)
     done = np.zeros(len(tokens), bool)
+    forward = jax.jit(lambda params, tokens, mask: models.forward(model, params, tokens, attention_mask=mask))
     for _ in range(new_tokens):
-        logits = models.forward(model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+        logits = forward(params, jnp.asarray(tokens), jnp.asarray(mask))
         nxt = np.where(done, PAD, np.asarray(jnp.argmax(logits[:, -1], axis=-1)))
         tokens = np.concatenate([tokens, nxt[:, None]], axis=1)
         mask = np.concatenate([mask, ~done[:, None]], axis=1)

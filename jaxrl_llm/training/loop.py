@@ -121,6 +121,33 @@ def _interrupts_held():
             raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _interrupts_noticed():
+    """Yields a list that gets an entry at every Ctrl-C (SIGINT) while the body runs, before
+    the handler there was raises ``KeyboardInterrupt`` as usual.
+
+    Python drops an exception raised inside a garbage-collection callback (JAX registers
+    one) after printing it: a Ctrl-C that lands there would be lost, so the loop checks the
+    list after each step and raises it then. Only the main thread receives signals;
+    elsewhere, or when Ctrl-C has no Python handler, the list stays empty.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    noticed: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield noticed
+        return
+
+    def notice(signum, frame):
+        noticed.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, notice)
+    try:
+        yield noticed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def check_evaluation(task: tasks.Task, config: TrainConfig) -> None:
     """Raises ValueError if ``config.eval_every`` asks for evaluations the task's test split cannot give."""
     if config.eval_every and not task.split_size("test"):
@@ -214,7 +241,8 @@ def train(
         float rounding (tested).
       callback: called as ``callback(StepEnd(step, metrics, state, collected))`` after
         each step (logging, checkpoints, samples); an exception it raises stops the run
-        (``RunStopped``) with the step counted.
+        (``RunStopped``) with the step counted. A Ctrl-C while it runs is delivered when it
+        returns, so a checkpoint it writes is never cut short.
       compilation_cache: turn on JAX's persistent compilation cache
         (:func:`jaxrl_llm.compilation_cache.enable`: a per-user directory, or
         ``$JAXRL_LLM_COMPILATION_CACHE``; ``off`` there disables it), so that a restarted
@@ -230,7 +258,8 @@ def train(
       NonFiniteUpdates: after ``config.max_consecutive_skips`` non-finite updates in a row.
       RunStopped: a step raised (a reward function, the task, the callback): the original
         exception is its ``__cause__``.
-      RunInterrupted: ``KeyboardInterrupt`` during the run.
+      RunInterrupted: ``KeyboardInterrupt`` during the run (a Ctrl-C that Python drops,
+        as it does inside a garbage-collection callback, stops the run after its step).
 
     The last three carry ``.state``, the state after the last completed step (the caller's
     ``state``, intact, if none completed), and ``.history``, so nothing is lost: continue
@@ -312,68 +341,72 @@ def train(
 
     pending = None  # the arguments of `record` for a step whose update is dispatched but not recorded
     first_step = int(state.step)
-    try:
-        for _ in range(steps):
-            started = time.perf_counter()
-            step = int(state.step)
+    with _interrupts_noticed() as interrupts:
+        try:
+            for _ in range(steps):
+                started = time.perf_counter()
+                step = int(state.step)
 
-            # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
-            collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key(state),
-                                      position=int(state.prompts_drawn), prompt_bucket=prompt_bucket)
-            rollouts, first = collected.rollouts, collected.first_round
-            reward_seconds = collected.reward_seconds
-            rollout_seconds = time.perf_counter() - started - reward_seconds
+                # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
+                collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key(state),
+                                          position=int(state.prompts_drawn), prompt_bucket=prompt_bucket)
+                rollouts, first = collected.rollouts, collected.first_round
+                reward_seconds = collected.reward_seconds
+                rollout_seconds = time.perf_counter() - started - reward_seconds
 
-            # 3. Score (reference / old log-probs, values, advantages) and update.
-            batch = Batch(prompt_tokens=rollouts.prompt_tokens, prompt_mask=rollouts.prompt_mask,
-                          completion_tokens=rollouts.completion_tokens, completion_mask=rollouts.completion_mask,
-                          sampling_logp=rollouts.logprobs, rewards=rollouts.rewards,
-                          prompts_drawn=np.asarray(collected.prompts_drawn, np.int32))
-            batch = jax.device_put(batch) if place_batch is None else place_batch(batch)
-            score_started = time.perf_counter()
-            scored, score_metrics = jax.block_until_ready(score(state, batch))
-            update_started = time.perf_counter()
+                # 3. Score (reference / old log-probs, values, advantages) and update.
+                batch = Batch(prompt_tokens=rollouts.prompt_tokens, prompt_mask=rollouts.prompt_mask,
+                              completion_tokens=rollouts.completion_tokens, completion_mask=rollouts.completion_mask,
+                              sampling_logp=rollouts.logprobs, rewards=rollouts.rewards,
+                              prompts_drawn=np.asarray(collected.prompts_drawn, np.int32))
+                batch = jax.device_put(batch) if place_batch is None else place_batch(batch)
+                score_started = time.perf_counter()
+                scored, score_metrics = jax.block_until_ready(score(state, batch))
+                update_started = time.perf_counter()
 
-            task_rewards = first.result.total  # [P * G]: the task's weighted sum, shaping aside
-            lengths = first.rollouts.lengths
-            grouped = first.rollouts.rewards.reshape(num_prompts, group)  # as the advantages see them
-            host_metrics = dict(
-                reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
-                **{f"reward_{name}": mean for name, mean in first.result.means().items()},
-                reward_errors=float(collected.reward_errors), truncated_prompts=float(collected.truncated_prompts),
-                completion_length=float(lengths.mean()), completion_length_max=float(lengths.max()),
-                truncated_fraction=float(np.mean(first.rollouts.truncated)),
-                identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
-                refill_rounds=float(collected.refill_rounds),
-                rollout_seconds=rollout_seconds, reward_seconds=reward_seconds,
-                logprob_seconds=update_started - score_started,
-            )
-            # The update consumes (donates) the state: from here on only its result is valid.
-            with _interrupts_held():
-                state, update_metrics = update(state, scored)
-                pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
-            metrics = record(*pending)
-            pending = None
-            if config.eval_every and (step + 1) % config.eval_every == 0:
-                metrics.update(evaluation_metrics(model, state.params, task, config, prompt_bucket=prompt_bucket,
-                                                   mesh=rollout_mesh))
-            if callback is not None:
-                callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
-            if metrics["consecutive_skips"] >= config.max_consecutive_skips:
-                raise NonFiniteUpdates(
-                    f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite "
-                    f"loss, gradient or update (max_consecutive_skips={config.max_consecutive_skips}); the state "
-                    f"keeps the params of the last finite update.", state, history)
-    except RunStopped:
-        raise
-    except (Exception, KeyboardInterrupt) as error:
-        if pending is not None:  # the update ran: its step is part of the state, so of the history
-            with contextlib.suppress(Exception):  # what failed may have been this; the state is what counts
-                record(*pending)
-        where = f"train stopped at step {first_step + len(history)} ({len(history)} of {steps} steps done)"
-        if isinstance(error, KeyboardInterrupt):
-            raise RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state,
-                                 history) from error
-        raise RunStopped(f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.",
-                         state, history) from error
+                task_rewards = first.result.total  # [P * G]: the task's weighted sum, shaping aside
+                lengths = first.rollouts.lengths
+                grouped = first.rollouts.rewards.reshape(num_prompts, group)  # as the advantages see them
+                host_metrics = dict(
+                    reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
+                    **{f"reward_{name}": mean for name, mean in first.result.means().items()},
+                    reward_errors=float(collected.reward_errors), truncated_prompts=float(collected.truncated_prompts),
+                    completion_length=float(lengths.mean()), completion_length_max=float(lengths.max()),
+                    truncated_fraction=float(np.mean(first.rollouts.truncated)),
+                    identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
+                    refill_rounds=float(collected.refill_rounds),
+                    rollout_seconds=rollout_seconds, reward_seconds=reward_seconds,
+                    logprob_seconds=update_started - score_started,
+                )
+                # The update consumes (donates) the state: from here on only its result is valid.
+                with _interrupts_held():
+                    state, update_metrics = update(state, scored)
+                    pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
+                metrics = record(*pending)
+                pending = None
+                if config.eval_every and (step + 1) % config.eval_every == 0:
+                    metrics.update(evaluation_metrics(model, state.params, task, config, prompt_bucket=prompt_bucket,
+                                                       mesh=rollout_mesh))
+                if callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
+                    with _interrupts_held():
+                        callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
+                if interrupts:  # a Ctrl-C that Python dropped (see _interrupts_noticed)
+                    raise KeyboardInterrupt
+                if metrics["consecutive_skips"] >= config.max_consecutive_skips:
+                    raise NonFiniteUpdates(
+                        f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a "
+                        f"non-finite loss, gradient or update (max_consecutive_skips={config.max_consecutive_skips}); the state "
+                        f"keeps the params of the last finite update.", state, history)
+        except RunStopped:
+            raise
+        except (Exception, KeyboardInterrupt) as error:
+            if pending is not None:  # the update ran: its step is part of the state, so of the history
+                with contextlib.suppress(Exception):  # what failed may have been this; the state is what counts
+                    record(*pending)
+            where = f"train stopped at step {first_step + len(history)} ({len(history)} of {steps} steps done)"
+            if isinstance(error, KeyboardInterrupt):
+                raise RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state,
+                                     history) from error
+            raise RunStopped(f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.",
+                             state, history) from error
     return state, history

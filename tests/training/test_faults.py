@@ -248,6 +248,51 @@ def test_ctrl_c_during_the_update_dispatch_is_delivered_once_its_result_is_held(
     assert signal.getsignal(signal.SIGINT) is handler
 
 
+def test_a_ctrl_c_that_python_drops_still_stops_the_run_after_its_step(monkeypatch):
+    """Python prints and drops a KeyboardInterrupt raised in a garbage-collection callback
+    (JAX registers one); here a reward function swallows it the same way at step 1."""
+    model, params = models.init(CONFIG, jax.random.key(3))
+    calls = []
+
+    def swallowing_reward(completions, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 2:  # step 1's rewards
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs between bytecodes: here
+            except KeyboardInterrupt:
+                pass
+        return [0.0] * len(completions)
+
+    class SwallowingTask:  # the digit task with that reward
+        reward_fns, reward_weights = (swallowing_reward,), (1.0,)
+
+        def __getattr__(self, name):
+            return getattr(TASK, name)
+
+    task = SwallowingTask()
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(training.RunInterrupted) as error:
+        training.train(model, params, algorithms.RLOO, RUN, steps=4, task=task)
+    assert int(error.value.state.step) == 2 and len(error.value.history) == 2  # step 1 finished, then stopped
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_ctrl_c_during_the_callback_comes_after_it_returns():
+    model, params = models.init(CONFIG, jax.random.key(3))
+    finished = []
+
+    def checkpoint_like(end):
+        if end.step == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # a checkpoint being written: it must not stop half way
+        finished.append(end.step)
+
+    with pytest.raises(training.RunInterrupted) as error:
+        training.train(model, params, algorithms.RLOO, RUN, steps=4, task=TASK, callback=checkpoint_like)
+    assert finished == [0] and int(error.value.state.step) == 1 and len(error.value.history) == 1
+
+
 def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""

@@ -1,0 +1,276 @@
+r"""jaxrl_llm's GRPO step against TRL's and Tunix's, in one run on one machine: a Markdown
+table, a JSON file and a scaling plot (``make bench`` runs it last).
+
+Each library runs as its users run it, in its own virtual environment, one process per
+measurement, one after the other (never two at once):
+
+* ``jaxrl_llm``: ``train_step.py``, :func:`jaxrl_llm.training.train` with its defaults;
+* ``trl``: ``trl_grpo_step.py`` (``.venv-trl``: TRL 1.16's ``GRPOTrainer``, plain ``generate``);
+* ``tunix``: ``tunix_grpo_step.py`` (``.venv-tunix``: google-tunix 0.1.7's ``GRPOLearner``).
+
+The three scripts do the same work (their docstrings say where the libraries' own choices
+differ) and end with one JSON line, which this collects. For the JAX libraries each
+measurement runs twice with one fresh persistent compilation cache: the first process
+starts cold (its first step compiles), the second finds the cache warm; the step medians
+pool both. TRL compiles nothing.
+
+Per shape (``tiny``, ``qwen05b``; see ``train_step.py``) the table gives each library's
+median step and its rollout / log-probs / update split, the first step and the time from
+the process's start to its end (cold and warm), the peak resident memory, and each
+peer's time over jaxrl_llm's. Under it, the machine's float32 matmul peak and memory read
+bandwidth, measured in the same run, and against them each library's update MFU (the
+update's model FLOPs, ``grpo_step.step_flops``, over its time at the peak) and its
+decoding's weight stream (the rollout reads every weight once per decode step: the
+weights' bytes times the decode steps over the rollout's time, as a share of the
+bandwidth; an upper bound on the rate, since the prefill and the host's work are in the
+rollout's time too).
+
+``--scaling`` adds the step time against completion length (64, 128, 256, 512; group 4)
+and group size (2, 4, 8, 16; completion 64) at ``qwen05b``'s width with ``--scaling-layers``
+layers, for jaxrl_llm and ``--scaling-peer``: a table and ``scaling.png``.
+
+    python benchmarks/side_by_side.py [--shapes tiny,qwen05b] [--libraries jaxrl_llm,trl,tunix]
+                                      [--repeats 3] [--scaling] [--out benchmarks/results]
+
+Outputs (in ``--out``): ``side_by_side.md``, ``side_by_side.json`` and, with ``--scaling``,
+``scaling.png``. A library whose environment is missing stops the run with the command
+that builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from grpo_step import matmul_peak_flops, step_flops
+from layer_scan import qwen25_05b
+from timing import median_seconds
+from train_step import SHAPES
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+LIBRARIES = {  # name -> (script, interpreter, how to build its environment)
+    "jaxrl_llm": ("train_step.py", pathlib.Path(sys.executable), "make install"),
+    "trl": ("trl_grpo_step.py", ROOT / os.environ.get("TRL_VENV", ".venv-trl") / "bin" / "python",
+            "make .venv-trl/.installed"),
+    "tunix": ("tunix_grpo_step.py", ROOT / os.environ.get("TUNIX_VENV", ".venv-tunix") / "bin" / "python",
+              "make .venv-tunix/.installed"),
+}
+JAX_LIBRARIES = ("jaxrl_llm", "tunix")
+SCALING = {"new_tokens": (64, 128, 256, 512), "group_size": (2, 4, 8, 16)}
+PHASES = ("rollout", "logprobs", "update")
+
+
+def run_script(library: str, flags: list[str], cache_dir: pathlib.Path | None) -> dict:
+    """One process of ``library``'s script with ``flags``; its JSON line."""
+    script, python, _ = LIBRARIES[library]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # each library with its own defaults
+    if cache_dir is not None:
+        env["JAXRL_LLM_COMPILATION_CACHE"] = env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    command = [str(python), str(HERE / script), *flags]
+    print("$", " ".join(command), flush=True)
+    done = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{library} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    print("\n".join(done.stdout.splitlines()[:-1]), flush=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def measure(library: str, flags: list[str], *, repeats: int) -> dict:
+    """``library``'s result for ``flags``: for a JAX library a cold and a warm process
+    sharing a fresh compilation cache, pooled; for TRL one process."""
+    if library not in JAX_LIBRARIES:
+        return run_script(library, [*flags, "--repeats", str(repeats)], None)
+    cache_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{library}-xla-cache-"))
+    try:
+        cold = run_script(library, [*flags, "--repeats", str(repeats)], cache_dir)
+        warm = run_script(library, [*flags, "--repeats", str(max(1, repeats // 2))], cache_dir)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    for phase, timing in cold["phases"].items():  # pool the timed steps of both
+        timing["all_s"] += warm["phases"][phase]["all_s"]
+        timing["median_s"], timing["min_s"] = float(np.median(timing["all_s"])), min(timing["all_s"])
+    cold.update(step_median_s=cold["phases"]["step"]["median_s"], step_min_s=cold["phases"]["step"]["min_s"],
+                warm_first_step_s=warm["first_step_s"], warm_to_first_step_s=warm["to_first_step_s"],
+                peak_rss_gb=max(cold["peak_rss_gb"], warm["peak_rss_gb"]))
+    return cold
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of reading a 1 GiB float32 array once (a sum), the best of XLA's
+    and NumPy's."""
+    array = jnp.ones((1 << 28,), jnp.float32)
+    seconds = median_seconds(jax.jit(jnp.sum), array, repeats=5)
+    host = np.ones((1 << 28,), np.float32)
+    host_seconds = median_seconds(np.sum, host, repeats=5)
+    return array.nbytes / min(seconds, host_seconds)
+
+
+def machine() -> dict:
+    """What this ran on, measured now: CPU, cores, memory, float32 matmul peak, read bandwidth."""
+    cpu = platform.processor() or platform.machine()
+    flags = ""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    peak, peak_shape = matmul_peak_flops(qwen25_05b(), 768)
+    return {"cpu": cpu, "avx512": "avx512f" in flags.split(), "cores": os.cpu_count(), "memory_gb": memory_gb,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "matmul_peak_flops": peak, "matmul_peak_shape": peak_shape, "read_bandwidth_bytes_per_s": read_bandwidth()}
+
+
+def model_config(shape: str, layers: int):
+    return dataclasses.replace(SHAPES[shape]["config"](), num_layers=layers)
+
+
+def derived(result: dict, peak: float, bandwidth: float) -> dict:
+    """The update's MFU and the decoding's weight stream of one library's result."""
+    config = model_config(result["shape"], result["layers"])
+    flops = step_flops(config, prompts=result["prompts"], group=result["group"], prompt_len=result["prompt_len"],
+                       new_tokens=result["new_tokens"])
+    weight_bytes = 4 * result["params"]  # float32
+    decode_steps = result["new_tokens"] - 1
+    rollout_s, update_s = result["phases"]["rollout"]["median_s"], result["phases"]["update"]["median_s"]
+    return {"update_model_flops": flops["update"], "update_mfu": flops["update"] / (update_s * peak),
+            "step_flop_floor_s": sum(flops.values()) / peak,
+            "decode_weight_stream_bytes_per_s": weight_bytes * decode_steps / rollout_s,
+            "decode_bandwidth_share": weight_bytes * decode_steps / rollout_s / bandwidth}
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# Side by side: GRPO step, {report['date']}", "",
+             f"Machine: {m['cpu']} ({m['cores']} cores{', AVX-512' if m['avx512'] else ''}), "
+             f"{m['memory_gb']:.0f} GB, {m['platform']}; float32 matmul peak "
+             f"{m['matmul_peak_flops'] / 1e9:.0f} GFLOP/s ({m['matmul_peak_shape']}), memory read "
+             f"{m['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s. Versions: "
+             + "; ".join(f"{lib}: " + ", ".join(f"{k} {v}" for k, v in versions.items())
+                         for lib, versions in report["versions"].items()) + ".", ""]
+    for shape, results in report["shapes"].items():
+        first = next(iter(results.values()))
+        lines += [f"## {shape}: {first['prompts']} prompts x {first['group']} completions, prompt "
+                  f"{first['prompt_len']}, completion {first['new_tokens']}, {first['layers']} layers, "
+                  f"{first['params'] / 1e6:.1f}M params", "",
+                  "| library | step (median) | rollout / log-probs / update | x jaxrl_llm | first step | "
+                  "from start (cold / warm) | peak RSS | update MFU | decode weight stream |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        ours = results.get("jaxrl_llm", {}).get("step_median_s")
+        for library, r in results.items():
+            split = " / ".join(f"{r['phases'][p]['median_s']:.2f}" for p in PHASES)
+            ratio = f"{r['step_median_s'] / ours:.2f}x" if ours else "-"
+            warm = f" / {r['warm_to_first_step_s']:.1f} s" if "warm_to_first_step_s" in r else ""
+            lines.append(f"| {library} | {r['step_median_s']:.3f} s | {split} | {ratio} | {r['first_step_s']:.1f} s "
+                         f"| {r['to_first_step_s']:.1f} s{warm} | {r['peak_rss_gb']:.2f} GB | "
+                         f"{r['update_mfu']:.0%} | {r['decode_bandwidth_share']:.0%} of bandwidth |")
+        lines.append("")
+    if report.get("scaling"):
+        lines += scaling_markdown(report["scaling"])
+    return "\n".join(lines) + "\n"
+
+
+def scaling_markdown(scaling: dict) -> list[str]:
+    lines = [f"## Scaling at qwen05b's width, {scaling['layers']} layers (step median, s)", ""]
+    for axis, values in SCALING.items():
+        libraries = list(scaling["results"])
+        lines += [f"| {axis} | " + " | ".join(libraries) + " | " + " | ".join(
+            f"{peer} / jaxrl_llm" for peer in libraries[1:]) + " |", "|---" * (2 * len(libraries)) + "|"]
+        for value in values:
+            times = [scaling["results"][lib][axis][str(value)]["step_median_s"] for lib in libraries]
+            lines.append(f"| {value} | " + " | ".join(f"{t:.3f}" for t in times) + " | "
+                         + " | ".join(f"{t / times[0]:.2f}x" for t in times[1:]) + " |")
+        lines.append("")
+    return lines
+
+
+def plot_scaling(scaling: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(SCALING), figsize=(10, 4))
+    for ax, (axis, values) in zip(axes, SCALING.items()):
+        for library, by_axis in scaling["results"].items():
+            ax.plot(values, [by_axis[axis][str(v)]["step_median_s"] for v in values], marker="o", label=library)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(values, [str(v) for v in values])
+        ax.set_xlabel({"new_tokens": "completion tokens (group 4)", "group_size": "group size (completion 64)"}[axis])
+        ax.set_ylabel("step time (s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    figure.suptitle(f"GRPO step at Qwen2.5-0.5B's width, {scaling['layers']} layers, 2 prompts")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="tiny,qwen05b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--libraries", default=",".join(LIBRARIES), help=f"comma-separated, of {', '.join(LIBRARIES)}")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per cold process (half in the warm one)")
+    parser.add_argument("--scaling", action="store_true", help="also the completion-length and group-size curves")
+    parser.add_argument("--scaling-layers", type=int, default=2)
+    parser.add_argument("--scaling-peer", default="tunix", choices=[lib for lib in LIBRARIES if lib != "jaxrl_llm"])
+    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    shapes, libraries = args.shapes.split(","), args.libraries.split(",")
+    if bad := [s for s in shapes if s not in SHAPES]:
+        parser.error(f"--shapes: unknown {bad}; choose from {', '.join(SHAPES)}")
+    if bad := [lib for lib in libraries if lib not in LIBRARIES]:
+        parser.error(f"--libraries: unknown {bad}; choose from {', '.join(LIBRARIES)}")
+    if args.repeats < 1 or args.scaling_layers < 1:
+        parser.error("--repeats and --scaling-layers must be >= 1")
+    needed = set(libraries) | ({"jaxrl_llm", args.scaling_peer} if args.scaling else set())
+    if missing := [f"{lib}: {LIBRARIES[lib][2]}" for lib in needed if not LIBRARIES[lib][1].exists()]:
+        parser.error("missing environments; build them first: " + "; ".join(missing))
+
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "versions": {}, "shapes": {}}
+    peak, bandwidth = report["machine"]["matmul_peak_flops"], report["machine"]["read_bandwidth_bytes_per_s"]
+    for shape in shapes:
+        report["shapes"][shape] = {}
+        for library in libraries:
+            result = measure(library, ["--shape", shape], repeats=args.repeats)
+            result.update(derived(result, peak, bandwidth))
+            report["shapes"][shape][library] = result
+            report["versions"][library] = result["versions"]
+    if args.scaling:
+        results = {}
+        for library in ("jaxrl_llm", args.scaling_peer):
+            results[library] = {axis: {} for axis in SCALING}
+            for axis, values in SCALING.items():
+                for value in values:
+                    flags = ["--shape", "qwen05b", "--layers", str(args.scaling_layers),
+                             f"--{axis.replace('_', '-')}", str(value)]
+                    results[library][axis][str(value)] = run_script(library, [*flags, "--repeats", "2"], None)
+        report["scaling"] = {"layers": args.scaling_layers, "results": results}
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "side_by_side.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "side_by_side.md").write_text(markdown(report))
+    if args.scaling:
+        plot_scaling(report["scaling"], args.out / "scaling.png")
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

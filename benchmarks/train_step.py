@@ -1,0 +1,196 @@
+r"""GRPO train steps through :func:`jaxrl_llm.training.train` with its defaults, as a user
+runs them: the side-by-side entry for jaxrl_llm next to ``trl_grpo_step.py`` and
+``tunix_grpo_step.py`` (same work, same JSON line; ``side_by_side.py`` runs all three).
+
+Shapes (``--shape``):
+
+* ``tiny`` (``grpo_step.py``'s): Llama, 4 layers, d_model 256, 4 heads of 64, MLP 1024,
+  vocab 512, untied output layer; 8 prompts x 4 completions, prompt 16, completion 32.
+* ``qwen05b``: Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 query /
+  2 key-value heads of 64, MLP 4864, vocab 151,936, tied embeddings, q/k/v biases);
+  2 prompts x 4 completions, prompt 32, completion 64.
+
+``--layers``, ``--group-size``, ``--new-tokens`` override the shape's (the scaling
+curves of ``side_by_side.py``). Float32, the GRPO preset (k3 KL to the reference,
+beta 0.04, mu 1, one minibatch), learning rate 1e-6, every other setting
+:class:`~jaxrl_llm.training.TrainConfig`'s default (so each group's prompt runs once in
+the teacher-forced passes, and the persistent compilation cache is on: point
+``$JAXRL_LLM_COMPILATION_CACHE`` at a fresh directory for a cold start).
+
+The task (:class:`WordParityTask`) is the peers': a word-level tokenizer (token ``i`` is
+the word ``w{i}``), prompts of random words, and a reward on the host, the parity of the
+first completion token. Its EOS is the last id, which a random model draws about once in
+``V`` tokens: a row that draws it ends early, but the batch decodes until every row has
+finished (all of them, in practice), so the step's work is the peers' (TRL's script sets
+``min_new_tokens``, Tunix's an EOS it cannot sample; the sampler here refuses ids outside
+the vocabulary). ``completion_length`` in the JSON is the mean.
+
+Times are ``train``'s own metrics: ``step_seconds``, split as the peers' scripts split
+theirs into rollout (``rollout_seconds`` + ``reward_seconds``), log-probs
+(``logprob_seconds``) and update (the rest: ``update_seconds`` and the loop's host
+bookkeeping, a few milliseconds). The first step (compilation)
+is left out of the medians and reported as ``first_step_s``, and ``to_first_step_s`` is
+the time from this process's start (imports included) to the end of that step.
+``peak_rss_gb`` is the process's peak resident memory. The last line of output is one
+JSON object.
+
+    python benchmarks/train_step.py [--shape tiny|qwen05b] [--repeats 10]
+                                    [--layers L] [--group-size G] [--new-tokens N]
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_STARTED = time.perf_counter()  # before the imports: they count toward the first step
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import transformers  # noqa: E402
+from grpo_step import CONFIG as TINY_CONFIG  # noqa: E402
+from layer_scan import qwen25_05b  # noqa: E402
+from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers  # noqa: E402
+
+from jaxrl_llm import algorithms, models, tasks, training  # noqa: E402
+
+SHAPES = {
+    "tiny": dict(config=lambda: TINY_CONFIG, prompts=8, group=4, prompt_len=16, new_tokens=32),
+    "qwen05b": dict(config=qwen25_05b, prompts=2, group=4, prompt_len=32, new_tokens=64),
+}
+WARMUP = 1  # steps not counted (compilation)
+PHASES = ("rollout", "logprobs", "update", "step")
+
+
+def word_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    """Token ``i`` is the word ``w{i}``; pad ``w0``; no BOS, EOS or chat template."""
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="w0", padding_side="left")
+
+
+def parity_reward(completion_ids, **kwargs) -> list[float]:
+    """A stand-in verifier on the host: the parity of the first completion token."""
+    return [float(ids[0] % 2) for ids in completion_ids]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WordParityTask:
+    """Prompts of ``prompt_len`` random words (neither pad nor the last id), example ``i``
+    drawn from ``(seed, i)``; one reward, :func:`parity_reward`."""
+
+    vocab_size: int
+    prompt_len: int
+    tokenizer: transformers.PreTrainedTokenizerBase = dataclasses.field(init=False, repr=False)
+    pad_id: int = 0
+    stop_strings: tuple[str, ...] = ()
+    reward_fns: tuple = (parity_reward,)
+    reward_weights: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokenizer", word_tokenizer(self.vocab_size))
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.vocab_size - 1,)
+
+    def split_size(self, split: str) -> int | None:
+        return None
+
+    def examples(self, split: str, indices: np.ndarray, *, seed: int) -> tasks.PromptBatch:
+        ids = np.stack([np.random.default_rng([seed, int(i)]).integers(1, self.vocab_size - 1, self.prompt_len)
+                        for i in indices]).astype(np.int32)  # [P, S]
+        prompts = [" ".join(f"w{t}" for t in row) for row in ids]
+        return tasks.PromptBatch(tokens=ids, mask=np.ones(ids.shape, bool), prompts=prompts, columns={},
+                                 indices=np.asarray(indices, np.int64))
+
+
+def versions() -> dict[str, str]:
+    found = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "flax", "optax")}
+    found["python"] = platform.python_version()
+    return found
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps after the first")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
+    args = parser.parse_args(argv)
+    for flag in ("repeats", "layers", "group_size", "new_tokens"):
+        if (value := getattr(args, flag)) is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+    shape = SHAPES[args.shape]
+    config = shape["config"]()
+    if args.layers is not None:
+        config = dataclasses.replace(config, num_layers=args.layers)
+    prompts, prompt_len = shape["prompts"], shape["prompt_len"]
+    group = args.group_size or shape["group"]
+    new_tokens = args.new_tokens or shape["new_tokens"]
+
+    model, params = models.init(config, jax.random.key(0))
+    run = training.TrainConfig(num_prompts=prompts, group_size=group, max_new_tokens=new_tokens,
+                               max_prompt_length=prompt_len, learning_rate=1e-6)
+    task = WordParityTask(vocab_size=config.vocab_size, prompt_len=prompt_len)
+    first_step_done = []
+
+    def on_step(end: training.StepEnd) -> None:
+        if not first_step_done:
+            first_step_done.append(time.perf_counter())
+
+    _, history = training.train(model, params, algorithms.GRPO, run, steps=WARMUP + args.repeats, task=task,
+                                callback=on_step)
+    for row in history:  # the peers' phases: rollout with rewards, log-probs, and the rest of the step
+        row["rollout"] = row["rollout_seconds"] + row["reward_seconds"]
+        row["logprobs"], row["step"] = row["logprob_seconds"], row["step_seconds"]
+        row["update"] = row["step"] - row["rollout"] - row["logprobs"]  # update_seconds and the host's bookkeeping
+    first, timed = history[0], history[WARMUP:]
+    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    params_count = sum(x.size for x in jax.tree.leaves(params))
+
+    lib = versions()
+    print(f"jaxrl_llm on jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} device(s), "
+          f"{os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; {config.architecture} "
+          f"{params_count / 1e6:.1f}M params, float32, training.train defaults")
+    print(f"GRPO step through training.train ({args.shape}): {prompts} prompts x {group} completions, prompt "
+          f"{prompt_len}, completion {new_tokens}; {config.num_layers} layers, d_model {config.hidden_size}, vocab "
+          f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
+    header = f"{'phase':<12} {'median s':>9} {'min s':>8} {'share':>7} {'first s':>9}"
+    print(header)
+    print("-" * len(header))
+    step_s = statistics.median(row["step"] for row in timed)
+    results = {"library": "jaxrl_llm", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
+               "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_layers,
+               "params": params_count, "repeats": args.repeats, "warmup": WARMUP, "devices": jax.device_count(),
+               "cpu_count": os.cpu_count(), "phases": {}}
+    for phase in PHASES:
+        times = [row[phase] for row in timed]
+        print(f"{phase:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
+              f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
+        results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
+                                    "first_s": first[phase], "all_s": times}
+    to_first_step = first_step_done[0] - PROCESS_STARTED
+    print(f"first step (compilation included) {first['step']:.2f} s, {to_first_step:.2f} s from the process's "
+          f"start; peak RSS {peak_rss_gb:.2f} GB")
+    results.update(completion_length=statistics.mean(row["completion_length"] for row in history),
+                   first_step_s=first["step"], to_first_step_s=to_first_step, step_median_s=step_s,
+                   step_min_s=min(row["step"] for row in timed), peak_rss_gb=peak_rss_gb)
+    print(json.dumps(results))
+    sys.stdout.flush()
+    return results
+
+
+if __name__ == "__main__":
+    main()
