@@ -51,13 +51,10 @@ import subprocess
 import sys
 import tempfile
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from grpo_step import matmul_peak_flops, step_flops
-from layer_scan import qwen25_05b
-from timing import median_seconds
-from train_step import SHAPES
+
+# This process imports no JAX and allocates little while it runs the libraries: Linux
+# carries a parent's peak RSS into the ``ru_maxrss`` of the processes it starts.
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -68,6 +65,7 @@ LIBRARIES = {  # name -> (script, interpreter, how to build its environment)
     "tunix": ("tunix_grpo_step.py", ROOT / os.environ.get("TUNIX_VENV", ".venv-tunix") / "bin" / "python",
               "make .venv-tunix/.installed"),
 }
+SHAPES = ("tiny", "qwen05b")  # train_step.SHAPES (and the peers' scripts)
 JAX_LIBRARIES = ("jaxrl_llm", "tunix")
 SCALING = {"new_tokens": (64, 128, 256, 512), "group_size": (2, 4, 8, 16)}
 PHASES = ("rollout", "logprobs", "update")
@@ -112,6 +110,10 @@ def measure(library: str, flags: list[str], *, repeats: int) -> dict:
 def read_bandwidth() -> float:
     """Bytes per second of reading a 1 GiB float32 array once (a sum), the best of XLA's
     and NumPy's."""
+    import jax
+    import jax.numpy as jnp
+    from timing import median_seconds
+
     array = jnp.ones((1 << 28,), jnp.float32)
     seconds = median_seconds(jax.jit(jnp.sum), array, repeats=5)
     host = np.ones((1 << 28,), np.float32)
@@ -129,6 +131,9 @@ def machine() -> dict:
         flags = next(line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
+    from grpo_step import matmul_peak_flops
+    from layer_scan import qwen25_05b
+
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     peak, peak_shape = matmul_peak_flops(qwen25_05b(), 768)
     return {"cpu": cpu, "avx512": "avx512f" in flags.split(), "cores": os.cpu_count(), "memory_gb": memory_gb,
@@ -136,12 +141,25 @@ def machine() -> dict:
             "matmul_peak_flops": peak, "matmul_peak_shape": peak_shape, "read_bandwidth_bytes_per_s": read_bandwidth()}
 
 
+def measure_machine() -> dict:
+    """:func:`machine` in a process of its own: its gigabyte arrays would otherwise count
+    in every later process's peak RSS (Linux carries ``ru_maxrss`` across ``fork`` and
+    ``exec``)."""
+    done = subprocess.run([sys.executable, str(HERE / "side_by_side.py"), "--machine"], capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def model_config(shape: str, layers: int):
-    return dataclasses.replace(SHAPES[shape]["config"](), num_layers=layers)
+    from train_step import SHAPES as CONFIGS
+
+    return dataclasses.replace(CONFIGS[shape]["config"](), num_layers=layers)
 
 
 def derived(result: dict, peak: float, bandwidth: float) -> dict:
     """The update's MFU and the decoding's weight stream of one library's result."""
+    from grpo_step import step_flops
+
     config = model_config(result["shape"], result["layers"])
     flops = step_flops(config, prompts=result["prompts"], group=result["group"], prompt_len=result["prompt_len"],
                        new_tokens=result["new_tokens"])
@@ -223,14 +241,18 @@ def plot_scaling(scaling: dict, path: pathlib.Path) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="tiny,qwen05b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--libraries", default=",".join(LIBRARIES), help=f"comma-separated, of {', '.join(LIBRARIES)}")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per cold process (half in the warm one)")
     parser.add_argument("--scaling", action="store_true", help="also the completion-length and group-size curves")
     parser.add_argument("--scaling-layers", type=int, default=2)
     parser.add_argument("--scaling-peer", default="tunix", choices=[lib for lib in LIBRARIES if lib != "jaxrl_llm"])
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    parser.add_argument("--machine", action="store_true", help="only print the machine's description as JSON")
     args = parser.parse_args(argv)
+    if args.machine:
+        print(json.dumps(machine()))
+        return {}
     shapes, libraries = args.shapes.split(","), args.libraries.split(",")
     if bad := [s for s in shapes if s not in SHAPES]:
         parser.error(f"--shapes: unknown {bad}; choose from {', '.join(SHAPES)}")
@@ -243,13 +265,11 @@ def main(argv=None) -> dict:
         parser.error("missing environments; build them first: " + "; ".join(missing))
 
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "versions": {}, "shapes": {}}
-    peak, bandwidth = report["machine"]["matmul_peak_flops"], report["machine"]["read_bandwidth_bytes_per_s"]
+              "machine": measure_machine(), "versions": {}, "shapes": {}}
     for shape in shapes:
         report["shapes"][shape] = {}
         for library in libraries:
             result = measure(library, ["--shape", shape], repeats=args.repeats)
-            result.update(derived(result, peak, bandwidth))
             report["shapes"][shape][library] = result
             report["versions"][library] = result["versions"]
     if args.scaling:
@@ -263,6 +283,10 @@ def main(argv=None) -> dict:
                     results[library][axis][str(value)] = run_script(library, [*flags, "--repeats", "2"], None)
         report["scaling"] = {"layers": args.scaling_layers, "results": results}
 
+    peak, bandwidth = report["machine"]["matmul_peak_flops"], report["machine"]["read_bandwidth_bytes_per_s"]
+    for results in report["shapes"].values():  # now that every library has run (this imports JAX)
+        for result in results.values():
+            result.update(derived(result, peak, bandwidth))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "side_by_side.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / "side_by_side.md").write_text(markdown(report))

@@ -47,18 +47,16 @@ PROCESS_STARTED = time.perf_counter()  # before the imports: they count toward t
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import importlib.metadata  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import transformers  # noqa: E402
 from grpo_step import CONFIG as TINY_CONFIG  # noqa: E402
 from layer_scan import qwen25_05b  # noqa: E402
+import step_report  # noqa: E402
 from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers  # noqa: E402
 
 from jaxrl_llm import algorithms, models, tasks, training  # noqa: E402
@@ -156,8 +154,7 @@ def main(argv=None) -> dict:
         row["rollout"] = row["rollout_seconds"] + row["reward_seconds"]
         row["logprobs"], row["step"] = row["logprob_seconds"], row["step_seconds"]
         row["update"] = row["step"] - row["rollout"] - row["logprobs"]  # update_seconds and the host's bookkeeping
-    first, timed = history[0], history[WARMUP:]
-    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    history[0]["since_start"] = first_step_done[0] - PROCESS_STARTED
     params_count = sum(x.size for x in jax.tree.leaves(params))
 
     lib = versions()
@@ -167,30 +164,12 @@ def main(argv=None) -> dict:
     print(f"GRPO step through training.train ({args.shape}): {prompts} prompts x {group} completions, prompt "
           f"{prompt_len}, completion {new_tokens}; {config.num_layers} layers, d_model {config.hidden_size}, vocab "
           f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
-    header = f"{'phase':<12} {'median s':>9} {'min s':>8} {'share':>7} {'first s':>9}"
-    print(header)
-    print("-" * len(header))
-    step_s = statistics.median(row["step"] for row in timed)
     results = {"library": "jaxrl_llm", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
                "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_layers,
                "params": params_count, "repeats": args.repeats, "warmup": WARMUP, "devices": jax.device_count(),
-               "cpu_count": os.cpu_count(), "phases": {}}
-    for phase in PHASES:
-        times = [row[phase] for row in timed]
-        print(f"{phase:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
-              f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
-        results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
-                                    "first_s": first[phase], "all_s": times}
-    to_first_step = first_step_done[0] - PROCESS_STARTED
-    print(f"first step (compilation included) {first['step']:.2f} s, {to_first_step:.2f} s from the process's "
-          f"start; peak RSS {peak_rss_gb:.2f} GB")
-    results.update(completion_length=statistics.mean(row["completion_length"] for row in history),
-                   first_step_s=first["step"], to_first_step_s=to_first_step, step_median_s=step_s,
-                   step_min_s=min(row["step"] for row in timed), peak_rss_gb=peak_rss_gb)
-    print(json.dumps(results))
-    sys.stdout.flush()
-    return results
-
+               "cpu_count": os.cpu_count(),
+               "completion_length": statistics.mean(row["completion_length"] for row in history)}
+    return step_report.finish(results, history, warmup=WARMUP, phases=PHASES)
 
 if __name__ == "__main__":
     main()

@@ -54,15 +54,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import importlib.metadata  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import warnings  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
+import step_report  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import trl  # noqa: E402
@@ -215,8 +212,7 @@ def main(argv=None) -> None:
         assert trainer.ref_model is not None and not trainer.args.activation_checkpointing
         trainer.train()
 
-    first, steps = timer.steps[0], timer.steps[WARMUP:]
-    assert len(steps) == args.repeats
+    assert len(timer.steps) == WARMUP + args.repeats
     for step in timer.steps:  # the three phases partition the step
         step["logprobs"] = step["scoring"] - step["rollout"]
         step["update"] = step["step"] - step["scoring"]
@@ -228,29 +224,11 @@ def main(argv=None) -> None:
     print(f"TRL GRPOTrainer step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
           f"completion {new_tokens}; {config.num_hidden_layers} layers, d_model {config.hidden_size}, vocab "
           f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
-    header = f"{'phase':<12} {'median s':>9} {'min s':>8} {'share':>7} {'first s':>9}"
-    print(header)
-    print("-" * len(header))
-    step_s = statistics.median(step["step"] for step in steps)
-    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     results = {"library": "trl", "shape": args.shape, "versions": versions(), "prompts": prompts, "group": group,
                "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_hidden_layers,
                "params": sum(p.numel() for p in model.parameters()), "repeats": args.repeats, "warmup": WARMUP,
-               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "phases": {}}
-    for phase in PHASES:
-        times = [step[phase] for step in steps]
-        label = "  reference" if phase == "reference" else phase  # a part of logprobs
-        print(f"{label:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
-              f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
-        results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
-                                    "first_s": first[phase], "all_s": times}
-    print(f"first step {first['step']:.2f} s, {first['since_start']:.2f} s from the process's start; "
-          f"peak RSS {peak_rss_gb:.2f} GB")
-    results.update(first_step_s=first["step"], to_first_step_s=first["since_start"], step_median_s=step_s,
-                   step_min_s=min(step["step"] for step in steps), peak_rss_gb=peak_rss_gb)
-    print(json.dumps(results))
-    sys.stdout.flush()
-
+               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    step_report.finish(results, timer.steps, warmup=WARMUP, phases=PHASES)
 
 if __name__ == "__main__":
     main()

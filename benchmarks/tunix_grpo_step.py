@@ -106,18 +106,15 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import importlib.metadata  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
 import warnings  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import step_report  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.models import dummy_model_creator  # noqa: E402
@@ -219,7 +216,8 @@ class StepTimer:
             self.current = defaultdict(float)
             start = time.perf_counter()
             result = method(*args, **kwargs)
-            self.current["step"] = time.perf_counter() - start
+            now = time.perf_counter()
+            self.current["step"], self.current["since_start"] = now - start, now - PROCESS_STARTED
             self.steps.append(dict(self.current))
             return result
 
@@ -313,11 +311,9 @@ def main(argv=None) -> None:
     learner.train(batches)
 
     assert len(timer.steps) == steps, (len(timer.steps), steps)
-    first, timed = timer.steps[0], timer.steps[WARMUP:]
     for step in timer.steps:  # the three phases partition the step
         step["logprobs"] = step["scoring"] - step["rollout"]
         step["update"] = step["step"] - step["scoring"]
-    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
     lib = versions()
     print(f"google-tunix {lib['google-tunix']}, jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} "
@@ -326,28 +322,10 @@ def main(argv=None) -> None:
     print(f"Tunix GRPOLearner step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
           f"completion {new_tokens}; {config.num_layers} layers, d_model {config.embed_dim}, vocab "
           f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
-    header = f"{'phase':<12} {'median s':>9} {'min s':>8} {'share':>7} {'first s':>9}"
-    print(header)
-    print("-" * len(header))
-    step_s = statistics.median(step["step"] for step in timed)
     results = {"library": "tunix", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
-               "prompt_len": prompt_len, "new_tokens": new_tokens, "params": params, "repeats": args.repeats,
-               "warmup": WARMUP, "devices": jax.device_count(), "cpu_count": os.cpu_count(), "phases": {}}
-    for phase in PHASES:
-        times = [step[phase] for step in timed]
-        label = "  reference" if phase == "reference" else phase  # a part of logprobs
-        print(f"{label:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
-              f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
-        results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
-                                    "first_s": first[phase], "all_s": times}
-    print(f"first step (compilation included) {first['step']:.2f} s, {first['since_start']:.2f} s from the "
-          f"process's start; peak RSS {peak_rss_gb:.2f} GB")
-    results.update(first_step_s=first["step"], to_first_step_s=first["since_start"], layers=config.num_layers,
-                   step_median_s=step_s, step_min_s=min(s["step"] for s in timed),
-                   peak_rss_gb=peak_rss_gb)
-    print(json.dumps(results))
-    sys.stdout.flush()
-
+               "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_layers, "params": params,
+               "repeats": args.repeats, "warmup": WARMUP, "devices": jax.device_count(), "cpu_count": os.cpu_count()}
+    step_report.finish(results, timer.steps, warmup=WARMUP, phases=PHASES)
 
 if __name__ == "__main__":
     main()

@@ -151,6 +151,7 @@ def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives
     from jaxrl_llm import tasks
 
     tasks.check_task(train_step.WordParityTask(vocab_size=512, prompt_len=16))
+    assert set(side_by_side.SHAPES) == set(train_step.SHAPES)
     result = train_step.main(["--shape", "tiny", "--layers", "1", "--group-size", "2", "--new-tokens", "3",
                               "--repeats", "2"])
     assert capsys.readouterr().out.splitlines()[-1] == json.dumps(result)  # what side_by_side.py reads

@@ -1,0 +1,43 @@
+"""The GRPO-step scripts' common ending: the phase table, the first-step line and the JSON
+line ``side_by_side.py`` reads. Standard library only: ``train_step.py``,
+``trl_grpo_step.py`` and ``tunix_grpo_step.py`` each run in their own venv."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def finish(results: dict, steps: list[dict[str, float]], *, warmup: int, phases: tuple[str, ...]) -> dict:
+    """Prints each phase's median, minimum, share of the step and first-step time over
+    ``steps`` (one dict of seconds per step, ``step`` and ``since_start`` among them; the
+    first ``warmup`` not counted), the first step's line and ``results`` completed with
+    them as one JSON line; returns ``results``."""
+    first, timed = steps[0], steps[warmup:]
+    header = f"{'phase':<12} {'median s':>9} {'min s':>8} {'share':>7} {'first s':>9}"
+    print(header)
+    print("-" * len(header))
+    step_s = statistics.median(step["step"] for step in timed)
+    results["phases"] = {}
+    for phase in phases:
+        times = [step[phase] for step in timed]
+        label = "  reference" if phase == "reference" else phase  # a part of logprobs
+        print(f"{label:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
+              f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
+        results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
+                                    "first_s": first[phase], "all_s": times}
+    peak = peak_rss_gb()
+    print(f"first step (compilation included) {first['step']:.2f} s, {first['since_start']:.2f} s from the "
+          f"process's start; peak RSS {peak:.2f} GB")
+    results.update(first_step_s=first["step"], to_first_step_s=first["since_start"], step_median_s=step_s,
+                   step_min_s=min(step["step"] for step in timed), peak_rss_gb=peak)
+    print(json.dumps(results))
+    sys.stdout.flush()
+    return results
