@@ -12,7 +12,9 @@ The three scripts do the same work (their docstrings say where the libraries' ow
 differ) and end with one JSON line, which this collects. For the JAX libraries each
 measurement runs twice with one fresh persistent compilation cache: the first process
 starts cold (its first step compiles), the second finds the cache warm; the step medians
-pool both. TRL compiles nothing.
+pool both (the "first step" column is the cold one's). TRL compiles nothing. jaxrl_llm
+caches every program it compiles (``jaxrl_llm.compilation_cache``), Tunix only those
+that take JAX's default 1 s, as each library's users get them.
 
 Per shape (``tiny``, ``qwen05b``; see ``train_step.py``) the table gives each library's
 median step and its rollout / log-probs / update split, the first step and the time from
@@ -20,10 +22,10 @@ the process's start to its end (cold and warm), the peak resident memory, and ea
 peer's time over jaxrl_llm's. Under it, the machine's float32 matmul peak and memory read
 bandwidth, measured in the same run, and against them each library's update MFU (the
 update's model FLOPs, ``grpo_step.step_flops``, over its time at the peak) and its
-decoding's weight stream (the rollout reads every weight once per decode step: the
-weights' bytes times the decode steps over the rollout's time, as a share of the
-bandwidth; an upper bound on the rate, since the prefill and the host's work are in the
-rollout's time too).
+decoding's weight stream (the rollout reads every weight once per decode step: the bytes
+of the weights decoding reads, all but an untied input embedding, times the library's
+decode steps over the rollout's time, as a share of the bandwidth; a lower bound on the
+rate, since the prefill and the rewards are in the rollout's time too).
 
 ``--scaling`` adds the step time against completion length (64, 128, 256, 512; group 4)
 and group size (2, 4, 8, 16; completion 64) at ``qwen05b``'s width with ``--scaling-layers``
@@ -33,7 +35,8 @@ layers, for jaxrl_llm and ``--scaling-peer``: a table and ``scaling.png``.
                                       [--repeats 3] [--scaling] [--out benchmarks/results]
 
 Outputs (in ``--out``): ``side_by_side.md``, ``side_by_side.json`` and, with ``--scaling``,
-``scaling.png``. A library whose environment is missing stops the run with the command
+``scaling.png``; ``--report side_by_side.json`` writes the table and plot of a finished
+run again, without running anything. A library whose environment is missing stops the run with the command
 that builds it.
 """
 
@@ -101,7 +104,8 @@ def measure(library: str, flags: list[str], *, repeats: int) -> dict:
     for phase, timing in cold["phases"].items():  # pool the timed steps of both
         timing["all_s"] += warm["phases"][phase]["all_s"]
         timing["median_s"], timing["min_s"] = float(np.median(timing["all_s"])), min(timing["all_s"])
-    cold.update(step_median_s=cold["phases"]["step"]["median_s"], step_min_s=cold["phases"]["step"]["min_s"],
+    cold.update(repeats=len(cold["phases"]["step"]["all_s"]),
+                step_median_s=cold["phases"]["step"]["median_s"], step_min_s=cold["phases"]["step"]["min_s"],
                 warm_first_step_s=warm["first_step_s"], warm_to_first_step_s=warm["to_first_step_s"],
                 peak_rss_gb=max(cold["peak_rss_gb"], warm["peak_rss_gb"]))
     return cold
@@ -163,8 +167,9 @@ def derived(result: dict, peak: float, bandwidth: float) -> dict:
     config = model_config(result["shape"], result["layers"])
     flops = step_flops(config, prompts=result["prompts"], group=result["group"], prompt_len=result["prompt_len"],
                        new_tokens=result["new_tokens"])
-    weight_bytes = 4 * result["params"]  # float32
-    decode_steps = result["new_tokens"] - 1
+    streamed = result["params"] - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    weight_bytes = 4 * streamed  # float32; an untied input embedding is only gathered from
+    decode_steps = result.get("decode_steps", result["new_tokens"] - 1)  # the prefill draws the first token
     rollout_s, update_s = result["phases"]["rollout"]["median_s"], result["phases"]["update"]["median_s"]
     return {"update_model_flops": flops["update"], "update_mfu": flops["update"] / (update_s * peak),
             "step_flop_floor_s": sum(flops.values()) / peak,
@@ -186,7 +191,7 @@ def markdown(report: dict) -> str:
         lines += [f"## {shape}: {first['prompts']} prompts x {first['group']} completions, prompt "
                   f"{first['prompt_len']}, completion {first['new_tokens']}, {first['layers']} layers, "
                   f"{first['params'] / 1e6:.1f}M params", "",
-                  "| library | step (median) | rollout / log-probs / update | x jaxrl_llm | first step | "
+                  "| library | step (median) | rollout / log-probs / update | x jaxrl_llm | first step (cold) | "
                   "from start (cold / warm) | peak RSS | update MFU | decode weight stream |",
                   "|---|---|---|---|---|---|---|---|---|"]
         ours = results.get("jaxrl_llm", {}).get("step_median_s")
@@ -249,10 +254,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--scaling-peer", default="tunix", choices=[lib for lib in LIBRARIES if lib != "jaxrl_llm"])
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     parser.add_argument("--machine", action="store_true", help="only print the machine's description as JSON")
+    parser.add_argument("--report", type=pathlib.Path, help="write the table and plot of this JSON report again")
     args = parser.parse_args(argv)
     if args.machine:
         print(json.dumps(machine()))
         return {}
+    if args.report is not None:
+        return write(json.loads(args.report.read_text()), args.out)
     shapes, libraries = args.shapes.split(","), args.libraries.split(",")
     if bad := [s for s in shapes if s not in SHAPES]:
         parser.error(f"--shapes: unknown {bad}; choose from {', '.join(SHAPES)}")
@@ -283,18 +291,23 @@ def main(argv=None) -> dict:
                     results[library][axis][str(value)] = run_script(library, [*flags, "--repeats", "2"], None)
         report["scaling"] = {"layers": args.scaling_layers, "results": results}
 
+    return write(report, args.out)
+
+
+def write(report: dict, out: pathlib.Path) -> dict:
+    """Derives each result's MFU and weight stream, writes the JSON, the table and the
+    plot into ``out``, prints the table; returns the report."""
     peak, bandwidth = report["machine"]["matmul_peak_flops"], report["machine"]["read_bandwidth_bytes_per_s"]
     for results in report["shapes"].values():  # now that every library has run (this imports JAX)
         for result in results.values():
             result.update(derived(result, peak, bandwidth))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "side_by_side.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "side_by_side.md").write_text(markdown(report))
-    if args.scaling:
-        plot_scaling(report["scaling"], args.out / "scaling.png")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "side_by_side.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "side_by_side.md").write_text(markdown(report))
+    if report.get("scaling"):
+        plot_scaling(report["scaling"], out / "scaling.png")
     print(markdown(report))
     return report
-
 
 if __name__ == "__main__":
     main()

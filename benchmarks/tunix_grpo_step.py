@@ -324,7 +324,8 @@ def main(argv=None) -> None:
           f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
     results = {"library": "tunix", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
                "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_layers, "params": params,
-               "repeats": args.repeats, "warmup": WARMUP, "devices": jax.device_count(), "cpu_count": os.cpu_count()}
+               "repeats": args.repeats, "warmup": WARMUP, "devices": jax.device_count(), "cpu_count": os.cpu_count(),
+               "decode_steps": new_tokens}  # the while_loop fills the buffer: the prefill and N decode steps
     step_report.finish(results, timer.steps, warmup=WARMUP, phases=PHASES)
 
 if __name__ == "__main__":

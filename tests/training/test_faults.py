@@ -248,7 +248,39 @@ def test_ctrl_c_during_the_update_dispatch_is_delivered_once_its_result_is_held(
     assert signal.getsignal(signal.SIGINT) is handler
 
 
-def test_a_ctrl_c_that_python_drops_still_stops_the_run_after_its_step(monkeypatch):
+def test_a_second_ctrl_c_while_held_is_delivered_at_once():
+    done, handler = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with training.loop._interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            done.append("held")
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # a hung callback: the second Ctrl-C gets out of it
+            done.append("not reached")
+    assert done == ["held"] and signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_handler_that_does_not_raise_keeps_the_run_going(monkeypatch):
+    """A caller's SIGINT handler that only sets a flag (a graceful-stop request) is theirs:
+    the run is not stopped for it."""
+    model, params = models.init(CONFIG, jax.random.key(3))
+    requests = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: requests.append(signum))
+    try:
+        def ctrl_c_at_step_1(end):
+            if end.step == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+
+        state, history = training.train(model, params, algorithms.RLOO, RUN, steps=3, task=TASK,
+                                        callback=ctrl_c_at_step_1)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert requests == [signal.SIGINT] and len(history) == 3 and int(state.step) == 3
+
+
+def test_a_ctrl_c_that_python_drops_still_stops_the_run_after_its_step():
     """Python prints and drops a KeyboardInterrupt raised in a garbage-collection callback
     (JAX registers one); here a reward function swallows it the same way at step 1."""
     model, params = models.init(CONFIG, jax.random.key(3))
@@ -288,9 +320,11 @@ def test_a_ctrl_c_during_the_callback_comes_after_it_returns():
             time.sleep(0.05)  # a checkpoint being written: it must not stop half way
         finished.append(end.step)
 
+    handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(training.RunInterrupted) as error:
         training.train(model, params, algorithms.RLOO, RUN, steps=4, task=TASK, callback=checkpoint_like)
     assert finished == [0] and int(error.value.state.step) == 1 and len(error.value.history) == 1
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
