@@ -1,13 +1,49 @@
-"""The GRPO-step scripts' common ending: the phase table, the first-step line and the JSON
-line ``side_by_side.py`` reads. Standard library only: ``train_step.py``,
-``trl_grpo_step.py`` and ``tunix_grpo_step.py`` each run in their own venv."""
+"""What the GRPO-step scripts share: their flags, the versions they report, and their
+ending (the phase table, the first-step line and the JSON line ``side_by_side.py`` reads).
+Standard library only: ``train_step.py``, ``trl_grpo_step.py`` and ``tunix_grpo_step.py``
+each run in their own venv."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
+import platform
 import resource
 import statistics
 import sys
+
+
+def parse(description: str, shapes: dict[str, dict], argv=None) -> tuple[argparse.Namespace, dict]:
+    """``(args, shape)`` of the flags every script takes: ``--shape`` (a key of ``shapes``,
+    each with ``prompts``, ``group``, ``prompt_len``, ``new_tokens``), ``--repeats`` and the
+    overrides ``--layers``, ``--group-size`` and ``--new-tokens``; ``args.group_size`` and
+    ``args.new_tokens`` hold the shape's values unless overridden."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shape", choices=sorted(shapes), default="tiny")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps after the warm-up")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
+    args = parser.parse_args(argv)
+    for flag in ("repeats", "layers", "group_size", "new_tokens"):
+        if (value := getattr(args, flag)) is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+    shape = shapes[args.shape]
+    args.group_size = args.group_size or shape["group"]
+    args.new_tokens = args.new_tokens or shape["new_tokens"]
+    return args, shape
+
+
+def versions(*names: str) -> dict[str, str]:
+    """The installed versions of the distributions ``names`` (those installed) and Python's."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {**found, "python": platform.python_version()}
 
 
 def peak_rss_gb() -> float:

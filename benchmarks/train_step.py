@@ -44,11 +44,8 @@ import time
 
 PROCESS_STARTED = time.perf_counter()  # before the imports: they count toward the first step
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import importlib.metadata  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 
 import jax  # noqa: E402
@@ -113,30 +110,12 @@ class WordParityTask:
                                  indices=np.asarray(indices, np.int64))
 
 
-def versions() -> dict[str, str]:
-    found = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "flax", "optax")}
-    found["python"] = platform.python_version()
-    return found
-
-
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps after the first")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
-    parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
-    args = parser.parse_args(argv)
-    for flag in ("repeats", "layers", "group_size", "new_tokens"):
-        if (value := getattr(args, flag)) is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
-    shape = SHAPES[args.shape]
+    args, shape = step_report.parse(__doc__.split("\n\n")[0], SHAPES, argv)
     config = shape["config"]()
     if args.layers is not None:
         config = dataclasses.replace(config, num_layers=args.layers)
-    prompts, prompt_len = shape["prompts"], shape["prompt_len"]
-    group = args.group_size or shape["group"]
-    new_tokens = args.new_tokens or shape["new_tokens"]
+    prompts, prompt_len, group, new_tokens = shape["prompts"], shape["prompt_len"], args.group_size, args.new_tokens
 
     model, params = models.init(config, jax.random.key(0))
     run = training.TrainConfig(num_prompts=prompts, group_size=group, max_new_tokens=new_tokens,
@@ -157,7 +136,7 @@ def main(argv=None) -> dict:
     history[0]["since_start"] = first_step_done[0] - PROCESS_STARTED
     params_count = sum(x.size for x in jax.tree.leaves(params))
 
-    lib = versions()
+    lib = step_report.versions("jax", "jaxlib", "flax", "optax")
     print(f"jaxrl_llm on jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} device(s), "
           f"{os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; {config.architecture} "
           f"{params_count / 1e6:.1f}M params, float32, training.train defaults")

@@ -51,10 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
-import importlib.metadata  # noqa: E402
-import platform  # noqa: E402
 import tempfile  # noqa: E402
 import warnings  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -119,12 +116,6 @@ def make_parity_reward(new_tokens: int):
     return parity_reward
 
 
-def versions() -> dict[str, str]:
-    found = {name: importlib.metadata.version(name) for name in ("trl", "torch", "transformers", "accelerate")}
-    found["python"] = platform.python_version()
-    return found
-
-
 class StepTimer(TrainerCallback):
     """Wall time of each optimizer step and of the trainer methods wrapped by :meth:`wrap`."""
 
@@ -160,20 +151,11 @@ class StepTimer(TrainerCallback):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
-    parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
-    args = parser.parse_args(argv)
-    shape = SHAPES[args.shape]
+    args, shape = step_report.parse(__doc__.split("\n\n")[0], SHAPES, argv)
     config = shape["config"]()
     if args.layers is not None:
         config.num_hidden_layers = args.layers
-    prompts, prompt_len = shape["prompts"], shape["prompt_len"]
-    group = args.group_size or shape["group"]
-    new_tokens = args.new_tokens or shape["new_tokens"]
+    prompts, prompt_len, group, new_tokens = shape["prompts"], shape["prompt_len"], args.group_size, args.new_tokens
 
     torch.set_num_threads(os.cpu_count())
     transformers.logging.set_verbosity_error()
@@ -224,7 +206,8 @@ def main(argv=None) -> None:
     print(f"TRL GRPOTrainer step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
           f"completion {new_tokens}; {config.num_hidden_layers} layers, d_model {config.hidden_size}, vocab "
           f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
-    results = {"library": "trl", "shape": args.shape, "versions": versions(), "prompts": prompts, "group": group,
+    lib = step_report.versions("trl", "torch", "transformers", "accelerate")
+    results = {"library": "trl", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
                "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_hidden_layers,
                "params": sum(p.numel() for p in model.parameters()), "repeats": args.repeats, "warmup": WARMUP,
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}

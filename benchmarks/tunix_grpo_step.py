@@ -102,12 +102,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Tunix imports transformers: noth
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import importlib.metadata  # noqa: E402
 import logging  # noqa: E402
-import platform  # noqa: E402
 import warnings  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
@@ -229,30 +226,9 @@ def make_mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def versions() -> dict[str, str]:
-    names = ("google-tunix", "jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "qwix")
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    found["python"] = platform.python_version()
-    return found
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
-    parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
-    args = parser.parse_args(argv)
-    shape = SHAPES[args.shape]
-    prompts, prompt_len = shape["prompts"], shape["prompt_len"]
-    group = args.group_size or shape["group"]
-    new_tokens = args.new_tokens or shape["new_tokens"]
+    args, shape = step_report.parse(__doc__.split("\n\n")[0], SHAPES, argv)
+    prompts, prompt_len, group, new_tokens = shape["prompts"], shape["prompt_len"], args.group_size, args.new_tokens
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
@@ -315,7 +291,7 @@ def main(argv=None) -> None:
         step["logprobs"] = step["scoring"] - step["rollout"]
         step["update"] = step["step"] - step["scoring"]
 
-    lib = versions()
+    lib = step_report.versions("google-tunix", "jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "qwix")
     print(f"google-tunix {lib['google-tunix']}, jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} "
           f"device(s), {os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; "
           f"{model_class.__name__} {params / 1e6:.1f}M params, float32, optimizer adamw, rollout engine vanilla")
