@@ -164,8 +164,11 @@ def test_whiten_ignores_nan_padding_and_eps_zero_constant_input():
     np.testing.assert_array_equal(ops.whiten(jnp.full((4,), 3.0), eps=0.0), 0.0)
 
 
-@pytest.mark.parametrize("chunk_size, temperature", [(4, 1.0), (5, 0.7), (64, 1.3)])
-def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, temperature):
+# 3 rows: chunks of 1, 5 (T = 13 padded to 15) and all 13 positions.
+@pytest.mark.parametrize("chunk_size, temperature, transposed", [(4, 1.0, False), (15, 0.7, False), (64, 1.3, False),
+                                                                 (15, 0.7, True)])
+def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, temperature, transposed):
+    """Also with the kernel given as ``[V, E]`` (a tied embedding as stored)."""
     rng = np.random.default_rng(8)
     hidden = rng.normal(size=(3, 13, 8)).astype(np.float32)
     kernel = rng.normal(size=(8, 17)).astype(np.float32)
@@ -177,8 +180,8 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, te
         return ops.token_logprobs(logits, tokens), ops.entropy(logits)
 
     def chunked(h, w):
-        return ops.chunked_token_logprobs(h, w, tokens, chunk_size=chunk_size, temperature=temperature,
-                                          with_entropy=True)
+        return ops.chunked_token_logprobs(h, w.T if transposed else w, tokens, chunk_size=chunk_size,
+                                          temperature=temperature, with_entropy=True, transposed_kernel=transposed)
 
     for got, expected in zip(jax.jit(chunked)(hidden, kernel), full(hidden, kernel), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
@@ -205,7 +208,7 @@ def test_chunked_logprobs_never_hold_full_float32_logits_in_the_backward_pass():
 
     chunked = temp_bytes(lambda h, w: jnp.sum(ops.chunked_token_logprobs(h, w, tokens, chunk_size=64)))
     unchunked = temp_bytes(lambda h, w: jnp.sum(ops.token_logprobs(h @ w, tokens)))
-    chunk_logits_bytes = batch * 64 * vocab * 4
+    chunk_logits_bytes = 64 * vocab * 4  # 64 tokens over both rows
     assert unchunked >= full_logits_bytes  # the reference does materialise them
     # A few chunk-sized buffers (logits, softmax, their cotangents), whatever T is.
     assert chunked <= 4 * chunk_logits_bytes < full_logits_bytes
@@ -214,6 +217,12 @@ def test_chunked_logprobs_never_hold_full_float32_logits_in_the_backward_pass():
 def test_chunked_logprobs_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"`output_kernel` must have shape \[E, V\] with E = 8"):
         ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"`output_kernel` must have shape \[V, E\] with E = 8"):
+        ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((8, 5)), jnp.zeros((1, 2), jnp.int32),
+                                   transposed_kernel=True)
+    with pytest.raises(ValueError, match=r"`tokens` must hold token ids in \[0, 5\)"):
+        ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((5, 8)), jnp.full((1, 2), 6, jnp.int32),
+                                   transposed_kernel=True)
     with pytest.raises(ValueError, match=r"`chunk_size` must be an integer >= 1"):
         ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((8, 5)), jnp.zeros((1, 2), jnp.int32), chunk_size=0)
 
@@ -241,12 +250,17 @@ def test_chunked_categorical_kl_gradient_equals_the_unchunked_one():
     def chunked(hq, wq):
         return jnp.sum(weights * ops.chunked_categorical_kl(hidden_p, kernel_p, hq, wq, chunk_size=4))
 
+    def chunked_transposed(hq, wq):  # both kernels given [V, E]
+        return jnp.sum(weights * ops.chunked_categorical_kl(hidden_p, kernel_p.T, hq, wq.T, chunk_size=4,
+                                                            transposed_kernels=True))
+
     def full(hq, wq):
         return jnp.sum(weights * kl.categorical(hidden_p @ kernel_p, hq @ wq))
 
-    got, expected = jax.grad(chunked, (0, 1))(hidden_q, kernel_q), jax.grad(full, (0, 1))(hidden_q, kernel_q)
-    for g, e in zip(got, expected, strict=True):
-        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+    expected = jax.grad(full, (0, 1))(hidden_q, kernel_q)
+    for loss in (chunked, chunked_transposed):
+        for g, e in zip(jax.grad(loss, (0, 1))(hidden_q, kernel_q), expected, strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_categorical_kl_refuses_mismatched_models():

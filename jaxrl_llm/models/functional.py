@@ -163,11 +163,14 @@ def hidden_states(
     return _hidden("hidden_states", model, params, tokens, attention_mask, positions)[1]
 
 
-def output_kernel(model: Model, params: Params) -> jax.Array:
-    """The ``[E, V]`` output projection (the tied embedding transposed, or the LM head),
-    for :func:`jaxrl_llm.ops.chunked_token_logprobs`."""
+def output_kernel(model: Model, params: Params, *, as_stored: bool = False) -> jax.Array:
+    """The ``[E, V]`` output projection (the LM head, or the tied embedding transposed),
+    for :func:`jaxrl_llm.ops.chunked_token_logprobs`. With ``as_stored``, the array as the
+    params hold it: a tied embedding stays ``[V, E]`` (pass ``transposed_kernel=
+    model.config.tie_word_embeddings`` with it), so no transposed copy is made."""
     if model.config.tie_word_embeddings:
-        return params["embed_tokens"][...].T
+        embedding = params["embed_tokens"][...]
+        return embedding if as_stored else embedding.T
     return params["lm_head"][...]
 
 
@@ -354,8 +357,9 @@ def completion_logprobs(
     """
     hidden = completion_hidden_states(model, params, tokens, attention_mask, completion_len,
                                       group_size=group_size)  # [B, N, E]
-    return ops.chunked_token_logprobs(hidden, output_kernel(model, params), tokens[:, -completion_len:],
-                                      chunk_size=chunk_size, temperature=temperature)
+    return ops.chunked_token_logprobs(hidden, output_kernel(model, params, as_stored=True),
+                                      tokens[:, -completion_len:], chunk_size=chunk_size, temperature=temperature,
+                                      transposed_kernel=model.config.tie_word_embeddings)
 
 
 def logits_from_hidden(model: Model, params: Params, hidden: jax.Array) -> jax.Array:

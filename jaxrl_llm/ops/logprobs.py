@@ -94,44 +94,53 @@ def chunked_token_logprobs(
     chunk_size: int = 256,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    transposed_kernel: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Log-probs (and entropies) of ``tokens`` from hidden states, ``chunk_size`` tokens at a time.
 
     Equal to ``token_logprobs(hidden @ output_kernel / temperature, tokens)`` but never
-    holds more than ``[B, chunk_size, V]`` float32 logits: the chunks run in a
-    ``lax.scan`` whose body is rematerialised (``jax.checkpoint``) in the backward pass,
-    so neither direction stores ``[B, T, V]``. At ``V = 150k`` and ``T = 4k`` that is the
-    difference between 2.4 GB per sequence and 150 MB per chunk.
+    holds more than ``chunk_size`` tokens' float32 logits ``[B, C, V]``, ``B * C`` about
+    ``chunk_size``: the chunks run in a ``lax.scan`` whose body is rematerialised
+    (``jax.checkpoint``) in the backward pass, so neither direction stores
+    ``[B, T, V]``. At ``V = 150k`` and ``T = 4k`` that is the difference between 2.4 GB
+    per sequence and 150 MB per chunk of 256 tokens, however many rows there are.
 
     Args:
       hidden: ``[B, T, E]`` final-norm hidden states (e.g. ``models.hidden_states``).
-      output_kernel: ``[E, V]`` output projection (the tied embedding transposed, or the
-        LM head).
+      output_kernel: ``[E, V]`` output projection (the LM head, or the tied embedding
+        transposed); ``[V, E]`` with ``transposed_kernel``.
       tokens: ``[B, T]`` the tokens whose log-probs to return, ids in ``[0, V)``: checked
         when concrete (``ValueError``); under ``jit`` an id outside gets a NaN log-prob.
         ``B, T >= 1``.
-      chunk_size: tokens per chunk; ``T`` is padded up to a multiple.
+      chunk_size: tokens per chunk over all rows: each chunk takes
+        ``C = max(1, chunk_size // B)`` positions of every row (``T`` is padded up to a
+        multiple of ``C``).
       temperature: logits are divided by it (the sampling temperature; see
         :mod:`jaxrl_llm.sampling`).
       with_entropy: also return the per-token entropies of the same distributions.
+      transposed_kernel: ``output_kernel`` is ``[V, E]``, a tied embedding as stored
+        (:func:`jaxrl_llm.models.output_kernel` with ``as_stored=True``). The logits
+        contract its last axis: passing ``embedding.T`` instead makes XLA copy the
+        transpose (``V x E``, 545 MB at Qwen2.5-0.5B's shape) once for the chunks' loop,
+        and once more for its gradient.
 
     Returns:
       ``[B, T]`` float32 log-probs, and ``[B, T]`` entropies if ``with_entropy``.
     """
     fn = "chunked_token_logprobs"
-    _check_hidden_and_kernel(fn, hidden, output_kernel)
+    vocab = _check_hidden_and_kernel(fn, hidden, output_kernel, transposed=transposed_kernel)
     ids = _checks.integer(fn, "tokens", tokens)
     if ids.shape != hidden.shape[:2]:
         raise ValueError(f"{fn}: `tokens` must have shape [B, T] = {list(hidden.shape[:2])}; got {list(ids.shape)}.")
-    _checks.token_ids(fn, "tokens", tokens, output_kernel.shape[1])
+    _checks.token_ids(fn, "tokens", tokens, vocab)
     _checks.positive_int(fn, "chunk_size", chunk_size)
     _checks.positive(fn, "temperature", temperature)
 
-    chunks = _Chunks(hidden.shape[1], chunk_size)
+    chunks = _Chunks(hidden.shape[:2], chunk_size)
 
     @jax.checkpoint
     def one_chunk(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = _logits(h, output_kernel, temperature)  # [B, chunk, V]
+        logits = _logits(h, output_kernel, temperature, transposed_kernel)  # [B, chunk, V]
         logp = _token_logprobs(logits, t)  # [B, chunk]
         return logp, (entropy(logits) if with_entropy else jnp.zeros_like(logp))
 
@@ -150,6 +159,7 @@ def chunked_categorical_kl(
     *,
     chunk_size: int = 256,
     temperature: float = 1.0,
+    transposed_kernels: bool = False,
 ) -> jax.Array:
     r"""Exact per-token :math:`D_{KL}(p\,\|\,q)` over the vocabulary, from two models' hidden states.
 
@@ -159,16 +169,19 @@ def chunked_categorical_kl(
 
     Equal to ``kl.categorical(h_p @ W_p / T, h_q @ W_q / T)``, chunked over tokens like
     :func:`chunked_token_logprobs` (a rematerialised ``lax.scan``), so neither direction
-    holds more than two ``[B, chunk_size, V]`` float32 logits. Differentiable in both
+    holds more than two chunks' ``[B, C, V]`` float32 logits, ``B * C`` about ``chunk_size``. Differentiable in both
     models: TRPO's constraint :math:`D_{KL}(\pi_{old}\|\pi_\theta)` and its Fisher-vector
     products go through it, and so does the exact KL-to-reference metric.
 
     Args:
       hidden_p, hidden_q: ``[B, T, E_p]`` and ``[B, T, E_q]`` final-norm hidden states,
         ``B, T >= 1``.
-      output_kernel_p, output_kernel_q: ``[E_p, V]`` and ``[E_q, V]`` output projections.
-      chunk_size: tokens per chunk.
+      output_kernel_p, output_kernel_q: ``[E_p, V]`` and ``[E_q, V]`` output projections;
+        ``[V, E_p]`` and ``[V, E_q]`` with ``transposed_kernels``.
+      chunk_size: tokens per chunk over all rows, as in :func:`chunked_token_logprobs`.
       temperature: both models' logits are divided by it.
+      transposed_kernels: both kernels are tied embeddings as stored, as
+        ``transposed_kernel`` in :func:`chunked_token_logprobs`.
 
     Returns:
       ``[B, T]`` float32 KL divergences, each >= 0.
@@ -176,50 +189,60 @@ def chunked_categorical_kl(
     fn = "chunked_categorical_kl"
     _checks.positive_int(fn, "chunk_size", chunk_size)
     _checks.positive(fn, "temperature", temperature)
-    _check_hidden_and_kernel(fn, hidden_p, output_kernel_p, suffix="_p")
-    _check_hidden_and_kernel(fn, hidden_q, output_kernel_q, suffix="_q")
-    if hidden_p.shape[:2] != hidden_q.shape[:2] or output_kernel_p.shape[1] != output_kernel_q.shape[1]:
+    vocab_p = _check_hidden_and_kernel(fn, hidden_p, output_kernel_p, suffix="_p", transposed=transposed_kernels)
+    vocab_q = _check_hidden_and_kernel(fn, hidden_q, output_kernel_q, suffix="_q", transposed=transposed_kernels)
+    if hidden_p.shape[:2] != hidden_q.shape[:2] or vocab_p != vocab_q:
         raise ValueError(
             f"{fn}: both models need the same [B, T] and vocabulary; got hidden_p {list(hidden_p.shape)}, "
             f"hidden_q {list(hidden_q.shape)}, output_kernel_p {list(output_kernel_p.shape)}, "
             f"output_kernel_q {list(output_kernel_q.shape)}."
         )
-    chunks = _Chunks(hidden_p.shape[1], chunk_size)
+    chunks = _Chunks(hidden_p.shape[:2], chunk_size)
 
     @jax.checkpoint
     def one_chunk(h_p: jax.Array, h_q: jax.Array) -> jax.Array:
-        return kl_lib.categorical(_logits(h_p, output_kernel_p, temperature),
-                                  _logits(h_q, output_kernel_q, temperature))  # [B, chunk]
+        return kl_lib.categorical(_logits(h_p, output_kernel_p, temperature, transposed_kernels),
+                                  _logits(h_q, output_kernel_q, temperature, transposed_kernels))  # [B, chunk]
 
     _, kl = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (chunks.split(hidden_p), chunks.split(hidden_q)))
     return chunks.join(kl)
 
 
-def _check_hidden_and_kernel(fn: str, hidden: jax.Array, kernel: jax.Array, *, suffix: str = "") -> None:
+def _check_hidden_and_kernel(fn: str, hidden: jax.Array, kernel: jax.Array, *, suffix: str = "",
+                             transposed: bool = False) -> int:
+    """Checks ``hidden`` ``[B, T, E]`` against ``kernel`` ``[E, V]`` (``[V, E]`` if
+    ``transposed``); returns ``V``."""
+    layout = "[V, E]" if transposed else "[E, V]"
+    width_axis, vocab_axis = (1, 0) if transposed else (0, 1)
     _checks.rank(fn, f"hidden{suffix}", _checks.floating(fn, f"hidden{suffix}", hidden), 3, "[B, T, E]")
-    _checks.rank(fn, f"output_kernel{suffix}", _checks.floating(fn, f"output_kernel{suffix}", kernel), 2, "[E, V]")
+    _checks.rank(fn, f"output_kernel{suffix}", _checks.floating(fn, f"output_kernel{suffix}", kernel), 2, layout)
     _checks.nonempty(fn, f"hidden{suffix}", hidden, "at least one sequence and one token", axes=(0, 1))
-    _checks.nonempty(fn, f"output_kernel{suffix}", kernel, "a vocabulary of at least one token", axes=(1,))
-    if kernel.shape[0] != hidden.shape[-1]:
+    _checks.nonempty(fn, f"output_kernel{suffix}", kernel, "a vocabulary of at least one token", axes=(vocab_axis,))
+    if kernel.shape[width_axis] != hidden.shape[-1]:
         raise ValueError(
-            f"{fn}: `output_kernel{suffix}` must have shape [E, V] with E = {hidden.shape[-1]} (the hidden width); "
+            f"{fn}: `output_kernel{suffix}` must have shape {layout} with E = {hidden.shape[-1]} (the hidden width); "
             f"got {list(kernel.shape)}."
         )
+    return kernel.shape[vocab_axis]
 
 
-def _logits(hidden: jax.Array, output_kernel: jax.Array, temperature: float) -> jax.Array:
-    """``[B, C, E] @ [E, V] / T``, accumulated in float32."""
-    return jnp.matmul(hidden, output_kernel.astype(hidden.dtype), preferred_element_type=jnp.float32) / temperature
+def _logits(hidden: jax.Array, output_kernel: jax.Array, temperature: float, transposed: bool = False) -> jax.Array:
+    """``[B, C, E] @ [E, V] / T`` (``[V, E]`` contracted on ``E`` if ``transposed``), accumulated in float32."""
+    kernel = output_kernel.astype(hidden.dtype)
+    contract = ((hidden.ndim - 1,), (1 if transposed else 0,))
+    return jax.lax.dot_general(hidden, kernel, (contract, ((), ())), preferred_element_type=jnp.float32) / temperature
 
 
 class _Chunks:
-    """Splits ``[B, T, ...]`` into ``[num_chunks, B, chunk, ...]`` (zero-padding ``T`` up to
-    a multiple of the chunk) and joins per-token results back into ``[B, T]``."""
+    """Splits ``[B, T, ...]`` into ``[num_chunks, B, C, ...]``, ``C = max(1, chunk_size // B)``
+    positions of every row (zero-padding ``T`` up to a multiple of ``C``), and joins
+    per-token results back into ``[B, T]``. Chunking positions, not flattened tokens,
+    keeps rows whole: rows split over devices stay split, chunk by chunk."""
 
-    def __init__(self, length: int, chunk_size: int):
-        self.length = length
-        self.chunk = min(chunk_size, length)
-        self.num_chunks = -(-length // self.chunk)
+    def __init__(self, shape: tuple[int, int], chunk_size: int):
+        rows, self.length = shape
+        self.chunk = min(max(1, chunk_size // rows), self.length)
+        self.num_chunks = -(-self.length // self.chunk)
 
     def split(self, x: jax.Array) -> jax.Array:
         pad = self.num_chunks * self.chunk - self.length

@@ -226,16 +226,17 @@ def train(
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
 
     Args:
-      model, params: the policy (``params`` is copied, never donated).
+      model, params: the policy (``params`` is copied, never donated; the reference,
+        when the run has one, is ``params`` itself).
       algorithm: the method (a preset from :mod:`jaxrl_llm.algorithms` or any config).
       config: the run's settings.
       steps: train steps (rollout batches) to run.
       task: prompts, tokenizer, stop ids and reward functions: any
         :class:`jaxrl_llm.tasks.Task` (default: :class:`~jaxrl_llm.tasks.DigitSumTask`).
       state: continue from this state instead of a fresh one (it is donated: its
-        buffers are reused by the first update).
-      ref_params: the frozen reference (default: a copy of ``params``; only for runs that use
-        one: :func:`jaxrl_llm.training.uses_reference`).
+        buffers are reused by the first update; its reference is not).
+      ref_params: the frozen reference (default: ``params``; only for runs that use one:
+        :func:`jaxrl_llm.training.uses_reference`). Used as it is, never copied or donated.
       rollout: the :class:`~jaxrl_llm.sampling.RolloutBackend` that samples completions
         (default: the built-in KV-cache sampler with the task's stop ids and the config's
         temperature, top-k, top-p and min-p). The evaluation of ``config.eval_every``
@@ -317,7 +318,8 @@ def train(
     if state is None:
         if ref_params is not None:
             check_params(model, ref_params, name="ref_params")
-        state = init_state(model, params, algorithm, config, ref_params=ref_params)
+        # The reference is the caller's arrays, not a copy: the update below never donates it.
+        state = init_state(model, params, algorithm, config, ref_params=ref_params, copy_reference=False)
     elif ref_params is not None:
         raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
     else:
@@ -332,11 +334,24 @@ def train(
         shardings = state_shardings(state, algorithm, config, mesh,
                                     sharding.RULES["fsdp_tensor"] if rules is None else rules)
         state = distributed.put(state, shardings)  # every process holds the same state
-        placement = {"out_shardings": (shardings, None)}
+        placement = {"out_shardings": (shardings._replace(ref_params=None), None)}
         placed_batch = batch_shardings(mesh)
         place_batch = lambda batch: distributed.put(batch, placed_batch)  # noqa: E731 (the same on every process)
     score = jax.jit(counting("score", halves.score))
-    update = jax.jit(counting("update", halves.update), donate_argnums=0, **placement)
+
+    def update_apart_from_reference(state, ref_params, scored):
+        """``halves.update`` with the reference passed apart, so that donating the state
+        leaves it (the caller's ``params`` or ``ref_params``) intact."""
+        state, metrics = halves.update(state._replace(ref_params=ref_params), scored)
+        return state._replace(ref_params=None), metrics
+
+    donating_update = jax.jit(counting("update", update_apart_from_reference), donate_argnums=0, **placement)
+
+    def update(state, scored):
+        reference = state.ref_params
+        state, metrics = donating_update(state._replace(ref_params=None), reference, scored)
+        return state._replace(ref_params=reference), metrics
+
     if rollout is None:
         rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id,
                                    temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,

@@ -323,16 +323,21 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
 
 def _copy(tree):
     # The update donates the state, so the state must own its buffers: the caller's
-    # params stay valid, and the reference and critic are separate copies.
+    # params stay valid, and the critic is a separate copy.
     return jax.tree.map(jnp.copy, tree)
 
 
 def init_state(model: models.Model, params: models.Params, algorithm: algorithms.Algorithm, config: TrainConfig,
-               *, ref_params: models.Params | None = None) -> TrainState:
+               *, ref_params: models.Params | None = None, copy_reference: bool = True) -> TrainState:
     """The state at step 0: policy and reference copied from ``params`` (or the given
     ``ref_params``), a critic initialised from the policy when the method has one. The
     reference is ``None`` when the run does not use one (:func:`uses_reference`); then
-    ``ref_params`` must not be given."""
+    ``ref_params`` must not be given.
+
+    ``copy_reference=False`` makes the reference ``ref_params`` (or ``params``) itself,
+    not a copy: one params-sized buffer less (2 GB at 0.5B parameters in float32). Then
+    whatever donates the state must leave the reference out, as :func:`train` does
+    (``update`` never reads it); donating it would delete the caller's arrays."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     policy_optimizer, critic_optimizer = _optimizers(algorithm, config, decay_steps=1)
     critic_params = critic_lib.init_critic(model, params) if algorithm.needs_critic else None
@@ -341,11 +346,15 @@ def init_state(model: models.Model, params: models.Params, algorithm: algorithms
         raise ValueError(f"init_state: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "
                          "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
                          "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it.")
+    reference = None
+    if with_reference:
+        reference = params if ref_params is None else ref_params
+        reference = _copy(reference) if copy_reference else jax.tree.map(jnp.asarray, reference)
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
     return TrainState(
         params=_copy(params),
         opt_state=policy_optimizer.init(params) if policy_optimizer else (),
-        ref_params=_copy(params if ref_params is None else ref_params) if with_reference else None,
+        ref_params=reference,
         critic_params=critic_params,
         critic_opt_state=critic_optimizer.init(critic_params) if critic_params is not None else None,
         baseline=adv_lib.running_mean_init(),
@@ -560,13 +569,20 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     with_reference = uses_reference(a, config)
     logprob_options = dict(chunk_size=config.chunk_size, temperature=config.temperature)
 
+    def kernel(params) -> jax.Array:
+        """The output projection as stored: a tied embedding stays ``[V, E]`` (no transposed copy)."""
+        return models.output_kernel(model, params, as_stored=True)
+
+    def tied() -> bool:  # then `kernel` is [V, E]
+        return model.config.tie_word_embeddings
+
     def hidden_states(params, rows: Batch | ScoredBatch) -> jax.Array:
         """``[b, N, E]`` states before each completion token (each prompt once if shared)."""
         return models.group_completion_hidden_states(model, params, rows.prompt_tokens, rows.prompt_mask,
                                                      rows.completion_tokens, share_prompts=config.share_prompts)
 
     def token_logprobs(params, hidden, rows, **options):
-        return ops.chunked_token_logprobs(hidden, models.output_kernel(model, params), rows.completion_tokens,
+        return ops.chunked_token_logprobs(hidden, kernel(params), rows.completion_tokens, transposed_kernel=tied(),
                                           **logprob_options, **options)
 
     def values(critic_params, rows) -> jax.Array:
@@ -588,8 +604,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         if config.exact_kl:
             if policy_hidden is None:
                 policy_hidden = hidden_states(state.params, batch)
-            per_token = ops.chunked_categorical_kl(policy_hidden, models.output_kernel(model, state.params),
-                                                   ref_hidden, models.output_kernel(model, state.ref_params),
+            per_token = ops.chunked_categorical_kl(policy_hidden, kernel(state.params), ref_hidden,
+                                                   kernel(state.ref_params), transposed_kernels=tied(),
                                                    **logprob_options)  # [B, N]
             metrics["kl_exact"] = ops.masked_mean(per_token, mask)
         old_values = values(state.critic_params, batch) if a.needs_critic else None
@@ -722,15 +738,16 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     def trpo_update(state: TrainState, scored: ScoredBatch):
         old_params = state.params
         old_hidden = jax.lax.stop_gradient(hidden_states(old_params, scored))
-        old_kernel = jax.lax.stop_gradient(models.output_kernel(model, old_params))
-        old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.completion_tokens, **logprob_options)
+        old_kernel = jax.lax.stop_gradient(kernel(old_params))
+        old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.completion_tokens, transposed_kernel=tied(),
+                                              **logprob_options)
 
         def surrogate(p):
             return policy_loss(p, scored, old_logp=old_logp)[0]
 
         def kl_from_old(p):  # exact mean KL(pi_old || pi_p) over the batch's completion states
-            per_token = ops.chunked_categorical_kl(old_hidden, old_kernel, hidden_states(p, scored),
-                                                   models.output_kernel(model, p), **logprob_options)
+            per_token = ops.chunked_categorical_kl(old_hidden, old_kernel, hidden_states(p, scored), kernel(p),
+                                                   transposed_kernels=tied(), **logprob_options)
             return ops.masked_mean(per_token, scored.completion_mask)
 
         params, info = trpo.natural_gradient_step(

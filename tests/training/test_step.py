@@ -287,6 +287,25 @@ def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves((half.params, half.opt_state)))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))  # `params` is copied, never donated
     chex.assert_trees_all_equal(resumed.params, straight.params)
+    # The reference is the caller's params themselves, never copied or donated, and intact.
+    for state in (straight, half, resumed):
+        assert all(ref is leaf for ref, leaf in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(params)))
+    chex.assert_trees_all_equal(resumed.ref_params, models.init(CONFIG, jax.random.key(6))[1])
+
+
+def test_init_state_copies_the_reference_unless_asked_to_share_it():
+    model, params = models.init(CONFIG, jax.random.key(6))
+    _, other = models.init(CONFIG, jax.random.key(7))
+    host = jax.tree.map(np.asarray, other)
+    copied = training.init_state(model, params, algorithms.GRPO, RUN)
+    shared = training.init_state(model, params, algorithms.GRPO, RUN, copy_reference=False)
+    given = training.init_state(model, params, algorithms.GRPO, RUN, ref_params=host, copy_reference=False)
+    for ref, leaf in zip(*map(jax.tree.leaves, (copied.ref_params, params)), strict=True):
+        assert ref is not leaf and ref.unsafe_buffer_pointer() != leaf.unsafe_buffer_pointer()
+    assert all(ref is leaf for ref, leaf in zip(*map(jax.tree.leaves, (shared.ref_params, params)), strict=True))
+    assert all(isinstance(ref, jax.Array) for ref in jax.tree.leaves(given.ref_params))  # put on the device once
+    chex.assert_trees_all_equal(given.ref_params, other)
+    chex.assert_trees_all_equal(copied.ref_params, shared.ref_params)
 
 
 def test_rollouts_split_over_a_mesh_train_exactly_like_single_device_ones():
