@@ -739,8 +739,8 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
         old_params = state.params
         old_hidden = jax.lax.stop_gradient(hidden_states(old_params, scored))
         old_kernel = jax.lax.stop_gradient(kernel(old_params))
-        old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.completion_tokens, transposed_kernel=tied(),
-                                              **logprob_options)
+        old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.completion_tokens,
+                                              transposed_kernel=tied(), **logprob_options)
 
         def surrogate(p):
             return policy_loss(p, scored, old_logp=old_logp)[0]
