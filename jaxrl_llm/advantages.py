@@ -23,6 +23,8 @@ from jaxrl_llm.ops import aggregation
 
 GroupScale = Literal["group", "batch", "none"]
 GROUP_SCALES: tuple[str, ...] = get_args(GroupScale)
+GroupMeanOf = Literal["reward", "sequence_return"]
+GROUP_MEAN_OF: tuple[str, ...] = get_args(GroupMeanOf)
 
 
 def _rewards(fn: str, rewards: jax.Array) -> jax.Array:
@@ -257,6 +259,9 @@ def reinforce_plus_plus(
     gamma: float = 1.0,
     eps: float = 1e-6,
     subtract_group_mean: bool = False,
+    group_mean_of: GroupMeanOf = "reward",
+    ddof: int = 0,
+    eps_placement: aggregation.EpsPlacement = "std",
 ) -> jax.Array:
     r"""REINFORCE++ (Hu et al., 2025): returns to go, whitened over the batch's valid tokens.
 
@@ -273,6 +278,17 @@ def reinforce_plus_plus(
     responses weigh more in the statistics; one estimator for any penalty, continuous as
     it goes to 0. Rows whose mask is all zero are left out of the statistics.
 
+    With ``subtract_group_mean``, ``group_mean_of`` names what the group mean is taken of:
+
+    * ``"reward"`` (the default, OpenRLHF's REINFORCE++-baseline): :math:`R_i` alone, as
+      above; the penalty then enters each token's return to go.
+    * ``"sequence_return"`` (verl's): the sequence's penalised return
+      :math:`S_i = R_i - \sum_t \kappa_{i,t}` (0 for an empty row, which holds no
+      token to carry :math:`R_i`, as in verl), and every valid token carries
+      :math:`S_i - \mu_{G(i)}(S)` (no return to go, ``gamma`` unused) before the
+      whitening. Without a penalty, with :math:`\gamma = 1` and no empty row the two are
+      the same.
+
     Args:
       rewards: ``[B]`` sequence rewards, or ``[P, G]`` (groups in rows, ``B = P * G``;
         required for ``subtract_group_mean``).
@@ -281,13 +297,19 @@ def reinforce_plus_plus(
       gamma: discount per token, in ``[0, 1]``.
       eps: added to the standard deviation.
       subtract_group_mean: subtract each prompt's group mean from its rewards first.
+      group_mean_of: ``"reward"`` or ``"sequence_return"`` (see above).
+      ddof, eps_placement: the whitening's variance and where ``eps`` enters
+        (:func:`jaxrl_llm.ops.whiten`: verl's, OpenRLHF's).
 
     Returns:
       ``[B, T]`` float32 advantages, 0 at masked positions.
     """
     fn = "reinforce_plus_plus"
     _checks.nonnegative(fn, "eps", eps)
-    rewards = _centered(_grouped(fn, rewards, min_group=1), axis=1) if subtract_group_mean else _rewards(fn, rewards)
+    _checks.one_of(fn, "group_mean_of", group_mean_of, GROUP_MEAN_OF)
+    grouped = _grouped(fn, rewards, min_group=1) if subtract_group_mean else None  # [P, G]
+    of_returns = grouped is not None and group_mean_of == "sequence_return"
+    rewards = _centered(grouped, axis=1) if grouped is not None and not of_returns else _rewards(fn, rewards)
     rewards = rewards.reshape(-1)  # [B]
     mask = _checks.mask(fn, mask, "mask", mask)  # [B, T] bool
     _checks.rank(fn, "mask", mask, 2, "[B, T]")
@@ -298,8 +320,13 @@ def reinforce_plus_plus(
                                                                                            kl_penalty)
     _checks.same_shape(fn, "kl_penalty", penalty, "mask", mask)
     rewards_per_token = token_rewards(rewards, mask, kl_penalty=penalty)  # [B, T]
-    returns_to_go, _ = gae(rewards_per_token, jnp.zeros_like(rewards_per_token), mask, gamma=gamma, lam=1.0)
-    return aggregation.whiten(returns_to_go, mask, eps=eps)
+    if of_returns:  # verl: every token carries its sequence's penalised return, less its group's mean
+        sequence_returns = jnp.sum(rewards_per_token, axis=1)  # [B]: 0 for an empty row
+        centered = _centered(sequence_returns.reshape(grouped.shape), axis=1).reshape(-1)  # [B]
+        returns_to_go = jnp.where(mask, centered[:, None], 0.0)  # [B, T]
+    else:
+        returns_to_go, _ = gae(rewards_per_token, jnp.zeros_like(rewards_per_token), mask, gamma=gamma, lam=1.0)
+    return aggregation.whiten(returns_to_go, mask, eps=eps, ddof=ddof, eps_placement=eps_placement)
 
 
 def gae(

@@ -43,6 +43,8 @@ UpdateRule = Literal["optax", "trpo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 POLICY_OBJECTIVES: tuple[str, ...] = get_args(PolicyObjective)
 UPDATE_RULES: tuple[str, ...] = get_args(UpdateRule)
+PeerLibrary = Literal["trl", "verl", "openrlhf"]
+PEER_LIBRARIES: tuple[str, ...] = get_args(PeerLibrary)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,13 +63,24 @@ class Algorithm:
     group_scale: adv_lib.GroupScale = "group"
     """``grpo`` only: divide by the group std, the batch std, or not at all (Dr. GRPO)."""
     std_ddof: int = 0
-    """``grpo`` only: 0 is the spec's population std, 1 the sample std of TRL/verl/Tunix."""
+    """Every standard deviation the advantages take (``grpo``'s, and the whitening of
+    ``gae`` and ``reinforce_pp``): 0 is the spec's population std, 1 the sample std of
+    TRL/verl/Tunix."""
     advantage_eps: float = 1e-6
     """Added to standard deviations in ``grpo`` and ``reinforce_pp``."""
+    eps_placement: aggregation.EpsPlacement = "std"
+    """``gae`` and ``reinforce_pp`` whitening: its eps added to the std, added to the
+    variance (verl's ``rsqrt(var + eps)``) or a floor under it (OpenRLHF's); see
+    :func:`jaxrl_llm.ops.whiten`."""
     baseline_decay: float | None = 0.9
     """``running_mean_baseline`` only: EMA decay, or ``None`` for the mean of all rewards."""
     subtract_group_mean: bool = False
     """``reinforce_pp`` only: subtract each group's mean before whitening (-baseline)."""
+    group_mean_of: adv_lib.GroupMeanOf = "reward"
+    """``reinforce_pp`` with ``subtract_group_mean``: the mean of the rewards before the
+    per-token returns (OpenRLHF's), or of the KL-penalised sequence returns, carried by
+    every token (``"sequence_return"``, verl's); see
+    :func:`jaxrl_llm.advantages.reinforce_plus_plus`."""
     gamma: float = 1.0
     """``gae`` and ``reinforce_pp``: discount per token."""
     lam: float = 0.95
@@ -93,6 +106,9 @@ class Algorithm:
     """beta of a KL-to-reference term in the loss, aggregated like the objective."""
     kl_estimator: kl_lib.KLEstimator = "k3"
     """Which sample estimator the loss's KL term uses."""
+    kl_clamp: float | None = None
+    """Clamp each of the loss's KL estimates to ``[-kl_clamp, kl_clamp]`` (verl's
+    ``low_var_kl``: k3 with 10); ``None``: no clamp."""
     kl_reward_coef: float = 0.0
     """KL-to-reference penalty in the per-token reward (PPO, REINFORCE++): the trainer
     subtracts ``kl_reward_coef * k1`` from each token's reward before GAE."""
@@ -139,10 +155,12 @@ class Algorithm:
         one_of("update", UPDATE_RULES)
         one_of("agg", aggregation.AGGREGATION_MODES)
         one_of("group_scale", adv_lib.GROUP_SCALES)
+        one_of("group_mean_of", adv_lib.GROUP_MEAN_OF)
+        one_of("eps_placement", aggregation.EPS_PLACEMENTS)
         one_of("ratio_level", objectives.RATIO_LEVELS)
         one_of("kl_estimator", kl_lib.KL_ESTIMATORS)
         where = f"Algorithm {self.name!r}"
-        optional = ("eps_low", "eps_high", "dual_clip", "value_clip", "baseline_decay")  # None: off or unbounded
+        optional = ("eps_low", "eps_high", "dual_clip", "value_clip", "baseline_decay", "kl_clamp")  # None: off
         for field in ("advantage_eps", "gamma", "lam", "kl_coef", "kl_reward_coef", "entropy_coef", "max_kl",
                       "cg_damping", "backtrack_coef", "overlong_penalty", *optional):
             if not (field in optional and getattr(self, field) is None):
@@ -158,6 +176,8 @@ class Algorithm:
             _checks.nonnegative_int(where, field, getattr(self, field))
         if self.baseline_decay is not None and not 0 <= self.baseline_decay < 1:
             fail(f"`baseline_decay` must be in [0, 1) or None; got {self.baseline_decay}.")
+        if self.kl_clamp is not None and not self.kl_clamp > 0:
+            fail(f"`kl_clamp` must be > 0 or None; got {self.kl_clamp}.")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             fail(f"`gamma` and `lam` must be in [0, 1]; got gamma={self.gamma}, lam={self.lam}.")
         if self.dual_clip is not None and not self.dual_clip > 1:
@@ -197,6 +217,37 @@ class Algorithm:
         """Whether the objective reads log-probs of the sampling policy. With mu = 1 they
         equal the current ones at the single update, so a trainer may reuse them."""
         return self.objective != "policy_gradient" or self.update == "trpo"
+
+    def matching(self, library: PeerLibrary) -> Algorithm:
+        """This method with ``library``'s numerical conventions where they differ from the
+        library's defaults (README, "Matching TRL, verl and OpenRLHF"):
+
+        * ``"trl"`` (``GRPOTrainer``): the group's sample std plus 1e-4.
+        * ``"verl"`` (``core_algos.py``): the group's sample std plus 1e-6; whitening
+          ``(x - mean) * rsqrt(var_unbiased + 1e-8)``; ``seq-mean-token-sum-norm`` as
+          verl computes it (``token-sum-norm``: no division by the rows); the loss's k3 as
+          ``low_var_kl`` (clamped to 10); REINFORCE++-baseline's group mean taken of the
+          KL-penalised sequence return.
+        * ``"openrlhf"``: the group's sample std plus 1e-9; whitening with the population
+          variance floored at 1e-8; every KL estimate in the loss clamped to 10.
+
+        Everything else (the objective, its clip ranges, the coefficients) stays as set.
+        """
+        if library not in PEER_LIBRARIES:
+            raise ValueError(f"Algorithm.matching: `library` must be one of {', '.join(map(repr, PEER_LIBRARIES))}; "
+                             f"got {library!r}.")
+        whitens = self.advantage in ("gae", "reinforce_pp")
+        if library == "trl":
+            changes = dict(std_ddof=1, advantage_eps=1e-4 if self.advantage == "grpo" else self.advantage_eps)
+        elif library == "verl":
+            changes = dict(std_ddof=1, advantage_eps=1e-8 if whitens else 1e-6, eps_placement="variance",
+                           group_mean_of="sequence_return",
+                           agg="token-sum-norm" if self.agg == "seq-mean-token-sum-norm" else self.agg,
+                           kl_clamp=10.0 if self.kl_estimator == "k3" else self.kl_clamp)
+        else:
+            changes = dict(std_ddof=0 if whitens else 1, advantage_eps=1e-8 if whitens else 1e-9,
+                           eps_placement="variance_floor", kl_clamp=10.0)
+        return dataclasses.replace(self, **changes)
 
 
 def sequence_advantages(
@@ -316,11 +367,13 @@ def compute_advantages(
             raise ValueError(f"Algorithm {a.name!r} uses GAE: pass the critic's `values`.")
         token_rewards = adv_lib.token_rewards(rewards, mask, kl_penalty=penalty)  # [B, N]
         advantages, returns = adv_lib.gae(token_rewards, values, mask, gamma=a.gamma, lam=a.lam)
-        return aggregation.whiten(advantages, mask), returns, baseline
+        return (aggregation.whiten(advantages, mask, ddof=a.std_ddof, eps_placement=a.eps_placement), returns,
+                baseline)
     if a.advantage == "reinforce_pp":
         advantages = adv_lib.reinforce_plus_plus(
             rewards.reshape(-1, group_size), mask, kl_penalty=penalty, gamma=a.gamma, eps=a.advantage_eps,
-            subtract_group_mean=a.subtract_group_mean)
+            subtract_group_mean=a.subtract_group_mean, group_mean_of=a.group_mean_of, ddof=a.std_ddof,
+            eps_placement=a.eps_placement)
         return advantages, None, baseline
     sequence_rewards = rewards - jnp.sum(penalty, axis=1)
     advantages, baseline = sequence_advantages(a, sequence_rewards.reshape(-1, group_size), baseline)
@@ -352,8 +405,8 @@ def policy_loss(
         reads them for its ratio metrics only).
       advantages: ``[B]`` or ``[B, T]``.
       mask: ``[B, T]`` validity mask.
-      ref_logp: ``[B, T]`` reference log-probs; required when ``kl_coef > 0``, reported
-        as ``kl`` whenever given.
+      ref_logp: ``[B, T]`` reference log-probs; required when ``kl_coef > 0``, the KL
+        reported as ``kl_<kl_estimator>`` whenever given (:func:`objectives.kl_penalty`).
       entropy: ``[B, T]`` per-token entropies; required when ``entropy_coef > 0``.
       max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
 
@@ -378,10 +431,10 @@ def policy_loss(
     if a.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"Algorithm {a.name!r} has kl_coef={a.kl_coef} > 0: pass `ref_logp`.")
     if ref_logp is not None:
-        kl_per_token = kl_lib.estimate(logp, ref_logp, estimator=a.kl_estimator)  # [B, T]
-        metrics["kl"] = aggregation.masked_mean(jax.lax.stop_gradient(kl_per_token), mask)
-        if a.kl_coef > 0:
-            loss = loss + a.kl_coef * aggregation.aggregate(kl_per_token, mask, mode=a.agg, max_len=max_len)
+        penalty, kl_metrics = objectives.kl_penalty(logp, ref_logp, mask, coef=a.kl_coef, estimator=a.kl_estimator,
+                                                    clamp=a.kl_clamp, **common)
+        loss = loss + penalty
+        metrics.update(kl_metrics)
     if a.entropy_coef > 0 or entropy is not None:
         if entropy is None:
             raise ValueError(f"Algorithm {a.name!r} has entropy_coef={a.entropy_coef} > 0: pass `entropy`.")

@@ -11,7 +11,13 @@ name  estimator                           properties
 k1    :math:`-r`                          unbiased, high variance, can be < 0
 k2    :math:`r^2 / 2`                     biased (exact to 2nd order), >= 0
 k3    :math:`e^{r} - r - 1`               unbiased, >= 0, low variance (GRPO)
+abs   :math:`|r|`                         biased, >= 0 (verl's ``abs``)
 ====  ==================================  ======================================
+
+:func:`estimate` can clamp an estimate to ``[-clamp, clamp]``: verl's ``low_var_kl`` is
+k3 clamped to ``[-10, 10]`` (after the log-ratio's ``[-20, 20]``, which k3 always
+applies). A clamped token has no gradient: past :math:`k_3 = 10` (:math:`r` below
+about -11.0 or above about 2.61) it stops pulling towards the reference.
 
 The estimators are differentiated as written, the way GRPO (DeepSeekMath) and TRL put
 them in the loss; the reference log-probs are treated as constants. What the gradient
@@ -46,7 +52,7 @@ from jaxrl_llm import _checks
 LOG_RATIO_LIMIT = 20.0
 """k3's log-ratio is clamped to ``[-20, 20]`` before the exponential."""
 
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "abs"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
@@ -104,13 +110,33 @@ def k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     return jnp.expm1(log_ratio) - log_ratio
 
 
-ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {"k1": k1, "k2": k2, "k3": k3}
+def absolute(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+    r"""Absolute log-ratio :math:`|\log \pi_\theta(a) - \log \pi_{\text{ref}}(a)|` (verl's ``abs``).
+
+    Args:
+      logp: ``[B, T]`` log-probs of sampled tokens under the policy.
+      ref_logp: ``[B, T]`` log-probs of the same tokens under the reference.
+
+    Returns:
+      ``[B, T]`` float32 per-token estimates, each >= 0.
+    """
+    return jnp.abs(_log_ratio("abs", logp, ref_logp))
 
 
-def estimate(logp: jax.Array, ref_logp: jax.Array, *, estimator: KLEstimator = "k3") -> jax.Array:
-    """Per-token KL estimate by name: one of :data:`KL_ESTIMATORS`. Shapes ``[B, T]``."""
+ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {"k1": k1, "k2": k2, "k3": k3, "abs": absolute}
+
+
+def estimate(logp: jax.Array, ref_logp: jax.Array, *, estimator: KLEstimator = "k3",
+             clamp: float | None = None) -> jax.Array:
+    """Per-token KL estimate by name: one of :data:`KL_ESTIMATORS`, clamped to
+    ``[-clamp, clamp]`` when ``clamp`` is given (> 0; zero gradient where it binds).
+    Shapes ``[B, T]``."""
     _checks.one_of("kl.estimate", "estimator", estimator, KL_ESTIMATORS)
-    return ESTIMATORS[estimator](logp, ref_logp)
+    estimates = ESTIMATORS[estimator](logp, ref_logp)
+    if clamp is None:
+        return estimates
+    _checks.positive("kl.estimate", "clamp", clamp)
+    return jnp.clip(estimates, -clamp, clamp)
 
 
 def categorical(logits_p: jax.Array, logits_q: jax.Array) -> jax.Array:

@@ -246,6 +246,7 @@ def grpo(
     ref_logp: jax.Array | None = None,
     beta: float = 0.0,
     kl: kl_lib.KLEstimator = "k3",
+    kl_clamp: float | None = None,
     eps_low: float = 0.2,
     eps_high: float | None = None,
     dual_clip: float | None = None,
@@ -281,6 +282,7 @@ def grpo(
         when ``beta > 0``. When given with ``beta == 0`` the KL is still reported.
       beta: KL penalty coefficient :math:`\beta \ge 0`.
       kl: estimator of the per-token KL, one of :data:`jaxrl_llm.kl.KL_ESTIMATORS`.
+      kl_clamp: clamp each KL estimate to ``[-kl_clamp, kl_clamp]`` (see :func:`kl_penalty`).
       eps_low: lower clip range.
       eps_high: upper clip range; defaults to ``eps_low``.
       dual_clip: the dual-clip constant :math:`c > 1` (see :func:`ppo_clip`), or ``None``.
@@ -290,14 +292,16 @@ def grpo(
       max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
 
     Returns:
-      ``(loss, metrics)``; metrics as in the module docstring, plus ``kl`` (token mean of
-      the estimator) when ``ref_logp`` is given.
+      ``(loss, metrics)``; metrics as in the module docstring, plus :func:`kl_penalty`'s
+      ``kl_<estimator>`` (e.g. ``kl_k3``) when ``ref_logp`` is given.
     """
     fn = "objectives.grpo"
     _check_agg(fn, agg, max_len)
     _checks.one_of(fn, "level", level, RATIO_LEVELS)
     _checks.one_of(fn, "kl", kl, kl_lib.KL_ESTIMATORS)
     _checks.nonnegative(fn, "beta", beta)
+    if kl_clamp is not None:
+        _checks.positive(fn, "kl_clamp", kl_clamp)
     low, high = _clip_bounds(fn, eps_low, eps_low if eps_high is None else eps_high)
     if dual_clip is not None:
         _checks.in_range(fn, "dual_clip", dual_clip, 1.0, float("inf"), closed="()")
@@ -307,15 +311,13 @@ def grpo(
     batch = _Batch(fn, logp, advantages, mask, old_logp)
     log_ratio = batch.logp - batch.old_logp if level == "token" else _sequence_log_ratio(batch)
     per_token, metrics = _clipped_surrogate(batch, log_ratio, low=low, high=high, dual_clip=dual_clip)
-    metrics["policy_loss"] = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
-    if ref_logp is not None:
-        _checks.same_shape(fn, "ref_logp", jnp.asarray(ref_logp), "logp", batch.logp)
-        ref_logp = jnp.where(batch.mask > 0, jnp.asarray(ref_logp, jnp.float32), 0.0)
-        kl_per_token = kl_lib.ESTIMATORS[kl](batch.logp, ref_logp)  # [B, T]
-        metrics["kl"] = batch.mean(jax.lax.stop_gradient(kl_per_token))
-        if penalised:
-            per_token = per_token + beta * kl_per_token
     loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
+    metrics["policy_loss"] = loss
+    if ref_logp is not None:
+        penalty, kl_metrics = kl_penalty(logp, ref_logp, mask, coef=beta, estimator=kl, clamp=kl_clamp, agg=agg,
+                                         max_len=max_len)
+        loss = loss + penalty
+        metrics.update(kl_metrics)
     return loss, metrics
 
 
@@ -447,6 +449,63 @@ def value_loss(
         ),
     }
     return loss, metrics
+
+
+def kl_penalty(
+    logp: jax.Array,
+    ref_logp: jax.Array,
+    mask: jax.Array,
+    *,
+    coef: float,
+    estimator: kl_lib.KLEstimator = "k3",
+    clamp: float | None = None,
+    agg: AggregationMode = "seq-mean-token-mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    r"""A KL-to-reference penalty to add to any objective's loss (GRPO's :math:`\beta` term):
+
+    .. math::
+        L = \beta\, \operatorname{agg}_{i,t}\big[\widehat{D}_{KL}[\pi_\theta \| \pi_{\text{ref}}]_{i,t}\big]
+
+    with :math:`\widehat{D}_{KL}` the per-token estimator (:mod:`jaxrl_llm.kl`),
+    differentiated as written, the reference constant. Aggregated like the objective
+    (pass its ``agg``), :math:`\operatorname{agg}(\ell) + \beta\operatorname{agg}(\hat D)
+    = \operatorname{agg}(\ell + \beta \hat D)`: DeepSeekMath's per-token sum.
+
+    Args:
+      logp: ``[B, T]`` log-probs under :math:`\pi_\theta` (differentiable).
+      ref_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{ref}}` (constant).
+      mask: ``[B, T]`` validity mask.
+      coef: :math:`\beta \ge 0`; at 0 the KL is only reported.
+      estimator: one of :data:`jaxrl_llm.kl.KL_ESTIMATORS`.
+      clamp: clamp each estimate to ``[-clamp, clamp]`` (> 0), as verl's ``low_var_kl``
+        (k3, clamp 10); ``None``: no clamp.
+      agg: aggregation mode (the objective's, to keep the weights consistent).
+      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+
+    Returns:
+      ``(loss, metrics)``; metrics: ``kl_<estimator>`` (e.g. ``kl_k3``), the token mean
+      of the estimates before any clamp (the clamp shapes the loss, not the measurement).
+    """
+    fn = "kl_penalty"
+    _check_agg(fn, agg, max_len)
+    _checks.nonnegative(fn, "coef", coef)
+    _checks.one_of(fn, "estimator", estimator, kl_lib.KL_ESTIMATORS)
+    if clamp is not None:
+        _checks.positive(fn, "clamp", clamp)
+    logp = _checks.floating(fn, "logp", logp)
+    _checks.rank(fn, "logp", logp, 2, "[B, T]")
+    ref_logp = _checks.floating(fn, "ref_logp", ref_logp)
+    _checks.same_shape(fn, "ref_logp", ref_logp, "logp", logp)
+    mask = _checks.mask(fn, mask, "logp", logp).astype(jnp.float32)
+    # Padding positions may hold anything (even -inf): they are zeroed before the estimator.
+    valid = mask > 0
+    logp = jnp.where(valid, logp.astype(jnp.float32), 0.0)
+    ref_logp = jnp.where(valid, ref_logp.astype(jnp.float32), 0.0)
+    per_token = kl_lib.estimate(logp, ref_logp, estimator=estimator)  # [B, T]
+    penalised = per_token if clamp is None else jnp.clip(per_token, -clamp, clamp)
+    loss = coef * aggregation.aggregate(penalised, mask, mode=agg, max_len=max_len)
+    return loss, {f"kl_{estimator}": aggregation.masked_mean(jax.lax.stop_gradient(per_token), mask)}
 
 
 def entropy_bonus(

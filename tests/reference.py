@@ -36,9 +36,11 @@ def aggregate(values, mask, mode, max_len=None) -> float:
         return sum(s / mask[i].sum() for s, i in zip(sums, rows, strict=True)) / len(rows)
     if mode == "seq-mean-token-sum":
         return sum(sums) / len(rows)
+    length = values.shape[1] if max_len is None else max_len
     if mode == "seq-mean-token-sum-norm":
-        length = values.shape[1] if max_len is None else max_len
         return sum(sums) / (len(rows) * length)
+    if mode == "token-sum-norm":  # verl's seq-mean-token-sum-norm: no division by the rows
+        return sum(sums) / length
     raise ValueError(mode)
 
 
@@ -53,6 +55,8 @@ def kl_estimate(logp: float, ref_logp: float, estimator: str) -> float:
         return -log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
+    if estimator == "abs":
+        return abs(log_ratio)
     return math.exp(log_ratio) - log_ratio - 1.0
 
 
@@ -216,12 +220,19 @@ def gae(rewards, values, mask, gamma, lam) -> tuple[np.ndarray, np.ndarray]:
     return advantages, returns
 
 
-def whiten(values, mask, eps=1e-8) -> np.ndarray:
-    """Population-std whitening over the valid entries; 0 elsewhere."""
+def whiten(values, mask, eps=1e-8, ddof=0, eps_placement="std") -> np.ndarray:
+    """Whitening over the valid entries, 0 elsewhere, a loop over them: ``(x - mean) / s``
+    with ``s = std + eps`` (``"std"``), verl's ``masked_whiten`` ``rsqrt(var + eps)``
+    (``"variance"``) or OpenRLHF's ``rsqrt(clamp(var, min=eps))`` (``"variance_floor"``);
+    the population (``ddof=0``) or sample (``ddof=1``) variance."""
     values, mask = np.asarray(values, np.float64), np.asarray(mask) > 0
-    valid = values[mask]
+    valid = [float(x) for x, keep in zip(values.ravel(), mask.ravel()) if keep]
+    mean = sum(valid) / len(valid)
+    var = sum((x - mean) ** 2 for x in valid) / (len(valid) - ddof) if len(valid) > ddof else 0.0
+    scale = {"std": math.sqrt(var) + eps, "variance": math.sqrt(var + eps),
+             "variance_floor": math.sqrt(max(var, eps))}[eps_placement]
     out = np.zeros_like(values)
-    out[mask] = (valid - valid.mean()) / (valid.std() + eps)
+    out[mask] = [(x - mean) / scale for x in valid]
     return out
 
 

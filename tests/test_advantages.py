@@ -1,5 +1,7 @@
 """Advantage estimators: the spec's worked examples, loop references and invariants."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,3 +243,32 @@ def test_a_nan_reward_propagates_instead_of_becoming_a_zero_advantage():
     for adv in (advantages.rloo(rewards), advantages.grpo(rewards), advantages.grpo(rewards, scale="none"),
                 advantages.reinforce_plus_plus(rewards, np.ones((6, 2), bool)).reshape(2, 3, 2)):
         assert np.isnan(np.asarray(adv)[0]).all()
+
+
+def test_reinforce_plus_plus_baseline_takes_verls_group_mean_of_the_penalised_sequence_return():
+    rng = np.random.default_rng(3)
+    rewards = rng.normal(1.0, 2.0, size=(3, 4)).astype(np.float32)  # [P, G]
+    lengths = rng.integers(1, 7, size=12)
+    lengths[6] = 0  # a padding row
+    mask = np.arange(6)[None, :] < lengths[:, None]
+    penalty = rng.normal(0.0, 0.2, size=(12, 6)).astype(np.float32)
+
+    def verl_form(kl_penalty, gamma=1.0):
+        return np.asarray(advantages.reinforce_plus_plus(
+            rewards, mask, kl_penalty=kl_penalty, gamma=gamma, eps=1e-8, subtract_group_mean=True,
+            group_mean_of="sequence_return", ddof=1, eps_placement="variance"))
+
+    # verl's formula itself: tests/test_peer_conventions.py. Here: no return to go (gamma unused), every valid
+    # token of a row carries one value, and without a penalty the two forms agree.
+    np.testing.assert_allclose(verl_form(penalty, gamma=0.5), verl_form(penalty))
+    for row, length in zip(verl_form(penalty), lengths):
+        np.testing.assert_array_equal(row[:length], row[0])
+    openrlhf = functools.partial(advantages.reinforce_plus_plus, rewards, mask, eps=1e-8, subtract_group_mean=True,
+                                 ddof=1, eps_placement="variance")
+    # The forms differ on an empty row even then (verl's sum of its token rewards is 0, not R).
+    assert np.abs(verl_form(None) - np.asarray(openrlhf())).max() > 1e-2
+    mask[6, 0] = True
+    np.testing.assert_allclose(verl_form(None), openrlhf(), rtol=1e-5, atol=1e-6)
+    assert np.abs(verl_form(penalty) - np.asarray(openrlhf(kl_penalty=penalty))).max() > 1e-2
+    with pytest.raises(ValueError, match=r"`group_mean_of` must be one of 'reward', 'sequence_return'"):
+        advantages.reinforce_plus_plus(rewards, mask, subtract_group_mean=True, group_mean_of="return")

@@ -36,6 +36,9 @@ def test_all_eleven_presets_exist_and_are_frozen():
         (dict(update="trpo", max_kl=float("inf")), "`max_kl` must be a finite number; got inf"),
         (dict(value_clip=float("inf")), "`value_clip` must be a finite number; got inf"),
         (dict(kl_coef="0.1"), "`kl_coef` must be a finite number; got '0.1'"),
+        (dict(kl_clamp=0.0), "`kl_clamp` must be > 0 or None; got 0.0"),
+        (dict(kl_clamp=float("inf")), "`kl_clamp` must be a finite number; got inf"),
+        (dict(kl_estimator="low_var_kl"), "`kl_estimator` must be one of 'k1', 'k2', 'k3', 'abs'"),
     ],
 )
 def test_bad_configs_say_what_is_wrong(changes, message):
@@ -104,7 +107,8 @@ def test_policy_loss_kl_term_equals_objectives_grpo_with_beta():
             agg=agg, max_len=6,
         )
         np.testing.assert_allclose(loss, direct, rtol=1e-6)
-        np.testing.assert_allclose(metrics["kl"], direct_metrics["kl"], rtol=1e-6)
+        np.testing.assert_allclose(metrics["kl_k2"], direct_metrics["kl_k2"], rtol=1e-6)
+        assert "kl" not in metrics  # one name for one number: the estimator's
 
 
 def test_policy_loss_adds_kl_and_entropy_to_any_objective():
@@ -121,7 +125,7 @@ def test_policy_loss_adds_kl_and_entropy_to_any_objective():
         - 0.01 * reference.aggregate(entropy, b["mask"], "seq-mean-token-sum")
     )
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    assert {"kl", "entropy", "loss"} <= set(metrics)
+    assert {"kl_k3", "entropy", "loss"} <= set(metrics)
     with pytest.raises(ValueError, match="pass `ref_logp`"):
         algorithms.policy_loss(method, b["logp"], b["old_logp"], b["advantages"], b["mask"], entropy=entropy)
 
@@ -145,27 +149,36 @@ def _kl_reward_batch(seed=0, num_prompts=3, group=4, length=5):
     return rewards, mask, logp, ref_logp, values
 
 
-def test_compute_advantages_ppo_is_whitened_gae_on_kl_penalised_token_rewards():
+# (std_ddof, eps_placement): the library's default, verl's masked_whiten, OpenRLHF's normalisation.
+WHITENING = [(0, "std"), (1, "variance"), (0, "variance_floor")]
+
+
+@pytest.mark.parametrize("ddof, eps_placement", WHITENING)
+def test_compute_advantages_ppo_is_whitened_gae_on_kl_penalised_token_rewards(ddof, eps_placement):
     rewards, mask, logp, ref_logp, values = _kl_reward_batch()
-    method = algorithms.PPO
+    method = dataclasses.replace(algorithms.PPO, std_ddof=ddof, eps_placement=eps_placement)
     adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp,
                                                     values=values)
     token_rewards = reference.kl_penalised_token_rewards(rewards, mask, logp, ref_logp, method.kl_reward_coef)
     expected_adv, expected_returns = reference.gae(token_rewards, values, mask, method.gamma, method.lam)
-    np.testing.assert_allclose(adv, reference.whiten(expected_adv, mask), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(adv, reference.whiten(expected_adv, mask, ddof=ddof, eps_placement=eps_placement),
+                               rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(returns, expected_returns, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ddof, eps_placement", WHITENING)
 @pytest.mark.parametrize("subtract_group_mean", [False, True])
-def test_compute_advantages_reinforce_pp_is_the_whitened_return_to_go(subtract_group_mean):
+def test_compute_advantages_reinforce_pp_is_the_whitened_return_to_go(subtract_group_mean, ddof, eps_placement):
     rewards, mask, logp, ref_logp, _ = _kl_reward_batch(seed=1)
-    method = dataclasses.replace(algorithms.REINFORCE_PP, subtract_group_mean=subtract_group_mean)
+    method = dataclasses.replace(algorithms.REINFORCE_PP, subtract_group_mean=subtract_group_mean, std_ddof=ddof,
+                                 eps_placement=eps_placement)
     adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp)
     scores = rewards.astype(np.float64).reshape(3, 4)
     if subtract_group_mean:
         scores = scores - scores.mean(1, keepdims=True)
     token_rewards = reference.kl_penalised_token_rewards(scores.ravel(), mask, logp, ref_logp, method.kl_reward_coef)
-    expected = reference.whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask, eps=method.advantage_eps)
+    expected = reference.whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask, eps=method.advantage_eps,
+                                ddof=ddof, eps_placement=eps_placement)
     assert returns is None and adv.shape == mask.shape
     np.testing.assert_allclose(adv, expected, rtol=1e-4, atol=1e-5)
     # One estimator for every coefficient: no jump when it leaves 0.

@@ -89,7 +89,7 @@ def test_sample_estimators_average_to_the_exact_kl(scale):
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"k3: `ref_logp` must have the shape of `logp`, \[2, 3\]; got \[2, 2\]"):
         kl.k3(jnp.zeros((2, 3)), jnp.zeros((2, 2)))
-    with pytest.raises(ValueError, match="`estimator` must be one of 'k1', 'k2', 'k3'; got 'k4'"):
+    with pytest.raises(ValueError, match="`estimator` must be one of 'k1', 'k2', 'k3', 'abs'; got 'k4'"):
         kl.estimate(jnp.zeros((1, 1)), jnp.zeros((1, 1)), estimator="k4")
     with pytest.raises(ValueError, match=r"`logits_q` must have the shape of `logits_p`"):
         kl.categorical(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 4)))
@@ -140,3 +140,26 @@ def test_what_each_estimators_gradient_optimises():
     np.testing.assert_allclose(expected_grad("k1"), 0.0, atol=1e-6)
     np.testing.assert_allclose(expected_grad("k2"), jax.grad(forward_kl)(theta), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(expected_grad("k3"), jax.grad(reverse_kl)(theta), rtol=1e-4, atol=1e-6)
+
+
+def test_a_clamped_k3_is_verls_low_var_kl_with_no_gradient_where_the_clamp_binds():
+    """k3 = 10 at r = log(pi_ref / pi) of about -11.0 and 2.61: past those, 10 and no pull."""
+    logp = jnp.array([[-0.5, -0.5, -0.5, -3.2, -13.0]])
+    ref_logp = jnp.array([[-0.5, -1.5, -3.0, -0.5, -1.5]])  # r = 0, -1, -2.5, 2.7, 11.5
+    value, grad = jax.value_and_grad(lambda lp: kl.estimate(lp, ref_logp, estimator="k3", clamp=10.0).sum())(logp)
+    r = np.asarray(ref_logp - logp, np.float64)[0]
+    unclamped = np.exp(r) - r - 1
+    np.testing.assert_allclose(kl.estimate(logp, ref_logp, estimator="k3", clamp=10.0)[0], np.minimum(unclamped, 10),
+                               rtol=1e-5)
+    assert unclamped[3] > 10 and unclamped[4] > 10 and unclamped[2] < 10
+    np.testing.assert_allclose(grad[0, :3], 1 - np.exp(r[:3]), rtol=1e-5)  # d k3 / d logp = 1 - e^r
+    np.testing.assert_array_equal(grad[0, 3:], 0.0)
+    np.testing.assert_allclose(value, np.minimum(unclamped, 10).sum(), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"kl.estimate: `clamp` must be"):
+        kl.estimate(logp, ref_logp, clamp=-1.0)
+
+
+def test_abs_is_the_absolute_log_ratio():
+    logp, ref_logp = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -0.5]])
+    np.testing.assert_allclose(kl.estimate(logp, ref_logp, estimator="abs"), [[0.5, 1.5]])
+    np.testing.assert_allclose(jax.grad(lambda lp: kl.absolute(lp, ref_logp).sum())(logp), [[1.0, -1.0]])

@@ -104,6 +104,7 @@ GRPO_CASES = [
     ("token", 0.1, "k3", None, False),
     ("token", 0.1, "k1", 0.28, True),
     ("token", 0.2, "k2", 0.28, False),
+    ("token", 0.1, "abs", None, False),
     ("sequence", 0.0, "k3", None, False),
     ("sequence", 0.1, "k3", 0.28, False),
 ]
@@ -128,7 +129,7 @@ def test_grpo(agg, level, beta, kl, eps_high, per_token):
     )
     valid = b["mask"] > 0
     estimates = np.vectorize(lambda a, r: reference.kl_estimate(float(a), float(r), kl))(b["logp"], b["ref_logp"])
-    np.testing.assert_allclose(metrics["kl"], estimates[valid].mean(), rtol=1e-4)
+    np.testing.assert_allclose(metrics[f"kl_{kl}"], estimates[valid].mean(), rtol=1e-4)
 
 
 def test_gspo_ratio_is_the_length_normalised_sequence_ratio():
@@ -372,3 +373,50 @@ def test_grpo_dual_clip_equals_ppo_dual_clip():
         np.testing.assert_allclose(grpo_loss, ppo_loss, rtol=1e-6)
         expected = reference.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], 0.2, 0.2, 1.5, agg)
         np.testing.assert_allclose(grpo_loss, expected, rtol=2e-5)
+
+
+@pytest.mark.parametrize("agg", ops.AGGREGATION_MODES)
+@pytest.mark.parametrize("estimator, clamp", [("k3", None), ("k1", None), ("abs", None), ("k3", 0.05)])
+def test_kl_penalty_is_the_aggregated_clamped_estimate_and_reports_the_unclamped_mean(agg, estimator, clamp):
+    """Against a float64 loop: loss, gradient (finite differences through the loop) and metric."""
+    b = make_batch(4, ratio_noise=1.0)
+    logp, ref_logp, mask = (np.asarray(b[k], np.float64) for k in ("logp", "ref_logp", "mask"))
+
+    def loop_loss(lp):
+        per_token = np.zeros_like(lp)
+        for i, t in np.ndindex(lp.shape):
+            value = reference.kl_estimate(lp[i, t], ref_logp[i, t], estimator)
+            per_token[i, t] = value if clamp is None else min(max(value, -clamp), clamp)
+        return 0.3 * reference.aggregate(per_token, mask, agg, max_len=7)
+
+    def loss_fn(lp):
+        return objectives.kl_penalty(lp, b["ref_logp"], b["mask"], coef=0.3, estimator=estimator, clamp=clamp,
+                                     agg=agg, max_len=7)
+
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(b["logp"], jnp.float32))
+    np.testing.assert_allclose(loss, loop_loss(logp), rtol=1e-5, atol=1e-7)
+    step = 1e-6
+    for i, t in zip(*np.nonzero(mask)):
+        bumped = logp.copy()
+        bumped[i, t] += step
+        lowered = logp.copy()
+        lowered[i, t] -= step
+        np.testing.assert_allclose(grad[i, t], (loop_loss(bumped) - loop_loss(lowered)) / (2 * step),
+                                   rtol=1e-3, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(grad)[mask == 0], 0.0)
+    unclamped = np.vectorize(lambda a, r: reference.kl_estimate(float(a), float(r), estimator))(logp, ref_logp)
+    assert set(metrics) == {f"kl_{estimator}"}
+    np.testing.assert_allclose(metrics[f"kl_{estimator}"], unclamped[mask > 0].mean(), rtol=1e-5)
+    if clamp is not None:
+        assert np.any(unclamped[mask > 0] > clamp)  # the clamp binds somewhere, and those tokens have no gradient
+        np.testing.assert_array_equal(np.asarray(grad)[(mask > 0) & (unclamped > clamp)], 0.0)
+
+
+def test_kl_penalty_refuses_bad_settings():
+    b = make_batch(5)
+    with pytest.raises(ValueError, match=r"`estimator` must be one of 'k1', 'k2', 'k3', 'abs'"):
+        objectives.kl_penalty(b["logp"], b["ref_logp"], b["mask"], coef=0.1, estimator="k4")
+    with pytest.raises(ValueError, match=r"`clamp` must be"):
+        objectives.kl_penalty(b["logp"], b["ref_logp"], b["mask"], coef=0.1, clamp=0.0)
+    with pytest.raises(ValueError, match=r"`coef` must be"):
+        objectives.kl_penalty(b["logp"], b["ref_logp"], b["mask"], coef=-0.1)

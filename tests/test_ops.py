@@ -149,6 +149,28 @@ def test_shape_and_dtype_errors_name_the_argument():
         ops.aggregate(jnp.zeros((2, 3)), jnp.ones((2, 3)), mode="seq-mean-token-sum-norm", max_len=0)
 
 
+@pytest.mark.parametrize("ddof, eps_placement, eps", [(0, "std", 1e-8), (1, "std", 1e-4), (1, "variance", 1e-8),
+                                                      (0, "variance", 0.5), (0, "variance_floor", 1e-8),
+                                                      (0, "variance_floor", 50.0)])
+def test_whiten_conventions_match_a_loop_over_the_valid_entries(ddof, eps_placement, eps):
+    """Population or sample variance; eps on the std, on the variance (verl) or a floor
+    under it (OpenRLHF: 50 is above this batch's variance, so the floor binds)."""
+    rng = np.random.default_rng(16)
+    values = rng.normal(3.0, 2.0, size=(4, 6)).astype(np.float32)
+    mask = _random_mask(rng, 4, 6)
+    out = jax.jit(lambda v, m: ops.whiten(v, m, eps=eps, ddof=ddof, eps_placement=eps_placement))(values, mask)
+    expected = reference.whiten(values, mask, eps=eps, ddof=ddof, eps_placement=eps_placement)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    # No more valid entries than ddof: the variance is 0, and the one entry whitens to 0.
+    single = np.zeros((4, 6))
+    single[1, 2] = 1
+    np.testing.assert_array_equal(ops.whiten(values, single, ddof=1), 0.0)
+    with pytest.raises(ValueError, match=r"whiten: `ddof` must be an integer >= 0"):
+        ops.whiten(values, mask, ddof=-1)
+    with pytest.raises(ValueError, match=r"whiten: `eps_placement` must be one of 'std', 'variance', 'variance_floor'"):
+        ops.whiten(values, mask, eps_placement="sqrt")
+
+
 @given(st.floats(-1e3, 1e3, width=32), st.integers(1, 9))
 def test_whiten_maps_equal_values_to_exact_zero(value, size):
     np.testing.assert_array_equal(ops.whiten(jnp.full((size,), value)), np.zeros(size))

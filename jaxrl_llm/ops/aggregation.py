@@ -10,7 +10,8 @@ mode                        loss                                                
 ``token-mean``              :math:`\sum_{i,t} m x / \sum_{i,t} m`               PPO, DAPO, CISPO
 ``seq-mean-token-mean``     :math:`\frac1B \sum_i \frac{1}{|o_i|}\sum_t m x`    GRPO (spec), GSPO
 ``seq-mean-token-sum``      :math:`\frac1B \sum_i \sum_t m x`                   PG, RLOO (spec)
-``seq-mean-token-sum-norm`` :math:`\frac{1}{B\,L} \sum_{i,t} m x`               Dr. GRPO
+``seq-mean-token-sum-norm`` :math:`\frac{1}{B\,L} \sum_{i,t} m x`               Dr. GRPO, TRL
+``token-sum-norm``          :math:`\frac{1}{L} \sum_{i,t} m x`                  verl's "seq-mean-token-sum-norm"
 =========================== =================================================== =====================
 
 Convention (ours, where the papers are silent): a row whose mask is all zero is padding,
@@ -32,8 +33,11 @@ import jax.numpy as jnp
 
 from jaxrl_llm import _checks
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                          "token-sum-norm"]
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+EpsPlacement = Literal["std", "variance", "variance_floor"]
+EPS_PLACEMENTS: tuple[str, ...] = get_args(EpsPlacement)
 
 
 def _prepare(fn: str, values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -61,20 +65,24 @@ def aggregate(
         \text{token-mean} &= \frac{\sum_{i,t} m_{i,t} x_{i,t}}{\sum_{i,t} m_{i,t}} \\
         \text{seq-mean-token-mean} &= \frac{1}{B}\sum_i \frac{1}{|o_i|}\sum_t m_{i,t} x_{i,t} \\
         \text{seq-mean-token-sum} &= \frac{1}{B}\sum_i \sum_t m_{i,t} x_{i,t} \\
-        \text{seq-mean-token-sum-norm} &= \frac{1}{B \cdot L}\sum_{i,t} m_{i,t} x_{i,t}
+        \text{seq-mean-token-sum-norm} &= \frac{1}{B \cdot L}\sum_{i,t} m_{i,t} x_{i,t} \\
+        \text{token-sum-norm} &= \frac{1}{L}\sum_{i,t} m_{i,t} x_{i,t}
 
     ``seq-mean-token-mean`` is the spec's GRPO normaliser, ``seq-mean-token-sum`` the
     spec's PG / RLOO, ``token-mean`` DAPO's token-level loss and ``seq-mean-token-sum-norm``
     Dr. GRPO's constant normaliser (Liu et al., 2025, "Understanding R1-Zero-Like
-    Training"), where :math:`L` is the generation budget ``max_len``.
+    Training"; TRL's ``loss_type="dr_grpo"``), where :math:`L` is the generation budget
+    ``max_len``. ``token-sum-norm`` is what verl computes for its
+    ``"seq-mean-token-sum-norm"``: the sum divided by its ``loss_scale_factor``
+    (:math:`L`, by default the padded length), with no division by :math:`B`.
 
     Args:
       values: ``[B, T]`` per-token values, ``B, T >= 1``.
       mask: ``[B, T]`` validity mask: bool, or 0/1 numbers (any other value raises when
         the mask is concrete; under ``jit`` it is read as ``mask != 0``).
       mode: one of :data:`AGGREGATION_MODES`.
-      max_len: :math:`L` for ``seq-mean-token-sum-norm``; defaults to ``T``. Ignored by
-        the other modes.
+      max_len: :math:`L` for ``seq-mean-token-sum-norm`` and ``token-sum-norm``; defaults
+        to ``T``. Ignored by the other modes.
 
     Returns:
       A scalar in ``values``' dtype. Zero when no token is valid (never NaN).
@@ -92,6 +100,9 @@ def _aggregate(fn: str, values: jax.Array, mask: jax.Array, *, mode: str, max_le
     if mode == "token-mean":
         return jnp.sum(masked) / jnp.maximum(jnp.sum(mask), 1.0)
 
+    length = values.shape[-1] if max_len is None else max_len
+    if mode == "token-sum-norm":
+        return jnp.sum(masked) / length
     tokens_per_seq = jnp.sum(mask, axis=-1)  # [B]
     num_seqs = jnp.maximum(jnp.sum(tokens_per_seq > 0), 1).astype(values.dtype)
     if mode == "seq-mean-token-mean":
@@ -99,25 +110,29 @@ def _aggregate(fn: str, values: jax.Array, mask: jax.Array, *, mode: str, max_le
         return jnp.sum(per_seq) / num_seqs
     if mode == "seq-mean-token-sum":
         return jnp.sum(masked) / num_seqs
-    # seq-mean-token-sum-norm
-    length = values.shape[-1] if max_len is None else max_len
-    return jnp.sum(masked) / (num_seqs * length)
+    return jnp.sum(masked) / (num_seqs * length)  # seq-mean-token-sum-norm
 
 
 def aggregation_count(mask: jax.Array, *, mode: AggregationMode) -> jax.Array:
     r"""``[]`` float32: what :func:`aggregate` counts in its denominator: the valid tokens
-    (``token-mean``) or the non-empty rows :math:`B` (the ``seq-mean-*`` modes).
+    (``token-mean``), the non-empty rows :math:`B` (the ``seq-mean-*`` modes), or 1
+    (``token-sum-norm``, whose denominator is a constant: parts add up).
 
-    A batch split into parts :math:`k` with counts :math:`c_k` (any mode) has
+    A batch split into parts :math:`k` with counts :math:`c_k`, and :math:`c` the whole
+    batch's count, has (any mode)
 
-    .. math::  \operatorname{agg}(x, m) = \frac{\sum_k c_k \operatorname{agg}(x_k, m_k)}{\sum_k c_k},
+    .. math::  \operatorname{agg}(x, m) = \sum_k \frac{c_k}{c} \operatorname{agg}(x_k, m_k),
 
-    so gradient accumulation over micro-batches weights each by :math:`c_k / \sum c`.
+    with :math:`c = \sum_k c_k` for the counting modes and :math:`c_k = c = 1` for
+    ``token-sum-norm``, so gradient accumulation over micro-batches weights each by
+    :math:`c_k / c`.
     """
     _checks.one_of("aggregation_count", "mode", mode, AGGREGATION_MODES)
     mask = jnp.asarray(mask).astype(bool)
     if mode == "token-mean":
         return jnp.sum(mask).astype(jnp.float32)
+    if mode == "token-sum-norm":
+        return jnp.ones((), jnp.float32)
     return jnp.sum(jnp.any(mask, axis=-1)).astype(jnp.float32)
 
 
@@ -151,22 +166,35 @@ def whiten(
     *,
     eps: float = 1e-8,
     shift_mean: bool = True,
+    ddof: int = 0,
+    eps_placement: EpsPlacement = "std",
 ) -> jax.Array:
     r"""Normalises values to zero mean and unit variance over the valid entries.
 
     .. math::
-        \hat x = \frac{x - \bar x}{\sqrt{\operatorname{Var}[x]} + \epsilon}
+        \hat x = \frac{x - \bar x}{s}, \qquad s = \sqrt{\operatorname{Var}[x]} + \epsilon
+        \;(\texttt{"std"}), \quad \sqrt{\operatorname{Var}[x] + \epsilon}\;(\texttt{"variance"}),
+        \quad \sqrt{\max(\operatorname{Var}[x], \epsilon)}\;(\texttt{"variance\_floor"})
 
-    with the population variance over entries where ``mask`` is set (all entries when
-    ``mask`` is ``None``). With ``shift_mean=False`` the mean is added back,
+    with :math:`\operatorname{Var}[x] = \frac{1}{n - \delta}\sum (x - \bar x)^2` over the
+    :math:`n` entries where ``mask`` is set (all entries when ``mask`` is ``None``),
+    :math:`\delta` = ``ddof``: 0 is the population variance (the default), 1 the sample
+    variance. verl's ``masked_whiten`` is ``ddof=1, eps_placement="variance"``,
+    OpenRLHF's advantage normalisation ``ddof=0, eps_placement="variance_floor"``, both
+    with ``eps=1e-8``. With :math:`n \le \delta` the variance is taken as 0 (one valid
+    entry whitens to 0). With ``shift_mean=False`` the mean is added back,
     :math:`\hat x + \bar x` (TRL's and OpenRLHF's convention). Invalid entries come back
     as 0, and equal valid values as exactly 0.
 
     Args:
       values: any shape ``[...]`` with at least one entry.
       mask: same shape as ``values`` or ``None``; bool or 0/1 numbers as in :func:`aggregate`.
-      eps: added to the standard deviation; keeps a constant input finite (it maps to 0).
+      eps: keeps a constant input finite (it maps to 0); where it enters is
+        ``eps_placement``.
       shift_mean: subtract the mean (True) or only rescale (False).
+      ddof: delta degrees of freedom of the variance, an integer >= 0.
+      eps_placement: one of :data:`EPS_PLACEMENTS`: added to the standard deviation,
+        added to the variance, or a floor under the variance.
 
     Returns:
       Whitened values, same shape and dtype as ``values``.
@@ -175,16 +203,25 @@ def whiten(
     values = _checks.floating(fn, "values", values)
     _checks.nonempty(fn, "values", values, "at least one value")
     _checks.nonnegative(fn, "eps", eps)
+    _checks.nonnegative_int(fn, "ddof", ddof)
+    _checks.one_of(fn, "eps_placement", eps_placement, EPS_PLACEMENTS)
     weights = jnp.ones_like(values) if mask is None else _checks.mask(fn, mask, "values", values).astype(values.dtype)
     valid = weights > 0
     values = jnp.where(valid, values, 0.0)  # padding (even NaN) never reaches the statistics
-    count = jnp.maximum(jnp.sum(weights), 1.0)
+    total = jnp.sum(weights)
+    count = jnp.maximum(total, 1.0)
     mean = jnp.sum(values * weights) / count
     # Equal valid values map to exactly 0 (their float32 mean can be an ulp off).
     spread = jnp.max(jnp.where(valid, values, -jnp.inf)) - jnp.min(jnp.where(valid, values, jnp.inf))
     centered = jnp.where(spread == 0, 0.0, values - mean)  # a NaN propagates
-    var = jnp.sum(jnp.square(centered) * weights) / count
-    scale = jnp.sqrt(var) + eps
+    degrees = total - ddof
+    var = jnp.where(degrees > 0, jnp.sum(jnp.square(centered) * weights) / jnp.where(degrees > 0, degrees, 1.0), 0.0)
+    if eps_placement == "std":
+        scale = jnp.sqrt(var) + eps
+    elif eps_placement == "variance":
+        scale = jnp.sqrt(var + eps)
+    else:  # variance_floor
+        scale = jnp.sqrt(jnp.maximum(var, eps))
     whitened = jnp.where(scale == 0, 0.0, centered / jnp.where(scale == 0, 1.0, scale))
     if not shift_mean:
         whitened = whitened + mean

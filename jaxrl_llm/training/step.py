@@ -637,7 +637,7 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
             entropy = jax.lax.stop_gradient(entropy)  # a metric only
         loss, metrics = algorithms.policy_loss(a, logp, old_logp, rows.advantages, rows.completion_mask,
                                                ref_logp=rows.ref_logp, entropy=entropy, max_len=n)
-        if rows.ref_logp is not None:
+        if rows.ref_logp is not None and "kl_k3" not in metrics:  # the KL metric of every run with a reference
             metrics["kl_k3"] = ops.masked_mean(jax.lax.stop_gradient(kl_lib.k3(logp, rows.ref_logp)),
                                                rows.completion_mask)
         return loss, metrics

@@ -28,16 +28,19 @@ def _one_update(model, params, algorithm, run, batch):
     return jax.jit(halves.update)(state, scored)
 
 
-@pytest.mark.parametrize("method, minibatch_size, micro_batch_size", [
-    ("grpo", None, 8),  # seq-mean-token-mean; micro-batches of two whole groups
-    ("grpo", None, 2),  # micro-batches split the groups of 4: each row runs its prompt
-    ("dapo", None, 4),  # token-mean
-    ("dr-grpo", None, 4),  # seq-mean-token-sum-norm
-    ("ppo", 8, 2),  # shuffled minibatches, and the critic's token-mean value loss
+@pytest.mark.parametrize("method, minibatch_size, micro_batch_size, agg", [
+    ("grpo", None, 8, None),  # seq-mean-token-mean; micro-batches of two whole groups
+    ("grpo", None, 2, None),  # micro-batches split the groups of 4: each row runs its prompt
+    ("dapo", None, 4, None),  # token-mean
+    ("dr-grpo", None, 4, None),  # seq-mean-token-sum-norm
+    ("dr-grpo", None, 4, "token-sum-norm"),  # verl's: the parts' losses add up
+    ("ppo", 8, 2, None),  # shuffled minibatches, and the critic's token-mean value loss
 ])
 def test_gradient_accumulation_over_micro_batches_equals_the_whole_minibatch(method, minibatch_size,
-                                                                             micro_batch_size):
+                                                                             micro_batch_size, agg):
     algorithm = dataclasses.replace(algorithms.get(method), dynamic_sampling=False)
+    if agg is not None:
+        algorithm = dataclasses.replace(algorithm, agg=agg)
     model, params = models.init(CONFIG, jax.random.key(0))
     batch = _uneven(_batch(model, params, seed=3))
     # Adam's sqrt(v) + eps: with eps 1e-8 a coordinate whose gradient is rounding noise
