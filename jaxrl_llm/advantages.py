@@ -241,12 +241,15 @@ def grpo(
 def token_rewards(rewards: jax.Array, mask: jax.Array, *, kl_penalty: jax.Array | None = None) -> jax.Array:
     r"""``[B, T]`` per-token rewards: :math:`r_{i,t} = R_i\,[t = |o_i|] - \kappa_{i,t}`.
 
-    The sequence reward ``[B]`` goes on each response's last valid token of a right-padded
-    ``[B, T]`` mask (nowhere for an empty row), minus the per-token penalty
-    :math:`\kappa` (``[B, T]``, e.g. ``c * k1``) at valid tokens; 0 at masked ones.
+    The sequence reward ``[B]`` goes on each response's last valid token of the ``[B, T]``
+    mask (right-padded, or with gaps: tool outputs in a multi-turn rollout; nowhere for
+    an empty row), minus the per-token penalty :math:`\kappa` (``[B, T]``, e.g.
+    ``c * k1``) at valid tokens; 0 at masked ones.
     """
     mask = mask.astype(bool)
-    at_last_token = jax.nn.one_hot(jnp.sum(mask, axis=1) - 1, mask.shape[1], dtype=jnp.float32)  # [B, T]
+    length = mask.shape[1]
+    last = jnp.where(jnp.any(mask, axis=1), length - 1 - jnp.argmax(mask[:, ::-1], axis=1), -1)  # [B]; -1: none
+    at_last_token = jax.nn.one_hot(last, length, dtype=jnp.float32)  # [B, T]
     penalty = 0.0 if kl_penalty is None else jnp.where(mask, kl_penalty, 0.0)
     return at_last_token * jnp.asarray(rewards, jnp.float32)[:, None] - penalty
 
@@ -283,8 +286,8 @@ def reinforce_plus_plus(
     * ``"reward"`` (the default, OpenRLHF's REINFORCE++-baseline): :math:`R_i` alone, as
       above; the penalty then enters each token's return to go.
     * ``"sequence_return"`` (verl's): the sequence's penalised return
-      :math:`S_i = R_i - \sum_t \kappa_{i,t}` (0 for an empty row, which holds no
-      token to carry :math:`R_i`, as in verl), and every valid token carries
+      :math:`S_i = R_i - \sum_t \kappa_{i,t}`, the sum of its token rewards (0 for an
+      empty row, which holds no token to carry :math:`R_i`), and every valid token carries
       :math:`S_i - \mu_{G(i)}(S)` (no return to go, ``gamma`` unused) before the
       whitening. Without a penalty, with :math:`\gamma = 1` and no empty row the two are
       the same.
@@ -292,7 +295,7 @@ def reinforce_plus_plus(
     Args:
       rewards: ``[B]`` sequence rewards, or ``[P, G]`` (groups in rows, ``B = P * G``;
         required for ``subtract_group_mean``).
-      mask: ``[B, T]`` completion mask (right-padded).
+      mask: ``[B, T]`` completion mask (right-padded, or with gaps).
       kl_penalty: ``[B, T]`` per-token penalty :math:`\kappa` (``None``: 0).
       gamma: discount per token, in ``[0, 1]``.
       eps: added to the standard deviation.

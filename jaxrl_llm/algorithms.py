@@ -67,7 +67,8 @@ class Algorithm:
     ``gae`` and ``reinforce_pp``): 0 is the spec's population std, 1 the sample std of
     TRL/verl/Tunix."""
     advantage_eps: float = 1e-6
-    """Added to standard deviations in ``grpo`` and ``reinforce_pp``."""
+    """``grpo``: added to the group's std; ``reinforce_pp``: its whitening's eps (where
+    ``eps_placement`` puts it). ``gae``'s whitening uses a fixed 1e-8, every peer's."""
     eps_placement: aggregation.EpsPlacement = "std"
     """``gae`` and ``reinforce_pp`` whitening: its eps added to the std, added to the
     variance (verl's ``rsqrt(var + eps)``) or a floor under it (OpenRLHF's); see
@@ -222,7 +223,8 @@ class Algorithm:
         """This method with ``library``'s numerical conventions where they differ from the
         library's defaults (README, "Matching TRL, verl and OpenRLHF"):
 
-        * ``"trl"`` (``GRPOTrainer``): the group's sample std plus 1e-4.
+        * ``"trl"`` (``GRPOTrainer``): GRPO's group std, the sample std plus 1e-4 (TRL's
+          RLOO is ours; other methods are left as they are).
         * ``"verl"`` (``core_algos.py``): the group's sample std plus 1e-6; whitening
           ``(x - mean) * rsqrt(var_unbiased + 1e-8)``; ``seq-mean-token-sum-norm`` as
           verl computes it (``token-sum-norm``: no division by the rows); the loss's k3 as
@@ -237,15 +239,16 @@ class Algorithm:
             raise ValueError(f"Algorithm.matching: `library` must be one of {', '.join(map(repr, PEER_LIBRARIES))}; "
                              f"got {library!r}.")
         whitens = self.advantage in ("gae", "reinforce_pp")
+        pp = self.advantage == "reinforce_pp"
         if library == "trl":
-            changes = dict(std_ddof=1, advantage_eps=1e-4 if self.advantage == "grpo" else self.advantage_eps)
+            changes = dict(std_ddof=1, advantage_eps=1e-4) if self.advantage == "grpo" else {}
         elif library == "verl":
-            changes = dict(std_ddof=1, advantage_eps=1e-8 if whitens else 1e-6, eps_placement="variance",
+            changes = dict(std_ddof=1, advantage_eps=1e-8 if pp else 1e-6, eps_placement="variance",
                            group_mean_of="sequence_return",
                            agg="token-sum-norm" if self.agg == "seq-mean-token-sum-norm" else self.agg,
                            kl_clamp=10.0 if self.kl_estimator == "k3" else self.kl_clamp)
         else:
-            changes = dict(std_ddof=0 if whitens else 1, advantage_eps=1e-8 if whitens else 1e-9,
+            changes = dict(std_ddof=0 if whitens else 1, advantage_eps=1e-8 if pp else 1e-9,
                            eps_placement="variance_floor", kl_clamp=10.0)
         return dataclasses.replace(self, **changes)
 
@@ -330,7 +333,8 @@ def compute_advantages(
     Args:
       algorithm: the method.
       rewards: ``[B]`` sequence rewards, ``B = P * G`` with groups adjacent.
-      mask: ``[B, N]`` completion mask (right-padded).
+      mask: ``[B, N]`` completion mask (right-padded, or with gaps: tool outputs of a
+        multi-turn rollout; the reward goes on each row's last valid token).
       group_size: ``G``.
       logp: ``[B, N]`` log-probs under the sampling policy (``kl_reward_coef > 0``).
       ref_logp: ``[B, N]`` reference log-probs (``kl_reward_coef > 0``).
@@ -408,7 +412,8 @@ def policy_loss(
       ref_logp: ``[B, T]`` reference log-probs; required when ``kl_coef > 0``, the KL
         reported as ``kl_<kl_estimator>`` whenever given (:func:`objectives.kl_penalty`).
       entropy: ``[B, T]`` per-token entropies; required when ``entropy_coef > 0``.
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``.

@@ -46,17 +46,24 @@ def _settings(base: run_config.RunConfig, argv: Sequence[str], prog: str) -> run
                     description="Settings of the run (any field of RunConfig):")
 
 
-def _base_config(config: str | None, method: str | None, stored: run_config.RunConfig | None
-                 ) -> run_config.RunConfig:
-    """The config flags apply to: ``--config``'s file, else the run directory's, else the default."""
+def _base_config(config: str | None, method: str | None, stored: run_config.RunConfig | None,
+                 conventions: str | None = None) -> run_config.RunConfig:
+    """The config flags apply to: ``--config``'s file, else the run directory's, else the
+    default; ``--method`` (a fresh preset) and ``--conventions`` (a peer's numerics) before
+    them."""
     if config is not None:
-        return run_config.load(config, method=method)
+        return run_config.load(config, method=method, conventions=conventions)
     base = stored or run_config.RunConfig()
     if method is not None and method != base.method:
         try:
             base = dataclasses.replace(base, method=method, algorithm=algorithms.get(method))
         except ValueError as error:
             raise UsageError(f"--method: {error}") from None
+    if conventions is not None:
+        try:
+            base = dataclasses.replace(base, algorithm=base.algorithm.matching(conventions))
+        except ValueError as error:
+            raise UsageError(f"--conventions: {error}") from None
     return base
 
 
@@ -81,6 +88,9 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir (an error if none)")
     parser.add_argument("--overwrite", action="store_true", help="delete what --run-dir holds and start again")
     parser.add_argument("--method", help=f"the preset: {', '.join(algorithms.PRESETS)}")
+    parser.add_argument("--conventions", choices=algorithms.PEER_LIBRARIES,
+                        help="the method with this library's numerics (Algorithm.matching; README, \"Matching TRL, "
+                             "verl and OpenRLHF\"); --algorithm.* flags apply after it")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="the progress bar (auto: on a terminal)")
     group = parser.add_argument_group(
@@ -120,7 +130,7 @@ def parse_train(argv: Sequence[str]) -> tuple[argparse.Namespace, run_config.Run
     args, rest = parser.parse_known_args(argv)
     try:
         stored = None if args.overwrite or args.config else run.stored_config(args.run_dir)
-        return args, _settings(_base_config(args.config, args.method, stored), rest, parser.prog)
+        return args, _settings(_base_config(args.config, args.method, stored, args.conventions), rest, parser.prog)
     except (ValueError, FileNotFoundError) as error:
         raise UsageError(str(error)) from error
 

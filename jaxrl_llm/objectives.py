@@ -152,7 +152,8 @@ def policy_gradient(
       advantages: ``[B]`` or ``[B, T]`` advantages (held constant).
       mask: ``[B, T]`` validity mask.
       agg: aggregation mode, see :func:`jaxrl_llm.ops.aggregate`.
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
       old_logp: ``[B, T]`` log-probs under the sampling policy, for diagnostics only: the
         loss does not read them.
 
@@ -205,7 +206,8 @@ def ppo_clip(
       eps_high: upper clip range; defaults to ``eps_low``.
       dual_clip: the dual-clip constant :math:`c > 1`, or ``None``.
       agg: aggregation mode.
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``; metrics as in the module docstring (plus
@@ -289,7 +291,8 @@ def grpo(
         Off by default, as in the GRPO paper; verl's default is 3.
       level: ``"token"`` (GRPO) or ``"sequence"`` (GSPO) importance ratio.
       agg: aggregation mode.
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``; metrics as in the module docstring, plus :func:`kl_penalty`'s
@@ -349,7 +352,8 @@ def cispo(
       eps_low: lower clip range, or ``None`` for no lower bound.
       eps_high: upper clip range, or ``None`` for no upper bound.
       agg: aggregation mode.
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``; ``clip_fraction*`` count tokens whose weight was clipped.
@@ -399,7 +403,8 @@ def value_loss(
       mask: ``[B, T]`` validity mask.
       clip: the value clip range :math:`c > 0`, or ``None``.
       agg: aggregation mode.
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``; metrics: ``value_loss``, ``value_clip_fraction`` (tokens where
@@ -481,7 +486,8 @@ def kl_penalty(
       clamp: clamp each estimate to ``[-clamp, clamp]`` (> 0), as verl's ``low_var_kl``
         (k3, clamp 10); ``None``: no clamp.
       agg: aggregation mode (the objective's, to keep the weights consistent).
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``; metrics: ``kl_<estimator>`` (e.g. ``kl_k3``), the token mean
@@ -503,8 +509,11 @@ def kl_penalty(
     logp = jnp.where(valid, logp.astype(jnp.float32), 0.0)
     ref_logp = jnp.where(valid, ref_logp.astype(jnp.float32), 0.0)
     per_token = kl_lib.estimate(logp, ref_logp, estimator=estimator)  # [B, T]
-    penalised = per_token if clamp is None else jnp.clip(per_token, -clamp, clamp)
-    loss = coef * aggregation.aggregate(penalised, mask, mode=agg, max_len=max_len)
+    if _checks.is_number(coef) and coef == 0:  # reported only: no gradient through it (a NaN there stays out)
+        loss = jnp.zeros((), jnp.float32)
+    else:
+        penalised = per_token if clamp is None else jnp.clip(per_token, -clamp, clamp)
+        loss = coef * aggregation.aggregate(penalised, mask, mode=agg, max_len=max_len)
     return loss, {f"kl_{estimator}": aggregation.masked_mean(jax.lax.stop_gradient(per_token), mask)}
 
 
@@ -524,7 +533,8 @@ def entropy_bonus(
       mask: ``[B, T]`` validity mask.
       coef: bonus coefficient :math:`c \ge 0`.
       agg: aggregation mode (use the policy objective's to keep the weights consistent).
-      max_len: generation budget for ``agg="seq-mean-token-sum-norm"``.
+      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
+        ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``; metrics: ``entropy`` (token mean).

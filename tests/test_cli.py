@@ -47,6 +47,25 @@ def test_method_picks_the_preset_and_config_files_override_it(tmp_path):
         algorithms.REINFORCE_PP, kl_reward_coef=0.05)
 
 
+def test_conventions_give_the_method_a_peers_numerics_and_explicit_fields_win(tmp_path):
+    assert parse("--method", "dr-grpo", "--conventions", "verl").algorithm == algorithms.DR_GRPO.matching("verl")
+    assert parse("--conventions", "trl", "--algorithm.advantage-eps", "0.01").algorithm == dataclasses.replace(
+        algorithms.GRPO.matching("trl"), advantage_eps=0.01)
+    path = tmp_path / "run.toml"
+    path.write_text('method = "ppo"\nconventions = "openrlhf"\n[algorithm]\nkl_clamp = 5.0\n')
+    assert parse("--config", str(path)).algorithm == dataclasses.replace(algorithms.PPO.matching("openrlhf"),
+                                                                         kl_clamp=5.0)
+    assert parse("--config", str(path), "--conventions", "verl").algorithm == dataclasses.replace(
+        algorithms.PPO.matching("verl"), kl_clamp=5.0)
+    path.write_text('conventions = "tunix"\n')
+    with pytest.raises(cli.UsageError, match=r"conventions: Algorithm.matching: `library` must be one of 'trl', "
+                                             r"'verl', 'openrlhf'; got 'tunix'"):
+        parse("--config", str(path))
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--conventions", "tunix")
+    assert exit_info.value.code == 2
+
+
 def test_the_default_config_file_is_the_embedded_default_and_every_named_config_loads():
     assert run_config.load("default") == runs.RunConfig()
     for path in run_config.CONFIG_DIRECTORY.glob("*.toml"):

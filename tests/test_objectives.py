@@ -412,6 +412,18 @@ def test_kl_penalty_is_the_aggregated_clamped_estimate_and_reports_the_unclamped
         np.testing.assert_array_equal(np.asarray(grad)[(mask > 0) & (unclamped > clamp)], 0.0)
 
 
+def test_a_kl_penalty_of_coefficient_zero_is_reported_only():
+    """No gradient through it: a non-finite reference log-prob at a valid token reaches the
+    metric, not the loss."""
+    b = make_batch(6)
+    ref_logp = jnp.asarray(b["ref_logp"]).at[0, 0].set(jnp.inf)
+    (loss, metrics), grad = jax.value_and_grad(
+        lambda lp: objectives.kl_penalty(lp, ref_logp, b["mask"], coef=0.0, estimator="k1"), has_aux=True)(
+        jnp.asarray(b["logp"]))
+    assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0)
+    assert not np.isfinite(metrics["kl_k1"])
+
+
 def test_kl_penalty_refuses_bad_settings():
     b = make_batch(5)
     with pytest.raises(ValueError, match=r"`estimator` must be one of 'k1', 'k2', 'k3', 'abs'"):

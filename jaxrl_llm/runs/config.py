@@ -364,14 +364,22 @@ def _from_dict(cls, data: dict, where: str, *, base=None):
 def from_dict(data: dict, *, where: str = "config") -> RunConfig:
     """A :class:`RunConfig` from nested dicts (a config file's content).
 
-    ``method`` picks the preset; ``algorithm`` overrides its fields. Raises ValueError
-    naming an unknown key and the allowed ones, or a value out of range."""
+    ``method`` picks the preset, ``conventions`` (``"trl"``, ``"verl"``, ``"openrlhf"``)
+    gives it a peer library's numerics (:meth:`~jaxrl_llm.algorithms.Algorithm.matching`),
+    and ``algorithm`` overrides its fields. Raises ValueError naming an unknown key and the
+    allowed ones, or a value out of range."""
     data = dict(data)
     method = _coerce(str, data.pop("method", RunConfig.method), f"{where}.method")
+    conventions = data.pop("conventions", None)
     try:
         preset = algorithms.get(method)
     except ValueError as error:
         raise ValueError(f"{where}.method: {error}") from None
+    if conventions is not None:
+        try:
+            preset = preset.matching(conventions)
+        except ValueError as error:
+            raise ValueError(f"{where}.conventions: {error}") from None
     overrides = data.pop("algorithm", {})
     if not isinstance(overrides, dict):
         raise ValueError(f"{where}.algorithm must be a table of Algorithm fields; got {overrides!r}.")
@@ -412,12 +420,16 @@ def read(name_or_path: str | os.PathLike) -> tuple[dict, pathlib.Path]:
         raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {error}") from None
 
 
-def load(name_or_path: str | os.PathLike, *, method: str | None = None) -> RunConfig:
+def load(name_or_path: str | os.PathLike, *, method: str | None = None, conventions: str | None = None
+         ) -> RunConfig:
     """The :class:`RunConfig` of a TOML or JSON file, or of a named config (:func:`find`);
-    ``method`` replaces the file's (its ``[algorithm]`` overrides then apply to that preset)."""
+    ``method`` and ``conventions`` replace the file's (its ``[algorithm]`` overrides then
+    apply to that preset)."""
     data, path = read(name_or_path)
     if method is not None:
         data["method"] = method
+    if conventions is not None:
+        data["conventions"] = conventions
     return from_dict(data, where=str(path))
 
 

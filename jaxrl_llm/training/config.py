@@ -85,8 +85,8 @@ class TrainConfig:
     """Samples per test prompt at ``temperature`` for the evaluation's pass@k (0: greedy only)."""
     chunk_size: int = 256
     """Tokens per chunk (over all rows) when log-probs and KLs are computed from hidden
-    states: the float32 logits held at once are about ``chunk_size x V``
-    (:func:`jaxrl_llm.ops.chunked_token_logprobs`)."""
+    states: the float32 logits held at once are about ``chunk_size x V``, and at least one
+    position of every row, ``B x V`` (:func:`jaxrl_llm.ops.chunked_token_logprobs`)."""
     max_consecutive_skips: int = 3
     """Stop the run after this many train steps in a row with a non-finite update."""
     max_refill_rounds: int = 4

@@ -227,7 +227,7 @@ def train(
 
     Args:
       model, params: the policy (``params`` is copied, never donated; the reference,
-        when the run has one, is ``params`` itself).
+        when the run has one, is ``params`` itself, or on a ``mesh`` its placed copy).
       algorithm: the method (a preset from :mod:`jaxrl_llm.algorithms` or any config).
       config: the run's settings.
       steps: train steps (rollout batches) to run.
@@ -267,7 +267,9 @@ def train(
         configured in JAX is used as it is.
 
     Returns:
-      The final state and one dict of float metrics per step.
+      The final state and one dict of float metrics per step. The state's reference (and
+      that of the states the callback sees) is the caller's arrays: a loop of your own
+      that donates it must leave ``ref_params`` out, as ``train`` does.
 
     Raises:
       ValueError: settings that cannot work together, or a ``state`` / ``params`` that

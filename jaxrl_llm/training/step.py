@@ -8,7 +8,10 @@ After the rollout and the host's rewards, a train step is
    (:func:`jaxrl_llm.algorithms.compute_advantages`) and the running baseline after them;
 2. ``update(state, scored) -> (state, metrics)``: ``num_iterations`` passes over shuffled
    minibatches in one ``lax.scan`` of optax steps (or one TRPO natural-gradient step),
-   plus the critic's steps for PPO. The state is donated.
+   plus the critic's steps for PPO. The state is donated, except its reference: a state
+   from :func:`~jaxrl_llm.training.train` holds the caller's params as its reference
+   (not a copy), so jit the update as ``train`` does, with ``state._replace(ref_params=
+   None)`` donated and the reference passed apart (``update`` never reads it).
 
 Both are pure functions built once per run by :func:`make_train_step` and jitted once.
 Every change to the state happens inside them: the next PRNG key (the rollout draws
@@ -78,7 +81,8 @@ class TrainState(NamedTuple):
 
     params: models.Params
     opt_state: Any  # optax state of the policy; () for TRPO, which has none
-    ref_params: models.Params | None  # frozen: the initial policy by default; None when unused
+    ref_params: models.Params | None  # frozen: the initial policy by default (train: the caller's arrays, never
+    # donated); None when unused
     critic_params: critic_lib.CriticParams | None  # methods with GAE only
     critic_opt_state: Any
     baseline: adv_lib.RunningMeanState
