@@ -340,18 +340,13 @@ def train(
         placed_batch = batch_shardings(mesh)
         place_batch = lambda batch: distributed.put(batch, placed_batch)  # noqa: E731 (the same on every process)
     score = jax.jit(counting("score", halves.score))
-
-    def update_apart_from_reference(state, ref_params, scored):
-        """``halves.update`` with the reference passed apart, so that donating the state
-        leaves it (the caller's ``params`` or ``ref_params``) intact."""
-        state, metrics = halves.update(state._replace(ref_params=ref_params), scored)
-        return state._replace(ref_params=None), metrics
-
-    donating_update = jax.jit(counting("update", update_apart_from_reference), donate_argnums=0, **placement)
+    donating_update = jax.jit(counting("update", halves.update), donate_argnums=0, **placement)
 
     def update(state, scored):
+        """The donating update on the state without its reference (the caller's ``params``
+        or ``ref_params``, which ``update`` never reads), put back after."""
         reference = state.ref_params
-        state, metrics = donating_update(state._replace(ref_params=None), reference, scored)
+        state, metrics = donating_update(state._replace(ref_params=None), scored)
         return state._replace(ref_params=reference), metrics
 
     if rollout is None:

@@ -10,8 +10,8 @@ After the rollout and the host's rewards, a train step is
    minibatches in one ``lax.scan`` of optax steps (or one TRPO natural-gradient step),
    plus the critic's steps for PPO. The state is donated, except its reference: a state
    from :func:`~jaxrl_llm.training.train` holds the caller's params as its reference
-   (not a copy), so jit the update as ``train`` does, with ``state._replace(ref_params=
-   None)`` donated and the reference passed apart (``update`` never reads it).
+   (not a copy), so donate ``state._replace(ref_params=None)`` as ``train`` does
+   (``update`` never reads the reference).
 
 Both are pure functions built once per run by :func:`make_train_step` and jitted once.
 Every change to the state happens inside them: the next PRNG key (the rollout draws
