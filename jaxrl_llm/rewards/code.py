@@ -71,16 +71,20 @@ def code_execution(
 
     .. math::
 
-        r_i = \mathbb{1}\left[\texttt{extract\_code}(c_i) + \texttt{"\\n\\n"} + t_i
-              \text{ runs to its end and exits } 0\right]
+        r_i = \mathbb{1}\left[\texttt{extract\_code}(c_i) \text{ runs, then } t_i
+              \text{ runs in its namespace to its end}\right]
 
     for completion :math:`c_i` and test snippet :math:`t_i` (Python, usually
     ``assert`` statements), ``r_i = None`` where :math:`t_i` is ``None`` (the example
-    has no tests: the reward does not apply). The program runs in
-    :func:`jaxrl_llm.rewards.sandbox.run_python`'s sandbox; an exception, a failed
-    assert, a timeout, a broken resource limit, a crash, an output flood, or an exit
-    before the tests ran (``sys.exit(0)`` in the solution) all score 0.0. The ``B``
-    programs run in parallel on ``max_workers`` threads (default: the CPU count).
+    has no tests: the reward does not apply). Both run in
+    :func:`jaxrl_llm.rewards.sandbox.run_python`'s sandbox, the tests handed over only
+    once the completion's code has returned, and "to its end" is checked by the
+    sandbox, not taken from the program's word (its module docstring, "Completion",
+    says what that proves). An exception, a failed assert, a timeout, a broken
+    resource limit, a crash, an output flood, an exit before the tests ran
+    (``sys.exit(0)`` in the solution), or a thread still running when they end all
+    score 0.0. The ``B`` programs run in parallel on ``max_workers`` threads (default:
+    the CPU count).
 
     Args:
       completions: ``[B]`` completion texts, or TRL conversational completions (lists
@@ -109,8 +113,8 @@ def code_execution(
     limits = SandboxLimits(timeout=float(timeout), cpu_seconds=max(1, math.ceil(timeout)), memory_mb=memory_mb)
 
     todo = [i for i, test in enumerate(tests) if test is not None]
-    programs = [extract_code(completion_text(completions[i])) + "\n\n" + tests[i] for i in todo]
-    results = run_many(programs, limits=limits, max_workers=max_workers)
+    programs = [extract_code(completion_text(completions[i])) for i in todo]
+    results = run_many(programs, tests=[tests[i] for i in todo], limits=limits, max_workers=max_workers)
     rewards: list[float | None] = [None] * len(tests)
     for i, result in zip(todo, results):
         rewards[i] = 1.0 if result.passed else 0.0

@@ -1,8 +1,9 @@
 """Run untrusted Python source (model completions) in a contained subprocess.
 
-``run_python(source, limits=...)`` executes one program; ``run_many`` runs a batch on a
-bounded thread pool (each program still gets its own process). Both return
-:class:`ExecutionResult` values, never raise for anything the program does.
+``run_python(source, tests=..., limits=...)`` executes one program, then its tests;
+``run_many`` runs a batch on a bounded thread pool (each program still gets its own
+process). Both return :class:`ExecutionResult` values, never raise for anything the
+program does.
 
 Containment is layered. Each layer is used where the machine allows it and the result
 says which were active (``ExecutionResult.protections``); a missing layer never stops the
@@ -53,7 +54,53 @@ others. The layers, outermost first:
     ``system``, ``subprocess``; signals to other processes; opening for writing,
     creating, renaming, removing or changing anything outside the working directory
     (``/dev/null`` and friends allowed); reading ``/proc/<pid>`` of other processes;
-    every ``ctypes`` call and (re)importing ``ctypes`` / ``cffi`` / ``_posixsubprocess``.
+    every ``ctypes`` call and (re)importing ``ctypes`` / ``cffi`` / ``_posixsubprocess``;
+    ``sys.settrace`` / ``sys.setprofile``.
+
+Completion
+    Exit status 0 is not a pass: a program can leave early (``os._exit(0)``) or write
+    whatever message a launcher would. A pass needs a proof that the program's code and
+    then the tests returned, checked by the supervisor -- the sandbox's first process,
+    which the program cannot read, write or reopen the descriptors of (it is
+    non-dumpable and, with ``drop_privileges``, the program has another uid or no
+    capabilities). Over two pipes:
+
+    1. The program's process runs ``source``; when that returns, the launcher says
+       "solution-done" and the supervisor hands over ``tests``. Until then the tests
+       were only in the supervisor (an anonymous file whose descriptor the program's
+       process closes before ``source`` runs).
+    2. It runs the tests in ``source``'s namespace; when they return, the launcher joins
+       the threads left (as a normal exit would) and says "tests-done". The supervisor
+       SIGKILLs every other process of the sandbox (it is their reaper: ``setsid()``
+       daemons included) and waits until the program has one thread; only then does it
+       draw a random 128-bit secret and write it to the program. With threads left
+       (after a 0.5 s grace) it withholds it and the run fails, saying why.
+    3. The launcher moves the secret back with ``splice`` -- pipe to pipe inside the
+       kernel, never through the program's memory -- and exits 0.
+       :attr:`ExecutionResult.completed` is whether the secret came back.
+
+    An exception in either part exits 1 at once, through ``os._exit`` bound before
+    ``source`` ran, so a failing test never reaches "tests-done" whatever the program
+    replaced (``sys.exit``, ``traceback``, ``AssertionError``, ``sys.excepthook``).
+
+    What a pass proves: the secret did not exist before the program, alone and
+    single-threaded, said "tests-done", and is never in its memory, so nothing prepared
+    in advance produces it -- a marker, an early exit, a replaced exit function, a scan
+    of the heap, frames or descriptors, a thread or a forked process. It goes to
+    whatever in the program next reads the release pipe, and the launcher does only
+    after the tests' code returned without raising.
+
+    What it cannot prove: code in the program's process is the program's. A solution
+    that does the launcher's part itself -- says "solution-done" and "tests-done" and
+    moves the secret, from its top level, from a function the tests call, or from a
+    hook it left (``atexit``, an exception's ``__str__``, a signal handler, a trace
+    function where the audit hook is off) -- passes: the pipes are its own descriptors
+    and the protocol is in its command line. And solution code that runs while the
+    tests do can make them pass without being right (an object equal to everything,
+    patched helpers, a trace function skipping their lines). So a pass means "the
+    tests' code returned, or the program was written against this sandbox's protocol";
+    only tests run in a process that never runs the solution's code (exchanging plain
+    data with it) could rule out the second.
 
 What is not protected: an audit hook is a tripwire, not a boundary -- code that sets out
 to defeat it can (monkeypatch the stdlib functions it relies on, race it from a thread,
@@ -67,9 +114,8 @@ interpreter only root can read keeps uid 0 without capabilities: it can still wr
 root-owned files. Reads are not confined: what is not hidden stays readable (read-only),
 the interpreter's import path included. The kernel is shared (no seccomp filter, no VM),
 and memory is bounded per process, not per sandbox (no cgroup): ``max_processes *
-memory_mb`` at worst. And a program can always fake its result from inside (an object
-whose ``__eq__`` is always true, rewriting the test harness in memory);
-:attr:`ExecutionResult.completed` only catches a plain early ``exit``.
+memory_mb`` at worst. And a pass can be faked from inside by a program written to do
+so (see "Completion").
 """
 
 from __future__ import annotations
@@ -164,10 +210,12 @@ class ExecutionResult:
 
     ``status``:
 
-    - ``"passed"``: ran to its last line and exited 0;
+    - ``"passed"``: the program and then its tests ran to their ends, proven to the
+      supervisor (module docstring, "Completion"), and it exited 0;
     - ``"failed"``: exited non-zero (an exception, a failed ``assert``, ``MemoryError``
-      under the address-space limit), or exited before its last line (``sys.exit(0)``,
-      ``os._exit(0)``): whatever followed -- the tests -- did not run;
+      under the address-space limit), exited before the end (``sys.exit(0)``,
+      ``os._exit(0)``: the tests did not run), or still had other threads when the
+      tests ended (``stderr`` says so);
     - ``"timeout"``: past the wall-clock deadline or the CPU-seconds limit;
     - ``"output_limit"``: wrote more than ``max_output_bytes`` to stdout or stderr;
     - ``"crashed"``: killed by a signal (segfault, file-size limit, ...);
@@ -183,7 +231,8 @@ class ExecutionResult:
     seconds: float
     """Wall-clock seconds from spawn to clean-up."""
     completed: bool
-    """True when the program ran past its last line (see ``status`` "failed")."""
+    """True when the program returned the per-run secret: it and its tests ran to their
+    ends (module docstring, "Completion")."""
     protections: tuple[str, ...]
     """The containment layers that were active (module docstring), sorted."""
     notes: tuple[str, ...] = ()
@@ -194,55 +243,77 @@ class ExecutionResult:
         return self.status == "passed"
 
 
-def run_python(source: str, *, limits: SandboxLimits = SandboxLimits()) -> ExecutionResult:
-    """Run Python ``source`` as a program in a fresh sandboxed interpreter.
+def run_python(
+    source: str, *, tests: str | None = None, limits: SandboxLimits = SandboxLimits()
+) -> ExecutionResult:
+    """Run Python ``source`` as a program in a fresh sandboxed interpreter, then ``tests``.
 
     The program runs as ``__main__`` from ``solution.py`` in a new, empty working
-    directory, with stdin at ``/dev/null``. Returns its :class:`ExecutionResult`; raises
-    only for bad arguments. See the module docstring for what is and is not contained.
+    directory, with stdin at ``/dev/null``. ``tests`` (Python source, e.g. ``assert``
+    statements) run after it in the same namespace; the program never sees them before
+    its own code has returned (module docstring, "Completion"). Returns the
+    :class:`ExecutionResult`; raises only for bad arguments. See the module docstring
+    for what is and is not contained.
     """
     if not isinstance(source, str):
         raise TypeError(f"source must be str (Python source text), got {type(source).__name__}")
+    if tests is not None and not isinstance(tests, str):
+        raise TypeError(f"tests must be None or str (Python source text), got {type(tests).__name__}")
     if not isinstance(limits, SandboxLimits):
         raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
-    return _execute(source, limits)
+    return _execute(source, tests or "", limits)
 
 
 def run_many(
-    sources: Sequence[str], *, limits: SandboxLimits = SandboxLimits(), max_workers: int | None = None
+    sources: Sequence[str],
+    *,
+    tests: Sequence[str | None] | None = None,
+    limits: SandboxLimits = SandboxLimits(),
+    max_workers: int | None = None,
 ) -> list[ExecutionResult]:
-    """:func:`run_python` over ``sources`` on at most ``max_workers`` threads (default: the
-    CPU count), each in its own sandbox. Results are in the order of ``sources``."""
-    if isinstance(sources, str):
-        raise TypeError("sources must be a sequence of program texts, not one str")
+    """:func:`run_python` over ``sources`` (with ``tests[i]`` after ``sources[i]``, where
+    given) on at most ``max_workers`` threads (default: the CPU count), each in its own
+    sandbox. Results are in the order of ``sources``."""
+    if isinstance(sources, str) or isinstance(tests, str):
+        raise TypeError("sources and tests must be sequences of program texts, not one str")
     sources = list(sources)
+    tests = [None] * len(sources) if tests is None else list(tests)
+    if len(tests) != len(sources):
+        raise ValueError(f"tests must have one entry per source, got {len(tests)} for {len(sources)}")
     bad_workers = isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
     if max_workers is not None and bad_workers:
         raise ValueError(f"max_workers must be None or an int >= 1, got {max_workers!r}")
-    for i, source in enumerate(sources):
+    for i, (source, test) in enumerate(zip(sources, tests)):
         if not isinstance(source, str):
             raise TypeError(f"sources[{i}] must be str, got {type(source).__name__}")
+        if test is not None and not isinstance(test, str):
+            raise TypeError(f"tests[{i}] must be None or str, got {type(test).__name__}")
     if not sources:
         return []
     workers = min(len(sources), max_workers or os.cpu_count() or 1)
+    run = functools.partial(_run_one, limits=limits)
     if workers == 1:
-        return [run_python(s, limits=limits) for s in sources]
+        return list(map(run, sources, tests))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sandbox") as pool:
-        return list(pool.map(functools.partial(run_python, limits=limits), sources))
+        return list(pool.map(run, sources, tests))
+
+
+def _run_one(source: str, tests: str | None, *, limits: SandboxLimits) -> ExecutionResult:
+    return run_python(source, tests=tests, limits=limits)
 
 
 # --------------------------------------------------------------------------------------
 # Parent side.
 
 
-def _execute(source: str, limits: SandboxLimits) -> ExecutionResult:
+def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
     start = time.monotonic()
     protections = {"session", "wall_timeout", "output_cap", "clean_env", "private_tmpdir"}
     notes: list[str] = []
     is_root = os.geteuid() == 0
     uid = _claim_uid() if (is_root and limits.drop_privileges) else None
     workdir = os.path.realpath(tempfile.mkdtemp(prefix=_WORKDIR_PREFIX))
-    report_r = report_w = None
+    report_r = report_w = tests_fd = None
     try:
         program = os.path.join(workdir, _PROGRAM_NAME)
         with open(program, "w", encoding="utf-8") as f:
@@ -274,10 +345,12 @@ def _execute(source: str, limits: SandboxLimits) -> ExecutionResult:
             nproc = _count_tasks(os.getuid()) + 1 + limits.max_processes
 
         report_r, report_w = os.pipe()
+        tests_fd = _tests_file(tests)
         config = {
             "workdir": workdir,
             "program": program,
             "report_fd": report_w,
+            "tests_fd": tests_fd,
             "rlimits": {
                 "RLIMIT_CPU": [limits.cpu_seconds, limits.cpu_seconds + 1],
                 "RLIMIT_AS": [limits.memory_mb << 20] * 2,
@@ -311,13 +384,14 @@ def _execute(source: str, limits: SandboxLimits) -> ExecutionResult:
                 cwd=workdir,
                 env=env,
                 start_new_session=True,
-                pass_fds=(report_w,),
+                pass_fds=(report_w, tests_fd),
             )
         except OSError as e:
             why = f"sandbox: could not start: {e}".encode()
             return _result("error", None, b"", why, start, False, protections, notes)
-        os.close(report_w)
-        report_w = None
+        for fd in (report_w, tests_fd):
+            os.close(fd)
+        report_w = tests_fd = None
         streams = {proc.stdout.fileno(): limits.max_output_bytes, proc.stderr.fileno(): limits.max_output_bytes}
         caps = {**streams, report_r: _REPORT_CAP}
         data = {fd: bytearray() for fd in caps}
@@ -335,11 +409,24 @@ def _execute(source: str, limits: SandboxLimits) -> ExecutionResult:
         out, err = (bytes(data[fd][: streams[fd]]) for fd in streams)
         return _classify(outcome, out, err, bytes(data[report_r]), start, protections, notes, limits)
     finally:
-        for fd in (report_r, report_w):
+        for fd in (report_r, report_w, tests_fd):
             if fd is not None:
                 os.close(fd)
         _remove_tree(workdir)
         _release_uid(uid)
+
+
+def _tests_file(tests: str) -> int:
+    """A descriptor of an anonymous file (no path) holding ``tests``, read from offset 0."""
+    data = tests.encode("utf-8", "surrogatepass")  # bad code points become a SyntaxError in the sandbox
+    try:
+        fd = os.memfd_create("jaxrl-sandbox-tests")
+    except (AttributeError, OSError):
+        fd = os.dup(tempfile.TemporaryFile().fileno())  # the file object closes; the copy stays
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    return fd
 
 
 def _wait(proc: subprocess.Popen, data: dict, caps: dict, timeout: float) -> str:
@@ -448,6 +535,8 @@ def _classify(outcome, out, err, report, start, protections, notes, limits) -> E
         err += b"\nsandbox: no exit status from the supervisor\n"
         return _result("error", None, out, err, start, False, protections, notes)
     code, completed = int(final["returncode"]), bool(final.get("completed"))
+    if final.get("why"):
+        err += f"\nsandbox: {final['why']}\n".encode()
     if code == 0:
         status = "passed" if completed else "failed"
     elif code == -signal.SIGXCPU or (code == -signal.SIGKILL and final.get("cpu_seconds", 0) >= limits.cpu_seconds):
@@ -616,9 +705,10 @@ def _remove_tree(path: str) -> None:
 # --------------------------------------------------------------------------------------
 # Child side: the supervisor ("launcher"), passed to ``python -I -B -u -c``. It is trusted
 # code and uses only the standard library. As PID 1 of the namespaces it prepares the
-# file system, forks the program's process, waits for it and reports over ``report_fd``
-# (JSON lines: "setup", "ready", "setup_error", "exit"). The program's process sets its
-# limits, drops privileges, installs the audit hook and runs the source.
+# file system, forks the program's process, runs the completion protocol with it (module
+# docstring, "Completion"), waits for it and reports over ``report_fd`` (JSON lines:
+# "setup", "ready", "setup_error", "exit"). The program's process sets its limits, drops
+# privileges, installs the audit hook and runs the source, then the tests.
 
 _LAUNCHER = r'''
 # jaxrl_llm sandbox launcher
@@ -731,49 +821,160 @@ if cfg["mounts"]:
         problems.append(f"hidden_dirs/readonly_fs: {e}")
 send(REPORT, event="setup", active=active, problems=problems)
 
-status_r, status_w = os.pipe()
+status_r, status_w = os.pipe()    # program -> supervisor: "ready", "solution-done", "tests-done", the secret
+release_r, release_w = os.pipe()  # supervisor -> program: the tests, then the secret
+TESTS = cfg["tests_fd"]
 SUPERVISOR = os.getpid()
+SECRET_SIZE = 33  # 32 hex digits and a newline
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program stay ours (PID 1 already is)
 try:
     pid = os.fork()
 except OSError as e:
     send(REPORT, event="setup_error", message=f"fork: {e}")
     os._exit(70)
 
-if pid:
-    # Supervisor: forward the program's "ready", wait for it, report how it ended.
+def isolate(program):
+    """SIGKILL every process under the supervisor but ``program``; None once that is the
+    only one left and has a single thread, else why not (after a short grace period: a
+    joined thread lingers for a moment)."""
+    import time
+    deadline = time.monotonic() + 0.5
+    while True:
+        children, threads = {}, 0
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+                children.setdefault(int(fields[1]), []).append((int(name), fields[0]))
+                if int(name) == program:
+                    threads = int(fields[17])
+            except (OSError, ValueError, IndexError):
+                continue
+        others, todo = [], [SUPERVISOR]
+        while todo:
+            for child, state in children.get(todo.pop(), ()):
+                todo.append(child)
+                if child != program and state not in (b"Z", b"X"):
+                    others.append(child)
+        for other in others:
+            try:
+                os.kill(other, 9)
+            except OSError:
+                pass
+        if not others and threads == 1:
+            return None
+        if time.monotonic() > deadline:
+            if others:
+                return f"processes of the program outlived SIGKILL when its tests ended: {others}"
+            return (f"the program had {threads} threads when its tests ended; it must be down to one "
+                    "(threads left running could take the proof of completion)")
+        time.sleep(0.002)
+
+def supervise(program):
+    """Forward the program's "ready"; hand it the tests once its own code has returned,
+    and the secret once the tests have (if it is then alone); return (wait status, whether
+    the secret came back, why it was withheld)."""
+    import select
     os.close(status_w)
-    buf = b""
-    while b"\n" not in buf:
-        chunk = os.read(status_r, 65536)
+    os.close(release_r)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no reading or writing our memory, or reopening our descriptors
+    size, tests = os.fstat(TESTS).st_size, b""
+    while len(tests) < size:
+        chunk = os.pread(TESTS, size - len(tests), len(tests))
         if not chunk:
             break
-        buf += chunk
-    first, _, rest = buf.partition(b"\n")
-    try:
-        os.write(REPORT, first + b"\n")
-    except OSError:
-        pass
-    while True:
-        try:
-            reaped, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            status = None
-            break
-        if reaped == pid:
-            break
+        tests += chunk
+    os.close(TESTS)
+    stage, partial, out, secret, completed, why, status = "ready", b"", b"", None, False, None, None
+    release = release_w
+
+    def handle(line):
+        nonlocal stage, out, secret, completed, why, release
+        if stage == "ready":  # "ready" or "setup_error", for the parent
+            try:
+                os.write(REPORT, line + b"\n")
+            except OSError:
+                pass
+            stage = "solution"
+        elif stage == "solution" and line == b"solution-done":
+            out, stage = len(tests).to_bytes(8, "big") + tests, "tests"
+        elif stage == "tests" and line == b"tests-done":
+            why = isolate(program)
+            if why is None:
+                secret = os.urandom(16).hex().encode()  # born now, in this process only
+                out, stage = out + secret + b"\n", "proof"
+            else:
+                os.close(release)  # the program reads EOF and exits 1
+                out, stage, release = b"", "refused", None
+        elif stage == "proof" and line == secret:
+            completed, stage = True, "done"
+
+    def receive():
+        """Act on the complete lines waiting in the status pipe; False at EOF."""
+        nonlocal partial
+        for _ in range(64):  # a flood does not starve the rest of the loop
+            try:
+                chunk = os.read(status_r, 65536)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            *lines, partial = (partial + chunk).split(b"\n")
+            if len(partial) > 4096:
+                partial = b"\xff"  # an over-long line, which then matches nothing
+            for line in lines:
+                handle(line)
+        return True
+
     os.set_blocking(status_r, False)
+    os.set_blocking(release_w, False)
     try:
-        rest += os.read(status_r, 65536)
-    except OSError:
-        pass
-    completed = b'{"completed": true}' in rest.split(b"\n")
+        exited = os.pidfd_open(program)  # readable once the program exits
+    except (AttributeError, OSError):
+        exited = None
+    watch = [status_r] + ([exited] if exited is not None else [])
+    while status is None:
+        sending = [release] if out and release is not None else []
+        ready, writable, _ = select.select(watch, sending, [], None if exited is not None else 0.01)
+        if status_r in ready and not receive():
+            watch.remove(status_r)  # EOF
+        if writable and release is not None:
+            try:
+                out = out[os.write(release, out[:65536]):]
+            except BlockingIOError:
+                pass
+            except OSError:
+                out = b""  # nobody reads any more
+        while True:
+            try:
+                reaped, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if reaped == 0:
+                break
+            if reaped == program:
+                status = wait_status
+    if status_r in watch:
+        receive()  # what it wrote just before it exited
+    if release is not None:
+        os.close(release)
+    return status, completed, why
+
+if pid:
+    status, completed, why = supervise(pid)
     usage = __import__("resource").getrusage(__import__("resource").RUSAGE_CHILDREN)
-    code = os.waitstatus_to_exitcode(status) if status is not None else 70
-    send(REPORT, event="exit", returncode=code, completed=completed, cpu_seconds=usage.ru_utime + usage.ru_stime)
+    code = os.waitstatus_to_exitcode(status)
+    send(REPORT, event="exit", returncode=code, completed=completed, why=why,
+         cpu_seconds=usage.ru_utime + usage.ru_stime)
     os._exit(0)
 
 # ---- The program's process.
 os.close(status_r)
+os.close(release_w)
+os.close(TESTS)
 os.close(REPORT)
 def fail(message):
     send(status_w, event="setup_error", message=message)
@@ -859,7 +1060,7 @@ if cfg["audit"]:
             "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system", "os.killpg",
             "subprocess.Popen", "pty.spawn", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
             "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
-            "socket.sethostname",
+            "socket.sethostname", "sys.settrace", "sys.setprofile",
         }
         no_import = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "posix", "_signal", "signal"}
         # (path argument index, dir_fd argument index) per mutating event
@@ -935,20 +1136,61 @@ if cfg["audit"]:
     del install_guard
 
 send(status_w, event="ready", active=active, problems=problems)
-import types, traceback
+import types, traceback, linecache
 main = types.ModuleType("__main__")
 main.__file__ = cfg["program"]
 main.__builtins__ = __builtins__
 sys.modules["__main__"] = main
 sys.argv = [cfg["program"]]
+
+def run(source, filename, namespace, status_w=status_w, release_r=release_r, size=SECRET_SIZE, read=os.read,
+        write=os.write, splice=getattr(os, "splice", None), blocking=os.set_blocking, _exit=os._exit,
+        compile=compile, exec=exec, modules=sys.modules, lines=linecache.cache,
+        print_exception=traceback.print_exception):
+    """The solution, the tests the supervisor then hands over, then the proof. What it
+    calls is bound here, before the solution runs, as fast locals (rebinding them would
+    take a trace function). An exception exits 1 at once. From "tests-done" on it calls
+    only built-in functions, and the secret goes from pipe to pipe inside the kernel
+    (splice), never through this process's memory."""
+    try:
+        exec(compile(source, filename, "exec"), namespace)
+        blocking(status_w, True)  # the solution may have cleared it: the flag is shared
+        blocking(release_r, True)
+        write(status_w, b"solution-done\n")
+        data = b""
+        while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
+            chunk = read(release_r, 1 << 16)
+            if not chunk:
+                _exit(1)
+            data += chunk
+        tests = data[8:]
+        lines["<tests>"] = (len(tests), None, tests.decode("utf-8", "replace").splitlines(True), "<tests>")
+        exec(compile(tests, "<tests>", "exec"), namespace)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        _exit(1)
+    shutdown = getattr(modules.get("threading"), "_shutdown", None)
+    if shutdown is not None:
+        shutdown()  # join the threads left behind, as a normal exit does
+    blocking(status_w, True)
+    blocking(release_r, True)
+    write(status_w, b"tests-done\n")
+    moved = 0
+    while moved < size:
+        left = size - moved
+        try:
+            n = splice(release_r, status_w, left) if splice else write(status_w, read(release_r, left))
+        except BlockingIOError:  # cleared again before the supervisor made us alone
+            blocking(status_w, True)
+            blocking(release_r, True)
+            continue
+        if not n:
+            _exit(1)  # withheld: see the supervisor's report
+        moved += n
+    _exit(0)
+
 del cfg, libc, check, mount, send
-try:
-    exec(compile(source, main.__file__, "exec"), main.__dict__)
-except SystemExit:
-    raise
-except BaseException as exc:
-    traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-    sys.exit(1)
-os.write(status_w, b'{"completed": true}\n')
-sys.exit(0)
+run(source, main.__file__, main.__dict__)
 '''

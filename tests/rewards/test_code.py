@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from jaxrl_llm.rewards.code import code_execution, extract_code
-from tests.rewards.test_sandbox import running
+from tests.rewards.test_sandbox import FORGE, running
 
 GOOD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
 BAD = "```python\ndef add(a, b):\n    return a - b\n```"
@@ -145,3 +145,21 @@ def test_hostile_batch_scores_zero_and_the_rest_still_pass(tmp_path, monkeypatch
     server.close()
     assert not target.exists()
     assert running(marker) == []
+
+
+def test_forged_completions_score_zero():
+    """Completions that try to report success for tests they fail: from their top level,
+    from the function the tests call, or by reading the tests to answer them."""
+    hacks = {
+        "top level": FORGE + "forge()\ndef add(a, b):\n    return 0",
+        "the tested function": FORGE + "def add(a, b):\n    forge()",
+        "replaced exit": "import sys\nsys.exit = lambda *a: None\ndef add(a, b):\n    return 0",
+        "reading the tests": (
+            "import gc, sys\nseen = open(__file__).read() + open('/proc/self/cmdline', 'rb').read().decode('latin-1')\n"
+            "seen += ' '.join(o for o in gc.get_objects() if type(o) is str)\n"
+            "def add(a, b):\n    return 3 if 'jaxrl-sentinel-' + '1,2' in seen else 0"
+        ),
+    }
+    tests = "assert add(1, 2) == 3, 'jaxrl-sentinel-1,2'"
+    rewards = code_execution(completions=[_fence(h) for h in hacks.values()], tests=[tests] * len(hacks), timeout=5.0)
+    assert dict(zip(hacks, rewards)) == dict.fromkeys(hacks, 0.0)
