@@ -22,14 +22,21 @@ message before any compute; Ctrl-C saves a checkpoint and exits with status 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import inspect
 import json
+import logging
+import os
+import pathlib
 import sys
+import sysconfig
+import traceback
 from collections.abc import Sequence
 
 import tyro
 
-from jaxrl_llm import algorithms, host, training
+from jaxrl_llm import algorithms, host, rewards, training
 from jaxrl_llm.runs import build, config as run_config, run
 
 PROG = "jaxrl-llm"
@@ -41,9 +48,17 @@ class UsageError(Exception):
 
 
 def _settings(base: run_config.RunConfig, argv: Sequence[str], prog: str) -> run_config.RunConfig:
-    """``base`` with the ``--field value`` flags of ``argv`` applied (tyro; exits 2 on a bad one)."""
-    return tyro.cli(run_config.RunConfig, default=base, args=list(argv), prog=prog, config=_TYRO,
-                    description="Settings of the run (any field of RunConfig):")
+    """``base`` with the ``--field value`` flags of ``argv`` applied (tyro; exits 2 on a bad
+    one). ``--warm-start.*`` flags change the demo's warm start only on the demo, as a
+    config file's ``[warm_start]`` does (:func:`~jaxrl_llm.runs.config.from_dict`)."""
+    def parse(start: run_config.RunConfig) -> run_config.RunConfig:
+        return tyro.cli(run_config.RunConfig, default=start, args=list(argv), prog=prog, config=_TYRO,
+                        description="Settings of the run (any field of RunConfig):")
+
+    if base.warm_start == run_config.DEMO_WARM_START and any(arg.startswith("--warm-start.") for arg in argv):
+        settings = parse(dataclasses.replace(base, warm_start=run_config.WarmStartConfig()))
+        return parse(base) if settings.is_demo else settings
+    return parse(base)
 
 
 def _base_config(config: str | None, method: str | None, stored: run_config.RunConfig | None,
@@ -141,8 +156,12 @@ def train(argv: Sequence[str]) -> int:
         args, config = parse_train(argv)
         progress = {"auto": None, "on": True, "off": False}[args.progress]
         _connect(args)
-        run.train_run(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, progress=progress)
+        with _storage_noise_muted():
+            run.train_run(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, progress=progress)
     except (UsageError, ValueError, FileNotFoundError) as error:
+        if (reason := run.storage_failure(error)) is not None:
+            return _report(f"{parser.prog}: error: could not use {args.run_dir}: {reason}.", error, args.run_dir,
+                           checkpoint=run.latest_checkpoint(args.run_dir), storage=True)
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except training.RunInterrupted as interrupted:
         print(f"{PROG}: {_without_api_hint(interrupted)}", file=sys.stderr)
@@ -151,8 +170,16 @@ def train(argv: Sequence[str]) -> int:
         print(f"{PROG}: interrupted before the first train step; no checkpoint to save.", file=sys.stderr)
         return 130
     except training.RunStopped as stopped:
-        print(f"{PROG}: {_without_api_hint(stopped)}", file=sys.stderr)
-        return 1
+        cause = stopped.__cause__ or stopped
+        reason = run.storage_failure(cause)
+        message = (f"{_without_api_hint(stopped).partition(': ')[0]}: could not write the run's files: {reason}."
+                   if reason else _without_api_hint(stopped))
+        return _report(f"{parser.prog}: error: {message}", cause, args.run_dir,
+                       checkpoint=getattr(stopped, "checkpoint_step", None), storage=reason is not None)
+    except (rewards.RewardFunctionError, OSError) as error:  # outside a train step: the warm start's evaluation
+        reason = run.storage_failure(error)
+        return _report(f"{parser.prog}: error: {f'could not write the run files: {reason}.' if reason else error}",
+                       error, args.run_dir, checkpoint=run.latest_checkpoint(args.run_dir), storage=reason is not None)
     return 0
 
 
@@ -160,6 +187,85 @@ def _without_api_hint(stopped: BaseException) -> str:
     """A stopped run's message without the hint for Python callers (``.state``, ``.history``)."""
     message, hint, _ = str(stopped).partition("; `.state` and `.history`")
     return message + "." if hint else message
+
+
+def _report(message: str, error: BaseException, run_dir: str | None, *, checkpoint: int | None = None,
+            storage: bool = False) -> int:
+    """Prints a failure for a person: ``message``, the traceback of their own code in
+    ``error`` (:func:`user_traceback`) and, for a run, how to go on; returns the exit
+    status, 1."""
+    lines = [message, *([] if storage else user_traceback(error))]
+    fix = "free space (or make it writable)" if storage else "fix the cause"
+    if run_dir is not None and checkpoint is not None:
+        lines.append(f"The checkpoint of step {checkpoint} in {run_dir} is intact; {fix} and continue with: "
+                     f"{PROG} train --run-dir {run_dir} --resume")
+    elif run_dir is not None:
+        lines.append(f"No checkpoint was saved; {fix} and run the same command again.")
+    print("\n".join(lines), file=sys.stderr)
+    return 1
+
+
+def _library_paths() -> tuple[str, ...]:
+    """Where code that is not the user's lives: this library, the standard library and the
+    installed packages."""
+    paths = sysconfig.get_paths()
+    found = {str(pathlib.Path(__file__).resolve().parent), *(paths[name] for name in ("stdlib", "purelib", "platlib"))}
+    return tuple(os.path.realpath(path) + os.sep for path in found)
+
+
+def user_traceback(error: BaseException) -> list[str]:
+    """The lines of the traceback of the user's own code in ``error``'s chain (its causes
+    and contexts): the frames outside :func:`_library_paths`, innermost exception first
+    found, with its type and message; or where the failing reward function is defined."""
+    library = _library_paths()
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for exception in reversed(chain):  # the innermost (the user's own exception) first
+        frames = [frame for frame in traceback.extract_tb(exception.__traceback__)
+                  if not frame.filename.startswith("<") and not os.path.realpath(frame.filename).startswith(library)]
+        if frames:
+            return ["Traceback of your code (most recent call last):",
+                    *"".join(traceback.format_list(frames)).rstrip("\n").split("\n"),
+                    *traceback.format_exception_only(exception)[-1].rstrip("\n").split("\n")]
+    function = next((getattr(e, "function", None) for e in chain if getattr(e, "function", None)), None)
+    code = getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
+    if code is not None and not os.path.realpath(code.co_filename).startswith(library):
+        return [f"  {rewards.reward_name(function)} is defined in {code.co_filename}, line {code.co_firstlineno}."]
+    return []
+
+
+@contextlib.contextmanager
+def _storage_noise_muted():
+    """While a run writes its files: the errors orbax's writer threads log, and Python's
+    "Exception ignored" reports at exit, for a file system that is full or read-only are
+    dropped (the run reports the failure itself, in one line)."""
+    def noise(record: logging.LogRecord) -> bool:
+        text = record.getMessage() + ("".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
+        return not any(marker in text for marker in _STORAGE_MARKERS)
+
+    def unraisable(report) -> None:
+        if report.exc_value is not None and (run.storage_failure(report.exc_value) or
+                                             "Python is likely shutting down" in str(report.exc_value)):
+            return
+        hook(report)
+
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    for logger in loggers:
+        logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(noise)
+        # kept for the interpreter's exit, when the writer threads' coroutines are collected
+
+
+_STORAGE_MARKERS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
+                    "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
 
 
 def evaluate(argv: Sequence[str]) -> int:
@@ -205,6 +311,8 @@ def evaluate(argv: Sequence[str]) -> int:
             where = None
     except UsageError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except rewards.RewardFunctionError as error:
+        return _report(f"{parser.prog}: error: {error}", error, None)
     print(run.format_results(results))
     if args.out:
         with open(args.out, "w") as file:
@@ -231,6 +339,8 @@ def export(argv: Sequence[str]) -> int:
         step = run.export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except OSError as error:  # a full or read-only disk
+        parser.exit(1, f"{parser.prog}: error: could not write {args.out}: {run.storage_failure(error) or error}.\n")
     print(f"Exported step {step} of {args.run_dir} to {args.out}")
     return 0
 

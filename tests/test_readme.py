@@ -1,17 +1,22 @@
 """The README's examples run as they are written."""
 
+import json
+import os
 import pathlib
 import runpy
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _example(name: str) -> str:
-    """The Python block that follows ``<!-- readme-example: name -->`` in the README."""
+def _example(name: str, language: str = "python") -> str:
+    """The code block that follows ``<!-- readme-example: name -->`` in the README."""
     text = README.read_text()
-    marker = f"<!-- readme-example: {name} -->\n```python\n"
+    marker = f"<!-- readme-example: {name} -->\n```{language}\n"
     assert text.count(marker) == 1, f"README has no single example {name!r}"
     return text.split(marker)[1].split("\n```")[0]
 
@@ -26,3 +31,26 @@ def test_the_own_data_example_trains_evaluates_and_reports_its_metrics(tmp_path,
     assert {"reward_accuracy", "reward_format_reward", "eval_greedy_accuracy"} <= history[-1].keys()
     assert "eval_greedy_accuracy" in history[1] and "eval_greedy_accuracy" not in history[0]  # eval_every=2
     assert "'pass@4':" in evaluation and namespace["path"].exists()
+
+
+@pytest.mark.slow
+def test_the_own_data_command_line_example_runs_as_written_in_a_users_directory(tmp_path):
+    project = tmp_path / "my-project"  # outside the repository, as a user's
+    (project / "data").mkdir(parents=True)
+    (project / "my_rewards.py").write_text(_example("own-data-cli/my_rewards.py"))
+    (project / "run.toml").write_text(_example("own-data-cli/run.toml", "toml"))
+    rng = np.random.default_rng(0)
+    with open(project / "data" / "train.jsonl", "w") as file:
+        for a, b in rng.integers(0, 10, size=(60, 2)):
+            file.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many apples?",
+                                   "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n")
+    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHONPATH", None)
+    for command in _example("own-data-cli/commands", "bash").splitlines():
+        done = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    metrics = [json.loads(line) for line in (project / "runs/mine/metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 20 and "reward_correctness" in metrics[-1]
+    assert json.loads((project / "runs/mine/warm_start.json").read_text())["steps"] == 0  # no hidden stage
+    assert (project / "exported" / "config.json").is_file()

@@ -21,9 +21,11 @@ its ``None`` entries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,7 +40,28 @@ rows 0 for that function (counted in ``RewardResult.errors``)."""
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised, or returned something that is not ``B`` finite numbers or None."""
+    """A reward function raised, or returned something that is not ``B`` finite numbers or
+    None. ``function`` is the reward function, ``phase`` what called it (set by
+    :func:`called_in`: "the rollout of train step 3", ...), shown before the message."""
+
+    function: Any = None
+    phase: str | None = None
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        return message if self.phase is None else f"In {self.phase}: {message[:1].lower()}{message[1:]}"
+
+
+@contextlib.contextmanager
+def called_in(phase: str):
+    """Names ``phase`` in a :class:`RewardFunctionError` raised by the body (the innermost
+    name wins): ``with called_in(f"the rollout of train step {step}"): ...``."""
+    try:
+        yield
+    except RewardFunctionError as error:
+        if error.phase is None:
+            error.phase = phase
+        raise
 
 
 def completion_text(completion: Any) -> str:
@@ -80,6 +103,12 @@ class RewardResult:
     values: dict[str, np.ndarray]  # name -> [B] float32, NaN where the function returned None
     errors: dict[str, int]  # name -> rows scored 0 because the function raised (on_error="zero")
 
+    @property
+    def unscored(self) -> np.ndarray:
+        """``[B]`` bool: the rows no function applies to (each returned None), scored 0."""
+        return np.all(np.isnan(np.stack(list(self.values.values()))), axis=0) if self.values else \
+            np.zeros(self.total.shape, bool)
+
     def means(self) -> dict[str, float]:
         """Each function's mean over the rows it applies to (NaN if none)."""
         return {name: float(np.mean(v[~np.isnan(v)])) if (~np.isnan(v)).any() else float("nan")
@@ -91,6 +120,9 @@ def _example(index: int, prompts: Sequence[Any], completions: Sequence[str], fir
     prompt, completion = (repr(x if len(str(x)) <= 80 else str(x)[:77] + "...")
                           for x in (prompts[index], completions[index]))
     return f"row {first_row + index} (prompt {prompt}, completion {completion})"
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _checked(name: str, returned: Any, batch: int, prompts, completions, *, first_row: int = 0) -> np.ndarray:
@@ -114,14 +146,18 @@ def _checked(name: str, returned: Any, batch: int, prompts, completions, *, firs
             continue
         if isinstance(value, (np.generic, np.ndarray)) and np.shape(value) == ():
             value = value.item()  # NumPy scalars; bools count as 0 / 1
-        if not isinstance(value, numbers.Real):
+        try:
+            number = float(value) if isinstance(value, numbers.Real) else None  # Fraction, Decimal-like
+        except (TypeError, ValueError, OverflowError):
+            number = None
+        if number is None:
             raise RewardFunctionError(f"Reward function {name!r} returned {value!r} ({type(value).__name__}) at "
                                       f"{_example(row, prompts, completions, first_row)}; it must return numbers or None.")
-        if not np.isfinite(value):
+        if not np.isfinite(number) or abs(number) > _FLOAT32_MAX:
             raise RewardFunctionError(f"Reward function {name!r} returned {value} at "
-                                      f"{_example(row, prompts, completions, first_row)}; rewards must be finite (return None "
-                                      f"where the function does not apply).")
-        values[row] = value
+                                      f"{_example(row, prompts, completions, first_row)}; rewards must be finite float32 "
+                                      f"numbers (|r| <= {_FLOAT32_MAX:.3g}; return None where the function does not apply).")
+        values[row] = number
     return values
 
 
@@ -161,12 +197,20 @@ def compute_rewards(
     values, errors = {}, {}
     for name, fn in zip(reward_names(reward_fns), reward_fns, strict=True):
         try:
-            values[name] = _checked(name, fn(**arguments), batch, prompts, completions, first_row=first_row)
-        except RewardFunctionError:
+            try:
+                values[name] = _checked(name, fn(**arguments), batch, prompts, completions, first_row=first_row)
+            except RewardFunctionError:
+                raise
+            except Exception:
+                # Which rows raise? One call per row names the example, and scores the others.
+                values[name], errors[name] = _row_by_row(name, fn, arguments, batch, on_error, first_row)
+        except RewardFunctionError as error:
+            error.function = fn
             raise
-        except Exception:
-            # Which rows raise? One call per row names the example, and scores the others.
-            values[name], errors[name] = _row_by_row(name, fn, arguments, batch, on_error, first_row)
+    if batch and values and all(np.isnan(v).all() for v in values.values()):
+        warnings.warn(f"Every reward function returned None for every completion ({', '.join(values)}): each reward "
+                      "is 0 and the batch teaches nothing. None means 'does not apply'; check that the functions "
+                      "read the columns they need (the `reward_unscored` metric counts such rows).", stacklevel=2)
     weighted = [w * np.nan_to_num(v, nan=0.0) for w, v in zip(weights, values.values(), strict=True)]
     return RewardResult(total=np.sum(weighted, axis=0, dtype=np.float32), values=values,
                         errors={name: count for name, count in errors.items() if count})
@@ -185,9 +229,9 @@ def _row_by_row(name: str, fn: Any, arguments: dict[str, list], batch: int, on_e
             if on_error == "raise":
                 raise RewardFunctionError(
                     f"Reward function {name!r} raised {type(error).__name__}: {error} at "
-                    f"{_example(row, prompts, completions, first_row)}. Fix the function, or pass "
-                    f"on_reward_error='zero' to score such completions 0 (counted in the `reward_errors` "
-                    f"metric).") from error
+                    f"{_example(row, prompts, completions, first_row)}. Fix the function, or set "
+                    f"on_reward_error='zero' (--train.on-reward-error zero) to score such completions 0 "
+                    f"(counted in the `reward_errors` metric).") from error
             failed += 1
             continue
         values[row] = _checked(name, returned, 1, prompts[row:row + 1], completions[row:row + 1],

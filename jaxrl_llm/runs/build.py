@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import pathlib
+import sys
 from typing import Any, Callable
 
 import jax
@@ -36,6 +38,22 @@ def check_model_path(spec: ModelSpec) -> None:
                                 "with config.json, safetensors weights and a tokenizer).")
     if not os.path.isfile(os.path.join(spec.path, "config.json")):
         raise FileNotFoundError(f"model.path {spec.path!r} has no config.json: not a Hugging Face model directory.")
+
+
+def check_positions(config: RunConfig) -> None:
+    """Raises ValueError, before any compute, if a prompt and its completion
+    (``train.max_prompt_length + train.max_new_tokens``) do not fit a model directory's
+    ``max_position_embeddings`` (the built-in model's limit is checked by the config)."""
+    if config.model.path is None:
+        return
+    check_model_path(config.model)
+    limit = getattr(transformers.AutoConfig.from_pretrained(config.model.path, local_files_only=True),
+                    "max_position_embeddings", None)
+    needed = config.train.max_prompt_length + config.train.max_new_tokens
+    if limit is not None and needed > limit:
+        raise ValueError(f"train.max_prompt_length ({config.train.max_prompt_length}) + train.max_new_tokens "
+                         f"({config.train.max_new_tokens}) = {needed} positions, more than the model in "
+                         f"{config.model.path!r} takes (max_position_embeddings = {limit}); lower them.")
 
 
 def tokenizer(spec: ModelSpec) -> transformers.PreTrainedTokenizerBase:
@@ -83,21 +101,56 @@ def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=N
     return models.with_options(model_, **options), params
 
 
+def _import_file(path: pathlib.Path):
+    """The module of a ``.py`` file, imported as ``python -m`` would from its directory: the
+    first directory up without an ``__init__.py`` goes on ``sys.path`` (so the module
+    imports its siblings, and a package's relative imports work). A module of the same
+    name imported before from another file (another project's ``my_rewards``) is replaced."""
+    root, parts = path.parent, [] if path.name == "__init__.py" else [path.stem]
+    while (root / "__init__.py").is_file():
+        root, parts = root.parent, [root.name, *parts]
+    name = ".".join(parts)
+    if str(root) in sys.path:
+        sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
+    for loaded in [key for key in sys.modules if key == parts[0] or key.startswith(f"{parts[0]}.")]:
+        file = getattr(sys.modules[loaded], "__file__", None)
+        if file is None or not pathlib.Path(file).resolve().is_relative_to(root):
+            del sys.modules[loaded]  # the same name from elsewhere
+    return importlib.import_module(name)
+
+
 def reward_function(name: str) -> Callable[..., Any]:
-    """A built-in reward function by name, or ``module:function`` imported."""
+    """A built-in reward function by name, a ``module:function`` imported (from
+    ``sys.path``; :func:`~jaxrl_llm.runs.config.reward_source` first turns one in the
+    current directory or beside the config file into its path), or a
+    ``path/to/file.py:function``."""
     if name in REWARDS:
         return REWARDS[name]
-    if ":" in name:
-        module_name, _, attribute = name.partition(":")
-        try:
-            found = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"task.rewards: cannot import {name!r}: {error}") from None
-        if not callable(found):
-            raise ValueError(f"task.rewards: {name!r} is not callable.")
-        return found
-    raise ValueError(f"task.rewards: unknown reward {name!r}; the built-in ones are {', '.join(REWARDS)}, "
-                     "or give a `module:function` import path.")
+    module_name, colon, attribute = name.rpartition(":")
+    if not colon:
+        raise ValueError(f"task.rewards: unknown reward {name!r}; the built-in ones are {', '.join(REWARDS)}, "
+                         "or give `module:function` or `path/to/file.py:function`.")
+    if module_name.endswith(".py"):
+        path = pathlib.Path(module_name).expanduser()
+        if not path.is_file():
+            raise ValueError(f"task.rewards: cannot import {name!r}: there is no file {str(path)!r}.")
+        load = lambda: _import_file(path.resolve())  # noqa: E731
+        looked = ""
+    else:
+        load = lambda: importlib.import_module(module_name)  # noqa: E731
+        looked = (f" (looked for {module_name.replace('.', '/')}.py in the current directory {os.getcwd()}, beside "
+                  "the config file, and among the installed modules; or write the file's path, "
+                  f"'path/to/{module_name.split('.')[-1]}.py:{attribute}')")
+    try:
+        found = getattr(load(), attribute)
+    except ModuleNotFoundError as error:
+        raise ValueError(f"task.rewards: cannot import {name!r}: {error}{looked}.") from None
+    except AttributeError:
+        raise ValueError(f"task.rewards: {name!r}: the module has no {attribute!r}.") from None
+    if not callable(found):
+        raise ValueError(f"task.rewards: {name!r} is not callable.")
+    return found
 
 
 def task(spec: TaskSpec, tokenizer_: transformers.PreTrainedTokenizerBase, *,
@@ -128,9 +181,27 @@ def task(spec: TaskSpec, tokenizer_: transformers.PreTrainedTokenizerBase, *,
     return tasks.from_dataset(spec.path, test_dataset=spec.test_path, **source)
 
 
-def demonstrations(config: RunConfig, task_: tasks.Task) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The warm start's solved examples: ``examples`` train prompts with their ``completion``
-    column, ``off_by_one_fraction`` of the integer answers replaced by ``answer + 1``."""
+def _demonstration_count(config: RunConfig, task_: tasks.Task) -> int:
+    """The warm start's example count; raises ValueError if the task cannot give them."""
+    if not isinstance(task_, tasks.TextTask):
+        raise ValueError(f"warm_start.steps: the {type(task_).__name__} has no text demonstrations; set "
+                         "warm_start.steps = 0 and warm_start.anneal_steps = 0.")
+    wanted, available = config.warm_start.examples, task_.split_size("train")
+    if wanted is None and available is None:
+        raise ValueError("warm_start.examples: the task's train split is procedural (no end); set how many "
+                         "examples the demonstrations come from.")
+    if wanted is not None and available is not None and wanted > available:
+        raise ValueError(f"warm_start.examples={wanted} is more than the task's {available} train examples; "
+                         f"set at most {available}, or leave it unset for all of them.")
+    return available if wanted is None else wanted
+
+
+def demonstrations(config: RunConfig, task_: tasks.Task, *, limit: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The warm start's solved examples: ``examples`` train prompts (default: all; at most
+    ``limit``) with their ``completion`` column, ``off_by_one_fraction`` of the integer
+    answers replaced by ``answer + 1``. Raises ValueError for more examples than the train
+    split holds, a missing column, or a non-integer answer to shift."""
     warm = config.warm_start
     rng = np.random.default_rng(config.train.seed)
 
@@ -146,11 +217,15 @@ def demonstrations(config: RunConfig, task_: tasks.Task) -> tuple[np.ndarray, np
                 raise ValueError(f"warm_start.off_by_one_fraction needs integer answers; got {answer!r}.") from None
         return answer
 
-    if not isinstance(task_, tasks.TextTask):
-        raise ValueError(f"warm_start.steps: the {type(task_).__name__} has no text demonstrations; set "
-                         "warm_start.steps = 0 and warm_start.anneal_steps = 0.")
-    return task_.demonstrations("train", np.arange(warm.examples), completion=target,
+    count = _demonstration_count(config, task_)
+    return task_.demonstrations("train", np.arange(count if limit is None else min(count, limit)), completion=target,
                                 max_new_tokens=config.train.max_new_tokens, seed=config.train.seed)
+
+
+def check_demonstrations(config: RunConfig, task_: tasks.Task) -> None:
+    """Raises ValueError, before any compute, if :func:`demonstrations` would (the count,
+    and the first example's column and answer)."""
+    demonstrations(config, task_, limit=1)
 
 
 def warm_start(config: RunConfig, model_: models.Model, params: models.Params, task_: tasks.Task
@@ -158,7 +233,7 @@ def warm_start(config: RunConfig, model_: models.Model, params: models.Params, t
     """``params`` fine-tuned on :func:`demonstrations`: ``steps`` at ``learning_rate``, then
     ``anneal_steps`` at ``anneal_learning_rate``; and the losses."""
     warm = config.warm_start
-    if not warm.steps + warm.anneal_steps:
+    if not warm.enabled:
         return params, []
     examples = demonstrations(config, task_)
     losses: list[float] = []

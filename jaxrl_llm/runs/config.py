@@ -37,6 +37,7 @@ import string
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from typing import Literal
 
 from jaxrl_llm import _checks, algorithms, training
@@ -89,6 +90,10 @@ class ModelSpec:
     """Built-in model only: attention heads."""
     num_kv_heads: int = 2
     """Built-in model only: key/value heads (grouped-query attention)."""
+    max_positions: int = 4096
+    """Built-in model only: the most positions a run may ask of it, ``train.max_prompt_length
+    + train.max_new_tokens`` (it is built with exactly those; its KV cache and attention grow
+    with them). A model directory's limit is its ``max_position_embeddings``."""
     scan_layers: bool = False
     """Run the decoder layers in one ``lax.scan`` in every pass, decoding included
     (``models.ModelConfig.scan_layers``): with ``remat``, far less activation memory."""
@@ -102,7 +107,7 @@ class ModelSpec:
 
     def __post_init__(self):
         where = "ModelSpec"
-        for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+        for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_positions"):
             _checks.positive_int(where, field, getattr(self, field))
         _checks.one_of(where, "param_dtype", self.param_dtype, typing.get_args(Dtype))
         if self.dtype is not None:
@@ -145,9 +150,10 @@ class TaskSpec:
     system_prompt: str | None = None
     """Text tasks: a system message before each prompt (through the chat template)."""
     rewards: tuple[str, ...] = ()
-    """Reward functions: built-in names (``jaxrl-llm tasks`` lists them) or
-    ``module:function`` import paths of functions in TRL's convention; empty: the
-    task's default (arithmetic, digits, reasoning_gym) or ``exact_match``."""
+    """Reward functions: built-in names (``jaxrl-llm tasks`` lists them), or functions in
+    TRL's convention as ``module:function`` (a module in the current directory, beside
+    the config file, or installed; stored as its file's path) or ``path/to/file.py:function``;
+    empty: the task's default (arithmetic, digits, reasoning_gym) or ``exact_match``."""
     reward_weights: tuple[float, ...] | None = None
     """One weight per reward function (default: all 1)."""
     stop_strings: tuple[str, ...] = ()
@@ -172,40 +178,63 @@ class TaskSpec:
                              f"({len(self.rewards)} given in `rewards`); got {len(self.reward_weights)}.")
 
 
+DEMO_TASKS = ("arithmetic",)
+"""The built-in tasks the embedded demo's warm start (:data:`DEMO_WARM_START`) is for."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmStartConfig:
     """Supervised fine-tuning on the task's solved examples before RL
-    (:func:`jaxrl_llm.training.supervised_finetune`); its result is RL's start and reference."""
+    (:func:`jaxrl_llm.training.supervised_finetune`); its result is RL's start and reference.
 
-    steps: int = 300
-    """Steps at ``learning_rate`` (0: no warm start)."""
+    ``WarmStartConfig()`` is none: a run warm-starts only when ``steps`` or
+    ``anneal_steps`` say so, on its labels as they are unless ``off_by_one_fraction`` says
+    otherwise. The embedded demo's is :data:`DEMO_WARM_START`."""
+
+    steps: int = 0
+    """Steps at ``learning_rate`` (0 with ``anneal_steps`` 0: no warm start)."""
     learning_rate: float = 1e-3
-    anneal_steps: int = 100
+    anneal_steps: int = 0
     """Then this many steps at ``anneal_learning_rate``: a lower rate settles the model
     near the labels' distribution."""
     anneal_learning_rate: float = 2e-4
     batch_size: int = 64
-    examples: int = 1024
-    """Distinct train examples the demonstrations come from."""
+    examples: int | None = None
+    """Distinct train examples the demonstrations come from (``None``: the whole train
+    split; a procedural task's split has no end, so it needs a number)."""
     completion: str = "answer"
     """The column holding each example's target completion."""
-    off_by_one_fraction: float = 0.7
-    """The fraction of demonstrations whose integer answer is replaced by ``answer + 1``.
-    The model learns the task with the right answer as the weaker of two modes: greedy
-    decoding mostly answers one too many while sampling often finds the right answer, a
-    clear signal for RL, whose fix carries over to held-out prompts (0: exact labels)."""
+    off_by_one_fraction: float = 0.0
+    """The fraction of demonstrations whose integer answer is replaced by ``answer + 1``:
+    labels made wrong on purpose, for the demo (:data:`DEMO_WARM_START`) and only on its
+    built-in tasks (:data:`DEMO_TASKS`). The model learns the task with the right answer as
+    the weaker of two modes: greedy decoding mostly answers one too many while sampling
+    often finds the right answer, a clear signal for RL (0: the labels as they are)."""
 
     def __post_init__(self):
         where = "WarmStartConfig"
         for field in ("steps", "anneal_steps"):
             _checks.nonnegative_int(where, field, getattr(self, field))
-        for field in ("batch_size", "examples"):
-            _checks.positive_int(where, field, getattr(self, field))
+        _checks.positive_int(where, "batch_size", self.batch_size)
+        if self.examples is not None:
+            _checks.positive_int(where, "examples", self.examples)
         for field in ("learning_rate", "anneal_learning_rate"):
             _checks.finite_number(where, field, getattr(self, field))
             _checks.positive(where, field, getattr(self, field))
         _checks.finite_number(where, "off_by_one_fraction", self.off_by_one_fraction)
         _checks.in_range(where, "off_by_one_fraction", self.off_by_one_fraction, 0.0, 1.0)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a warm start at all."""
+        return bool(self.steps + self.anneal_steps)
+
+
+DEMO_WARM_START = WarmStartConfig(steps=300, anneal_steps=100, examples=1024, off_by_one_fraction=0.7)
+"""The embedded demo's warm start (:class:`RunConfig`'s default): 400 steps on 1024
+arithmetic demonstrations of which 70% answer ``a + b + 1``. It belongs to the demo, the
+built-in model on the arithmetic task: a config with another task or a model directory
+that leaves ``warm_start`` at this default has none."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -240,7 +269,9 @@ class RunConfig:
 
     model: ModelSpec = ModelSpec()
     task: TaskSpec = TaskSpec()
-    warm_start: WarmStartConfig = WarmStartConfig()
+    warm_start: WarmStartConfig = DEMO_WARM_START
+    """The demo's (:data:`DEMO_WARM_START`) for the built-in model on the arithmetic task;
+    with another task or a model directory, none unless set."""
     method: str = "grpo"
     """The preset ``algorithm`` starts from (``jaxrl-llm presets`` lists them); the file's
     ``[algorithm]`` table and ``--algorithm.*`` flags override its fields."""
@@ -268,6 +299,12 @@ class RunConfig:
     compilation_cache: bool = True
     """Use JAX's persistent compilation cache (a restarted run does not compile again)."""
 
+    @property
+    def is_demo(self) -> bool:
+        """Whether this is the embedded demo's pipeline: the built-in model on a
+        :data:`DEMO_TASKS` task (what :data:`DEMO_WARM_START` is for)."""
+        return self.model.path is None and self.task.name in DEMO_TASKS
+
     def __post_init__(self):
         where = "RunConfig"
         for field in ("steps", "save_every", "keep_checkpoints", "samples_every", "plot_every"):
@@ -275,6 +312,19 @@ class RunConfig:
         _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
         algorithms.get(self.method)  # a preset's name (the error lists them)
         training.check_supported(self.algorithm, self.train)
+        positions = self.train.max_prompt_length + self.train.max_new_tokens
+        if self.model.path is None and positions > self.model.max_positions:
+            raise ValueError(f"{where}: train.max_prompt_length ({self.train.max_prompt_length}) + train.max_new_tokens "
+                             f"({self.train.max_new_tokens}) = {positions} positions, more than the built-in model takes "
+                             f"(model.max_positions = {self.model.max_positions}); lower them, or raise "
+                             "model.max_positions.")
+        if self.warm_start == DEMO_WARM_START and not self.is_demo:
+            object.__setattr__(self, "warm_start", WarmStartConfig())  # the demo's stays with the demo
+        if self.warm_start.off_by_one_fraction and self.task.name not in DEMO_TASKS:
+            raise ValueError(
+                f"{where}: warm_start.off_by_one_fraction={self.warm_start.off_by_one_fraction} makes that fraction "
+                f"of the warm start's labels wrong on purpose, for the demo on the {' and '.join(DEMO_TASKS)} task; "
+                f"on task {self.task.name!r} set warm_start.off_by_one_fraction = 0 (the labels as they are).")
 
 
 # ----------------------------------------------------------------------------------------
@@ -384,8 +434,17 @@ def from_dict(data: dict, *, where: str = "config") -> RunConfig:
     if not isinstance(overrides, dict):
         raise ValueError(f"{where}.algorithm must be a table of Algorithm fields; got {overrides!r}.")
     algorithm = _from_dict(algorithms.Algorithm, overrides, f"{where}.algorithm", base=preset)
+    warm_start = data.pop("warm_start", None)
     base = dataclasses.replace(RunConfig(), method=method, algorithm=algorithm)
-    return _from_dict(RunConfig, data, where, base=base)
+    config = _from_dict(RunConfig, data, where, base=base)
+    if warm_start is None:
+        return config
+    # A [warm_start] table changes the demo's warm start on the demo, and none elsewhere.
+    start = config.warm_start if config.is_demo else WarmStartConfig()
+    if not isinstance(warm_start, dict):
+        raise ValueError(f"{where}.warm_start must be a table of WarmStartConfig's fields; got {warm_start!r}.")
+    return dataclasses.replace(config, warm_start=_from_dict(WarmStartConfig, warm_start, f"{where}.warm_start",
+                                                             base=start))
 
 
 def to_dict(config: RunConfig) -> dict:
@@ -415,7 +474,11 @@ def read(name_or_path: str | os.PathLike) -> tuple[dict, pathlib.Path]:
     """The content of a config file or named config (:func:`find`), and its path."""
     path = find(name_or_path)
     try:
-        return (tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())), path
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8.") from None
+    try:
+        return (tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)), path
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {error}") from None
 
@@ -424,13 +487,33 @@ def load(name_or_path: str | os.PathLike, *, method: str | None = None, conventi
          ) -> RunConfig:
     """The :class:`RunConfig` of a TOML or JSON file, or of a named config (:func:`find`);
     ``method`` and ``conventions`` replace the file's (its ``[algorithm]`` overrides then
-    apply to that preset)."""
+    apply to that preset). A ``module:function`` reward in the current directory or beside
+    the file is stored as its file's path (:func:`reward_source`)."""
     data, path = read(name_or_path)
     if method is not None:
         data["method"] = method
     if conventions is not None:
         data["conventions"] = conventions
-    return from_dict(data, where=str(path))
+    config = from_dict(data, where=str(path))
+    found = tuple(reward_source(name, [os.getcwd(), path.parent]) for name in config.task.rewards)
+    return dataclasses.replace(config, task=dataclasses.replace(config.task, rewards=found))
+
+
+def reward_source(name: str, directories: Sequence[str | os.PathLike]) -> str:
+    """``name`` (a ``task.rewards`` entry) with a ``module:function`` whose module is a
+    file in one of ``directories`` (first match) written as that file's absolute path,
+    ``/abs/dir/module.py:function``, as ``python -m`` would import it from there; any other
+    entry (a built-in name, a path, a module found only among the installed ones) as is."""
+    module, colon, function = name.rpartition(":")
+    if not colon or module.endswith(".py") or not module.replace(".", "").replace("_", "").isalnum():
+        return name
+    relative = pathlib.Path(*module.split("."))
+    for directory in directories:
+        for candidate in (relative.with_suffix(".py"), relative / "__init__.py"):
+            path = pathlib.Path(directory, candidate)
+            if path.is_file():
+                return f"{path.resolve()}:{function}"
+    return name
 
 
 def differences(a: RunConfig, b: RunConfig, *, ignore: tuple[str, ...] = ()) -> list[str]:

@@ -60,7 +60,7 @@ PLOT_FILE = "metrics.png"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 
-LOOP_REWARD_METRICS = frozenset({"reward_std", "reward_errors", "reward_seconds"})
+LOOP_REWARD_METRICS = frozenset({"reward_std", "reward_errors", "reward_unscored", "reward_seconds"})
 """Metrics named ``reward_*`` that are not a reward function's mean."""
 
 SUMMARY_WINDOW = 5
@@ -292,14 +292,16 @@ def _numbers(rows: Sequence[Mapping[str, Any]], name: str) -> list[tuple[int, fl
     return [(row["step"], row[name]) for row in rows if isinstance(row.get(name), int | float)]
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``H:MM:SS``."""
     minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 def summarize(rows: Sequence[Mapping[str, Any]], *, window: int = SUMMARY_WINDOW) -> str:
-    """A short text table of a run (:func:`read_metrics`): steps, wall time, and how
+    """A short text table of a run (:func:`read_metrics`): steps, the time spent in them
+    (train steps and evaluations; not start-up, checkpoints or plots), and how
     reward, each reward function, the KL (``kl_exact``, ``kl_k3``), completion length and entropy moved (the
     means of the first and the last ``window`` steps) and the held-out accuracy (the first
     and the last evaluation)."""
@@ -309,8 +311,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], *, window: int = SUMMARY_WINDOW
     eval_seconds = sum(value for _, value in _numbers(rows, "eval_seconds"))
     lines = [f"{len(rows)} train steps recorded (steps {rows[0]['step']} to {rows[-1]['step']})"]
     if train_seconds:
-        lines.append(f"wall time {_duration(train_seconds + eval_seconds)}: train steps {_duration(train_seconds)}, "
-                     f"evaluation {_duration(eval_seconds)}")
+        lines.append(f"time in steps {duration(train_seconds + eval_seconds)}: train steps "
+                     f"{duration(train_seconds)}, evaluation {duration(eval_seconds)}")
     names = _all_names(rows)
     table = []
     for name in ["reward", *reward_function_metrics(names), "kl_exact", "kl_k3", "completion_length", "entropy"]:

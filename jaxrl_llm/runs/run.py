@@ -29,13 +29,17 @@ SIGKILL on CPU).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import importlib.util
 import json
 import math
 import os
 import pathlib
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -45,7 +49,9 @@ import jax
 import numpy as np
 
 from jaxrl_llm import compilation_cache, distributed, models, sharding, training
+from jaxrl_llm.rewards.combine import called_in
 from jaxrl_llm.runs import build, records
+from jaxrl_llm.runs import config as run_config
 from jaxrl_llm.runs.config import RunConfig, differences, from_dict, to_dict
 
 CONFIG_FILE = "config.json"
@@ -64,13 +70,32 @@ TIMING_METRICS = ("tokens_per_second", "score_traces", "update_traces")
 """Metrics (besides ``*_seconds``) that depend on the machine or the process, not the run."""
 
 
+MARKER_FILE = ".jaxrl-llm-run"
+"""Marks a directory as a run's: written with its config, before anything else of the run."""
+LOCK_FILE = ".jaxrl-llm-lock"
+"""Held (``flock``) by the process training in the run directory; names it (pid, host)."""
+RUN_ENTRIES = frozenset({CONFIG_FILE, WARM_START_FILE, CHECKPOINTS, "eval", MARKER_FILE, LOCK_FILE, "wandb",
+                         records.METRICS_FILE, records.SAMPLES_FILE, records.PLOT_FILE, records.TENSORBOARD_DIR,
+                         records.WANDB_ID_FILE})
+"""What a run directory holds (and ``.<name>.*`` temporaries of these): ``--overwrite``
+deletes these, and refuses a directory that holds anything else."""
+
+
 class RunDirectoryError(ValueError):
     """The run directory does not fit the request (another run, nothing to resume, ...)."""
 
 
-def is_timing(name: str) -> bool:
-    """Whether metric ``name`` measures the machine (time, throughput, compilations), not the run."""
-    return name.endswith("_seconds") or name in TIMING_METRICS
+def _foreign_entries(run_dir: pathlib.Path) -> list[str]:
+    """The names in ``run_dir`` that are not a run's (:data:`RUN_ENTRIES`)."""
+    def ours(name: str) -> bool:
+        return name in RUN_ENTRIES or any(name.startswith(f".{entry}.") for entry in RUN_ENTRIES)
+
+    return sorted(entry.name for entry in run_dir.iterdir() if not ours(entry.name))
+
+
+def _is_empty(run_dir: pathlib.Path) -> bool:
+    """Whether ``run_dir`` holds nothing but a lock or marker (a start that wrote nothing else)."""
+    return all(entry.name in (LOCK_FILE, MARKER_FILE) for entry in run_dir.iterdir())
 
 
 def stored_config(run_dir: str | os.PathLike) -> RunConfig | None:
@@ -78,18 +103,97 @@ def stored_config(run_dir: str | os.PathLike) -> RunConfig | None:
 
     Raises RunDirectoryError if it holds files but no readable ``config.json``."""
     run_dir = pathlib.Path(run_dir)
-    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+    if not run_dir.exists():
         return None
     if not run_dir.is_dir():
         raise RunDirectoryError(f"run directory {str(run_dir)!r} is a file.")
+    if _is_empty(run_dir):
+        return None
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise RunDirectoryError(f"{str(run_dir)!r} is not empty and holds no {CONFIG_FILE}: not a run directory. "
                                 "Choose another --run-dir (--overwrite replaces only run directories).")
     try:
-        return from_dict(json.loads(path.read_text()), where=str(path))
+        return from_dict(json.loads(path.read_text(encoding="utf-8")), where=str(path))
     except (ValueError, json.JSONDecodeError) as error:
         raise RunDirectoryError(f"{path} cannot be read as a run config: {error}") from None
+
+
+def has_completed_step(run_dir: str | os.PathLike) -> bool:
+    """Whether a run directory records a completed train step (a checkpoint or a line of
+    ``metrics.jsonl``): one without is not a run yet (a start that failed its checks or
+    stopped in the warm start) and a new run may take its place."""
+    run_dir = pathlib.Path(run_dir)
+    checkpoints = run_dir / CHECKPOINTS
+    saved = checkpoints.is_dir() and any(entry.name.isdigit() for entry in checkpoints.iterdir())
+    return saved or bool((run_dir / records.METRICS_FILE).is_file() and records.read_metrics(run_dir))
+
+
+def _check_replaceable(run_dir: pathlib.Path) -> None:
+    """Raises RunDirectoryError unless ``run_dir`` is recognisably a run's (its marker, or a
+    ``config.json`` that reads as a run config) and holds nothing but a run's files."""
+    if not run_dir.is_dir():
+        raise RunDirectoryError(f"--overwrite: {str(run_dir)!r} is a file, not a run directory; nothing was deleted.")
+    try:
+        is_run = (run_dir / MARKER_FILE).is_file() or stored_config(run_dir) is not None
+    except RunDirectoryError:
+        is_run = False
+    if not is_run:
+        raise RunDirectoryError(f"--overwrite: {str(run_dir.resolve())!r} is not a run directory (no {MARKER_FILE} "
+                                f"and no run {CONFIG_FILE}); nothing was deleted. Choose another --run-dir.")
+    foreign = _foreign_entries(run_dir)
+    if foreign:
+        listed = ", ".join(foreign[:8]) + (", ..." if len(foreign) > 8 else "")
+        raise RunDirectoryError(f"--overwrite: {str(run_dir.resolve())!r} holds files that are not the run's "
+                                f"({listed}); nothing was deleted. Move them out, or choose another --run-dir.")
+
+
+def _clear(run_dir: pathlib.Path) -> None:
+    """Deletes a run's own entries in ``run_dir`` (not its lock, nor anything else)."""
+    keep = {LOCK_FILE, *_foreign_entries(run_dir)}
+    for entry in run_dir.iterdir():
+        if entry.name not in keep:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+@contextlib.contextmanager
+def locked(run_dir: str | os.PathLike):
+    """Holds ``run_dir``'s lock (creating the directory) while the body runs: a second
+    process training in the same directory is refused, naming the holder. The lock is an
+    ``flock`` on :data:`LOCK_FILE`, released by the kernel when its process dies, so a
+    killed run never blocks its resumption. Where no run started (no :data:`MARKER_FILE`),
+    the lock file, and a directory this call created, are removed again.
+
+    Raises RunDirectoryError: another process holds the lock."""
+    run_dir = pathlib.Path(run_dir)
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")
+    except OSError as error:
+        raise RunDirectoryError(f"cannot use {str(run_dir.resolve())!r} as a run directory: "
+                                f"{error.strerror or error}.") from None
+    try:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process that has not yet said which"
+            raise RunDirectoryError(f"{str(run_dir)!r} is in use by another run ({holder}); wait for it to end, or "
+                                    "choose another --run-dir.") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        file.flush()
+        yield run_dir
+    finally:
+        if not (run_dir / MARKER_FILE).exists():  # no run started here: leave the directory as it was
+            with contextlib.suppress(OSError):
+                (run_dir / LOCK_FILE).unlink()
+                if created:
+                    run_dir.rmdir()
+        file.close()
 
 
 def _ignorable(config: RunConfig) -> tuple[str, ...]:
@@ -100,22 +204,31 @@ def _ignorable(config: RunConfig) -> tuple[str, ...]:
 def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False,
                         overwrite: bool = False) -> RunConfig | None:
     """Checks, before any compute, that ``config`` may run in ``run_dir``; returns the
-    config stored there (``None``: a new run).
+    config stored there (``None``: a new run, in place of whatever run files are there).
+
+    A directory whose run never completed a step (:func:`has_completed_step`) is not a
+    run yet: a new one takes its place without ``overwrite``.
 
     Raises RunDirectoryError: ``resume`` without a run to resume; a directory holding a
-    different run (the differing fields named) or other files, without ``overwrite``."""
+    different run (the differing fields named) without ``overwrite``; other files; with
+    ``overwrite``, a directory that is not recognisably a run's (:func:`_check_replaceable`)."""
     if resume and overwrite:
         raise RunDirectoryError("--resume continues the run in the directory, --overwrite deletes it: pass one.")
-    try:
-        stored = stored_config(run_dir)
-    except RunDirectoryError:
-        if overwrite and (pathlib.Path(run_dir) / CONFIG_FILE).is_file():
-            return None  # a run directory whose config no longer reads: replaced
-        raise
-    if resume and (stored is None or not training.Checkpointer(pathlib.Path(run_dir) / CHECKPOINTS).all_steps()):
+    run_dir = pathlib.Path(run_dir)
+    if overwrite:
+        if run_dir.exists() and not (run_dir.is_dir() and _is_empty(run_dir)):
+            _check_replaceable(run_dir)
+        return None
+    stored = stored_config(run_dir)
+    if stored is not None and not has_completed_step(run_dir):
+        if resume:
+            raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no completed step to resume from (a start "
+                                    "that stopped before its first step); run without --resume to start it.")
+        return None
+    if resume and (stored is None or not training.Checkpointer(run_dir / CHECKPOINTS).all_steps()):
         raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no "
                                 f"{'run' if stored is None else 'checkpoint'} to resume from.")
-    if stored is not None and not overwrite:
+    if stored is not None:
         changed = differences(stored, config, ignore=_ignorable(stored))
         if changed:
             hint = (" (`steps` sets the end of the decaying learning rate: set train.decay_steps to extend a run)"
@@ -124,17 +237,25 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
                 f"{str(run_dir)!r} holds a different run ({len(changed)} "
                 f"{'settings differ' if len(changed) > 1 else 'setting differs'}, stored -> requested: {'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}){hint}. "
                 "Choose another --run-dir, or pass --overwrite to replace it.")
-    return None if overwrite else stored
+    return stored
 
 
 def absolute_paths(config: RunConfig) -> RunConfig:
-    """``config`` with its model and data paths absolute: a run continues from anywhere."""
+    """``config`` with its model, data and reward-module paths absolute (a
+    ``module:function`` in the current directory as its file's path): a run continues
+    from anywhere."""
     def absolute(path: str | None) -> str | None:
         return None if path is None else os.path.abspath(os.path.expanduser(path))
 
+    def absolute_reward(name: str) -> str:
+        module, colon, function = run_config.reward_source(name, [os.getcwd()]).rpartition(":")
+        return f"{absolute(module)}:{function}" if colon and module.endswith(".py") else name
+
+    task = config.task
+    rewards = tuple(map(absolute_reward, task.rewards))
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, path=absolute(config.model.path)),
-        task=dataclasses.replace(config.task, path=absolute(config.task.path), test_path=absolute(config.task.test_path)))
+        task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path), rewards=rewards))
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
@@ -188,6 +309,15 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
       progress: the progress bar (``None``: only on a terminal).
       stream: where messages and the summary go (``None``: nowhere).
     """
+    if not distributed.is_main_process():  # process 0 holds the directory for the run
+        return _train_run(config, run_dir, resume=resume, overwrite=overwrite, progress=progress, stream=stream)
+    with locked(run_dir):
+        return _train_run(config, run_dir, resume=resume, overwrite=overwrite, progress=progress, stream=stream)
+
+
+def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, overwrite: bool,
+               progress: bool | None, stream) -> RunResult:
+    called = time.perf_counter()
     run_dir = pathlib.Path(run_dir)
     config = absolute_paths(config)
     main = distributed.is_main_process()  # over several processes, process 0 writes and prints
@@ -196,20 +326,19 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
     training.loop.check_processes(config.train, mesh)  # before anything is written
     stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
     distributed.barrier("run directory checked")  # before process 0 changes it
-    build.check_model_path(config.model)
+    build.check_positions(config)
     if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError(f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
                          "`pip install wandb`, or leave wandb_project unset.")
     tokenizer = build.tokenizer(config.model)
     task = build.task(config.task, tokenizer, checkpoint=config.model.path)
     training.loop.check_evaluation(task, config.train)
-    if config.warm_start.steps + config.warm_start.anneal_steps:
-        build.demonstrations(dataclasses.replace(config, warm_start=dataclasses.replace(config.warm_start,
-                                                                                         examples=1)), task)
+    if config.warm_start.enabled:
+        build.check_demonstrations(config, task)
     if main:
-        if overwrite and run_dir.exists():
-            shutil.rmtree(run_dir) if run_dir.is_dir() else run_dir.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if stored is None:  # a new run, in place of a run's files (--overwrite, or a start with no step)
+            _clear(run_dir)
+        (run_dir / MARKER_FILE).write_text("A jaxrl_llm run directory: `jaxrl-llm train --run-dir` continues it.\n")
         _write_json(run_dir / CONFIG_FILE, to_dict(config))
     distributed.barrier("run directory ready")
     if config.compilation_cache:
@@ -245,15 +374,16 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
                 "last_loss": float(np.mean(losses[-20:])) if losses else None,
                 "seconds": time.perf_counter() - started}
         if config.train.eval_every:
-            warm.update(evaluate_model(model, params, task, config, mesh=mesh))
+            with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
+                warm.update(evaluate_model(model, params, task, config, mesh=mesh))
         if main:
             _write_json(run_dir / WARM_START_FILE, warm)
         if "eval_greedy_accuracy" in warm:
-            _print(f"Warm start: {warm['steps']} steps, held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.",
-                   stream)
+            before = f"After the warm start ({warm['steps']} steps)" if warm["steps"] else "Before training"
+            _print(f"{before}: held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.", stream)
     if start >= config.steps:
         checkpointer.close()
-        summary = _summary(run_dir, warm)
+        summary = _summary(run_dir, warm, time.perf_counter() - called)
         _print(f"{run_dir} is complete ({config.steps} steps). Pass a larger --steps to continue it, or "
                f"--overwrite to start again.\n{summary}", stream)
         return RunResult(run_dir, config, None, [], warm, summary)
@@ -290,27 +420,67 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
                                          task=task, state=state, callback=on_step, mesh=mesh, rules=rules,
                                          compilation_cache=config.compilation_cache)
     except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
-        try:
-            for step, metrics in enumerate(stopped.history, start=start):  # completed, not recorded: Ctrl-C
-                if not recorder.rows or recorder.rows[-1]["step"] < step:  # came during its evaluation or hook
-                    recorder.log(step, metrics)
-            try:
-                save(stopped.state)
-            except Exception as error:  # noqa: BLE001 (the run's own error is the one to raise)
-                _print(f"Could not save a checkpoint of step {int(stopped.state.step)}: {type(error).__name__}: "
-                       f"{error}", sys.stderr)
-            else:
-                _print(f"Saved a checkpoint of step {int(stopped.state.step)}; continue with: "
-                       f"jaxrl-llm train --run-dir {run_dir} --resume", stream)
-        finally:
+        # Keep what can be kept; what fails on the way (a full disk fails everything) is one
+        # line each, and the run's own error is the one raised.
+        step = int(stopped.state.step)
+        with _reported(f"record the steps before step {step}", stream):
+            for done, metrics in enumerate(stopped.history, start=start):  # completed, not recorded: Ctrl-C
+                if not recorder.rows or recorder.rows[-1]["step"] < done:  # came during its evaluation or hook
+                    recorder.log(done, metrics)
+        with _reported(f"save a checkpoint of step {step}", stream):
+            save(stopped.state)
+            _print(f"Saved a checkpoint of step {step}.", stream)
+        with _reported("close the records", stream):
             recorder.close()
+        with _reported("close the checkpoints", stream):
             checkpointer.close()
+        stopped.run_dir, stopped.checkpoint_step = run_dir, latest_checkpoint(run_dir)
         raise
     recorder.close()
     checkpointer.close()
-    summary = _summary(run_dir, warm) if main else ""
+    summary = _summary(run_dir, warm, time.perf_counter() - called) if main else ""
     _print(summary, stream)
     return RunResult(run_dir, config, state, history, warm, summary)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:
+    """The step of the latest complete checkpoint in a run directory (``None``: none)."""
+    checkpoints = pathlib.Path(run_dir) / CHECKPOINTS
+    steps = [int(entry.name) for entry in checkpoints.iterdir() if entry.name.isdigit()] if checkpoints.is_dir() else []
+    return max(steps, default=None)
+
+
+def storage_failure(error: BaseException) -> str | None:
+    """What a failure to write or read files comes to, in a few words (``"no space left on
+    device"``, with the path when known), found anywhere in ``error``'s chain; ``None`` if it
+    is not one. Orbax's tensorstore reports these as ``ValueError`` s naming the OS error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
+            where = f" ({os.path.abspath(error.filename)})" if error.filename else ""
+            return f"{os.strerror(error.errno).lower()}{where}"
+        for errno_, text in _STORAGE_TEXTS.items():
+            if text in str(error):
+                return os.strerror(errno_).lower()
+        error = error.__cause__ or error.__context__
+    return None
+
+
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+_STORAGE_TEXTS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+                  errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied"}
+
+
+@contextlib.contextmanager
+def _reported(what: str, stream):
+    """Runs the body; an exception in it is printed as one line (``Could not <what>: ...``)
+    on stderr, not raised: for the steps that keep what they can while a run stops."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 (the run's own error is the one to raise)
+        reason = storage_failure(error) or f"{type(error).__name__}: {error}"
+        _print(f"Could not {what}: {reason}.", sys.stderr if stream is not None else None)
 
 
 def _restore(checkpointer: training.Checkpointer, like: training.TrainState) -> training.TrainState:
@@ -349,13 +519,15 @@ def _unevaluated_record(run_dir: pathlib.Path, start: int, config: RunConfig) ->
     return {name: value for name, value in last.items() if name != "step"}
 
 
-def _summary(run_dir: pathlib.Path, warm: dict[str, Any]) -> str:
+def _summary(run_dir: pathlib.Path, warm: dict[str, Any], wall_seconds: float) -> str:
     rows = records.read_metrics(run_dir)
-    lines = [f"Run {run_dir}:", records.summarize(rows)]
+    lines = [f"Run {run_dir}:", f"wall time {records.duration(wall_seconds)} for this command (start-up, "
+                                "warm start, steps, evaluations, checkpoints and plots)", records.summarize(rows)]
     evaluated = [row for row in rows if row.get("eval_greedy_accuracy") is not None]
     if "eval_greedy_accuracy" in warm and evaluated:
         last = evaluated[-1]
-        lines.append(f"Held-out greedy accuracy: {warm['eval_greedy_accuracy']:.2f} after the warm start -> "
+        lines.append(f"Held-out greedy accuracy: {warm['eval_greedy_accuracy']:.2f} "
+                     f"{'after the warm start' if warm.get('steps') else 'before training'} -> "
                      f"{last['eval_greedy_accuracy']:.2f} at step {last['step'] + 1} "
                      f"({100 * (last['eval_greedy_accuracy'] - warm['eval_greedy_accuracy']):+.0f} points).")
     lines.append(f"Plots: {run_dir / records.PLOT_FILE}; TensorBoard: tensorboard --logdir {run_dir}")
@@ -399,7 +571,8 @@ def evaluate_run(run_dir: str | os.PathLike, *, step: int | None = None, num_sam
     config, task, model, params, step = restore_policy(run_dir, step)
     if config.compilation_cache:
         compilation_cache.enable()
-    results = {"step": step, **evaluate_model(model, params, task, config, num_samples=num_samples)}
+    with called_in(f"the evaluation of checkpoint {step}"):
+        results = {"step": step, **evaluate_model(model, params, task, config, num_samples=num_samples)}
     path = pathlib.Path(run_dir) / "eval" / f"step-{step}.json"
     path.parent.mkdir(exist_ok=True)
     _write_json(path, results)
@@ -418,6 +591,10 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
     out_path, run_path = pathlib.Path(out).resolve(), pathlib.Path(run_dir).resolve()
     if out_path == run_path or run_path in out_path.parents:
         raise RunDirectoryError(f"--out {str(out)!r} lies in the run directory {str(run_dir)!r}; export elsewhere.")
+    existing = next(path for path in (out_path, *out_path.parents) if path.exists())
+    if existing != out_path and not existing.is_dir():
+        raise RunDirectoryError(f"--out {str(out)!r} lies under {str(existing)!r}, which is a file; choose another "
+                                "directory.")
     if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
         raise RunDirectoryError(f"--out {str(out)!r} exists and is not empty; choose another directory, or pass "
                                 "--overwrite to replace the model and tokenizer files there.")

@@ -43,6 +43,7 @@ import numbers
 import os
 import pathlib
 import string
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -461,6 +462,10 @@ def _column_names(records: Sequence[Record], split: str, required: Sequence[str]
         if missing := [name for name in required if name in seen and name not in records[index]]:
             raise _fail(f"example {index} of the {split} split has no {_listing(missing)} column for the prompt; "
                         f"its columns are {_listing(records[index])}.")
+    for name in seen:
+        if lacking := sum(name not in records[index] for index in range(len(records))):
+            warnings.warn(f"TextTask: column {name!r} is missing from {lacking} of {len(records)} examples of the "
+                          f"{split} split; reward functions receive None there.", stacklevel=3)
     return list(seen)
 
 
@@ -531,12 +536,17 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a JSON-lines file: one JSON object per line, blank lines skipped.
 
     Raises:
-      ValueError: naming ``file:line`` for a line that is not JSON or not an object.
+      ValueError: naming ``file:line`` for a line that is not UTF-8, not JSON or not an object.
     """
     path = pathlib.Path(path)
     records = []
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the "
+                                 "line); save the file as UTF-8.") from None
             if not line.strip():
                 continue
             try:

@@ -125,6 +125,7 @@ class TrainConfig:
         for field in ("max_refill_rounds", "eval_every", "eval_samples"):
             _checks.nonnegative_int(where, field, getattr(self, field))
         _checks.positive_int(where, "max_prompt_length", self.max_prompt_length)
+        _checks.nonnegative_int(where, "seed", self.seed)
         if self.top_k is not None:
             _checks.positive_int(where, "top_k", self.top_k)
         for field, closed in (("top_p", "(]"), ("min_p", "[]")):

@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxrl_llm import _checks, algorithms, distributed, models, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
+from jaxrl_llm.rewards.combine import called_in
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.step import (Batch, TrainState, batch_shardings, check_params, check_state, init_state,
@@ -376,8 +377,9 @@ def train(
                 step = int(state.step)
 
                 # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
-                collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key(state),
-                                          position=int(state.prompts_drawn), prompt_bucket=prompt_bucket)
+                with called_in(f"the rollout of train step {step}"):
+                    collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key(state),
+                                              position=int(state.prompts_drawn), prompt_bucket=prompt_bucket)
                 rollouts, first = collected.rollouts, collected.first_round
                 reward_seconds = collected.reward_seconds
                 rollout_seconds = time.perf_counter() - started - reward_seconds
@@ -398,7 +400,8 @@ def train(
                 host_metrics = dict(
                     reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
                     **{f"reward_{name}": mean for name, mean in first.result.means().items()},
-                    reward_errors=float(collected.reward_errors), truncated_prompts=float(collected.truncated_prompts),
+                    reward_errors=float(collected.reward_errors), reward_unscored=float(first.result.unscored.mean()),
+                    truncated_prompts=float(collected.truncated_prompts),
                     completion_length=float(lengths.mean()), completion_length_max=float(lengths.max()),
                     truncated_fraction=float(np.mean(first.rollouts.truncated)),
                     identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
@@ -413,8 +416,9 @@ def train(
                 metrics = record(*pending)
                 pending = None
                 if config.eval_every and (step + 1) % config.eval_every == 0:
-                    metrics.update(evaluation_metrics(model, state.params, task, config, prompt_bucket=prompt_bucket,
-                                                       mesh=rollout_mesh))
+                    with called_in(f"the held-out evaluation after train step {step}"):
+                        metrics.update(evaluation_metrics(model, state.params, task, config,
+                                                           prompt_bucket=prompt_bucket, mesh=rollout_mesh))
                 if callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
                     with _interrupts_held():
                         callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))

@@ -1,6 +1,8 @@
 """Reward functions called in TRL's convention: the weighted sum, None, and every bad return."""
 
+import fractions
 import functools
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,9 +44,24 @@ def test_functions_get_every_argument_by_keyword_and_the_sum_is_weighted_over_th
 
 
 def test_a_row_where_no_function_applies_scores_zero_and_a_function_that_never_applies_has_a_nan_mean():
-    result = _compute([lambda **kwargs: [None, None, None]])
+    with pytest.warns(UserWarning, match=r"Every reward function returned None for every completion \(<lambda>\)"):
+        result = _compute([lambda **kwargs: [None, None, None]])
     np.testing.assert_array_equal(result.total, [0, 0, 0])
+    np.testing.assert_array_equal(result.unscored, [True, True, True])
     assert np.isnan(result.means()["<lambda>"])
+
+
+def test_unscored_rows_are_those_no_function_applies_to_and_only_a_batch_of_them_warns():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = _compute([lambda **kwargs: [None, 1.0, None], lambda **kwargs: [None, None, 0.5]])
+    np.testing.assert_array_equal(result.unscored, [True, False, False])
+    np.testing.assert_array_equal(result.total, [0.0, 1.0, 0.5])
+
+
+def test_exact_rationals_are_numbers():
+    result = _compute([lambda **kwargs: [fractions.Fraction(1, 2), fractions.Fraction(3), 0]])
+    np.testing.assert_array_equal(result.total, [0.5, 3.0, 0.0])
 
 
 def test_names_come_through_partials_and_repeated_names_are_numbered():
@@ -76,8 +93,11 @@ def test_conversational_completions_are_read_as_trl_passes_them():
     (7.0, r"'bad' must return a list of 3 numbers or None; got float"),
     ([1.0, "1", 0.0], r"'bad' returned '1' \(str\) at row 1 \(prompt '2\+2=', completion '5'\); it must return numbers"),
     ([1.0, 0.0, float("nan")], r"'bad' returned nan at row 2 \(prompt '3\+3=', completion '6'\); rewards must be "
-                               r"finite \(return None where the function does not apply\)"),
+                               r"finite float32 numbers \(\|r\| <= 3.4e\+38; return None where the function does not "
+                               r"apply\)"),
     ([float("inf"), 0.0, 0.0], r"'bad' returned inf at row 0"),
+    ([0.0, 1e39, 0.0], r"'bad' returned 1e\+39 at row 1 .* finite float32 numbers"),  # finite only in float64
+    ([0.0, 0.0, 1j], r"'bad' returned 1j \(complex\) at row 2"),
 ])
 def test_a_function_that_returns_garbage_is_named_with_the_row(returned, message):
     def bad(**kwargs):

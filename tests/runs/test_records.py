@@ -309,7 +309,7 @@ def test_summary_table(tmp_path):
     assert text == records.summarize(records.read_metrics(tmp_path))
     lines = {line.split()[0]: line.split()[1:] for line in text.splitlines()}
     assert "12 train steps recorded (steps 0 to 11)" in text
-    assert "wall time 0:00:36: train steps 0:00:24, evaluation 0:00:12" in text
+    assert "time in steps 0:00:36: train steps 0:00:24, evaluation 0:00:12" in text
     assert lines["reward"][:2] == ["0.2", "0.9"]  # means of steps 0-4 and 7-11
     assert lines["reward_format"][:2] == ["0.5", "0.5"]  # nulls left out
     assert lines["kl_exact"][:2] == ["0.002", "0.009"]

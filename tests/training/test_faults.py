@@ -194,7 +194,7 @@ def test_an_exception_in_a_reward_function_keeps_the_state_and_history_of_the_st
     straight, straight_history = training.train(model, params, algorithms.GRPO, RUN, steps=3, task=TASK)
     start = training.init_state(model, params, algorithms.GRPO, RUN)
     with pytest.raises(training.RunStopped, match=r"stopped at step 3 \(3 of 5 steps done\): RewardFunctionError: "
-                                                   "Reward function 'correct' raised ZeroDivisionError: broken reward "
+                                                   "In the rollout of train step 3: reward function 'correct' raised ZeroDivisionError: broken reward "
                                                    r"at row 0 \(prompt '\d\+\d=', completion") as error:
         training.train(model, params, algorithms.GRPO, RUN, steps=5, task=_FailsAtCall(4, ZeroDivisionError(
             "broken reward")), state=start)

@@ -270,9 +270,11 @@ def test_reward_functions_must_return_one_number_per_completion():
         return [0.0] * 3
 
     with pytest.raises(training.RunStopped,
-                       match=r"Reward function 'short' returned 3 values for 16 completions") as error:
+                       match=r"RewardFunctionError: In the rollout of train step 0: reward function 'short' "
+                             r"returned 3 values for 16 completions") as error:
         training.train(model, params, algorithms.RLOO, RUN, steps=1, task=_Scored(short))
     assert isinstance(error.value.__cause__, rewards.RewardFunctionError)
+    assert error.value.__cause__.function is short
 
 
 def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
