@@ -161,7 +161,9 @@ def test_a_later_record_without_the_prompt_column_is_named_when_the_task_is_buil
 
 def test_records_with_different_keys_get_every_column():
     records = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "hint": "h"}]
-    task = text.from_records(records, tokenizer=char_tokenizer(), reward_fns=reward)
+    with pytest.warns(UserWarning, match=r"is missing from 1 of 2 examples of the train split") as warned:
+        task = text.from_records(records, tokenizer=char_tokenizer(), reward_fns=reward)
+    assert [str(w.message).split("'")[1] for w in warned] == ["answer", "hint"]  # once each
     assert task.columns == ("answer", "hint")
     assert task.examples("train", np.array([1, 0]), seed=0).columns == {"answer": [None, "1"], "hint": ["h", None]}
 
