@@ -360,9 +360,11 @@ def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, o
             aside = run_dir / CHECKPOINTS / f"unreadable-{unreadable}"
             if main:
                 os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
-            _print(f"Checkpoint {unreadable} cannot be read (moved to {aside}); continuing from step {start}.",
-                   stream)
+            why = checkpointer.skipped.get(unreadable, "not restored")
+            _print(f"Checkpoint {unreadable} cannot be used ({why}); moved to {aside}, continuing from step "
+                   f"{start}.", stream)
         distributed.barrier("checkpoints restored")
+        checkpointer.reload()  # without those moved aside: their steps are saved again, not counted to keep
         warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
         _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
     else:

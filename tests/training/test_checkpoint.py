@@ -1,15 +1,20 @@
-"""Checkpoints: exact round trips, resumption, keep-last-K, corrupt and partial checkpoints, resharding."""
+"""Checkpoints: exact round trips, resumption, keep-last-K, corrupt and partial checkpoints,
+verification (digests, finiteness), resharding."""
 
 import functools
+import json
 import os
+import pathlib
 import shutil
 
 import chex
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxrl_llm import algorithms, models, training
+from jaxrl_llm.training import checkpoint
 from jaxrl_llm.training.checkpoint import Checkpointer
 from tests.training.test_step import CONFIG, RUN, TASK
 
@@ -98,6 +103,100 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_with_a_warning(t
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="no readable checkpoint.*checkpoint 2: .*"
                                                                        "checkpoint 1: "):
         checkpoints.restore(like=like)
+
+
+def stored_arrays(step_dir) -> dict[str, np.ndarray]:
+    """What orbax's plain restore (which verifies nothing) reads from checkpoint ``step_dir``, by path."""
+    with ocp.StandardCheckpointer() as reader:
+        tree = reader.restore(pathlib.Path(step_dir).absolute() / "state")
+    return {"/".join(names): np.asarray(leaf) for names, leaf in zip(checkpoint._paths(tree), jax.tree.leaves(tree))}
+
+
+def flip_bytes(step_dir) -> str:
+    """Flips 16 bytes of the largest data file of checkpoint ``step_dir`` (zstd-compressed
+    chunks, without checksums of their own) where that makes one stored array read back with
+    other, finite values and no error; returns its path."""
+    saved = stored_arrays(step_dir)
+    data = max((p for p in pathlib.Path(step_dir, "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+    original = data.read_bytes()
+    for offset in range(len(original) // 2, len(original) - 16, 997):
+        flipped = bytearray(original)
+        flipped[offset:offset + 16] = bytes(byte ^ 0xFF for byte in original[offset:offset + 16])
+        data.write_bytes(flipped)
+        try:
+            read = stored_arrays(step_dir)
+        except Exception:  # noqa: BLE001 (this flip breaks the decoding: an unreadable checkpoint; try another)
+            continue
+        changed = [path for path in saved if not np.array_equal(read[path], saved[path])]
+        if len(changed) == 1 and np.isfinite(read[changed[0]]).all():
+            return changed[0]
+    data.write_bytes(original)
+    pytest.fail(f"no flip of 16 bytes in {data} changed one array to finite values")
+
+
+def strip_digests(step_dir) -> None:
+    """Checkpoint ``step_dir`` as saved before checkpoints recorded digests."""
+    path = pathlib.Path(step_dir, "_CHECKPOINT_METADATA")
+    metadata = json.loads(path.read_text())
+    metadata["custom_metadata"]["jaxrl_llm"].pop("digests", None)
+    path.write_text(json.dumps(metadata))
+
+
+def test_flipped_bytes_in_the_data_fail_the_checksum_and_the_previous_checkpoint_is_restored(tmp_path):
+    model, params, state = _state("GRPO")
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, state)
+    checkpoints.save(2, state._replace(step=state.step + 1))
+    leaf = flip_bytes(tmp_path / "2")  # read without verification, one array has other values
+    like = _abstract(model, params, "GRPO")
+    with pytest.warns(UserWarning, match=f"checkpoint 2: ValueError: checksum mismatch in {leaf}: .*falling back "
+                                         "to checkpoint 1"):
+        restored = checkpoints.restore(like=like)
+    _assert_identical(restored, state)
+    assert list(checkpoints.skipped) == [2] and leaf in checkpoints.skipped[2]
+    with pytest.raises(RuntimeError, match=f"checkpoint 2: ValueError: checksum mismatch in {leaf}"):
+        checkpoints.restore(2, like=like)  # a given step: an error, not its data
+
+
+def test_a_state_with_non_finite_values_is_not_saved_and_the_good_checkpoint_stays(tmp_path):
+    model, params, state = _state("GRPO")
+    checkpoints = Checkpointer(tmp_path, max_to_keep=1)
+    checkpoints.save(1, state)
+    leaves, tree = jax.tree.flatten(state.params)
+    poisoned = state._replace(step=state.step + 1, params=jax.tree.unflatten(tree, [
+        leaves[0].at[(0,) * leaves[0].ndim].set(jax.numpy.nan), *leaves[1:]]))
+    name = checkpoint._paths(state.params)[0]
+    with pytest.raises(ValueError, match=rf"state of step 2 has non-finite values in params/{'/'.join(name)} "
+                                         r"\(1 of \d+ entries\); not saved"):
+        checkpoints.save(2, poisoned, wait=False)
+    assert checkpoints.all_steps() == [1] and os.listdir(tmp_path) == ["1"]  # nothing written, nothing rotated
+    _assert_identical(checkpoints.restore(like=state), state)
+
+
+def test_a_checkpoint_saved_without_digests_restores_and_is_checked_for_finite_values(tmp_path, monkeypatch):
+    model, params, state = _state("GRPO")
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, state)
+    strip_digests(tmp_path / "1")
+    like = _abstract(model, params, "GRPO")
+    _assert_identical(Checkpointer(tmp_path).restore(like=like), state)
+    # A NaN saved before saves were checked: its restore finds it.
+    leaves, tree = jax.tree.flatten(state.params)
+    poisoned = state._replace(step=state.step + 1, params=jax.tree.unflatten(tree, [
+        leaves[0].at[(0,) * leaves[0].ndim].set(jax.numpy.nan), *leaves[1:]]))
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "_checks", lambda flat: {"/".join(names): ("", 0) for names in flat},
+                      raising=False)  # the save as it was
+        checkpoints.save(2, poisoned)
+    strip_digests(tmp_path / "2")
+    checkpoints = Checkpointer(tmp_path)
+    name = "/".join(checkpoint._paths(state.params)[0])
+    with pytest.warns(UserWarning, match=rf"checkpoint 2: ValueError: non-finite values in params/{name} "
+                                         r"\(1 of \d+ entries\); falling back to checkpoint 1"):
+        _assert_identical(checkpoints.restore(like=like), state)
+    with pytest.raises(RuntimeError, match=rf"checkpoint 2: ValueError: non-finite values in params/{name}"):
+        checkpoints.restore(2, like=like)
 
 
 def test_a_partially_written_checkpoint_is_not_the_latest(tmp_path):
