@@ -85,6 +85,11 @@ class RunDirectoryError(ValueError):
     """The run directory does not fit the request (another run, nothing to resume, ...)."""
 
 
+def is_timing(name: str) -> bool:
+    """Whether metric ``name`` measures the machine (time, throughput, compilations), not the run."""
+    return name.endswith("_seconds") or name in TIMING_METRICS
+
+
 def _foreign_entries(run_dir: pathlib.Path) -> list[str]:
     """The names in ``run_dir`` that are not a run's (:data:`RUN_ENTRIES`)."""
     def ours(name: str) -> bool:
