@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import pathlib
+import site
 import sys
 import sysconfig
 import traceback
@@ -55,7 +56,8 @@ def _settings(base: run_config.RunConfig, argv: Sequence[str], prog: str) -> run
         return tyro.cli(run_config.RunConfig, default=start, args=list(argv), prog=prog, config=_TYRO,
                         description="Settings of the run (any field of RunConfig):")
 
-    if base.warm_start == run_config.DEMO_WARM_START and any(arg.startswith("--warm-start.") for arg in argv):
+    flags = [arg.replace("_", "-") for arg in argv if arg.startswith("--")]  # tyro takes either spelling
+    if base.warm_start == run_config.DEMO_WARM_START and any(flag.startswith("--warm-start.") for flag in flags):
         settings = parse(dataclasses.replace(base, warm_start=run_config.WarmStartConfig()))
         return parse(base) if settings.is_demo else settings
     return parse(base)
@@ -101,7 +103,8 @@ def _train_parser() -> argparse.ArgumentParser:
                                          "(default: the run directory's config, else the embedded default)")
     parser.add_argument("--run-dir", required=True, help="the run's directory: config, records, checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir (an error if none)")
-    parser.add_argument("--overwrite", action="store_true", help="delete what --run-dir holds and start again")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run in --run-dir (only a run directory's own files are deleted)")
     parser.add_argument("--method", help=f"the preset: {', '.join(algorithms.PRESETS)}")
     parser.add_argument("--conventions", choices=algorithms.PEER_LIBRARIES,
                         help="the method with this library's numerics (Algorithm.matching; README, \"Matching TRL, "
@@ -146,7 +149,7 @@ def parse_train(argv: Sequence[str]) -> tuple[argparse.Namespace, run_config.Run
     try:
         stored = None if args.overwrite or args.config else run.stored_config(args.run_dir)
         return args, _settings(_base_config(args.config, args.method, stored, args.conventions), rest, parser.prog)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # a file that cannot be read is named by the error
         raise UsageError(str(error)) from error
 
 
@@ -154,6 +157,9 @@ def train(argv: Sequence[str]) -> int:
     parser = _train_parser()
     try:
         args, config = parse_train(argv)
+    except UsageError as error:
+        parser.exit(2, "\n".join([f"{parser.prog}: error: {error}", *user_traceback(error.__cause__)]) + "\n")
+    try:
         progress = {"auto": None, "on": True, "off": False}[args.progress]
         _connect(args)
         with _storage_noise_muted():
@@ -162,7 +168,9 @@ def train(argv: Sequence[str]) -> int:
         if (reason := run.storage_failure(error)) is not None:
             return _report(f"{parser.prog}: error: could not use {args.run_dir}: {reason}.", error, args.run_dir,
                            checkpoint=run.latest_checkpoint(args.run_dir), storage=True)
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        # Bad settings, found before any compute; an error importing the user's reward module
+        # shows the frames of their code.
+        parser.exit(2, "\n".join([f"{parser.prog}: error: {error}", *user_traceback(error.__cause__)]) + "\n")
     except training.RunInterrupted as interrupted:
         print(f"{PROG}: {_without_api_hint(interrupted)}", file=sys.stderr)
         return 130
@@ -207,13 +215,19 @@ def _report(message: str, error: BaseException, run_dir: str | None, *, checkpoi
 
 def _library_paths() -> tuple[str, ...]:
     """Where code that is not the user's lives: this library, the standard library and the
-    installed packages."""
+    installed packages (the environment's, the user's and the system's site directories)."""
     paths = sysconfig.get_paths()
-    found = {str(pathlib.Path(__file__).resolve().parent), *(paths[name] for name in ("stdlib", "purelib", "platlib"))}
+    found = {str(pathlib.Path(__file__).resolve().parent), *(paths[name] for name in ("stdlib", "purelib", "platlib")),
+             *site.getsitepackages(), site.getusersitepackages()}
     return tuple(os.path.realpath(path) + os.sep for path in found)
 
 
-def user_traceback(error: BaseException) -> list[str]:
+def _is_library(filename: str, library: tuple[str, ...]) -> bool:
+    path = os.path.realpath(filename)
+    return path.startswith(library) or any(part in ("site-packages", "dist-packages") for part in pathlib.Path(path).parts)
+
+
+def user_traceback(error: BaseException | None) -> list[str]:
     """The lines of the traceback of the user's own code in ``error``'s chain (its causes
     and contexts): the frames outside :func:`_library_paths`, innermost exception first
     found, with its type and message; or where the failing reward function is defined."""
@@ -225,35 +239,33 @@ def user_traceback(error: BaseException) -> list[str]:
         error = error.__cause__ or error.__context__
     for exception in reversed(chain):  # the innermost (the user's own exception) first
         frames = [frame for frame in traceback.extract_tb(exception.__traceback__)
-                  if not frame.filename.startswith("<") and not os.path.realpath(frame.filename).startswith(library)]
+                  if not frame.filename.startswith("<") and not _is_library(frame.filename, library)]
         if frames:
             return ["Traceback of your code (most recent call last):",
                     *"".join(traceback.format_list(frames)).rstrip("\n").split("\n"),
                     *traceback.format_exception_only(exception)[-1].rstrip("\n").split("\n")]
     function = next((getattr(e, "function", None) for e in chain if getattr(e, "function", None)), None)
     code = getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
-    if code is not None and not os.path.realpath(code.co_filename).startswith(library):
+    if code is not None and not _is_library(code.co_filename, library):
         return [f"  {rewards.reward_name(function)} is defined in {code.co_filename}, line {code.co_firstlineno}."]
     return []
 
 
 @contextlib.contextmanager
 def _storage_noise_muted():
-    """While a run writes its files: the errors orbax's writer threads log, and Python's
-    "Exception ignored" reports at exit, for a file system that is full or read-only are
-    dropped (the run reports the failure itself, in one line)."""
+    """While a run writes its files: the errors orbax's writer threads log for a file
+    system that is full or read-only are dropped (the run reports the failure itself, in
+    one line), and so, from then on, are Python's "Exception ignored" reports of them at exit."""
     def noise(record: logging.LogRecord) -> bool:
         text = record.getMessage() + ("".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
-        return not any(marker in text for marker in _STORAGE_MARKERS)
+        return not any(marker in text for marker in (*run.STORAGE_TEXTS.values(), "RESOURCE_EXHAUSTED",
+                                                     "PERMISSION_DENIED"))
 
-    def unraisable(report) -> None:
-        if report.exc_value is not None and (run.storage_failure(report.exc_value) or
-                                             "Python is likely shutting down" in str(report.exc_value)):
-            return
-        hook(report)
-
+    global _UNRAISABLE_HOOK
+    if _UNRAISABLE_HOOK is None:  # once per process: the reports come at exit, after the run
+        _UNRAISABLE_HOOK = sys.unraisablehook
+        sys.unraisablehook = _unraisable
     loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
-    hook, sys.unraisablehook = sys.unraisablehook, unraisable
     for logger in loggers:
         logger.addFilter(noise)
     try:
@@ -261,11 +273,19 @@ def _storage_noise_muted():
     finally:
         for logger in loggers:
             logger.removeFilter(noise)
-        # kept for the interpreter's exit, when the writer threads' coroutines are collected
 
 
-_STORAGE_MARKERS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
-                    "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
+_UNRAISABLE_HOOK = None
+
+
+def _unraisable(report) -> None:
+    """``sys.unraisablehook`` without the storage failures of orbax's abandoned writes, and
+    their "Python is likely shutting down" echoes."""
+    error = report.exc_value
+    if error is not None and (run.storage_failure(error) or "Python is likely shutting down" in str(error)):
+        return
+    _UNRAISABLE_HOOK(report)
+
 
 
 def evaluate(argv: Sequence[str]) -> int:
@@ -299,8 +319,8 @@ def evaluate(argv: Sequence[str]) -> int:
             if args.step is not None:
                 raise UsageError("--step selects a run's checkpoint; it needs --run-dir.")
             base = run_config.load(args.config) if args.config else run_config.RunConfig()
-            config = _settings(dataclasses.replace(base, model=dataclasses.replace(base.model, path=args.model)),
-                               rest, parser.prog)
+            config = run.absolute_paths(_settings(dataclasses.replace(base, model=dataclasses.replace(
+                base.model, path=args.model)), rest, parser.prog))
             try:
                 tokenizer = build.tokenizer(config.model)
                 task = build.task(config.task, tokenizer, checkpoint=config.model.path)

@@ -147,8 +147,10 @@ def _checked(name: str, returned: Any, batch: int, prompts, completions, *, firs
         if isinstance(value, (np.generic, np.ndarray)) and np.shape(value) == ():
             value = value.item()  # NumPy scalars; bools count as 0 / 1
         try:
-            number = float(value) if isinstance(value, numbers.Real) else None  # Fraction, Decimal-like
-        except (TypeError, ValueError, OverflowError):
+            number = float(value) if isinstance(value, numbers.Real) else None  # Fraction, ...
+        except OverflowError:  # an int past float64's range
+            number = float("inf")
+        except (TypeError, ValueError):
             number = None
         if number is None:
             raise RewardFunctionError(f"Reward function {name!r} returned {value!r} ({type(value).__name__}) at "
@@ -212,7 +214,13 @@ def compute_rewards(
                       "is 0 and the batch teaches nothing. None means 'does not apply'; check that the functions "
                       "read the columns they need (the `reward_unscored` metric counts such rows).", stacklevel=2)
     weighted = [w * np.nan_to_num(v, nan=0.0) for w, v in zip(weights, values.values(), strict=True)]
-    return RewardResult(total=np.sum(weighted, axis=0, dtype=np.float32), values=values,
+    with np.errstate(over="ignore"):
+        total = np.sum(weighted, axis=0, dtype=np.float32)
+    if not np.isfinite(total).all():
+        row = int(np.flatnonzero(~np.isfinite(total))[0])
+        raise RewardFunctionError(f"The weighted sum of the rewards overflows float32 at "
+                                  f"{_example(row, prompts, completions, first_row)}; scale the rewards or weights.")
+    return RewardResult(total=total, values=values,
                         errors={name: count for name, count in errors.items() if count})
 
 

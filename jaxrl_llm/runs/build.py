@@ -7,6 +7,7 @@ import importlib
 import os
 import pathlib
 import sys
+import sysconfig
 from typing import Any, Callable
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 import transformers
 
 from jaxrl_llm import models, rewards, sharding, tasks, training
-from jaxrl_llm.runs.config import BUILTIN_ALPHABET, BUILTIN_CHAT_TEMPLATE, ModelSpec, RunConfig, TaskSpec
+from jaxrl_llm.runs.config import BUILTIN_ALPHABET, BUILTIN_CHAT_TEMPLATE, DEMO_TASKS, ModelSpec, RunConfig, TaskSpec
 
 REWARDS: dict[str, Callable[..., Any]] = {
     "exact_match": rewards.exact_match,
@@ -103,51 +104,66 @@ def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=N
 
 def _import_file(path: pathlib.Path):
     """The module of a ``.py`` file, imported as ``python -m`` would from its directory: the
-    first directory up without an ``__init__.py`` goes on ``sys.path`` (so the module
-    imports its siblings, and a package's relative imports work). A module of the same
-    name imported before from another file (another project's ``my_rewards``) is replaced."""
+    first directory up without an ``__init__.py`` is searched first while importing, and
+    stays on ``sys.path`` after the others (so the module imports its siblings, also later,
+    and a package's relative imports work). A module of the same name imported before from
+    another user file (another project's ``my_rewards``) is replaced; one installed or in
+    the standard library is an error (rename the file)."""
     root, parts = path.parent, [] if path.name == "__init__.py" else [path.stem]
     while (root / "__init__.py").is_file():
         root, parts = root.parent, [root.name, *parts]
     name = ".".join(parts)
-    if str(root) in sys.path:
-        sys.path.remove(str(root))
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) and pathlib.Path(loaded.__file__).resolve() == path:
+        return loaded
+    installed = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+    for key in [key for key in sys.modules if key == parts[0] or key.startswith(f"{parts[0]}.")]:
+        file = getattr(sys.modules[key], "__file__", None)
+        if file is None or os.path.realpath(file).startswith(tuple(os.path.realpath(p) + os.sep for p in installed)):
+            raise ImportError(f"a module named {parts[0]!r} is already imported from "
+                              f"{file or 'the interpreter'}; rename {path.name}", name=name)
+        del sys.modules[key]  # the same name from another user file
     sys.path.insert(0, str(root))
-    for loaded in [key for key in sys.modules if key == parts[0] or key.startswith(f"{parts[0]}.")]:
-        file = getattr(sys.modules[loaded], "__file__", None)
-        if file is None or not pathlib.Path(file).resolve().is_relative_to(root):
-            del sys.modules[loaded]  # the same name from elsewhere
-    return importlib.import_module(name)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(root))
+        sys.path.append(str(root))
 
 
 def reward_function(name: str) -> Callable[..., Any]:
     """A built-in reward function by name, a ``module:function`` imported (from
     ``sys.path``; :func:`~jaxrl_llm.runs.config.reward_source` first turns one in the
     current directory or beside the config file into its path), or a
-    ``path/to/file.py:function``."""
+    ``path/to/file.py:function``.
+
+    Raises ValueError naming the entry: unknown, not found (saying where it looked), an
+    error while importing the module (the original is its ``__cause__``), or no such
+    callable in it."""
     if name in REWARDS:
         return REWARDS[name]
     module_name, colon, attribute = name.rpartition(":")
     if not colon:
         raise ValueError(f"task.rewards: unknown reward {name!r}; the built-in ones are {', '.join(REWARDS)}, "
                          "or give `module:function` or `path/to/file.py:function`.")
-    if module_name.endswith(".py"):
-        path = pathlib.Path(module_name).expanduser()
-        if not path.is_file():
-            raise ValueError(f"task.rewards: cannot import {name!r}: there is no file {str(path)!r}.")
-        load = lambda: _import_file(path.resolve())  # noqa: E731
-        looked = ""
-    else:
-        load = lambda: importlib.import_module(module_name)  # noqa: E731
-        looked = (f" (looked for {module_name.replace('.', '/')}.py in the current directory {os.getcwd()}, beside "
-                  "the config file, and among the installed modules; or write the file's path, "
-                  f"'path/to/{module_name.split('.')[-1]}.py:{attribute}')")
+    is_file = module_name.endswith(".py")
+    path = pathlib.Path(module_name).expanduser().resolve() if is_file else None
+    if is_file and not path.is_file():
+        raise ValueError(f"task.rewards: cannot import {name!r}: there is no file {module_name!r}.")
     try:
-        found = getattr(load(), attribute)
+        module = _import_file(path) if is_file else importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise ValueError(f"task.rewards: cannot import {name!r}: {error}{looked}.") from None
-    except AttributeError:
-        raise ValueError(f"task.rewards: {name!r}: the module has no {attribute!r}.") from None
+        if is_file or not error.name or not (module_name + ".").startswith(error.name + "."):
+            raise ValueError(f"task.rewards: importing {name!r} failed: {type(error).__name__}: {error}.") from error
+        raise ValueError(f"task.rewards: cannot import {name!r}: {error} (looked for "
+                         f"{module_name.replace('.', '/')}.py in the current directory {os.getcwd()}, beside the "
+                         f"config file, and among the installed modules; or write the file's path, "
+                         f"'path/to/{module_name.split('.')[-1]}.py:{attribute}').") from None
+    except Exception as error:  # noqa: BLE001 (the user's module failed: shown with its frames)
+        raise ValueError(f"task.rewards: importing {name!r} failed: {type(error).__name__}: {error}") from error
+    found = getattr(module, attribute, None)
+    if found is None:
+        raise ValueError(f"task.rewards: {name!r}: {module.__name__} has no {attribute!r}.")
     if not callable(found):
         raise ValueError(f"task.rewards: {name!r} is not callable.")
     return found
@@ -224,7 +240,13 @@ def demonstrations(config: RunConfig, task_: tasks.Task, *, limit: int | None = 
 
 def check_demonstrations(config: RunConfig, task_: tasks.Task) -> None:
     """Raises ValueError, before any compute, if :func:`demonstrations` would (the count,
-    and the first example's column and answer)."""
+    and the first example's column and answer), or if labels are to be made wrong on
+    purpose (``off_by_one_fraction``) outside the demo's task (:data:`DEMO_TASKS`)."""
+    warm = config.warm_start
+    if warm.off_by_one_fraction and config.task.name not in DEMO_TASKS:
+        raise ValueError(f"warm_start.off_by_one_fraction={warm.off_by_one_fraction} makes that fraction of the warm "
+                         f"start's labels wrong on purpose, for the demo on the {' and '.join(DEMO_TASKS)} task; on "
+                         f"task {config.task.name!r} set warm_start.off_by_one_fraction = 0 (the labels as they are).")
     demonstrations(config, task_, limit=1)
 
 

@@ -320,11 +320,6 @@ class RunConfig:
                              "model.max_positions.")
         if self.warm_start == DEMO_WARM_START and not self.is_demo:
             object.__setattr__(self, "warm_start", WarmStartConfig())  # the demo's stays with the demo
-        if self.warm_start.off_by_one_fraction and self.task.name not in DEMO_TASKS:
-            raise ValueError(
-                f"{where}: warm_start.off_by_one_fraction={self.warm_start.off_by_one_fraction} makes that fraction "
-                f"of the warm start's labels wrong on purpose, for the demo on the {' and '.join(DEMO_TASKS)} task; "
-                f"on task {self.task.name!r} set warm_start.off_by_one_fraction = 0 (the labels as they are).")
 
 
 # ----------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ These are what ``jaxrl-llm train | eval | export`` call; each takes a
 
 **The run directory**::
 
+    .jaxrl-llm-run       marks it as a run's: only such a directory is ever replaced
+    .jaxrl-llm-lock      flock-ed by the process training in it (its pid and host)
     config.json          the resolved RunConfig (every field)
     warm_start.json      the warm start's losses and its held-out evaluation
     metrics.jsonl        one line per step: {"step": s, every metric of training.train}
@@ -38,6 +40,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import socket
 import sys
@@ -49,7 +52,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import compilation_cache, distributed, models, sharding, training
-from jaxrl_llm.rewards.combine import called_in
+from jaxrl_llm.rewards.combine import RewardFunctionError, called_in
 from jaxrl_llm.runs import build, records
 from jaxrl_llm.runs import config as run_config
 from jaxrl_llm.runs.config import RunConfig, differences, from_dict, to_dict
@@ -129,21 +132,29 @@ def has_completed_step(run_dir: str | os.PathLike) -> bool:
     ``metrics.jsonl``): one without is not a run yet (a start that failed its checks or
     stopped in the warm start) and a new run may take its place."""
     run_dir = pathlib.Path(run_dir)
+    metrics = run_dir / records.METRICS_FILE
+    return latest_checkpoint(run_dir) is not None or bool(metrics.is_file() and records.read_metrics(run_dir))
+
+
+def _is_legacy_run(run_dir: pathlib.Path) -> bool:
+    """Whether a directory without :data:`MARKER_FILE` is a run's from before markers: its
+    ``config.json`` reads as a run config and ``checkpoints/`` holds only checkpoints."""
+    try:
+        if stored_config(run_dir) is None:
+            return False
+    except RunDirectoryError:
+        return False
     checkpoints = run_dir / CHECKPOINTS
-    saved = checkpoints.is_dir() and any(entry.name.isdigit() for entry in checkpoints.iterdir())
-    return saved or bool((run_dir / records.METRICS_FILE).is_file() and records.read_metrics(run_dir))
+    return not checkpoints.exists() or (checkpoints.is_dir() and all(
+        re.fullmatch(r"(unreadable-)?\d+|\d+\.orbax-checkpoint-tmp.*", entry.name) for entry in checkpoints.iterdir()))
 
 
 def _check_replaceable(run_dir: pathlib.Path) -> None:
-    """Raises RunDirectoryError unless ``run_dir`` is recognisably a run's (its marker, or a
-    ``config.json`` that reads as a run config) and holds nothing but a run's files."""
+    """Raises RunDirectoryError unless ``run_dir`` is recognisably a run's (its marker, or
+    a run from before markers) and holds nothing but a run's entries (:data:`RUN_ENTRIES`)."""
     if not run_dir.is_dir():
         raise RunDirectoryError(f"--overwrite: {str(run_dir)!r} is a file, not a run directory; nothing was deleted.")
-    try:
-        is_run = (run_dir / MARKER_FILE).is_file() or stored_config(run_dir) is not None
-    except RunDirectoryError:
-        is_run = False
-    if not is_run:
+    if not ((run_dir / MARKER_FILE).is_file() or _is_legacy_run(run_dir)):
         raise RunDirectoryError(f"--overwrite: {str(run_dir.resolve())!r} is not a run directory (no {MARKER_FILE} "
                                 f"and no run {CONFIG_FILE}); nothing was deleted. Choose another --run-dir.")
     foreign = _foreign_entries(run_dir)
@@ -154,7 +165,8 @@ def _check_replaceable(run_dir: pathlib.Path) -> None:
 
 
 def _clear(run_dir: pathlib.Path) -> None:
-    """Deletes a run's own entries in ``run_dir`` (not its lock, nor anything else)."""
+    """Deletes a run's own entries in ``run_dir`` (not its lock, nor anything else; a link
+    is removed, never followed)."""
     keep = {LOCK_FILE, *_foreign_entries(run_dir)}
     for entry in run_dir.iterdir():
         if entry.name not in keep:
@@ -167,38 +179,57 @@ def locked(run_dir: str | os.PathLike):
     process training in the same directory is refused, naming the holder. The lock is an
     ``flock`` on :data:`LOCK_FILE`, released by the kernel when its process dies, so a
     killed run never blocks its resumption. Where no run started (no :data:`MARKER_FILE`),
-    the lock file, and a directory this call created, are removed again.
+    the lock file, and the directories this call created, are removed again.
 
-    Raises RunDirectoryError: another process holds the lock."""
+    Raises RunDirectoryError: another process holds the lock, or the directory cannot be
+    made or locked."""
     run_dir = pathlib.Path(run_dir)
-    created = not run_dir.exists()
+    created = [path for path in (run_dir, *run_dir.parents) if not path.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        file = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")
+        file = _lock(run_dir)
     except OSError as error:
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
         raise RunDirectoryError(f"cannot use {str(run_dir.resolve())!r} as a run directory: "
                                 f"{error.strerror or error}.") from None
     try:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "a process that has not yet said which"
-            raise RunDirectoryError(f"{str(run_dir)!r} is in use by another run ({holder}); wait for it to end, or "
-                                    "choose another --run-dir.") from None
-        file.seek(0)
-        file.truncate()
-        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
-                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        file.flush()
         yield run_dir
     finally:
         if not (run_dir / MARKER_FILE).exists():  # no run started here: leave the directory as it was
             with contextlib.suppress(OSError):
                 (run_dir / LOCK_FILE).unlink()
-                if created:
-                    run_dir.rmdir()
+                for path in created:
+                    path.rmdir()
         file.close()
+
+
+def _lock(run_dir: pathlib.Path):
+    """The open, locked :data:`LOCK_FILE`, now naming this process. Raises RunDirectoryError
+    if another process holds it."""
+    path = run_dir / LOCK_FILE
+    while True:
+        file = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process that has not yet said which"
+            file.close()
+            raise RunDirectoryError(f"{str(run_dir)!r} is in use by another run ({holder}); wait for it to end, or "
+                                    "choose another --run-dir.") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        file.close()  # its holder removed the file as we locked it: lock the file that is there now
+    file.seek(0)
+    file.truncate()
+    file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    file.flush()
+    return file
 
 
 def _ignorable(config: RunConfig) -> tuple[str, ...]:
@@ -211,8 +242,9 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
     """Checks, before any compute, that ``config`` may run in ``run_dir``; returns the
     config stored there (``None``: a new run, in place of whatever run files are there).
 
-    A directory whose run never completed a step (:func:`has_completed_step`) is not a
-    run yet: a new one takes its place without ``overwrite``.
+    A run directory (:data:`MARKER_FILE`) whose run never completed a step
+    (:func:`has_completed_step`) is not a run yet: a new one takes its place without
+    ``overwrite``.
 
     Raises RunDirectoryError: ``resume`` without a run to resume; a directory holding a
     different run (the differing fields named) without ``overwrite``; other files; with
@@ -225,7 +257,7 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
             _check_replaceable(run_dir)
         return None
     stored = stored_config(run_dir)
-    if stored is not None and not has_completed_step(run_dir):
+    if stored is not None and (run_dir / MARKER_FILE).is_file() and not has_completed_step(run_dir):
         if resume:
             raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no completed step to resume from (a start "
                                     "that stopped before its first step); run without --resume to start it.")
@@ -310,13 +342,22 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
       config: the run's settings.
       run_dir: its directory (created).
       resume: require a run to continue in ``run_dir``.
-      overwrite: delete what ``run_dir`` holds first.
+      overwrite: replace the run in ``run_dir`` (only a run directory's own entries are
+        deleted; see :func:`check_run_directory`).
       progress: the progress bar (``None``: only on a terminal).
       stream: where messages and the summary go (``None``: nowhere).
     """
-    if not distributed.is_main_process():  # process 0 holds the directory for the run
-        return _train_run(config, run_dir, resume=resume, overwrite=overwrite, progress=progress, stream=stream)
-    with locked(run_dir):
+    with contextlib.ExitStack() as lock:
+        refused = None
+        if distributed.is_main_process():  # process 0 holds the directory for the run
+            try:
+                lock.enter_context(locked(run_dir))
+            except RunDirectoryError as error:
+                refused = error
+        if jax.process_count() > 1 and distributed.process_sum(np.int32(refused is not None)) and refused is None:
+            raise RunDirectoryError(f"process 0 cannot take {str(run_dir)!r} (its log says why).")
+        if refused is not None:
+            raise refused
         return _train_run(config, run_dir, resume=resume, overwrite=overwrite, progress=progress, stream=stream)
 
 
@@ -451,32 +492,38 @@ def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, o
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:
-    """The step of the latest complete checkpoint in a run directory (``None``: none)."""
+    """The step of the latest complete checkpoint in a run directory (``None``: none, or
+    the directory cannot be read)."""
     checkpoints = pathlib.Path(run_dir) / CHECKPOINTS
-    steps = [int(entry.name) for entry in checkpoints.iterdir() if entry.name.isdigit()] if checkpoints.is_dir() else []
-    return max(steps, default=None)
+    try:
+        return max((int(entry.name) for entry in checkpoints.iterdir() if entry.name.isdigit()), default=None)
+    except OSError:
+        return None
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+"""The OS errors that mean the disk cannot take the run's files."""
+STORAGE_TEXTS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+                 errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied"}
+"""How those read inside other errors' messages (orbax's tensorstore raises ``ValueError`` s)."""
 
 
 def storage_failure(error: BaseException) -> str | None:
-    """What a failure to write or read files comes to, in a few words (``"no space left on
-    device"``, with the path when known), found anywhere in ``error``'s chain; ``None`` if it
-    is not one. Orbax's tensorstore reports these as ``ValueError`` s naming the OS error."""
+    """What a failure to write or read the run's files comes to, in a few words (``"no space
+    left on device"``, with the path when known), found in ``error``'s chain; ``None`` if it
+    is not one. The chain is not followed into a reward function's error: what the user's
+    code failed to read is theirs to fix, not the disk's."""
     seen = set()
-    while error is not None and id(error) not in seen:
+    while error is not None and id(error) not in seen and not isinstance(error, RewardFunctionError):
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
+        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
             where = f" ({os.path.abspath(error.filename)})" if error.filename else ""
             return f"{os.strerror(error.errno).lower()}{where}"
-        for errno_, text in _STORAGE_TEXTS.items():
+        for errno_, text in STORAGE_TEXTS.items():
             if text in str(error):
                 return os.strerror(errno_).lower()
         error = error.__cause__ or error.__context__
     return None
-
-
-_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
-_STORAGE_TEXTS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
-                  errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied"}
 
 
 @contextlib.contextmanager
@@ -528,8 +575,8 @@ def _unevaluated_record(run_dir: pathlib.Path, start: int, config: RunConfig) ->
 
 def _summary(run_dir: pathlib.Path, warm: dict[str, Any], wall_seconds: float) -> str:
     rows = records.read_metrics(run_dir)
-    lines = [f"Run {run_dir}:", f"wall time {records.duration(wall_seconds)} for this command (start-up, "
-                                "warm start, steps, evaluations, checkpoints and plots)", records.summarize(rows)]
+    lines = [f"Run {run_dir}:", f"wall time {records.duration(wall_seconds)} (loading, warm start, steps, "
+                                "evaluations, checkpoints and plots)", records.summarize(rows)]
     evaluated = [row for row in rows if row.get("eval_greedy_accuracy") is not None]
     if "eval_greedy_accuracy" in warm and evaluated:
         last = evaluated[-1]

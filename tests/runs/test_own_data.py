@@ -94,9 +94,10 @@ def test_the_demo_warm_start_stays_with_the_demo():
     own_model = dataclasses.replace(demo, model=dataclasses.replace(demo.model, path="models/mine"))
     assert not own_model.warm_start.enabled
     # Labels made wrong on purpose are for the demo's task only, and only when asked for.
+    asked = dataclasses.replace(jsonl, warm_start=runs.WarmStartConfig(steps=5, off_by_one_fraction=0.5))
     with pytest.raises(ValueError, match=r"off_by_one_fraction=0.5 makes .* on task 'jsonl' set "
                                          r"warm_start.off_by_one_fraction = 0"):
-        dataclasses.replace(jsonl, warm_start=runs.WarmStartConfig(steps=5, off_by_one_fraction=0.5))
+        build.check_demonstrations(asked, None)
 
 
 def test_a_warm_start_asked_for_on_own_data_trains_on_its_labels_as_they_are(tmp_path):
@@ -107,6 +108,9 @@ def test_a_warm_start_asked_for_on_own_data_trains_on_its_labels_as_they_are(tmp
     assert flags.warm_start == runs.WarmStartConfig(steps=5)
     assert cli.parse_train(["--run-dir", "unused", "--warm-start.steps", "5"])[1].warm_start == dataclasses.replace(
         run_config.DEMO_WARM_START, steps=5)  # flags on the demo change the demo's
+    for spelling in ("--warm-start.steps", "--warm_start.steps"):  # tyro takes both
+        own_model = cli.parse_train(["--run-dir", "unused", "--model.path", "models/mine", spelling, "5"])[1]
+        assert own_model.warm_start == runs.WarmStartConfig(steps=5)
 
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in _problems(30)))
@@ -124,7 +128,7 @@ def test_a_warm_start_asked_for_on_own_data_trains_on_its_labels_as_they_are(tmp
                                                                                                 examples=1024)), task)
 
 
-def test_own_data_through_the_cli_with_a_reward_module_beside_the_config(project):
+def test_own_data_through_the_cli_with_a_reward_module_beside_the_config(project, monkeypatch):
     root, write_config = project
     config = write_config()
     assert cli.main(["train", "--config", config, "--run-dir", "runs/mine", "--progress", "off"]) == 0
@@ -134,7 +138,7 @@ def test_own_data_through_the_cli_with_a_reward_module_beside_the_config(project
     assert "reward_correctness" in runs.read_metrics(root / "runs/mine")[0]
     # The stored run continues from anywhere: its paths are absolute.
     (root / "elsewhere").mkdir()
-    pytest.MonkeyPatch().chdir(root / "elsewhere")
+    monkeypatch.chdir(root / "elsewhere")
     assert cli.main(["train", "--run-dir", str(root / "runs/mine"), "--steps", "2", "--progress", "off"]) == 0
     assert [row["step"] for row in runs.read_metrics(root / "runs/mine")] == [0, 1]
 
@@ -221,3 +225,38 @@ def test_a_column_some_examples_lack_is_named_once(tmp_path):
     with pytest.warns(UserWarning, match=r"column 'answer' is missing from 2 of 4 examples of the train split; "
                                          r"reward functions receive None there"):
         tasks.from_jsonl(path, tokenizer=build.tokenizer(runs.ModelSpec()), reward_fns=[lambda **k: [0.0]])
+
+
+@pytest.mark.parametrize("module, message, user_line", [
+    ("import numpyy\n", "broken.py:fn' failed: ModuleNotFoundError: No module named 'numpyy'", None),
+    ("SCALE = 1\nOFFSET = SCAEL + 1\n", "broken.py:fn' failed: NameError: name 'SCAEL' is not defined",
+     "line 2, in <module>"),
+    ("def fn(completions:\n", "broken.py:fn' failed: SyntaxError", None),
+])
+def test_an_error_importing_the_reward_module_names_it_and_shows_the_users_line(project, capsys, module, message,
+                                                                               user_line):
+    root, write_config = project
+    (root / "configs" / "broken.py").write_text(module)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--config", write_config(reward="broken:fn"), "--run-dir", "r"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "looked for" not in err
+    assert user_line is None or f'File "{root / "configs" / "broken.py"}", {user_line}' in err
+    assert not (root / "r").exists()
+
+
+def test_a_reward_file_named_like_an_installed_module_is_refused_not_swapped_in(tmp_path):
+    (tmp_path / "json.py").write_text("def fn(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(ValueError, match=r"a module named 'json' is already imported from .*; rename json.py"):
+        build.reward_function(f"{tmp_path / 'json.py'}:fn")
+    assert json.dumps([1]) == "[1]" and sys.modules["json"] is json  # left alone
+
+
+def test_the_same_module_name_in_two_projects_loads_each_projects_file(tmp_path):
+    for project, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / project).mkdir()
+        (tmp_path / project / "scores.py").write_text(f"def fn(completions, **kwargs):\n"
+                                                      f"    return [{value}] * len(completions)\n")
+    assert build.reward_function(f"{tmp_path / 'a' / 'scores.py'}:fn")(completions=["x"]) == [1.0]
+    assert build.reward_function(f"{tmp_path / 'b' / 'scores.py'}:fn")(completions=["x"]) == [2.0]
+    assert sys.path[0] != str(tmp_path / "b")  # searched first only while importing

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxrl_llm import cli, runs, training
+from jaxrl_llm import cli, rewards, runs, training
 from jaxrl_llm.runs import records, run
 
 
@@ -138,3 +138,39 @@ def test_a_full_disk_mid_run_is_one_message_naming_the_intact_checkpoint(tmp_pat
     assert [line.split(":")[0] for line in lines[:-2]] == ["Could not save a checkpoint of step 4",
                                                            "Could not close the records"]
     assert training.Checkpointer(directory / run.CHECKPOINTS).all_steps() == [2]
+
+
+def test_a_users_error_reading_a_file_in_a_reward_function_is_not_a_disk_failure():
+    try:
+        try:
+            open("/no/such/grader/answers.txt")
+        except OSError as inner:
+            raise rewards.RewardFunctionError("Reward function 'grade' raised FileNotFoundError") from inner
+    except rewards.RewardFunctionError as error:
+        denied = rewards.RewardFunctionError("Reward function 'grade' raised PermissionError: Permission denied")
+        denied.__cause__ = PermissionError(errno.EACCES, "Permission denied", "/srv/answers.txt")
+        assert run.storage_failure(error) is None and run.storage_failure(denied) is None
+
+
+def test_a_directory_with_a_run_config_but_not_a_runs_checkpoints_is_not_replaced(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / run.CONFIG_FILE).write_text(json.dumps(runs.to_dict(runs.load("tiny"))))  # a run's config, copied
+    (project / run.CHECKPOINTS / "checkpoint-500").mkdir(parents=True)  # a Hugging Face Trainer's
+    with pytest.raises(run.RunDirectoryError, match="is not a run directory"):
+        run.check_run_directory(runs.load("tiny"), project, overwrite=True)
+    assert (project / run.CHECKPOINTS / "checkpoint-500").is_dir()
+    legacy = _fake_run(tmp_path / "legacy")  # a run from before markers is still replaced
+    (legacy / run.MARKER_FILE).unlink()
+    (legacy / run.CHECKPOINTS / "4").mkdir()
+    assert run.check_run_directory(runs.load("tiny"), legacy, overwrite=True) is None
+
+
+def test_clearing_a_run_removes_links_without_following_them(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    directory = _fake_run(tmp_path / "run")
+    (directory / "eval").symlink_to(target, target_is_directory=True)
+    run._clear(directory)
+    assert sorted(os.listdir(directory)) == [] and (target / "keep.txt").read_text() == "mine"
