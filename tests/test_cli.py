@@ -110,6 +110,8 @@ def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_
     (["--model.path", "/no/such/model"], "is not a directory"),
     (["--task.name", "jsonl"], "set task.path"),
     (["--task.rewards", "exact_matc"], "unknown reward 'exact_matc'; the built-in ones are exact_match"),
+    (["--train.max-new-tokens", "100000"], "= 100512 positions, more than the built-in model takes"),
+    (["--train.seed", "-1"], "seed"),
 ])
 def test_bad_settings_exit_with_status_2_and_a_message_before_any_compute(argv, message, tmp_path, capsys,
                                                                        monkeypatch):

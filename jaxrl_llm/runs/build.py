@@ -42,19 +42,17 @@ def check_model_path(spec: ModelSpec) -> None:
 
 
 def check_positions(config: RunConfig) -> None:
-    """Raises ValueError, before any compute, if a prompt and its completion
-    (``train.max_prompt_length + train.max_new_tokens``) do not fit a model directory's
-    ``max_position_embeddings`` (the built-in model's limit is checked by the config)."""
+    """Raises ValueError, before any compute, if ``train.max_new_tokens`` leave no room for
+    a prompt in a model directory's ``max_position_embeddings`` (the sampler checks each
+    batch's prompt width; the built-in model's limit is checked by the config)."""
     if config.model.path is None:
         return
     check_model_path(config.model)
     limit = getattr(transformers.AutoConfig.from_pretrained(config.model.path, local_files_only=True),
                     "max_position_embeddings", None)
-    needed = config.train.max_prompt_length + config.train.max_new_tokens
-    if limit is not None and needed > limit:
-        raise ValueError(f"train.max_prompt_length ({config.train.max_prompt_length}) + train.max_new_tokens "
-                         f"({config.train.max_new_tokens}) = {needed} positions, more than the model in "
-                         f"{config.model.path!r} takes (max_position_embeddings = {limit}); lower them.")
+    if limit is not None and config.train.max_new_tokens >= limit:
+        raise ValueError(f"train.max_new_tokens ({config.train.max_new_tokens}) leaves no room for a prompt in the "
+                         f"model in {config.model.path!r} (max_position_embeddings = {limit}); lower it.")
 
 
 def tokenizer(spec: ModelSpec) -> transformers.PreTrainedTokenizerBase:

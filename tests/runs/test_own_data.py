@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import transformers
 
 from jaxrl_llm import cli, runs, tasks
 from jaxrl_llm.runs import build, config as run_config, run
@@ -260,3 +261,15 @@ def test_the_same_module_name_in_two_projects_loads_each_projects_file(tmp_path)
     assert build.reward_function(f"{tmp_path / 'a' / 'scores.py'}:fn")(completions=["x"]) == [1.0]
     assert build.reward_function(f"{tmp_path / 'b' / 'scores.py'}:fn")(completions=["x"]) == [2.0]
     assert sys.path[0] != str(tmp_path / "b")  # searched first only while importing
+
+
+def test_a_completion_budget_the_models_positions_cannot_hold_is_refused_before_any_compute(tmp_path):
+    transformers.Qwen2Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=64).save_pretrained(tmp_path)
+    config = runs.RunConfig(model=runs.ModelSpec(path=str(tmp_path)), warm_start=runs.WarmStartConfig())
+    build.check_positions(config)
+    too_long = dataclasses.replace(config, train=dataclasses.replace(config.train, max_new_tokens=64))
+    with pytest.raises(ValueError, match=r"max_new_tokens \(64\) leaves no room for a prompt .* "
+                                         r"\(max_position_embeddings = 64\)"):
+        build.check_positions(too_long)

@@ -174,3 +174,9 @@ def test_clearing_a_run_removes_links_without_following_them(tmp_path):
     (directory / "eval").symlink_to(target, target_is_directory=True)
     run._clear(directory)
     assert sorted(os.listdir(directory)) == [] and (target / "keep.txt").read_text() == "mine"
+
+
+def test_an_export_under_a_file_is_refused_before_reading_anything(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(run.RunDirectoryError, match=r"lies under .*notes.txt', which is a file"):
+        run.export_run(tmp_path / "no-run", tmp_path / "notes.txt" / "policy")

@@ -165,8 +165,8 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_or_scores_zero_an
     task = tasks.from_records([{"prompt": letter} for letter in "ab"], tokenizer=tokenizer, reward_fns=[fragile])
     model, params = _tiny_model(tokenizer, max_positions=16)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
-    with pytest.raises(training.RunStopped, match="Reward function 'fragile' raised ValueError: cannot parse at row "
-                                                   r"\d \(prompt 'b'"):
+    with pytest.raises(training.RunStopped, match="In the rollout of train step 0: reward function 'fragile' raised "
+                                                   r"ValueError: cannot parse at row \d \(prompt 'b'"):
         training.train(model, params, algorithms.PG, run, steps=1, task=task)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, on_reward_error="zero")
     _, history = training.train(model, params, algorithms.PG, run, steps=1, task=task)
