@@ -27,11 +27,7 @@ import dataclasses
 import inspect
 import json
 import logging
-import os
-import pathlib
-import site
 import sys
-import sysconfig
 import traceback
 from collections.abc import Sequence
 
@@ -186,8 +182,9 @@ def train(argv: Sequence[str]) -> int:
                        checkpoint=getattr(stopped, "checkpoint_step", None), storage=reason is not None)
     except (rewards.RewardFunctionError, OSError) as error:  # outside a train step: the warm start's evaluation
         reason = run.storage_failure(error)
-        return _report(f"{parser.prog}: error: {f'could not write the run files: {reason}.' if reason else error}",
-                       error, args.run_dir, checkpoint=run.latest_checkpoint(args.run_dir), storage=reason is not None)
+        message = f"could not write the run's files: {reason}." if reason else error
+        return _report(f"{parser.prog}: error: {message}", error, args.run_dir,
+                       checkpoint=run.latest_checkpoint(args.run_dir), storage=reason is not None)
     return 0
 
 
@@ -213,25 +210,11 @@ def _report(message: str, error: BaseException, run_dir: str | None, *, checkpoi
     return 1
 
 
-def _library_paths() -> tuple[str, ...]:
-    """Where code that is not the user's lives: this library, the standard library and the
-    installed packages (the environment's, the user's and the system's site directories)."""
-    paths = sysconfig.get_paths()
-    found = {str(pathlib.Path(__file__).resolve().parent), *(paths[name] for name in ("stdlib", "purelib", "platlib")),
-             *site.getsitepackages(), site.getusersitepackages()}
-    return tuple(os.path.realpath(path) + os.sep for path in found)
-
-
-def _is_library(filename: str, library: tuple[str, ...]) -> bool:
-    path = os.path.realpath(filename)
-    return path.startswith(library) or any(part in ("site-packages", "dist-packages") for part in pathlib.Path(path).parts)
-
-
 def user_traceback(error: BaseException | None) -> list[str]:
     """The lines of the traceback of the user's own code in ``error``'s chain (its causes
-    and contexts): the frames outside :func:`_library_paths`, innermost exception first
-    found, with its type and message; or where the failing reward function is defined."""
-    library = _library_paths()
+    and contexts): the frames outside installed code
+    (:func:`~jaxrl_llm.runs.build.is_library_file`), innermost exception first found, with
+    its type and message; or where the failing reward function is defined."""
     chain, seen = [], set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -239,14 +222,14 @@ def user_traceback(error: BaseException | None) -> list[str]:
         error = error.__cause__ or error.__context__
     for exception in reversed(chain):  # the innermost (the user's own exception) first
         frames = [frame for frame in traceback.extract_tb(exception.__traceback__)
-                  if not frame.filename.startswith("<") and not _is_library(frame.filename, library)]
+                  if not frame.filename.startswith("<") and not build.is_library_file(frame.filename)]
         if frames:
             return ["Traceback of your code (most recent call last):",
                     *"".join(traceback.format_list(frames)).rstrip("\n").split("\n"),
                     *traceback.format_exception_only(exception)[-1].rstrip("\n").split("\n")]
     function = next((getattr(e, "function", None) for e in chain if getattr(e, "function", None)), None)
     code = getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
-    if code is not None and not _is_library(code.co_filename, library):
+    if code is not None and not build.is_library_file(code.co_filename):
         return [f"  {rewards.reward_name(function)} is defined in {code.co_filename}, line {code.co_firstlineno}."]
     return []
 
@@ -285,7 +268,6 @@ def _unraisable(report) -> None:
     if error is not None and (run.storage_failure(error) or "Python is likely shutting down" in str(error)):
         return
     _UNRAISABLE_HOOK(report)
-
 
 
 def evaluate(argv: Sequence[str]) -> int:

@@ -3,9 +3,11 @@ functions, the warm start and the abstract train state a checkpoint restores int
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pathlib
+import site
 import sys
 import sysconfig
 from typing import Any, Callable
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import transformers
 
+import jaxrl_llm
 from jaxrl_llm import models, rewards, sharding, tasks, training
 from jaxrl_llm.runs.config import BUILTIN_ALPHABET, BUILTIN_CHAT_TEMPLATE, DEMO_TASKS, ModelSpec, RunConfig, TaskSpec
 
@@ -100,6 +103,25 @@ def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=N
     return models.with_options(model_, **options), params
 
 
+@functools.cache
+def _library_directories() -> tuple[str, ...]:
+    """Where code that is not the user's lives: this library, the standard library and the
+    installed packages (the environment's, the user's and the system's site directories)."""
+    paths = sysconfig.get_paths()
+    found = {str(pathlib.Path(jaxrl_llm.__file__).resolve().parent),
+             *(paths[name] for name in ("stdlib", "purelib", "platlib")), *site.getsitepackages(),
+             site.getusersitepackages()}
+    return tuple(os.path.realpath(path) + os.sep for path in found)
+
+
+def is_library_file(filename: str | os.PathLike) -> bool:
+    """Whether ``filename`` is this library's, the standard library's or an installed
+    package's, not the user's own code."""
+    path = os.path.realpath(filename)
+    return path.startswith(_library_directories()) or any(
+        part in ("site-packages", "dist-packages") for part in pathlib.Path(path).parts)
+
+
 def _import_file(path: pathlib.Path):
     """The module of a ``.py`` file, imported as ``python -m`` would from its directory: the
     first directory up without an ``__init__.py`` is searched first while importing, and
@@ -114,10 +136,9 @@ def _import_file(path: pathlib.Path):
     loaded = sys.modules.get(name)
     if loaded is not None and getattr(loaded, "__file__", None) and pathlib.Path(loaded.__file__).resolve() == path:
         return loaded
-    installed = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
     for key in [key for key in sys.modules if key == parts[0] or key.startswith(f"{parts[0]}.")]:
         file = getattr(sys.modules[key], "__file__", None)
-        if file is None or os.path.realpath(file).startswith(tuple(os.path.realpath(p) + os.sep for p in installed)):
+        if file is None or is_library_file(file):
             raise ImportError(f"a module named {parts[0]!r} is already imported from "
                               f"{file or 'the interpreter'}; rename {path.name}", name=name)
         del sys.modules[key]  # the same name from another user file

@@ -314,10 +314,10 @@ class RunConfig:
         training.check_supported(self.algorithm, self.train)
         positions = self.train.max_prompt_length + self.train.max_new_tokens
         if self.model.path is None and positions > self.model.max_positions:
-            raise ValueError(f"{where}: train.max_prompt_length ({self.train.max_prompt_length}) + train.max_new_tokens "
-                             f"({self.train.max_new_tokens}) = {positions} positions, more than the built-in model takes "
-                             f"(model.max_positions = {self.model.max_positions}); lower them, or raise "
-                             "model.max_positions.")
+            raise ValueError(f"{where}: train.max_prompt_length ({self.train.max_prompt_length}) + "
+                             f"train.max_new_tokens ({self.train.max_new_tokens}) = {positions} positions, more than "
+                             f"the built-in model takes (model.max_positions = {self.model.max_positions}); lower "
+                             "them, or raise model.max_positions.")
         if self.warm_start == DEMO_WARM_START and not self.is_demo:
             object.__setattr__(self, "warm_start", WarmStartConfig())  # the demo's stays with the demo
 
@@ -495,12 +495,16 @@ def load(name_or_path: str | os.PathLike, *, method: str | None = None, conventi
 
 
 def reward_source(name: str, directories: Sequence[str | os.PathLike]) -> str:
-    """``name`` (a ``task.rewards`` entry) with a ``module:function`` whose module is a
-    file in one of ``directories`` (first match) written as that file's absolute path,
-    ``/abs/dir/module.py:function``, as ``python -m`` would import it from there; any other
-    entry (a built-in name, a path, a module found only among the installed ones) as is."""
+    """``name`` (a ``task.rewards`` entry) with its file's absolute path: a
+    ``path/to/file.py:function`` made absolute (from the current directory), a
+    ``module:function`` whose module is a file in one of ``directories`` (first match)
+    written as ``/abs/dir/module.py:function``, as ``python -m`` would import it from
+    there; any other entry (a built-in name, a module found only among the installed ones)
+    as is."""
     module, colon, function = name.rpartition(":")
-    if not colon or module.endswith(".py") or not module.replace(".", "").replace("_", "").isalnum():
+    if colon and module.endswith(".py"):
+        return f"{os.path.abspath(os.path.expanduser(module))}:{function}"
+    if not colon or not module.replace(".", "").replace("_", "").isalnum():
         return name
     relative = pathlib.Path(*module.split("."))
     for directory in directories:

@@ -284,12 +284,8 @@ def absolute_paths(config: RunConfig) -> RunConfig:
     def absolute(path: str | None) -> str | None:
         return None if path is None else os.path.abspath(os.path.expanduser(path))
 
-    def absolute_reward(name: str) -> str:
-        module, colon, function = run_config.reward_source(name, [os.getcwd()]).rpartition(":")
-        return f"{absolute(module)}:{function}" if colon and module.endswith(".py") else name
-
     task = config.task
-    rewards = tuple(map(absolute_reward, task.rewards))
+    rewards = tuple(run_config.reward_source(name, [os.getcwd()]) for name in task.rewards)
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, path=absolute(config.model.path)),
         task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path), rewards=rewards))
@@ -482,7 +478,7 @@ def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, o
             recorder.close()
         with _reported("close the checkpoints", stream):
             checkpointer.close()
-        stopped.run_dir, stopped.checkpoint_step = run_dir, latest_checkpoint(run_dir)
+        stopped.checkpoint_step = latest_checkpoint(run_dir)  # what the CLI names to continue from
         raise
     recorder.close()
     checkpointer.close()
