@@ -336,7 +336,6 @@ def test_no_workdirs_leak_from_killed_programs(private_tmp):
     assert workdirs(private_tmp) == []
 
 
-
 def test_temp_dir_with_a_space_and_non_ascii(tmp_path, monkeypatch, layers):
     # /proc/self/mountinfo escapes the space; the working directory must stay writable.
     need(layers, "readonly_fs")
