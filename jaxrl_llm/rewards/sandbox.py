@@ -27,9 +27,10 @@ others. The layers, outermost first:
 ``pid_namespace`` / ``network_namespace`` / ``ipc_namespace`` / ``mount_namespace``
     With util-linux ``unshare`` (as root; as a user through ``user_namespace``, where
     the kernel allows unprivileged user namespaces): the first process of the sandbox is
-    a small trusted supervisor, PID 1 of a new PID namespace, so when it exits the
-    kernel kills every process left inside, ``setsid()`` daemons included, and no host
-    process is visible or signalable. The network namespace has only a downed loopback:
+    a small trusted supervisor (:mod:`~jaxrl_llm.rewards.sandbox_launcher`, a program of
+    its own that uses only the standard library), PID 1 of a new PID namespace, so when
+    it exits the kernel kills every process left inside, ``setsid()`` daemons included,
+    and no host process is visible or signalable. The network namespace has only a downed loopback:
     no connection leaves it (Unix sockets on the file system are hidden, see below).
 ``hidden_dirs`` / ``readonly_fs``
     In the mount namespace ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run``, ``/home``,
@@ -95,9 +96,9 @@ Completion
     moves the secret, from its top level, from a function the tests call, or from a
     hook it left (``atexit``, an exception's ``__str__``, a signal handler, a trace
     function where the audit hook is off) -- passes: the pipes are its own descriptors
-    and the protocol is in its command line. And solution code that runs while the
-    tests do can make them pass without being right (an object equal to everything,
-    patched helpers, a trace function skipping their lines). So a pass means "the
+    and the protocol is in the launcher's source, which it can read. And solution code
+    that runs while the tests do can make them pass without being right (an object
+    equal to everything, patched helpers, a trace function skipping their lines). So a pass means "the
     tests' code returned, or the program was written against this sandbox's protocol";
     only tests run in a process that never runs the solution's code (exchanging plain
     data with it) could rule out the second.
@@ -149,6 +150,9 @@ _PROGRAM_NAME = "solution.py"
 _REPORT_CAP = 1 << 16  # bytes read from the supervisor's report pipe
 _UID_RANGE = (1 << 30, (1 << 30) + (1 << 24))  # fresh uids for root runs; no passwd entry
 _HIDE = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run", "/home", "/root")
+# The sandbox's first process, a program of its own (stdlib only, never imported here): run by its path
+# under ``python -I`` it loads nothing of this package, and its directory is not on the program's sys.path.
+_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -315,14 +319,8 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
     workdir = os.path.realpath(tempfile.mkdtemp(prefix=_WORKDIR_PREFIX))
     report_r = report_w = tests_fd = None
     try:
-        program = os.path.join(workdir, _PROGRAM_NAME)
-        with open(program, "w", encoding="utf-8") as f:
-            f.write(source)
-        if uid is not None:
-            for path in (workdir, program):
-                os.chown(path, uid, uid)
-
-        command = [sys.executable, "-I", "-B", "-u", "-c", _LAUNCHER]
+        program = _write_program(workdir, source, uid)
+        command = [sys.executable, "-I", "-B", "-u", _LAUNCHER]
         unshare = _namespace_command() if limits.namespaces else None
         if unshare:
             command = [*unshare, *command]
@@ -331,18 +329,9 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
                 protections.add("user_namespace")
         elif limits.namespaces:
             notes.append("namespaces: util-linux unshare is missing or not permitted here")
-
-        # RLIMIT_NPROC counts every task (thread) of the real uid -- per user namespace
-        # when there is one -- so allow for what is not the program's.
-        if is_root:
-            nproc = limits.max_processes  # a fresh uid owns nothing else (root itself is exempt)
-            if uid is None:
-                notes.append("drop_privileges=False as root: the program keeps root's capabilities, so neither "
-                             "RLIMIT_NPROC nor the namespaces and read-only mounts hold against it")
-        elif unshare:
-            nproc = limits.max_processes + 2  # unshare and the supervisor share the namespace
-        else:
-            nproc = _count_tasks(os.getuid()) + 1 + limits.max_processes
+        if is_root and uid is None:
+            notes.append("drop_privileges=False as root: the program keeps root's capabilities, so neither "
+                         "RLIMIT_NPROC nor the namespaces and read-only mounts hold against it")
 
         report_r, report_w = os.pipe()
         tests_fd = _tests_file(tests)
@@ -351,29 +340,12 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
             "program": program,
             "report_fd": report_w,
             "tests_fd": tests_fd,
-            "rlimits": {
-                "RLIMIT_CPU": [limits.cpu_seconds, limits.cpu_seconds + 1],
-                "RLIMIT_AS": [limits.memory_mb << 20] * 2,
-                "RLIMIT_FSIZE": [limits.file_size_mb << 20] * 2,
-                "RLIMIT_NOFILE": [limits.max_open_files] * 2,
-                "RLIMIT_NPROC": [nproc] * 2,
-                "RLIMIT_CORE": [0, 0],
-            },
+            "rlimits": _rlimits(limits, _process_limit(limits.max_processes, is_root, bool(unshare))),
             "uid": uid,
             "mounts": bool(unshare),
             "hide": _hide_candidates() if unshare else [],
             "drop_privileges": limits.drop_privileges,
             "audit": limits.audit_hook,
-        }
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
         }
         try:
             proc = subprocess.Popen(
@@ -382,7 +354,7 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=workdir,
-                env=env,
+                env=_environment(workdir),
                 start_new_session=True,
                 pass_fds=(report_w, tests_fd),
             )
@@ -392,28 +364,88 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
         for fd in (report_w, tests_fd):
             os.close(fd)
         report_w = tests_fd = None
-        streams = {proc.stdout.fileno(): limits.max_output_bytes, proc.stderr.fileno(): limits.max_output_bytes}
-        caps = {**streams, report_r: _REPORT_CAP}
-        data = {fd: bytearray() for fd in caps}
-        try:
-            outcome = _wait(proc, data, caps, limits.timeout)
-        finally:
-            _kill_all(proc, uid)
-            for fd in caps:  # what is left in the pipes; every writer is dead now
-                while len(data[fd]) <= caps[fd] and _read_some(fd, data[fd], caps[fd]):
-                    pass
-            proc.stdout.close()
-            proc.stderr.close()
-        if any(len(data[fd]) > cap for fd, cap in streams.items()):
-            outcome = "output_limit"
-        out, err = (bytes(data[fd][: streams[fd]]) for fd in streams)
-        return _classify(outcome, out, err, bytes(data[report_r]), start, protections, notes, limits)
+        outcome, out, err, report = _collect(proc, report_r, limits, uid)
+        return _classify(outcome, out, err, report, start, protections, notes, limits)
     finally:
         for fd in (report_r, report_w, tests_fd):
             if fd is not None:
                 os.close(fd)
         _remove_tree(workdir)
         _release_uid(uid)
+
+
+def _write_program(workdir: str, source: str, uid: int | None) -> str:
+    """Write ``source`` to the program's file in ``workdir``, both owned by ``uid`` where
+    given (the program's own files, as any other program's would be); return its path."""
+    program = os.path.join(workdir, _PROGRAM_NAME)
+    with open(program, "w", encoding="utf-8") as f:
+        f.write(source)
+    if uid is not None:
+        for path in (workdir, program):
+            os.chown(path, uid, uid)
+    return program
+
+
+def _process_limit(max_processes: int, is_root: bool, namespaced: bool) -> int:
+    """The ``RLIMIT_NPROC`` that leaves the program ``max_processes`` tasks. It counts every
+    task (thread) of the real uid -- per user namespace when there is one -- so allow for
+    what is not the program's."""
+    if is_root:
+        return max_processes  # a fresh uid owns nothing else (root itself is exempt)
+    if namespaced:
+        return max_processes + 2  # unshare and the supervisor share the namespace
+    return _count_tasks(os.getuid()) + 1 + max_processes
+
+
+def _rlimits(limits: SandboxLimits, nproc: int) -> dict[str, list[int]]:
+    """The program's rlimits, ``{name: [soft, hard]}``, as the launcher sets them."""
+    return {
+        "RLIMIT_CPU": [limits.cpu_seconds, limits.cpu_seconds + 1],
+        "RLIMIT_AS": [limits.memory_mb << 20] * 2,
+        "RLIMIT_FSIZE": [limits.file_size_mb << 20] * 2,
+        "RLIMIT_NOFILE": [limits.max_open_files] * 2,
+        "RLIMIT_NPROC": [nproc] * 2,
+        "RLIMIT_CORE": [0, 0],
+    }
+
+
+def _environment(workdir: str) -> dict[str, str]:
+    """The program's whole environment: none of the parent's variables, ``workdir`` as its
+    home and temporary directory, one thread per BLAS library."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _collect(
+    proc: subprocess.Popen, report_r: int, limits: SandboxLimits, uid: int | None
+) -> tuple[str, bytes, bytes, bytes]:
+    """Wait for the sandbox to end (:func:`_wait`), kill what is left of it, and return the
+    outcome ("exited", "timeout" or "output_limit"), its stdout and stderr (each at most
+    ``max_output_bytes``) and what the supervisor reported."""
+    streams = {proc.stdout.fileno(): limits.max_output_bytes, proc.stderr.fileno(): limits.max_output_bytes}
+    caps = {**streams, report_r: _REPORT_CAP}
+    data = {fd: bytearray() for fd in caps}
+    try:
+        outcome = _wait(proc, data, caps, limits.timeout)
+    finally:
+        _kill_all(proc, uid)
+        for fd in caps:  # what is left in the pipes; every writer is dead now
+            while len(data[fd]) <= caps[fd] and _read_some(fd, data[fd], caps[fd]):
+                pass
+        proc.stdout.close()
+        proc.stderr.close()
+    if any(len(data[fd]) > cap for fd, cap in streams.items()):
+        outcome = "output_limit"
+    out, err = (bytes(data[fd][: streams[fd]]) for fd in streams)
+    return outcome, out, err, bytes(data[report_r])
 
 
 def _tests_file(tests: str) -> int:
@@ -700,497 +732,3 @@ def _remove_tree(path: str) -> None:
 
     if os.path.lexists(path):
         shutil.rmtree(path, onerror=retry)
-
-
-# --------------------------------------------------------------------------------------
-# Child side: the supervisor ("launcher"), passed to ``python -I -B -u -c``. It is trusted
-# code and uses only the standard library. As PID 1 of the namespaces it prepares the
-# file system, forks the program's process, runs the completion protocol with it (module
-# docstring, "Completion"), waits for it and reports over ``report_fd`` (JSON lines:
-# "setup", "ready", "setup_error", "exit"). The program's process sets its limits, drops
-# privileges, installs the audit hook and runs the source, then the tests.
-
-_LAUNCHER = r'''
-# jaxrl_llm sandbox launcher
-import json, os, sys
-cfg = json.loads(sys.argv[-1])
-REPORT = cfg["report_fd"]
-WORKDIR = cfg["workdir"]
-active, problems = ["rlimits"], []
-
-def send(fd, **message):
-    try:
-        os.write(fd, (json.dumps(message) + "\n").encode())
-    except OSError:
-        pass
-
-import ctypes
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-
-def check(rc, what):
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-
-def mount(source, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
-MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
-KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-              "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
-
-def under(path, root):
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-def keep_paths():
-    """What the interpreter needs to stay visible: its prefixes and import path."""
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), *sys.path]
-    out = set()
-    for p in paths:
-        if p and os.path.exists(p):
-            out.update({os.path.abspath(p), os.path.realpath(p)})
-    return out
-
-def unescape(field):
-    """A /proc/self/mountinfo path: octal escapes (\\040 = space) back to bytes."""
-    import re
-    raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field.encode())
-    return raw.decode("utf-8", "surrogateescape")
-
-def setup_filesystem():
-    keep = keep_paths()
-    hidden = []
-    for h in cfg["hide"]:
-        if not os.path.isdir(h) or any(under(h, k) for k in keep):
-            continue  # gone (hidden with a parent already), or part of the interpreter
-        inside = sorted({k for k in keep | {WORKDIR} if under(k, h) and k != h}, key=len)
-        fds = [(k, os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in inside]
-        mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-        for k, fd in fds:
-            if os.path.exists(k):  # already bound back inside a parent
-                os.close(fd)
-                continue
-            os.makedirs(os.path.dirname(k), 0o755, exist_ok=True)
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.mkdir(k, 0o755)
-            else:
-                open(k, "a").close()
-            mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
-            os.close(fd)
-        hidden.append(h)
-    if hidden:
-        active.append("hidden_dirs")
-    # The working directory becomes its own (writable) mount; everything else read-only.
-    with open("/proc/self/mountinfo") as f:
-        points = {unescape(line.split()[4]) for line in f}
-    if WORKDIR not in points:
-        mount(WORKDIR, WORKDIR, None, MS_BIND)
-    failed = []
-    with open("/proc/self/mountinfo") as f:
-        rows = [line.split() for line in f]
-    for row in rows:
-        point, options = unescape(row[4]), row[5].split(",")
-        if point == WORKDIR or "ro" in options:
-            continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for name, bit in KEEP_FLAGS.items():
-            if name in options:
-                flags |= bit
-        if not any(a in options for a in ("noatime", "relatime")):
-            flags |= MS_STRICTATIME
-        try:
-            mount(None, point, None, flags)
-        except OSError as e:
-            if e.errno not in (2, 20):  # ENOENT / ENOTDIR: hidden under a tmpfs now
-                failed.append(f"{point}: {e.strerror}")
-    if failed:
-        problems.append("readonly_fs: could not remount " + "; ".join(failed[:5]))
-    else:
-        active.append("readonly_fs")
-
-if cfg["mounts"]:
-    try:
-        setup_filesystem()
-    except OSError as e:
-        problems.append(f"hidden_dirs/readonly_fs: {e}")
-send(REPORT, event="setup", active=active, problems=problems)
-
-status_r, status_w = os.pipe()    # program -> supervisor: "ready", "solution-done", "tests-done", the secret
-release_r, release_w = os.pipe()  # supervisor -> program: the tests, then the secret
-TESTS = cfg["tests_fd"]
-SUPERVISOR = os.getpid()
-SECRET_SIZE = 33  # 32 hex digits and a newline
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
-libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program stay ours (PID 1 already is)
-try:
-    pid = os.fork()
-except OSError as e:
-    send(REPORT, event="setup_error", message=f"fork: {e}")
-    os._exit(70)
-
-def isolate(program):
-    """SIGKILL every process under the supervisor but ``program``; None once that is the
-    only one left and has a single thread, else why not (after a short grace period: a
-    joined thread lingers for a moment)."""
-    import time
-    deadline = time.monotonic() + 0.5
-    while True:
-        children, threads = {}, 0
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rpartition(b")")[2].split()
-                children.setdefault(int(fields[1]), []).append((int(name), fields[0]))
-                if int(name) == program:
-                    threads = int(fields[17])
-            except (OSError, ValueError, IndexError):
-                continue
-        others, todo = [], [SUPERVISOR]
-        while todo:
-            for child, state in children.get(todo.pop(), ()):
-                todo.append(child)
-                if child != program and state not in (b"Z", b"X"):
-                    others.append(child)
-        for other in others:
-            try:
-                os.kill(other, 9)
-            except OSError:
-                pass
-        if not others and threads == 1:
-            return None
-        if time.monotonic() > deadline:
-            if others:
-                return f"processes of the program outlived SIGKILL when its tests ended: {others}"
-            return (f"the program had {threads} threads when its tests ended; it must be down to one "
-                    "(threads left running could take the proof of completion)")
-        time.sleep(0.002)
-
-def supervise(program):
-    """Forward the program's "ready"; hand it the tests once its own code has returned,
-    and the secret once the tests have (if it is then alone); return (wait status, whether
-    the secret came back, why it was withheld)."""
-    import select
-    os.close(status_w)
-    os.close(release_r)
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no reading or writing our memory, or reopening our descriptors
-    size, tests = os.fstat(TESTS).st_size, b""
-    while len(tests) < size:
-        chunk = os.pread(TESTS, size - len(tests), len(tests))
-        if not chunk:
-            break
-        tests += chunk
-    os.close(TESTS)
-    stage, partial, out, secret, completed, why, status = "ready", b"", b"", None, False, None, None
-    release = release_w
-
-    def handle(line):
-        nonlocal stage, out, secret, completed, why, release
-        if stage == "ready":  # "ready" or "setup_error", for the parent
-            try:
-                os.write(REPORT, line + b"\n")
-            except OSError:
-                pass
-            stage = "solution"
-        elif stage == "solution" and line == b"solution-done":
-            out, stage = len(tests).to_bytes(8, "big") + tests, "tests"
-        elif stage == "tests" and line == b"tests-done":
-            why = isolate(program)
-            if why is None:
-                secret = os.urandom(16).hex().encode()  # born now, in this process only
-                out, stage = out + secret + b"\n", "proof"
-            else:
-                os.close(release)  # the program reads EOF and exits 1
-                out, stage, release = b"", "refused", None
-        elif stage == "proof" and line == secret:
-            completed, stage = True, "done"
-
-    def receive():
-        """Act on the complete lines waiting in the status pipe; False at EOF."""
-        nonlocal partial
-        for _ in range(64):  # a flood does not starve the rest of the loop
-            try:
-                chunk = os.read(status_r, 65536)
-            except BlockingIOError:
-                return True
-            if not chunk:
-                return False
-            *lines, partial = (partial + chunk).split(b"\n")
-            if len(partial) > 4096:
-                partial = b"\xff"  # an over-long line, which then matches nothing
-            for line in lines:
-                handle(line)
-        return True
-
-    os.set_blocking(status_r, False)
-    os.set_blocking(release_w, False)
-    try:
-        exited = os.pidfd_open(program)  # readable once the program exits
-    except (AttributeError, OSError):
-        exited = None
-    watch = [status_r] + ([exited] if exited is not None else [])
-    while status is None:
-        sending = [release] if out and release is not None else []
-        ready, writable, _ = select.select(watch, sending, [], None if exited is not None else 0.01)
-        if status_r in ready and not receive():
-            watch.remove(status_r)  # EOF
-        if writable and release is not None:
-            try:
-                out = out[os.write(release, out[:65536]):]
-            except BlockingIOError:
-                pass
-            except OSError:
-                out = b""  # nobody reads any more
-        while True:
-            try:
-                reaped, wait_status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if reaped == 0:
-                break
-            if reaped == program:
-                status = wait_status
-    if status_r in watch:
-        receive()  # what it wrote just before it exited
-    if release is not None:
-        os.close(release)
-    return status, completed, why
-
-if pid:
-    status, completed, why = supervise(pid)
-    usage = __import__("resource").getrusage(__import__("resource").RUSAGE_CHILDREN)
-    code = os.waitstatus_to_exitcode(status)
-    send(REPORT, event="exit", returncode=code, completed=completed, why=why,
-         cpu_seconds=usage.ru_utime + usage.ru_stime)
-    os._exit(0)
-
-# ---- The program's process.
-os.close(status_r)
-os.close(release_w)
-os.close(TESTS)
-os.close(REPORT)
-def fail(message):
-    send(status_w, event="setup_error", message=message)
-    os._exit(70)
-
-import resource
-try:
-    for name, (soft, hard) in cfg["rlimits"].items():
-        resource.setrlimit(getattr(resource, name), (soft, hard))
-except (OSError, ValueError) as e:
-    fail(f"setrlimit {name}: {e}")
-
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 24, 28, 38, 47
-# A layer the machine lacks is skipped and noted; one that breaks halfway fails the run ("error").
-dropped = False
-uid = cfg["uid"]
-if uid is not None:
-    try:
-        needed = [(p, os.R_OK | (os.X_OK if os.path.isdir(p) else 0)) for p in sorted(keep_paths())]
-        os.setgroups([])
-        os.setegid(uid)
-        os.seteuid(uid)  # try the interpreter's files as the new uid, reversibly
-        unreadable = [p for p, mode in needed if not os.access(p, mode, effective_ids=True)]
-        os.seteuid(0)
-        os.setegid(0)
-        if unreadable:
-            for path in (WORKDIR, cfg["program"]):  # stay uid 0: take the directory back
-                os.chown(path, 0, 0)
-            problems.append("uid_drop: the interpreter is not readable by an unprivileged uid here "
-                            f"({', '.join(unreadable[:3])}); dropping capabilities instead")
-        else:
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)  # clears every capability
-            dropped = True
-            active.append("uid_drop")
-    except OSError as e:
-        fail(f"dropping privileges: {e}")
-
-def has_capabilities():
-    with open("/proc/self/status") as f:
-        return any(line.startswith(("CapPrm:", "CapEff:")) and int(line.split()[1], 16) for line in f)
-
-if cfg["drop_privileges"] and not dropped and has_capabilities():
-    # Root in a user namespace, or root that could not change uid: keep the uid, lose the
-    # capabilities, for good (SECBIT_NOROOT: exec as uid 0 grants nothing; locked).
-    try:
-        check(libc.prctl(PR_SET_SECUREBITS, 0x2F, 0, 0, 0), "securebits")
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            last = int(f.read())
-        for cap in range(last + 1):
-            check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "capbset")
-        libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
-        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
-        check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
-        active.append("no_capabilities")
-    except OSError as e:
-        fail(f"dropping capabilities: {e}")
-try:
-    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    active.append("no_new_privs")
-except OSError as e:
-    problems.append(f"no_new_privs: {e}")
-# Die with the supervisor (a uid change clears any earlier setting).
-libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
-if os.getppid() != SUPERVISOR:
-    os._exit(70)
-os.chdir(WORKDIR)
-
-with open(cfg["program"], encoding="utf-8") as f:
-    source = f.read()
-
-if cfg["audit"]:
-    def install_guard():
-        import posix, re, _posixsubprocess, signal as _sig, _signal
-        realpath, join, dirname, basename, isabs = (os.path.realpath, os.path.join, os.path.dirname,
-                                                    os.path.basename, os.path.isabs)
-        getcwd, readlink, fspath, fsdecode, getpid = os.getcwd, os.readlink, os.fspath, os.fsdecode, os.getpid
-        root = WORKDIR.rstrip("/") + "/"
-        devices = {"/dev/null", "/dev/zero", "/dev/full", "/dev/stdout", "/dev/stderr", "/dev/tty"}
-        proc_pid = re.compile(r"/proc/(\d+)(/|$)")
-        write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-        blocked = {
-            "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system", "os.killpg",
-            "subprocess.Popen", "pty.spawn", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
-            "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
-            "socket.sethostname", "sys.settrace", "sys.setprofile",
-        }
-        no_import = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "posix", "_signal", "signal"}
-        # (path argument index, dir_fd argument index) per mutating event
-        mutating = {
-            "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.link": ((0, 2), (1, 3)), "os.mkdir": ((0, 2),),
-            "os.remove": ((0, 1),), "os.rename": ((0, 2), (1, 3)), "os.rmdir": ((0, 1),), "os.symlink": ((1, 2),),
-            "os.truncate": ((0, None),), "os.utime": ((0, 3),), "os.chflags": ((0, None),),
-            "os.lchflags": ((0, None),), "os.setxattr": ((0, None),), "os.removexattr": ((0, None),),
-        }
-
-        def deny(event):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-
-        def absolute(path, dir_fd):
-            path = fsdecode(fspath(path))
-            if not isabs(path):
-                base = getcwd() if dir_fd in (None, -1, -100) else readlink(f"/proc/self/fd/{dir_fd}")
-                path = join(base, path)
-            return path
-
-        def inside(path, dir_fd=None):
-            if isinstance(path, int):
-                return True  # an already-open descriptor
-            path = absolute(path, dir_fd)
-            for resolved in (realpath(path), join(realpath(dirname(path)), basename(path))):
-                if resolved != WORKDIR and not resolved.startswith(root):
-                    return False
-            return True
-
-        def guard(event, args):
-            if event in blocked or event.startswith("ctypes."):
-                deny(event)
-            if event == "open":
-                path, mode, flags = args
-                if path is None or isinstance(path, int):
-                    return
-                writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & write_flags)
-                given = absolute(path, None)
-                resolved = realpath(given)
-                match = proc_pid.match(resolved)
-                if match and int(match.group(1)) != getpid():
-                    deny(f"reading {resolved}")
-                if writing and given not in devices and resolved not in devices and not inside(path):
-                    deny(f"writing {resolved}")
-            elif event in mutating:
-                for path_index, fd_index in mutating[event]:
-                    dir_fd = None if fd_index is None or fd_index >= len(args) else args[fd_index]
-                    if not inside(args[path_index], dir_fd):
-                        deny(f"{event} on {args[path_index]!r}")
-            elif event == "os.kill":
-                if args[0] != getpid():
-                    deny("signalling another process")
-            elif event == "import" and args[0] in no_import:
-                deny(f"importing {args[0]}")
-
-        def refuse(*args, **kwargs):
-            raise PermissionError("sandbox: starting processes is not allowed")
-
-        _posixsubprocess.fork_exec = refuse
-        for module in (os, posix):
-            if hasattr(module, "pidfd_open"):
-                module.pidfd_open = refuse
-        for module in (_sig, _signal):
-            if hasattr(module, "pidfd_send_signal"):
-                module.pidfd_send_signal = refuse
-        sys.addaudithook(guard)
-
-    try:
-        install_guard()
-        active.append("audit_hook")
-    except Exception as e:  # degrade: the other layers still hold
-        problems.append(f"audit_hook: {e!r}")
-    del install_guard
-
-send(status_w, event="ready", active=active, problems=problems)
-import types, traceback, linecache
-main = types.ModuleType("__main__")
-main.__file__ = cfg["program"]
-main.__builtins__ = __builtins__
-sys.modules["__main__"] = main
-sys.argv = [cfg["program"]]
-
-def run(source, filename, namespace, status_w=status_w, release_r=release_r, size=SECRET_SIZE, read=os.read,
-        write=os.write, splice=getattr(os, "splice", None), blocking=os.set_blocking, _exit=os._exit,
-        compile=compile, exec=exec, modules=sys.modules, lines=linecache.cache,
-        print_exception=traceback.print_exception):
-    """The solution, the tests the supervisor then hands over, then the proof. What it
-    calls is bound here, before the solution runs, as fast locals (rebinding them would
-    take a trace function). An exception exits 1 at once. From "tests-done" on it calls
-    only built-in functions, and the secret goes from pipe to pipe inside the kernel
-    (splice), never through this process's memory."""
-    try:
-        exec(compile(source, filename, "exec"), namespace)
-        blocking(status_w, True)  # the solution may have cleared it: the flag is shared
-        blocking(release_r, True)
-        write(status_w, b"solution-done\n")
-        data = b""
-        while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
-            chunk = read(release_r, 1 << 16)
-            if not chunk:
-                _exit(1)
-            data += chunk
-        tests = data[8:]
-        lines["<tests>"] = (len(tests), None, tests.decode("utf-8", "replace").splitlines(True), "<tests>")
-        exec(compile(tests, "<tests>", "exec"), namespace)
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        print_exception(type(exc), exc, exc.__traceback__.tb_next)
-        _exit(1)
-    shutdown = getattr(modules.get("threading"), "_shutdown", None)
-    if shutdown is not None:
-        shutdown()  # join the threads left behind, as a normal exit does
-    blocking(status_w, True)
-    blocking(release_r, True)
-    write(status_w, b"tests-done\n")
-    moved = 0
-    while moved < size:
-        left = size - moved
-        try:
-            n = splice(release_r, status_w, left) if splice else write(status_w, read(release_r, left))
-        except BlockingIOError:  # cleared again before the supervisor made us alone
-            blocking(status_w, True)
-            blocking(release_r, True)
-            continue
-        if not n:
-            _exit(1)  # withheld: see the supervisor's report
-        moved += n
-    _exit(0)
-
-del cfg, libc, check, mount, send
-run(source, main.__file__, main.__dict__)
-'''

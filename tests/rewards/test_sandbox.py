@@ -4,15 +4,20 @@ Each containment case is checked twice where it can be: with the audit hook (the
 available everywhere) and without it, which tests the OS layers alone -- skipped, with the
 reason, where this machine lacks the layer that case needs."""
 
+import ast
 import glob
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 
 import pytest
 
+from jaxrl_llm.rewards import sandbox
 from jaxrl_llm.rewards.sandbox import ExecutionResult, SandboxLimits, run_many, run_python
 
 FAST = SandboxLimits(timeout=5.0, cpu_seconds=5, memory_mb=256)
@@ -330,7 +335,8 @@ def test_program_that_leaves_its_session_is_killed():
 
 
 def test_no_workdirs_leak_from_killed_programs(private_tmp):
-    sources = ["while True: pass", "import sys\nwhile True: sys.stdout.write('x' * 4096)", "import os; os.chmod('.', 0)"]
+    flood = "import sys\nwhile True: sys.stdout.write('x' * 4096)"
+    sources = ["while True: pass", flood, "import os; os.chmod('.', 0)"]
     results = run_many(sources, limits=SandboxLimits(timeout=1.0, max_output_bytes=1000))
     assert [r.status for r in results] == ["timeout", "output_limit", "passed"]
     assert workdirs(private_tmp) == []
@@ -375,8 +381,8 @@ def forge():
 FAILING = "\nassert 1 == 2, 'the tests'\n"
 
 FORGERIES = {
-    # The fault probe's own: the launcher's globals, one frame up.
-    "caller globals": "import os, sys\nstatus = sys._getframe(0).f_back.f_globals['status_w']\n"
+    # The fault probe's own: the launcher's status pipe, one frame up.
+    "caller locals": "import os, sys\nstatus = sys._getframe(0).f_back.f_locals['status_w']\n"
     "os.write(status, b'{\"completed\": true}\\n')\nos._exit(0)",
     "every reachable descriptor": FORGE + "forge()",
     "replaced exit": "import sys, builtins\nsys.exit = builtins.exit = lambda *a, **k: None",
@@ -476,3 +482,58 @@ def test_tests_arguments_are_checked():
         run_many(["pass", "pass"], tests=[None, 3])
     results = run_many(["x = 1", "x = 2"], tests=["assert x == 1", None], limits=FAST)
     assert [r.status for r in results] == ["passed", "passed"]
+
+
+# -------------------------------------------------------------------- the launcher
+
+
+def test_launcher_is_a_standard_library_program_of_its_own():
+    # Every import in it, at any depth, is of the standard library ...
+    tree = ast.parse(open(sandbox._LAUNCHER, encoding="utf-8").read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported and {name.split(".")[0] for name in imported} <= sys.stdlib_module_names
+    # ... and loading it, isolated as the sandbox runs it, defines its functions, runs
+    # nothing (no configuration in argv here) and loads neither this package nor JAX.
+    check = f"""
+import importlib.util, sys
+before = set(sys.modules)
+spec = importlib.util.spec_from_file_location("sandbox_launcher", {sandbox._LAUNCHER!r})
+launcher = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launcher)
+print(callable(launcher.main), sorted(m for m in set(sys.modules) - before
+                                      if m.split(".")[0] not in sys.stdlib_module_names))
+"""
+    done = subprocess.run([sys.executable, "-I", "-B", "-c", check], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True []\n", "")
+
+
+def test_launcher_directory_is_not_on_the_programs_path():
+    # Run by its path under -I, the launcher's directory stays off sys.path: rewards/code.py
+    # must not shadow the standard library's code module.
+    launcher_dir = os.path.dirname(sandbox._LAUNCHER)
+    result = run_python("import code, sys\nprint(sys.path)\nprint(code.__file__)", limits=FAST)
+    assert result.passed, result.stderr
+    path, code_file = result.stdout.splitlines()
+    assert launcher_dir not in path and not code_file.startswith(launcher_dir)
+
+
+def test_sandbox_runs_from_another_working_directory(tmp_path, monkeypatch):
+    # The launcher is found by its absolute path, and the program runs in its own directory.
+    monkeypatch.chdir(tmp_path)
+    result = run_python("import os\nprint(os.path.basename(os.getcwd()))", limits=FAST)
+    assert (result.status, result.completed) == ("passed", True), result
+    assert result.stdout.startswith("jaxrl-sandbox-")
+
+
+def test_launcher_under_a_hidden_directory(tmp_path, monkeypatch, layers):
+    # As when the package is installed under /root or a home directory: the interpreter
+    # reads the launcher before the sandbox covers them, and it is bound back in view.
+    need(layers, "hidden_dirs")
+    copy = tmp_path / "home" / "site-packages" / "sandbox_launcher.py"  # /tmp is hidden too
+    copy.parent.mkdir(parents=True)
+    shutil.copy(sandbox._LAUNCHER, copy)
+    monkeypatch.setattr(sandbox, "_LAUNCHER", str(copy))
+    result = run_python(f"print(len(open({str(copy)!r}, 'rb').read()))", limits=NO_HOOK)
+    assert (result.status, result.completed) == ("passed", True), result
+    assert result.stdout == f"{copy.stat().st_size}\n" and set(result.protections) == layers
