@@ -1,4 +1,7 @@
-"""The README's examples run as they are written."""
+"""The README's first run, and the own-data example of docs/data-and-rewards.md, run as they are written.
+
+(Every other example of README.md and docs/ is run or checked by tests/test_docs.py.)
+"""
 
 import json
 import os
@@ -10,20 +13,12 @@ import sys
 import numpy as np
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _example(name: str, language: str = "python") -> str:
-    """The code block that follows ``<!-- readme-example: name -->`` in the README."""
-    text = README.read_text()
-    marker = f"<!-- readme-example: {name} -->\n```{language}\n"
-    assert text.count(marker) == 1, f"README has no single example {name!r}"
-    return text.split(marker)[1].split("\n```")[0]
+from tests.test_docs import example
 
 
 def test_the_own_data_example_trains_evaluates_and_reports_its_metrics(tmp_path, monkeypatch, capsys):
     script = tmp_path / "example.py"
-    script.write_text(_example("own-data"))
+    script.write_text(example("docs/data-and-rewards.md", "own-data"))
     monkeypatch.chdir(tmp_path)
     namespace = runpy.run_path(str(script))
     history, evaluation = namespace["history"], capsys.readouterr().out
@@ -37,8 +32,8 @@ def test_the_own_data_example_trains_evaluates_and_reports_its_metrics(tmp_path,
 def test_the_own_data_command_line_example_runs_as_written_in_a_users_directory(tmp_path):
     project = tmp_path / "my-project"  # outside the repository, as a user's
     (project / "data").mkdir(parents=True)
-    (project / "my_rewards.py").write_text(_example("own-data-cli/my_rewards.py"))
-    (project / "run.toml").write_text(_example("own-data-cli/run.toml", "toml"))
+    (project / "my_rewards.py").write_text(example("README.md", "own-data-cli/my_rewards.py"))
+    (project / "run.toml").write_text(example("README.md", "own-data-cli/run.toml", "toml"))
     rng = np.random.default_rng(0)
     with open(project / "data" / "train.jsonl", "w") as file:
         for a, b in rng.integers(0, 10, size=(60, 2)):
@@ -46,7 +41,7 @@ def test_the_own_data_command_line_example_runs_as_written_in_a_users_directory(
                                    "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n")
     env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     env.pop("PYTHONPATH", None)
-    for command in _example("own-data-cli/commands", "bash").splitlines():
+    for command in example("README.md", "own-data-cli/commands", "bash").splitlines():
         done = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
