@@ -1,9 +1,10 @@
 r"""The named methods, each a frozen config that picks parts of the functional core.
 
 A method is not a class hierarchy: it is an advantage estimator, a policy objective, an
-aggregation mode, a KL term and an update rule. The presets below are the spec's six
-methods and the modern variants; any other combination is one ``dataclasses.replace``
-away (RLOO advantages with PPO clipping, GRPO with a KL penalty, ...):
+aggregation mode, a KL term and an update rule. The presets below are the six classic
+methods (policy gradient, REINFORCE with a baseline, RLOO, TRPO, PPO, GRPO) and the
+modern variants; any other combination is one ``dataclasses.replace`` away (RLOO
+advantages with PPO clipping, GRPO with a KL penalty, ...):
 
 .. code-block:: python
 
@@ -37,14 +38,23 @@ from jaxrl_llm.ops import aggregation
 AdvantageEstimator = Literal[
     "reinforce", "batch_mean_baseline", "running_mean_baseline", "rloo", "grpo", "reinforce_pp", "gae"
 ]
-PolicyObjective = Literal["policy_gradient", "ppo_clip", "grpo", "cispo"]
+PolicyObjective = Literal["policy_gradient", "ppo_clip", "cispo"]
+ObjectiveAlias = Literal["grpo"]
 UpdateRule = Literal["optax", "trpo"]
 
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 POLICY_OBJECTIVES: tuple[str, ...] = get_args(PolicyObjective)
+OBJECTIVE_ALIASES: dict[str, str] = {"grpo": "ppo_clip"}
+"""Old names of an objective, still accepted (config files, ``--algorithm.objective``, the
+configs stored in run directories) and replaced by the current name: ``"grpo"`` was a
+second name of the clipped surrogate, :func:`jaxrl_llm.objectives.ppo_clip`."""
 UPDATE_RULES: tuple[str, ...] = get_args(UpdateRule)
 PeerLibrary = Literal["trl", "verl", "openrlhf"]
 PEER_LIBRARIES: tuple[str, ...] = get_args(PeerLibrary)
+VERL_DUAL_CLIP = 3.0
+"""verl's ``clip_ratio_c``: the dual clip of its token-level actor loss (``compute_policy_loss_vanilla``)."""
+VERL_GSPO_LOG_RATIO_CAP = 10.0
+"""verl's cap on GSPO's sequence log-ratio (``compute_policy_loss_gspo``: ``clamp(max=10.0)``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,7 +74,7 @@ class Algorithm:
     """``grpo`` only: divide by the group std, the batch std, or not at all (Dr. GRPO)."""
     std_ddof: int = 0
     """Every standard deviation the advantages take (``grpo``'s, and the whitening of
-    ``gae`` and ``reinforce_pp``): 0 is the spec's population std, 1 the sample std of
+    ``gae`` and ``reinforce_pp``): 0 is the population std, 1 the sample std of
     TRL/verl/Tunix."""
     advantage_eps: float = 1e-6
     """``grpo``: added to the group's std; ``reinforce_pp``: its whitening's eps (where
@@ -88,19 +98,27 @@ class Algorithm:
     """``gae`` only: GAE lambda."""
 
     # --- Policy objective -----------------------------------------------------------------
-    objective: PolicyObjective
-    """The per-token surrogate: see :mod:`jaxrl_llm.objectives`."""
+    objective: Literal[PolicyObjective, ObjectiveAlias]
+    """The per-token surrogate: ``policy_gradient``, ``ppo_clip`` (the one clipped
+    surrogate: PPO, TRPO, GRPO, Dr. GRPO, DAPO, GSPO, REINFORCE++) or ``cispo``; see
+    :mod:`jaxrl_llm.objectives`. ``"grpo"``, an old name of ``ppo_clip``, is accepted and
+    becomes ``"ppo_clip"`` (:data:`OBJECTIVE_ALIASES`)."""
     agg: aggregation.AggregationMode
     """How per-token terms become the loss; see :func:`jaxrl_llm.ops.aggregate`."""
     eps_low: float | None = 0.2
     """Lower clip range (``None``: unbounded)."""
     eps_high: float | None = None
-    """Upper clip range; ``None`` means equal to ``eps_low`` for ``ppo_clip`` / ``grpo``
-    (symmetric) and unbounded for ``cispo``."""
+    """Upper clip range; ``None`` means equal to ``eps_low`` for ``ppo_clip`` (symmetric)
+    and unbounded for ``cispo``."""
     dual_clip: float | None = None
-    """``ppo_clip`` only: dual-clip constant c > 1."""
+    """``ppo_clip`` only: dual-clip constant c > 1 (Ye et al., 2020): a token with a
+    negative advantage loses at most ``-c * A`` (at the sequence level: a response whose
+    sequence ratio exceeds c); ``None``: off. verl's actor applies c = 3 at the token level."""
     ratio_level: objectives.RatioLevel = "token"
-    """``grpo`` only: ``sequence`` is GSPO's length-normalised sequence ratio."""
+    """``ppo_clip`` only: ``sequence`` is GSPO's length-normalised sequence ratio."""
+    log_ratio_cap: float = objectives.LOG_RATIO_LIMIT
+    """``ppo_clip`` only: the upper clamp of the log-ratio before ``exp`` (the ratio is at
+    most e^cap), in (0, 20]; the lower clamp is -20. verl caps GSPO's sequence log-ratio at 10."""
 
     # --- Regularisation ---------------------------------------------------------------------
     kl_coef: float = 0.0
@@ -151,6 +169,8 @@ class Algorithm:
             if value not in allowed:
                 fail(f"`{field}` must be one of {', '.join(map(repr, allowed))}; got {value!r}.")
 
+        if self.objective in OBJECTIVE_ALIASES:  # an old name (a stored config, an old file)
+            object.__setattr__(self, "objective", OBJECTIVE_ALIASES[self.objective])
         one_of("advantage", ADVANTAGE_ESTIMATORS)
         one_of("objective", POLICY_OBJECTIVES)
         one_of("update", UPDATE_RULES)
@@ -163,7 +183,7 @@ class Algorithm:
         where = f"Algorithm {self.name!r}"
         optional = ("eps_low", "eps_high", "dual_clip", "value_clip", "baseline_decay", "kl_clamp")  # None: off
         for field in ("advantage_eps", "gamma", "lam", "kl_coef", "kl_reward_coef", "entropy_coef", "max_kl",
-                      "cg_damping", "backtrack_coef", "overlong_penalty", *optional):
+                      "cg_damping", "backtrack_coef", "overlong_penalty", "log_ratio_cap", *optional):
             if not (field in optional and getattr(self, field) is None):
                 _checks.finite_number(where, field, getattr(self, field))
         for field in ("advantage_eps", "kl_coef", "kl_reward_coef", "entropy_coef", "cg_damping", "overlong_penalty"):
@@ -185,8 +205,12 @@ class Algorithm:
             fail(f"`dual_clip` must be > 1 or None; got {self.dual_clip}.")
         if self.dual_clip is not None and self.objective != "ppo_clip":
             fail(f"`dual_clip` applies to objective='ppo_clip' only; got objective={self.objective!r}.")
-        if self.ratio_level != "token" and self.objective != "grpo":
-            fail(f"`ratio_level='sequence'` (GSPO) needs objective='grpo'; got objective={self.objective!r}.")
+        if self.ratio_level != "token" and self.objective != "ppo_clip":
+            fail(f"`ratio_level='sequence'` (GSPO) needs objective='ppo_clip'; got objective={self.objective!r}.")
+        if not 0 < self.log_ratio_cap <= objectives.LOG_RATIO_LIMIT:
+            fail(f"`log_ratio_cap` must be in (0, {objectives.LOG_RATIO_LIMIT}]; got {self.log_ratio_cap}.")
+        if self.log_ratio_cap != objectives.LOG_RATIO_LIMIT and self.objective != "ppo_clip":
+            fail(f"`log_ratio_cap` applies to objective='ppo_clip' only; got objective={self.objective!r}.")
         if self.value_clip is not None and not self.value_clip > 0:
             fail(f"`value_clip` must be > 0 or None; got {self.value_clip}.")
         if self.update == "trpo":
@@ -229,7 +253,11 @@ class Algorithm:
           ``(x - mean) * rsqrt(var_unbiased + 1e-8)``; ``seq-mean-token-sum-norm`` as
           verl computes it (``token-sum-norm``: no division by the rows); the loss's k3 as
           ``low_var_kl`` (clamped to 10); REINFORCE++-baseline's group mean taken of the
-          KL-penalised sequence return.
+          KL-penalised sequence return; the actor's dual clip, ``dual_clip=3``
+          (``clip_ratio_c``), on the token-level clipped surrogate trained by gradient
+          steps (PPO, GRPO, Dr. GRPO, DAPO, REINFORCE++; a ``dual_clip`` already set is
+          kept); GSPO's sequence log-ratio capped at 10 (``log_ratio_cap``), and no dual
+          clip there, as verl's ``compute_policy_loss_gspo``.
         * ``"openrlhf"``: the group's sample std plus 1e-9; whitening with the population
           variance floored at 1e-8; every KL estimate in the loss clamped to 10.
 
@@ -243,10 +271,15 @@ class Algorithm:
         if library == "trl":
             changes = dict(std_ddof=1, advantage_eps=1e-4) if self.advantage == "grpo" else {}
         elif library == "verl":
+            surrogate = self.objective == "ppo_clip" and self.update == "optax"
+            token_surrogate = surrogate and self.ratio_level == "token"
             changes = dict(std_ddof=1, advantage_eps=1e-8 if pp else 1e-6, eps_placement="variance",
                            group_mean_of="sequence_return",
                            agg="token-sum-norm" if self.agg == "seq-mean-token-sum-norm" else self.agg,
-                           kl_clamp=10.0 if self.kl_estimator == "k3" else self.kl_clamp)
+                           kl_clamp=10.0 if self.kl_estimator == "k3" else self.kl_clamp,
+                           dual_clip=VERL_DUAL_CLIP if token_surrogate and self.dual_clip is None else self.dual_clip,
+                           log_ratio_cap=VERL_GSPO_LOG_RATIO_CAP if self.ratio_level == "sequence"
+                           else self.log_ratio_cap)
         else:
             changes = dict(std_ddof=0 if whitens else 1, advantage_eps=1e-8 if pp else 1e-9,
                            eps_placement="variance_floor", kl_clamp=10.0)
@@ -394,7 +427,7 @@ def policy_loss(
     ref_logp: jax.Array | None = None,
     entropy: jax.Array | None = None,
     max_len: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, objectives.Metrics]:
     r"""The method's policy loss: objective, plus :math:`\beta` KL, minus the entropy bonus.
 
     .. math::
@@ -424,14 +457,12 @@ def policy_loss(
         loss, metrics = objectives.policy_gradient(logp, advantages, mask, old_logp=old_logp, **common)
     elif a.objective == "ppo_clip":
         loss, metrics = objectives.ppo_clip(
-            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, **common
-        )
-    elif a.objective == "grpo":
-        loss, metrics = objectives.grpo(
-            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, level=a.ratio_level, **common
+            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
+            ratio_level=a.ratio_level, log_ratio_cap=a.log_ratio_cap, **common
         )
     else:  # cispo
-        loss, metrics = objectives.cispo(logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, **common)
+        loss, metrics = objectives.cispo(logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high,
+                                         **common)
 
     if a.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"Algorithm {a.name!r} has kl_coef={a.kl_coef} > 0: pass `ref_logp`.")
@@ -453,7 +484,7 @@ def policy_loss(
 # --- Presets ----------------------------------------------------------------------------------
 
 PG = Algorithm(name="pg", advantage="reinforce", objective="policy_gradient", agg="seq-mean-token-sum")
-"""The spec's policy gradient, :math:`L = -R_i \\sum_t \\log\\pi_\\theta`."""
+"""Policy gradient (REINFORCE, Williams 1992), :math:`L = -R_i \\sum_t \\log\\pi_\\theta`."""
 
 REINFORCE_BASELINE = Algorithm(
     name="reinforce-baseline", advantage="running_mean_baseline", objective="policy_gradient", agg="seq-mean-token-sum"
@@ -461,45 +492,47 @@ REINFORCE_BASELINE = Algorithm(
 """REINFORCE with a running-mean (EMA 0.9) baseline carried in the train state."""
 
 RLOO = Algorithm(name="rloo", advantage="rloo", objective="policy_gradient", agg="seq-mean-token-sum")
-"""The spec's RLOO: leave-one-out baseline, :math:`-\\frac1G\\sum_i A_i \\sum_t \\log\\pi_\\theta`."""
+"""RLOO (Ahmadian et al., 2024): leave-one-out baseline,
+:math:`-\\frac1G\\sum_i A_i \\sum_t \\log\\pi_\\theta`."""
 
 PPO = Algorithm(
     name="ppo", advantage="gae", objective="ppo_clip", agg="token-mean", gamma=1.0, lam=0.95,
     kl_reward_coef=0.05, value_clip=0.2, num_iterations=2,
 )
-"""PPO with a critic: GAE on per-token rewards that include a k1 KL penalty to the
+"""PPO (Schulman et al., 2017) with a critic: GAE on per-token rewards that include a k1 KL penalty to the
 reference (Ouyang et al., 2022), clipped policy and value losses."""
 
 TRPO = Algorithm(
     name="trpo", advantage="rloo", objective="ppo_clip", eps_low=None, eps_high=None, agg="token-mean",
     update="trpo", max_kl=0.01,
 )
-"""TRPO: maximise :math:`\\mathbb{E}[\\rho A]` (the unclipped surrogate) subject to
+"""TRPO (Schulman et al., 2015): maximise :math:`\\mathbb{E}[\\rho A]` (the unclipped surrogate) subject to
 :math:`D_{KL}(\\pi_{old}\\|\\pi_\\theta) \\le \\delta`. Advantages are leave-one-out (our
 choice: critic-free, unbiased)."""
 
-GRPO = Algorithm(name="grpo", advantage="grpo", objective="grpo", agg="seq-mean-token-mean", kl_coef=0.04)
-"""The spec's GRPO with DeepSeekMath's k3 KL penalty (beta = 0.04)."""
+GRPO = Algorithm(name="grpo", advantage="grpo", objective="ppo_clip", agg="seq-mean-token-mean", kl_coef=0.04)
+"""GRPO (Shao et al., 2024, eq. 3): group-normalised advantages, the clipped surrogate
+averaged per response, and DeepSeekMath's k3 KL penalty (eq. 4, beta = 0.04)."""
 
 DR_GRPO = Algorithm(
-    name="dr-grpo", advantage="grpo", group_scale="none", objective="grpo", agg="seq-mean-token-sum-norm"
+    name="dr-grpo", advantage="grpo", group_scale="none", objective="ppo_clip", agg="seq-mean-token-sum-norm"
 )
-"""Dr. GRPO: no std division, constant normaliser (no length bias), no KL."""
+"""Dr. GRPO (Liu et al., 2025): no std division, constant normaliser (no length bias), no KL."""
 
 DAPO = Algorithm(
-    name="dapo", advantage="grpo", objective="grpo", eps_low=0.2, eps_high=0.28, agg="token-mean",
+    name="dapo", advantage="grpo", objective="ppo_clip", eps_low=0.2, eps_high=0.28, agg="token-mean",
     dynamic_sampling=True, overlong_buffer=4096, overlong_penalty=1.0,
 )
-"""DAPO: clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, soft overlong
+"""DAPO (Yu et al., 2025): clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, soft overlong
 punishment over the last 4096 tokens (the paper's, for a 20480-token budget), no KL.
 Scale ``overlong_buffer`` with the generation budget (``dataclasses.replace``); the trainer
 turns one longer than the budget into a fifth of it (:func:`jaxrl_llm.training.fit_overlong_buffer`)."""
 
 GSPO = Algorithm(
-    name="gspo", advantage="grpo", objective="grpo", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4,
+    name="gspo", advantage="grpo", objective="ppo_clip", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4,
     agg="seq-mean-token-mean",
 )
-"""GSPO: sequence-level, length-normalised ratio with GSPO's clip range (3e-4 / 4e-4)."""
+"""GSPO (Zheng et al., 2025): sequence-level, length-normalised ratio with GSPO's clip range (3e-4 / 4e-4)."""
 
 CISPO = Algorithm(name="cispo", advantage="grpo", objective="cispo", eps_low=None, eps_high=0.28, agg="token-mean")
 """CISPO: clipped, stop-gradient importance weights; no lower bound (MiniMax-M1). The
@@ -508,7 +541,7 @@ upper bound 0.28 is our choice (MiniMax-M1 does not publish its value)."""
 REINFORCE_PP = Algorithm(
     name="reinforce++", advantage="reinforce_pp", objective="ppo_clip", agg="token-mean", kl_reward_coef=0.01
 )
-"""REINFORCE++: returns to go of k1-KL-penalised token rewards, whitened over the batch's
+"""REINFORCE++ (Hu, 2025): returns to go of k1-KL-penalised token rewards, whitened over the batch's
 tokens; PPO clipping."""
 
 PRESETS: dict[str, Algorithm] = {
@@ -537,7 +570,7 @@ def preset_names(entries: Sequence[str]) -> tuple[str, ...]:
 
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "Algorithm", "CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "PG", "POLICY_OBJECTIVES",
-    "PPO", "PRESETS", "REINFORCE_BASELINE", "REINFORCE_PP", "RLOO", "TRPO", "UPDATE_RULES", "compute_advantages", "get",
-    "policy_loss", "sequence_advantages",
+    "ADVANTAGE_ESTIMATORS", "Algorithm", "CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "OBJECTIVE_ALIASES", "PG",
+    "POLICY_OBJECTIVES", "PPO", "PRESETS", "REINFORCE_BASELINE", "REINFORCE_PP", "RLOO", "TRPO", "UPDATE_RULES",
+    "compute_advantages", "get", "policy_loss", "sequence_advantages",
 ]

@@ -12,11 +12,16 @@ Every objective has the same shape of contract:
 * the return value is ``(loss, metrics)``: a scalar and a dict of scalar diagnostics
   computed over valid tokens (token-mean, whatever ``agg`` is).
 
+There is one clipped surrogate, :func:`ppo_clip`: PPO, TRPO's surrogate, GRPO, Dr. GRPO,
+DAPO, GSPO and REINFORCE++ differ in its settings (ratio level, clip range, dual clip) and
+in the aggregation, not in the function. A KL-to-reference term is :func:`kl_penalty`,
+added to any objective's loss (:func:`jaxrl_llm.algorithms.policy_loss` composes them).
+
 Ratios are :math:`\rho_{i,t} = \exp(\log\pi_\theta - \log\pi_{\text{old}})`, with the
-log-ratio clamped to :data:`LOG_RATIO_LIMIT` (±20, as verl) before the exponential: past
-that a token's ratio saturates instead of overflowing to ``inf`` and turning the whole
-gradient into NaN through a ``0 * inf``. Metrics
-common to the ratio-based objectives:
+log-ratio clamped to :data:`LOG_RATIO_LIMIT` (±20, as verl's token-level loss) before the
+exponential: past that a token's ratio saturates instead of overflowing to ``inf`` and
+turning the whole gradient into NaN through a ``0 * inf`` (:func:`ppo_clip`'s
+``log_ratio_cap`` can lower the upper end). Metrics common to the ratio-based objectives:
 
 * ``policy_loss``: the clipped surrogate term alone (without KL);
 * ``clip_fraction``: fraction of tokens whose gradient the clip removed,
@@ -45,9 +50,10 @@ RatioLevel = Literal["token", "sequence"]
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 
 Metrics = dict[str, jax.Array]
+"""An objective's diagnostics: name -> scalar."""
 
 
-class _Batch:
+class _LossInputs:
     """Validated, float32 views of an objective's per-token inputs.
 
     Masked entries are replaced by 0 here, once: whatever padding holds (a -inf log-prob,
@@ -84,51 +90,20 @@ def _clip_bounds(fn: str, eps_low: float | None, eps_high: float | None) -> tupl
     return (None if eps_low is None else 1.0 - eps_low), (None if eps_high is None else 1.0 + eps_high)
 
 
-def _ratio(log_ratio: jax.Array) -> jax.Array:
-    """``exp`` of the clamped log-ratio (see :data:`LOG_RATIO_LIMIT`)."""
-    return jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+def _ratio(log_ratio: jax.Array, cap: float = LOG_RATIO_LIMIT) -> jax.Array:
+    """``exp`` of the log-ratio clamped to ``[-LOG_RATIO_LIMIT, cap]`` (see :data:`LOG_RATIO_LIMIT`)."""
+    return jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, cap))
 
 
-def _ratio_metrics(batch: _Batch, ratio: jax.Array) -> Metrics:
+def _ratio_metrics(inputs: _LossInputs, ratio: jax.Array) -> Metrics:
     """Stats of the ratio the objective used, and the k3 KL(old || new) of token ratios."""
-    token_log_ratio = jnp.clip(batch.logp - batch.old_logp, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    token_log_ratio = jnp.clip(inputs.logp - inputs.old_logp, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     return {
-        "ratio_min": aggregation.masked_min(ratio, batch.mask),
-        "ratio_mean": batch.mean(ratio),
-        "ratio_max": aggregation.masked_max(ratio, batch.mask),
-        "approx_kl": batch.mean(jnp.expm1(token_log_ratio) - token_log_ratio),
+        "ratio_min": aggregation.masked_min(ratio, inputs.mask),
+        "ratio_mean": inputs.mean(ratio),
+        "ratio_max": aggregation.masked_max(ratio, inputs.mask),
+        "approx_kl": inputs.mean(jnp.expm1(token_log_ratio) - token_log_ratio),
     }
-
-
-def _clipped_surrogate(
-    batch: _Batch,
-    log_ratio: jax.Array,
-    *,
-    low: float | None,
-    high: float | None,
-    dual_clip: float | None,
-) -> tuple[jax.Array, Metrics]:
-    r"""Per-token :math:`-\min(\rho A, \operatorname{clip}(\rho, l, h) A)` and clip metrics."""
-    adv = batch.advantages
-    ratio = _ratio(log_ratio)  # [B, T]
-    clipped_ratio = jnp.clip(ratio, low, high)
-    surrogate = jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
-    # The clip removes a token's gradient when the clipped branch is strictly smaller.
-    clipped_low = (ratio < low) & (adv < 0) if low is not None else jnp.zeros_like(adv, bool)
-    clipped_high = (ratio > high) & (adv > 0) if high is not None else jnp.zeros_like(adv, bool)
-    metrics = {
-        "clip_fraction_low": batch.mean(clipped_low.astype(jnp.float32)),
-        "clip_fraction_high": batch.mean(clipped_high.astype(jnp.float32)),
-    }
-    metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
-    if dual_clip is not None:
-        # Dual clip (Ye et al., 2020): for A < 0 the objective is bounded below by c * A.
-        dual_clipped = (adv < 0) & (surrogate < dual_clip * adv)
-        surrogate = jnp.where(adv < 0, jnp.maximum(surrogate, dual_clip * adv), surrogate)
-        metrics["dual_clip_fraction"] = batch.mean(dual_clipped.astype(jnp.float32))
-        metrics["clip_fraction"] = metrics["clip_fraction"] + metrics["dual_clip_fraction"]
-    metrics.update(_ratio_metrics(batch, ratio))
-    return -surrogate, metrics
 
 
 def policy_gradient(
@@ -140,10 +115,10 @@ def policy_gradient(
     max_len: int | None = None,
     old_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    r"""REINFORCE: the spec's :math:`L = -A_i \sum_t \log \pi_\theta(a_{i,t} \mid s_{i,t})`.
+    r"""REINFORCE (Williams, 1992): :math:`L = -A_i \sum_t \log \pi_\theta(a_{i,t} \mid s_{i,t})`.
 
     With ``A = R`` this is plain policy gradient, with ``A = R - b`` REINFORCE with a
-    baseline, with leave-one-out advantages RLOO (the spec's
+    baseline, with leave-one-out advantages RLOO (Ahmadian et al., 2024:
     :math:`-\frac1G \sum_i A_i \sum_t \log\pi_\theta`, i.e. the default
     ``agg="seq-mean-token-sum"``).
 
@@ -164,13 +139,27 @@ def policy_gradient(
     """
     fn = "policy_gradient"
     _check_agg(fn, agg, max_len)
-    batch = _Batch(fn, logp, advantages, mask, old_logp)
-    loss = aggregation.aggregate(-batch.advantages * batch.logp, batch.mask, mode=agg, max_len=max_len)
-    metrics = {"policy_loss": loss, "logp_mean": batch.mean(jax.lax.stop_gradient(batch.logp))}
+    inputs = _LossInputs(fn, logp, advantages, mask, old_logp)
+    loss = aggregation.aggregate(-inputs.advantages * inputs.logp, inputs.mask, mode=agg, max_len=max_len)
+    metrics = {"policy_loss": loss, "logp_mean": inputs.mean(jax.lax.stop_gradient(inputs.logp))}
     if old_logp is not None:
-        metrics.update(_ratio_metrics(batch, _ratio(jax.lax.stop_gradient(batch.logp - batch.old_logp))),
+        metrics.update(_ratio_metrics(inputs, _ratio(jax.lax.stop_gradient(inputs.logp - inputs.old_logp))),
                        clip_fraction=jnp.zeros((), jnp.float32))
     return loss, metrics
+
+
+def _sequence_log_ratio(inputs: _LossInputs) -> jax.Array:
+    r"""GSPO's per-token log-ratio whose value is the sequence's and whose gradient is the token's.
+
+    .. math::
+        \log s_{i,t} = \operatorname{sg}\Big[\frac{1}{|o_i|}\sum_{t'} \log\rho_{i,t'}\Big]
+            + \log\pi_\theta(a_{i,t}) - \operatorname{sg}[\log\pi_\theta(a_{i,t})]
+    """
+    token_log_ratio = (inputs.logp - inputs.old_logp) * inputs.mask  # [B, T]
+    lengths = jnp.maximum(jnp.sum(inputs.mask, axis=-1, keepdims=True), 1.0)  # [B, 1]
+    seq_log_ratio = jnp.sum(token_log_ratio, axis=-1, keepdims=True) / lengths  # [B, 1]
+    seq_log_ratio = jnp.broadcast_to(seq_log_ratio, inputs.logp.shape)  # [B, T]
+    return jax.lax.stop_gradient(seq_log_ratio) + inputs.logp - jax.lax.stop_gradient(inputs.logp)
 
 
 def ppo_clip(
@@ -182,20 +171,52 @@ def ppo_clip(
     eps_low: float | None = 0.2,
     eps_high: float | None = None,
     dual_clip: float | None = None,
+    ratio_level: RatioLevel = "token",
+    log_ratio_cap: float = LOG_RATIO_LIMIT,
     agg: AggregationMode = "token-mean",
     max_len: int | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    r"""PPO's clipped surrogate (Schulman et al., 2017).
+    r"""The clipped surrogate of PPO (Schulman et al., 2017, eq. 7), which GRPO and its variants share.
 
     .. math::
         \ell_{i,t} = -\min\!\big(\rho_{i,t} A_{i,t},\;
             \operatorname{clip}(\rho_{i,t}, 1-\epsilon_{low}, 1+\epsilon_{high}) A_{i,t}\big)
 
-    ``eps_high=None`` uses ``eps_low`` (symmetric clipping); a larger ``eps_high`` is
-    DAPO's clip-higher. ``eps_low=None`` (and ``eps_high=None``) removes the clip: the
-    plain importance-sampled surrogate :math:`-\rho A` that TRPO maximises. ``dual_clip=c`` (``c > 1``, Ye et al. 2020) additionally bounds
-    the loss of a negative-advantage token by :math:`-c A`:
-    :math:`\ell = \min(\ell, -cA)` for :math:`A < 0`.
+    aggregated by ``agg``. The methods are settings of this one function:
+
+    * PPO: symmetric ``eps_low = eps_high``, ``agg="token-mean"``; REINFORCE++ (Hu, 2025) is
+      the same surrogate on its own advantages.
+    * TRPO (Schulman et al., 2015): ``eps_low=None`` (and ``eps_high=None``) removes the
+      clip, leaving the importance-sampled surrogate :math:`-\rho A` TRPO maximises.
+    * GRPO (Shao et al., 2024, eq. 3): per-response advantages and
+      ``agg="seq-mean-token-mean"``, :math:`-\frac1G\sum_i \frac{1}{|o_i|}\sum_t \min(\cdot)`;
+      its :math:`\beta` KL term is :func:`kl_penalty`, added to this loss.
+    * DAPO (Yu et al., 2025): clip-higher, ``eps_high > eps_low``, with ``agg="token-mean"``.
+    * Dr. GRPO (Liu et al., 2025): ``agg="seq-mean-token-sum-norm"`` with ``max_len`` (and
+      advantages without the std division, ``advantages.grpo(..., scale="none")``).
+    * GSPO (Zheng et al., 2025): ``ratio_level="sequence"``, the length-normalised sequence
+      ratio :math:`s_i = \exp(\frac{1}{|o_i|}\sum_t \log\rho_{i,t})` in place of
+      :math:`\rho_{i,t}`, in GSPO-token form: value :math:`s_i` at every token, gradient
+      through each token's log-prob, which equals GSPO's sequence objective for
+      per-sequence advantages. GSPO's clip range is far smaller than PPO's (the paper:
+      3e-4 / 4e-4).
+
+    ``dual_clip=c`` (``c > 1``; dual-clip PPO, Ye et al., 2020) also bounds the loss of a
+    negative-advantage token by :math:`-cA`:
+
+    .. math::
+        \ell_{i,t} = \min(\ell_{i,t}, -c A_{i,t}) \quad \text{for } A_{i,t} < 0,
+
+    so a token whose ratio grew past :math:`c` while its advantage is negative gets no
+    gradient. With ``ratio_level="sequence"`` the bound is on the sequence ratio: a
+    response with :math:`A_i < 0` and :math:`s_i > c` gets no gradient. verl applies it
+    (``clip_ratio_c = 3``) to its token-level loss, not to its GSPO loss.
+
+    ``log_ratio_cap`` is the upper end of the clamp of the log-ratio before the
+    exponential, so the ratio is at most :math:`e^{\text{cap}}`; the lower end stays at
+    ``-LOG_RATIO_LIMIT`` (-20). verl caps GSPO's sequence log-ratio at 10
+    (``compute_policy_loss_gspo``: ``clamp(log_ratio, max=10)``, no lower bound; below
+    :math:`-20` the ratio is under 2e-9 and the two differ by less than that).
 
     Args:
       logp: ``[B, T]`` log-probs under :math:`\pi_\theta`.
@@ -205,122 +226,46 @@ def ppo_clip(
       eps_low: lower clip range :math:`\epsilon_{low} \ge 0`, or ``None`` for no bound.
       eps_high: upper clip range; defaults to ``eps_low``.
       dual_clip: the dual-clip constant :math:`c > 1`, or ``None``.
+      ratio_level: ``"token"`` (:math:`\rho_{i,t}`) or ``"sequence"`` (GSPO's :math:`s_i`).
+      log_ratio_cap: upper clamp of the log-ratio, in ``(0, LOG_RATIO_LIMIT]``.
       agg: aggregation mode.
       max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
         ``"token-sum-norm"``.
 
     Returns:
       ``(loss, metrics)``; metrics as in the module docstring (plus
-      ``dual_clip_fraction`` with ``dual_clip``).
+      ``dual_clip_fraction`` with ``dual_clip``); the ratio metrics are of the ratio used,
+      :math:`s_i` at the sequence level.
     """
     fn = "ppo_clip"
     _check_agg(fn, agg, max_len)
+    _checks.one_of(fn, "ratio_level", ratio_level, RATIO_LEVELS)
+    _checks.in_range(fn, "log_ratio_cap", log_ratio_cap, 0.0, LOG_RATIO_LIMIT, closed="(]")
     low, high = _clip_bounds(fn, eps_low, eps_low if eps_high is None else eps_high)
     if dual_clip is not None:
         _checks.in_range(fn, "dual_clip", dual_clip, 1.0, float("inf"), closed="()")
-    batch = _Batch(fn, logp, advantages, mask, old_logp)
-    per_token, metrics = _clipped_surrogate(batch, batch.logp - batch.old_logp, low=low, high=high, dual_clip=dual_clip)
-    loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
-    metrics["policy_loss"] = loss
-    return loss, metrics
-
-
-def _sequence_log_ratio(batch: _Batch) -> jax.Array:
-    r"""GSPO's per-token log-ratio whose value is the sequence's and whose gradient is the token's.
-
-    .. math::
-        \log s_{i,t} = \operatorname{sg}\Big[\frac{1}{|o_i|}\sum_{t'} \log\rho_{i,t'}\Big]
-            + \log\pi_\theta(a_{i,t}) - \operatorname{sg}[\log\pi_\theta(a_{i,t})]
-    """
-    token_log_ratio = (batch.logp - batch.old_logp) * batch.mask  # [B, T]
-    lengths = jnp.maximum(jnp.sum(batch.mask, axis=-1, keepdims=True), 1.0)  # [B, 1]
-    seq_log_ratio = jnp.sum(token_log_ratio, axis=-1, keepdims=True) / lengths  # [B, 1]
-    seq_log_ratio = jnp.broadcast_to(seq_log_ratio, batch.logp.shape)  # [B, T]
-    return jax.lax.stop_gradient(seq_log_ratio) + batch.logp - jax.lax.stop_gradient(batch.logp)
-
-
-def grpo(
-    logp: jax.Array,
-    old_logp: jax.Array,
-    advantages: jax.Array,
-    mask: jax.Array,
-    *,
-    ref_logp: jax.Array | None = None,
-    beta: float = 0.0,
-    kl: kl_lib.KLEstimator = "k3",
-    kl_clamp: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
-    level: RatioLevel = "token",
-    agg: AggregationMode = "seq-mean-token-mean",
-    max_len: int | None = None,
-) -> tuple[jax.Array, Metrics]:
-    r"""GRPO (Shao et al., 2024) and the variants that change its ratio or normaliser.
-
-    .. math::
-        L = \operatorname{agg}_{i,t}\Big[-\min\!\big(\rho_{i,t} A_i,\;
-            \operatorname{clip}(\rho_{i,t}, 1-\epsilon_{low}, 1+\epsilon_{high}) A_i\big)
-            + \beta\, \widehat{D}_{KL}[\pi_\theta \| \pi_{\text{ref}}]_{i,t}\Big]
-
-    With the default ``agg="seq-mean-token-mean"`` this is the spec's
-    :math:`-\frac1G\sum_i \frac{1}{|o_i|}\sum_t \min(\cdot)` plus DeepSeekMath's KL term.
-
-    * ``level="sequence"`` is GSPO (Zheng et al., 2025): the ratio is the length-normalised
-      sequence ratio :math:`s_i = \exp(\frac{1}{|o_i|}\sum_t \log\rho_{i,t})`, used in
-      GSPO-token form (value :math:`s_i` at every token, gradient through each token's
-      log-prob), which equals GSPO's sequence objective for per-sequence advantages.
-      GSPO's clip range is far smaller than PPO's (the paper: 3e-4 / 4e-4).
-    * ``eps_high > eps_low`` with ``agg="token-mean"`` is DAPO (Yu et al., 2025).
-    * ``agg="seq-mean-token-sum-norm"`` with ``max_len`` is Dr. GRPO (pair it with
-      ``advantages.grpo(..., scale="none")``).
-
-    Args:
-      logp: ``[B, T]`` log-probs under :math:`\pi_\theta`.
-      old_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{old}}` (constant).
-      advantages: ``[B]`` or ``[B, T]`` (constant).
-      mask: ``[B, T]`` validity mask.
-      ref_logp: ``[B, T]`` log-probs under :math:`\pi_{\text{ref}}` (constant); required
-        when ``beta > 0``. When given with ``beta == 0`` the KL is still reported.
-      beta: KL penalty coefficient :math:`\beta \ge 0`.
-      kl: estimator of the per-token KL, one of :data:`jaxrl_llm.kl.KL_ESTIMATORS`.
-      kl_clamp: clamp each KL estimate to ``[-kl_clamp, kl_clamp]`` (see :func:`kl_penalty`).
-      eps_low: lower clip range.
-      eps_high: upper clip range; defaults to ``eps_low``.
-      dual_clip: the dual-clip constant :math:`c > 1` (see :func:`ppo_clip`), or ``None``.
-        Off by default, as in the GRPO paper; verl's default is 3.
-      level: ``"token"`` (GRPO) or ``"sequence"`` (GSPO) importance ratio.
-      agg: aggregation mode.
-      max_len: generation budget :math:`L` for ``agg="seq-mean-token-sum-norm"`` and
-        ``"token-sum-norm"``.
-
-    Returns:
-      ``(loss, metrics)``; metrics as in the module docstring, plus :func:`kl_penalty`'s
-      ``kl_<estimator>`` (e.g. ``kl_k3``) when ``ref_logp`` is given.
-    """
-    fn = "objectives.grpo"
-    _check_agg(fn, agg, max_len)
-    _checks.one_of(fn, "level", level, RATIO_LEVELS)
-    _checks.one_of(fn, "kl", kl, kl_lib.KL_ESTIMATORS)
-    _checks.nonnegative(fn, "beta", beta)
-    if kl_clamp is not None:
-        _checks.positive(fn, "kl_clamp", kl_clamp)
-    low, high = _clip_bounds(fn, eps_low, eps_low if eps_high is None else eps_high)
+    inputs = _LossInputs(fn, logp, advantages, mask, old_logp)
+    log_ratio = inputs.logp - inputs.old_logp if ratio_level == "token" else _sequence_log_ratio(inputs)  # [B, T]
+    adv = inputs.advantages
+    ratio = _ratio(log_ratio, log_ratio_cap)  # [B, T]
+    clipped_ratio = jnp.clip(ratio, low, high)
+    surrogate = jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
+    # The clip removes a token's gradient when the clipped branch is strictly smaller.
+    clipped_low = (ratio < low) & (adv < 0) if low is not None else jnp.zeros_like(adv, bool)
+    clipped_high = (ratio > high) & (adv > 0) if high is not None else jnp.zeros_like(adv, bool)
+    metrics = {
+        "clip_fraction_low": inputs.mean(clipped_low.astype(jnp.float32)),
+        "clip_fraction_high": inputs.mean(clipped_high.astype(jnp.float32)),
+    }
+    metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
     if dual_clip is not None:
-        _checks.in_range(fn, "dual_clip", dual_clip, 1.0, float("inf"), closed="()")
-    penalised = not (_checks.is_number(beta) and beta == 0)
-    if penalised and ref_logp is None:
-        raise ValueError(f"{fn}: `ref_logp` is required when beta > 0 (got beta={beta}).")
-    batch = _Batch(fn, logp, advantages, mask, old_logp)
-    log_ratio = batch.logp - batch.old_logp if level == "token" else _sequence_log_ratio(batch)
-    per_token, metrics = _clipped_surrogate(batch, log_ratio, low=low, high=high, dual_clip=dual_clip)
-    loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
+        dual_clipped = (adv < 0) & (surrogate < dual_clip * adv)
+        surrogate = jnp.where(adv < 0, jnp.maximum(surrogate, dual_clip * adv), surrogate)
+        metrics["dual_clip_fraction"] = inputs.mean(dual_clipped.astype(jnp.float32))
+        metrics["clip_fraction"] = metrics["clip_fraction"] + metrics["dual_clip_fraction"]
+    metrics.update(_ratio_metrics(inputs, ratio))
+    loss = aggregation.aggregate(-surrogate, inputs.mask, mode=agg, max_len=max_len)
     metrics["policy_loss"] = loss
-    if ref_logp is not None:
-        penalty, kl_metrics = kl_penalty(logp, ref_logp, mask, coef=beta, estimator=kl, clamp=kl_clamp, agg=agg,
-                                         max_len=max_len)
-        loss = loss + penalty
-        metrics.update(kl_metrics)
     return loss, metrics
 
 
@@ -361,18 +306,18 @@ def cispo(
     fn = "cispo"
     _check_agg(fn, agg, max_len)
     low, high = _clip_bounds(fn, eps_low, eps_high)
-    batch = _Batch(fn, logp, advantages, mask, old_logp)
-    ratio = _ratio(batch.logp - batch.old_logp)
+    inputs = _LossInputs(fn, logp, advantages, mask, old_logp)
+    ratio = _ratio(inputs.logp - inputs.old_logp)
     weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))  # [B, T]
-    per_token = -weight * batch.advantages * batch.logp
-    loss = aggregation.aggregate(per_token, batch.mask, mode=agg, max_len=max_len)
+    per_token = -weight * inputs.advantages * inputs.logp
+    loss = aggregation.aggregate(per_token, inputs.mask, mode=agg, max_len=max_len)
     below = ratio < low if low is not None else jnp.zeros_like(ratio, bool)
     above = ratio > high if high is not None else jnp.zeros_like(ratio, bool)
     metrics = {
         "policy_loss": loss,
-        "clip_fraction_low": batch.mean(below.astype(jnp.float32)),
-        "clip_fraction_high": batch.mean(above.astype(jnp.float32)),
-        **_ratio_metrics(batch, ratio),
+        "clip_fraction_low": inputs.mean(below.astype(jnp.float32)),
+        "clip_fraction_high": inputs.mean(above.astype(jnp.float32)),
+        **_ratio_metrics(inputs, ratio),
     }
     metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
     return loss, metrics
@@ -541,7 +486,7 @@ def entropy_bonus(
 
     Example::
 
-        pg_loss, metrics = objectives.grpo(logp, old_logp, adv, mask)
+        pg_loss, metrics = objectives.ppo_clip(logp, old_logp, adv, mask)
         ent_loss, ent_metrics = objectives.entropy_bonus(ops.entropy(logits), mask, coef=1e-3)
         loss = pg_loss + ent_loss
     """

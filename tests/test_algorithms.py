@@ -1,12 +1,14 @@
 """The method presets: validation, dispatch, and agreement with the parts they name."""
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import advantages, algorithms, kl, objectives, ops
+from jaxrl_llm import advantages, algorithms, kl, ops
+from jaxrl_llm.runs import config as run_config
 from tests import reference
 from tests.test_objectives import make_batch
 
@@ -26,8 +28,14 @@ def test_all_eleven_presets_exist_and_are_frozen():
         (dict(agg="mean"), "`agg` must be one of 'token-mean'"),
         (dict(kl_coef=-1.0), "`kl_coef` must be a finite number >= 0; got -1.0"),
         (dict(num_iterations=0), "`num_iterations` must be an integer >= 1; got 0"),
-        (dict(dual_clip=3.0), "`dual_clip` applies to objective='ppo_clip' only"),
-        (dict(objective="ppo_clip", ratio_level="sequence"), "needs objective='grpo'"),
+        (dict(objective="cispo", dual_clip=3.0), "`dual_clip` applies to objective='ppo_clip' only"),
+        (dict(objective="cispo", ratio_level="sequence"),
+         r"`ratio_level='sequence'` \(GSPO\) needs objective='ppo_clip'"),
+        (dict(objective="clipped"), "`objective` must be one of 'policy_gradient', 'ppo_clip', 'cispo'; got 'clipped'"),
+        (dict(log_ratio_cap=0.0), r"`log_ratio_cap` must be in \(0, 20.0\]; got 0.0"),
+        (dict(log_ratio_cap=25.0), r"`log_ratio_cap` must be in \(0, 20.0\]; got 25.0"),
+        (dict(log_ratio_cap=float("inf")), "`log_ratio_cap` must be a finite number; got inf"),
+        (dict(objective="cispo", log_ratio_cap=10.0), "`log_ratio_cap` applies to objective='ppo_clip' only"),
         (dict(update="trpo", num_iterations=2), "`num_iterations` must be 1"),
         (dict(baseline_decay=1.0), r"`baseline_decay` must be in \[0, 1\) or None"),
         (dict(kl_coef=float("inf")), "`kl_coef` must be a finite number; got inf"),
@@ -94,21 +102,22 @@ def test_a_batch_with_a_non_finite_reward_leaves_the_running_baseline_unchanged(
         np.testing.assert_array_equal(after.count, state.count)
 
 
-def test_policy_loss_kl_term_equals_objectives_grpo_with_beta():
-    """Two code paths for GRPO + beta KL (algorithms adds it, objectives.grpo has it)."""
+@pytest.mark.parametrize("agg", ops.AGGREGATION_MODES)
+@pytest.mark.parametrize("preset", ["grpo", "gspo"])
+def test_policy_loss_of_grpo_with_beta_is_deepseekmaths_objective(preset, agg):
+    """The clipped surrogate plus beta times the KL estimate, per token, aggregated once
+    (Shao et al., 2024, eq. 3), against the float64 loop; GSPO with its sequence ratio."""
     b = make_batch(1)
-    for agg in ops.AGGREGATION_MODES:
-        method = dataclasses.replace(algorithms.GRPO, agg=agg, kl_coef=0.04, kl_estimator="k2")
-        loss, metrics = algorithms.policy_loss(
-            method, b["logp"], b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], max_len=6
-        )
-        direct, direct_metrics = objectives.grpo(
-            b["logp"], b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], beta=0.04, kl="k2",
-            agg=agg, max_len=6,
-        )
-        np.testing.assert_allclose(loss, direct, rtol=1e-6)
-        np.testing.assert_allclose(metrics["kl_k2"], direct_metrics["kl_k2"], rtol=1e-6)
-        assert "kl" not in metrics  # one name for one number: the estimator's
+    method = dataclasses.replace(algorithms.get(preset), agg=agg, kl_coef=0.04, kl_estimator="k2")
+    loss, metrics = algorithms.policy_loss(
+        method, b["logp"], b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], max_len=6
+    )
+    expected = reference.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], b["ref_logp"], 0.04, "k2",
+                              method.eps_low, method.eps_high or method.eps_low, method.ratio_level, agg, 6)
+    np.testing.assert_allclose(loss, expected, rtol=2e-5, atol=1e-7)
+    estimates = np.vectorize(lambda a, r: reference.kl_estimate(float(a), float(r), "k2"))(b["logp"], b["ref_logp"])
+    np.testing.assert_allclose(metrics["kl_k2"], estimates[b["mask"] > 0].mean(), rtol=1e-5)
+    assert "kl" not in metrics  # one name for one number: the estimator's
 
 
 def test_policy_loss_adds_kl_and_entropy_to_any_objective():
@@ -137,6 +146,34 @@ def test_trpo_preset_surrogate_is_the_unclipped_importance_ratio():
     expected = reference.aggregate(-rho * b["advantages"][:, None], b["mask"], "token-mean")
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     assert float(metrics["clip_fraction"]) == 0.0
+
+
+def test_old_objective_names_become_the_current_one():
+    """``objective="grpo"`` (the clipped surrogate's second name) still loads, as ``ppo_clip``:
+    from Python, from a config file's ``[algorithm]`` table, from a run directory's stored
+    config (which must still resume) and from ``--algorithm.objective``."""
+    assert algorithms.OBJECTIVE_ALIASES == {"grpo": "ppo_clip"}
+    for preset in (algorithms.GRPO, algorithms.DR_GRPO, algorithms.DAPO, algorithms.GSPO):
+        assert preset.objective == "ppo_clip"
+        assert dataclasses.replace(preset, objective="grpo") == preset
+    old = algorithms.Algorithm(name="old-gspo", advantage="grpo", objective="grpo", ratio_level="sequence",
+                               agg="seq-mean-token-mean")
+    assert old.objective == "ppo_clip" and old.ratio_level == "sequence"
+    assert dataclasses.replace(algorithms.PPO, objective="ppo_clip") == algorithms.PPO
+
+    config = run_config.from_dict({"method": "gspo", "algorithm": {"objective": "grpo"}})
+    assert config.algorithm == algorithms.GSPO
+    stored = run_config.to_dict(run_config.RunConfig(method="dr-grpo", algorithm=algorithms.DR_GRPO))
+    stored["algorithm"]["objective"] = "grpo"  # a config.json written before the rename
+    assert run_config.from_dict(json.loads(json.dumps(stored))).algorithm == algorithms.DR_GRPO
+
+
+def test_the_old_objective_name_is_accepted_on_the_command_line(tmp_path):
+    from jaxrl_llm import cli
+
+    _, config = cli.parse_train(["--run-dir", str(tmp_path / "run"), "--method", "dapo",
+                                 "--algorithm.objective", "grpo"])
+    assert config.algorithm == algorithms.DAPO
 
 
 def _kl_reward_batch(seed=0, num_prompts=3, group=4, length=5):

@@ -20,7 +20,7 @@ VALID = np.arange(T)[None, :] < np.array([[5], [3], [1], [4]])  # right-padded c
 
 CALLERS = {
     "ppo_clip": lambda m: objectives.ppo_clip(LOGP, OLD_LOGP, REWARDS, m),
-    "grpo": lambda m: objectives.grpo(LOGP, OLD_LOGP, REWARDS, m),
+    "grpo": lambda m: objectives.ppo_clip(LOGP, OLD_LOGP, REWARDS, m, agg="seq-mean-token-mean"),
     "policy_gradient": lambda m: objectives.policy_gradient(LOGP, REWARDS, m),
     "value_loss": lambda m: objectives.value_loss(VALUES, VALUES * 0.5, VALUES + 1.0, m, clip=0.2),
     "entropy_bonus": lambda m: objectives.entropy_bonus(-LOGP, m, coef=0.01),

@@ -5,6 +5,7 @@ the library's autodiff (stop-gradients included) is checked against the equation
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,16 @@ def make_batch(seed, *, per_token_advantages=False, ratio_noise=0.3):
     mask[2] = 0.0
     return {k: v.astype(np.float32) for k, v in dict(
         logp=logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, mask=mask).items()}
+
+
+def surrogate_with_kl(logp, old_logp, advantages, mask, *, ref_logp, beta, kl="k3", agg="seq-mean-token-mean",
+                      max_len=None, **surrogate):
+    """GRPO's loss as the library composes it: the clipped surrogate plus the KL penalty,
+    aggregated alike (what :func:`jaxrl_llm.algorithms.policy_loss` does)."""
+    loss, metrics = objectives.ppo_clip(logp, old_logp, advantages, mask, agg=agg, max_len=max_len, **surrogate)
+    penalty, kl_metrics = objectives.kl_penalty(logp, ref_logp, mask, coef=beta, estimator=kl, agg=agg,
+                                                max_len=max_len)
+    return loss + penalty, {**metrics, **kl_metrics}
 
 
 def assert_matches_reference(loss_fn, reference_fn, x, *, reference_grad=None):
@@ -112,15 +123,15 @@ GRPO_CASES = [
 
 @pytest.mark.parametrize("agg", MODES)
 @pytest.mark.parametrize("level, beta, kl, eps_high, per_token", GRPO_CASES)
-def test_grpo(agg, level, beta, kl, eps_high, per_token):
+def test_grpo_and_gspo_are_the_clipped_surrogate_plus_the_kl_penalty(agg, level, beta, kl, eps_high, per_token):
     b = make_batch(2, per_token_advantages=per_token)
     # GSPO's clip range is small; make some sequences clip on both sides.
     eps_low = 0.2 if level == "token" else 0.05
     high = eps_low if eps_high is None else eps_high
     metrics = assert_matches_reference(
-        lambda lp: objectives.grpo(
+        lambda lp: surrogate_with_kl(
             lp, b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], beta=beta, kl=kl,
-            eps_low=eps_low, eps_high=eps_high, level=level, agg=agg, max_len=7,
+            eps_low=eps_low, eps_high=eps_high, ratio_level=level, agg=agg, max_len=7,
         ),
         lambda lp: reference.grpo(
             lp, b["old_logp"], b["advantages"], b["mask"], b["ref_logp"], beta, kl, eps_low, high, level, agg, 7
@@ -134,7 +145,7 @@ def test_grpo(agg, level, beta, kl, eps_high, per_token):
 
 def test_gspo_ratio_is_the_length_normalised_sequence_ratio():
     b = make_batch(3)
-    _, metrics = objectives.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], level="sequence")
+    _, metrics = objectives.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], ratio_level="sequence")
     valid_rows = b["mask"].sum(1) > 0
     seq_ratio = np.exp(((b["logp"] - b["old_logp"]) * b["mask"]).sum(1)[valid_rows] / b["mask"].sum(1)[valid_rows])
     np.testing.assert_allclose(metrics["ratio_min"], seq_ratio.min(), rtol=1e-5)
@@ -158,7 +169,8 @@ def test_cispo_keeps_a_gradient_on_every_token_where_ppo_clips():
     b = make_batch(5, ratio_noise=1.0)
     mask = np.ones((B, T), np.float32)
     adv = np.abs(b["advantages"]) + 0.1  # all positive: PPO zeroes the gradient of ratio > 1.2
-    cispo_grad = jax.grad(lambda lp: objectives.cispo(lp, b["old_logp"], adv, mask, eps_low=None, eps_high=0.2)[0])(b["logp"])
+    cispo_grad = jax.grad(lambda lp: objectives.cispo(lp, b["old_logp"], adv, mask, eps_low=None, eps_high=0.2)[0])(
+        b["logp"])
     ppo_grad = jax.grad(lambda lp: objectives.ppo_clip(lp, b["old_logp"], adv, mask)[0])(b["logp"])
     clipped = np.exp(b["logp"] - b["old_logp"]) > 1.2
     assert clipped.any()
@@ -247,9 +259,11 @@ def test_spec_clip_and_ratio_examples(p_old, p_new, advantage, ratio, clipped_ra
 
 RATIO_OBJECTIVES = {
     "ppo_clip": functools.partial(objectives.ppo_clip, eps_low=0.2, eps_high=0.28, dual_clip=3.0),
-    "grpo": functools.partial(objectives.grpo, eps_low=0.2),
+    "grpo": functools.partial(objectives.ppo_clip, eps_low=0.2),
     "grpo_kl": None,  # needs ref_logp; built in the test
-    "gspo": functools.partial(objectives.grpo, level="sequence", eps_low=3e-4, eps_high=4e-4),
+    "gspo": functools.partial(objectives.ppo_clip, ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
+    "gspo_dual_clip": functools.partial(objectives.ppo_clip, ratio_level="sequence", dual_clip=3.0,
+                                        log_ratio_cap=10.0),
     "cispo": functools.partial(objectives.cispo, eps_low=None, eps_high=0.28),
 }
 
@@ -260,8 +274,8 @@ def test_at_ratio_one_the_gradient_is_the_policy_gradient(seed, agg, name, per_t
     """At logp == old_logp (mu = 1, first step) every clipped/weighted objective has the
     policy-gradient gradient with the same aggregation; GRPO's k3 KL adds nothing when
     the policy equals the reference."""
-    b = make_batch(seed, per_token_advantages=per_token and name != "gspo")
-    objective = RATIO_OBJECTIVES[name] or functools.partial(objectives.grpo, ref_logp=b["logp"], beta=0.5)
+    b = make_batch(seed, per_token_advantages=per_token and not name.startswith("gspo"))
+    objective = RATIO_OBJECTIVES[name] or functools.partial(surrogate_with_kl, ref_logp=b["logp"], beta=0.5)
     grad = jax.grad(lambda lp: objective(lp, b["logp"], b["advantages"], b["mask"], agg=agg, max_len=6)[0])(b["logp"])
     pg_grad = jax.grad(lambda lp: objectives.policy_gradient(lp, b["advantages"], b["mask"], agg=agg, max_len=6)[0])(
         b["logp"]
@@ -274,11 +288,14 @@ def test_at_ratio_one_the_gradient_is_the_policy_gradient(seed, agg, name, per_t
 
 ALL_OBJECTIVES = {
     "policy_gradient": lambda b, lp, agg: objectives.policy_gradient(lp, b["advantages"], b["mask"], agg=agg),
-    "ppo_clip": lambda b, lp, agg: objectives.ppo_clip(lp, b["old_logp"], b["advantages"], b["mask"], agg=agg, dual_clip=2.0),
-    "grpo": lambda b, lp, agg: objectives.grpo(
+    "ppo_clip": lambda b, lp, agg: objectives.ppo_clip(lp, b["old_logp"], b["advantages"], b["mask"], agg=agg,
+                                                       dual_clip=2.0),
+    "grpo": lambda b, lp, agg: surrogate_with_kl(
         lp, b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], beta=0.1, agg=agg),
-    "gspo": lambda b, lp, agg: objectives.grpo(lp, b["old_logp"], b["advantages"], b["mask"], level="sequence", agg=agg),
-    "cispo": lambda b, lp, agg: objectives.cispo(lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2, eps_high=0.2, agg=agg),
+    "gspo": lambda b, lp, agg: objectives.ppo_clip(lp, b["old_logp"], b["advantages"], b["mask"],
+                                                   ratio_level="sequence", agg=agg),
+    "cispo": lambda b, lp, agg: objectives.cispo(lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2,
+                                                 eps_high=0.2, agg=agg),
 }
 
 
@@ -296,7 +313,8 @@ def test_fully_masked_sequence_contributes_nothing(name, agg):
     padded["old_logp"] = b["old_logp"].copy()
     padded["old_logp"][~keep] = np.nan
     loss, grad = jax.value_and_grad(lambda lp: ALL_OBJECTIVES[name](padded, lp, agg)[0])(padded["logp"])
-    trimmed_loss, trimmed_grad = jax.value_and_grad(lambda lp: ALL_OBJECTIVES[name](trimmed, lp, agg)[0])(trimmed["logp"])
+    trimmed_loss, trimmed_grad = jax.value_and_grad(lambda lp: ALL_OBJECTIVES[name](trimmed, lp, agg)[0])(
+        trimmed["logp"])
     assert np.isfinite(loss) and np.all(np.isfinite(grad))
     np.testing.assert_allclose(loss, trimmed_loss, rtol=1e-5)
     np.testing.assert_allclose(grad[keep], trimmed_grad, rtol=1e-5, atol=1e-7)
@@ -309,7 +327,7 @@ def test_old_and_reference_log_probs_and_advantages_get_no_gradient():
     b = make_batch(9)
 
     def loss(old_logp, ref_logp, adv):
-        return objectives.grpo(b["logp"], old_logp, adv, b["mask"], ref_logp=ref_logp, beta=0.1)[0]
+        return surrogate_with_kl(b["logp"], old_logp, adv, b["mask"], ref_logp=ref_logp, beta=0.1)[0]
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(b["old_logp"], b["ref_logp"], b["advantages"])
     for g in grads:
@@ -321,18 +339,18 @@ def test_old_and_reference_log_probs_and_advantages_get_no_gradient():
 
 def test_errors_name_the_argument_and_expected_shape():
     b = make_batch(10)
-    with pytest.raises(ValueError, match=r"`advantages` must have shape \[B\] = \[4\].*or \[B, T\] = \[4, 5\].*got \[3\]"):
+    with pytest.raises(ValueError,
+                       match=r"`advantages` must have shape \[B\] = \[4\].*or \[B, T\] = \[4, 5\].*got \[3\]"):
         objectives.ppo_clip(b["logp"], b["old_logp"], np.zeros(3, np.float32), b["mask"])
     with pytest.raises(ValueError, match=r"`old_logp` must have the shape of `logp`, \[4, 5\]; got \[4, 4\]"):
-        objectives.grpo(b["logp"], b["old_logp"][:, :4], b["advantages"], b["mask"])
+        objectives.ppo_clip(b["logp"], b["old_logp"][:, :4], b["advantages"], b["mask"])
     with pytest.raises(ValueError, match=r"`logp` must have shape \[B, T\]; got shape \[20\]"):
         objectives.policy_gradient(b["logp"].ravel(), b["advantages"], b["mask"])
-    with pytest.raises(ValueError, match="`ref_logp` is required when beta > 0"):
-        objectives.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], beta=0.1)
-    with pytest.raises(ValueError, match="`level` must be one of 'token', 'sequence'; got 'seq'"):
-        objectives.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], level="seq")
-    with pytest.raises(ValueError, match="`kl` must be one of 'k1', 'k2', 'k3'"):
-        objectives.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], kl="exact")
+    with pytest.raises(ValueError, match="`ratio_level` must be one of 'token', 'sequence'; got 'seq'"):
+        objectives.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], ratio_level="seq")
+    for cap in (0.0, 25.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"`log_ratio_cap` must be in \(0.0, 20.0\]; got"):
+            objectives.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], log_ratio_cap=cap)
     with pytest.raises(ValueError, match="`eps_low` must be a finite number >= 0; got -0.1"):
         objectives.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], eps_low=-0.1)
     with pytest.raises(ValueError, match=r"`dual_clip` must be in \(1.0, inf\); got 0.5"):
@@ -365,14 +383,85 @@ def test_extreme_log_ratios_give_finite_loss_and_gradient(name, advantage):
     assert all(np.isfinite(v) for v in metrics.values())
 
 
-def test_grpo_dual_clip_equals_ppo_dual_clip():
-    b = make_batch(12, ratio_noise=0.8)
-    for agg in MODES:
-        grpo_loss, _ = objectives.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], dual_clip=1.5, agg=agg)
-        ppo_loss, _ = objectives.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], dual_clip=1.5, agg=agg)
-        np.testing.assert_allclose(grpo_loss, ppo_loss, rtol=1e-6)
-        expected = reference.ppo_clip(b["logp"], b["old_logp"], b["advantages"], b["mask"], 0.2, 0.2, 1.5, agg)
-        np.testing.assert_allclose(grpo_loss, expected, rtol=2e-5)
+def clipped_surrogate_loop(logp, old_logp, advantages, mask, *, eps_low, eps_high, dual_clip, level, cap, agg,
+                           max_len=None):
+    """float64 loop: r = exp of the token's log-ratio (``level="token"``) or of its sequence's
+    mean log-ratio, clamped to [-20, cap]; -min(r A, clip(r) A), and for A < 0 at most -c A."""
+    logp, old_logp, mask = (np.asarray(x, np.float64) for x in (logp, old_logp, mask))
+    adv = reference.per_token(advantages, logp.shape)
+    per = np.zeros_like(logp)
+    for i in range(logp.shape[0]):
+        seq_log_ratio = (sum((logp[i, t] - old_logp[i, t]) * mask[i, t] for t in range(logp.shape[1]))
+                         / max(mask[i].sum(), 1.0))
+        for t in range(logp.shape[1]):
+            log_ratio = logp[i, t] - old_logp[i, t] if level == "token" else seq_log_ratio
+            rho = math.exp(min(max(log_ratio, -20.0), cap))
+            a = adv[i, t]
+            objective = min(rho * a, reference.clip(rho, 1 - eps_low, 1 + eps_high) * a)
+            if dual_clip is not None and a < 0:
+                objective = max(objective, dual_clip * a)
+            per[i, t] = -objective
+    return reference.aggregate(per, mask, agg, max_len)
+
+
+@pytest.mark.parametrize("agg", MODES)
+def test_dual_clip_at_the_sequence_level_bounds_the_sequence_ratio(agg):
+    """A response with A < 0 whose sequence ratio s exceeds c loses -c A and gets no gradient;
+    one with 1 + eps < s < c keeps -s A."""
+    b = make_batch(12)
+    valid = b["mask"] > 0
+    b["mask"][0] = b["mask"][1] = 1.0
+    b["old_logp"][0] = b["logp"][0] - np.log(5.0)  # s = 5 > c = 3
+    b["old_logp"][1] = b["logp"][1] - np.log(2.0)  # 1.2 < s = 2 < 3
+    b["advantages"][:2] = [-1.0, -0.5]
+    loss_fn = functools.partial(objectives.ppo_clip, old_logp=b["old_logp"], advantages=b["advantages"],
+                                mask=b["mask"], ratio_level="sequence", dual_clip=3.0, agg=agg, max_len=7)
+    metrics = assert_matches_reference(
+        loss_fn,
+        lambda lp: clipped_surrogate_loop(lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2, eps_high=0.2,
+                                          dual_clip=3.0, level="sequence", cap=20.0, agg=agg, max_len=7),
+        b["logp"],
+    )
+    _, grad = jax.value_and_grad(lambda lp: loss_fn(lp)[0])(b["logp"])
+    np.testing.assert_array_equal(np.asarray(grad)[0], 0.0)
+    assert np.all(np.asarray(grad)[1] != 0.0)
+    valid = b["mask"] > 0
+    seq_ratio = np.exp(((b["logp"] - b["old_logp"]) * b["mask"]).sum(1) / np.maximum(b["mask"].sum(1), 1))
+    bound = np.broadcast_to(((b["advantages"] < 0) & (seq_ratio > 3.0))[:, None], valid.shape)
+    np.testing.assert_allclose(metrics["dual_clip_fraction"], bound[valid].mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_log_ratio_cap_binds_past_it(level, agg):
+    """A response 12 nats a token more likely than under pi_old, with A < 0 (the unclipped
+    branch): capped at 10 its ratio is e^10 and its tokens get no gradient; the default clamp
+    (20) leaves e^12 and a gradient."""
+    b = make_batch(13)
+    b["mask"][0] = 1.0
+    b["old_logp"][0] = b["logp"][0] - 12.0
+    b["advantages"][0] = -1.0
+    results = {}
+    for cap in (10.0, objectives.LOG_RATIO_LIMIT):
+        def loss_fn(lp, cap=cap):
+            return objectives.ppo_clip(lp, b["old_logp"], b["advantages"], b["mask"], ratio_level=level,
+                                       log_ratio_cap=cap, agg=agg)
+
+        def reference_loss(lp, cap=cap):
+            return clipped_surrogate_loop(lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2, eps_high=0.2,
+                                          dual_clip=None, level=level, cap=cap, agg=agg)
+
+        # The loss is ~1e4 here: a step of 1e-4 keeps the difference quotient's rounding small.
+        metrics = assert_matches_reference(loss_fn, reference_loss, b["logp"],
+                                           reference_grad=reference.finite_difference_grad(reference_loss, b["logp"],
+                                                                                           h=1e-4))
+        np.testing.assert_allclose(metrics["ratio_max"], np.exp(min(cap, 12.0)), rtol=1e-5)
+        results[cap] = jax.value_and_grad(lambda lp, f=loss_fn: f(lp)[0])(b["logp"])
+    (capped, capped_grad), (default, default_grad) = results[10.0], results[objectives.LOG_RATIO_LIMIT]
+    assert float(default) > float(capped) + 1e3
+    np.testing.assert_array_equal(np.asarray(capped_grad)[0], 0.0)
+    assert np.all(np.asarray(default_grad)[0] > 0)  # -e^12 * A / n: pushes the token down
+    np.testing.assert_array_equal(np.asarray(capped_grad)[1:], np.asarray(default_grad)[1:])
 
 
 @pytest.mark.parametrize("agg", ops.AGGREGATION_MODES)

@@ -6,11 +6,12 @@ empty row, and losses (values and gradients) on masks with gaps."""
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms
+from jaxrl_llm import algorithms, objectives
 from tests import reference
 from tests.test_objectives import assert_matches_reference
 
@@ -97,16 +98,37 @@ def verl_low_var_kl(logp, ref_logp):
     return min(max(math.exp(log_ratio) - log_ratio - 1.0, -10.0), 10.0)
 
 
-def peer_grpo_loss(logp, old_logp, advantages, mask, ref_logp, beta, kl, agg, max_len):
-    """-min(rho A, clip(rho) A) + beta * kl(logp, ref) per token, aggregated: a loop."""
+def peer_grpo_loss(logp, old_logp, advantages, mask, ref_logp, beta, kl, agg, max_len, *, eps_low=0.2, eps_high=0.2,
+                   clip_ratio_c=None):
+    """-min(rho A, clip(rho) A) + beta * kl(logp, ref) per token, aggregated: a loop. With
+    ``clip_ratio_c``, verl's actor loss (``compute_policy_loss_vanilla``): for A < 0 the
+    token's loss is min(-c A, max(-rho A, -clip(rho) A)), its log-ratio clamped to +-20."""
     per = np.zeros(logp.shape)
     for i, t in np.ndindex(logp.shape):
-        rho = math.exp(logp[i, t] - old_logp[i, t])
-        a = advantages[i]
-        per[i, t] = -min(rho * a, min(max(rho, 0.8), 1.2) * a) + beta * kl(logp[i, t], ref_logp[i, t])
+        rho = math.exp(min(max(logp[i, t] - old_logp[i, t], -20.0), 20.0))
+        a = advantages[i] if np.ndim(advantages) == 1 else advantages[i, t]
+        loss = max(-a * rho, -a * min(max(rho, 1 - eps_low), 1 + eps_high))
+        if clip_ratio_c is not None and a < 0:
+            loss = min(-a * clip_ratio_c, loss)
+        per[i, t] = loss + (beta * kl(logp[i, t], ref_logp[i, t]) if beta else 0.0)
     if agg == "verl-seq-mean-token-sum-norm":  # the sum over the batch over the padded length
         return float((per * mask).sum()) / max_len
     return reference.aggregate(per, mask, agg, max_len)
+
+
+def verl_gspo_loss(logp, old_logp, advantages, mask, eps_low, eps_high):
+    """verl's ``compute_policy_loss_gspo``: the sequence's mean log-ratio clamped above at 10
+    (no lower clamp, no dual clip), max(-s A, -clip(s) A) at each token, aggregated
+    seq-mean-token-mean whatever the configured mode."""
+    per = np.zeros(logp.shape)
+    for i in range(logp.shape[0]):
+        length = max(float(mask[i].sum()), 1.0)
+        log_s = min(sum(float(logp[i, t] - old_logp[i, t]) * mask[i, t] for t in range(logp.shape[1])) / length, 10.0)
+        s = math.exp(log_s)
+        for t in range(logp.shape[1]):
+            a = advantages[i]
+            per[i, t] = max(-a * s, -a * min(max(s, 1 - eps_low), 1 + eps_high))
+    return reference.aggregate(per, mask, "seq-mean-token-mean")
 
 
 # --- Advantages ----------------------------------------------------------------------------
@@ -191,8 +213,70 @@ def test_grpo_losses_match_each_peer_in_value_and_gradient(peer, preset):
     assert_matches_reference(
         lambda lp: algorithms.policy_loss(method, lp, f32["old_logp"], f32["advantages"], mask,
                                           ref_logp=f32["ref_logp"], max_len=T),
-        lambda lp: peer_grpo_loss(lp, old_logp, advantages, mask, ref_logp, 0.1, kl, agg, T),
+        lambda lp: peer_grpo_loss(lp, old_logp, advantages, mask, ref_logp, 0.1, kl, agg, T,
+                                  clip_ratio_c=3.0 if peer == "verl" else None),
         jnp.asarray(logp, jnp.float32))
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr-grpo", "dapo", "ppo", "reinforce++"])
+def test_verl_applies_its_dual_clip_to_the_token_level_clipped_surrogate(preset):
+    """matching("verl") gives verl's actor loss, dual clip (c = 3) included, on a batch where
+    it binds (tokens with A < 0 whose ratio passed 3); the same preset without it differs."""
+    logp, old_logp, ref_logp, mask, _ = _loss_batch(6, empty_row=True)
+    rng = np.random.default_rng(6)
+    old_logp = logp + rng.normal(0.0, 1.0, size=logp.shape)  # ratios far from 1, some past 3
+    base = algorithms.get(preset)
+    advantages = rng.normal(size=P * G) if base.advantage == "grpo" else rng.normal(size=(P * G, T))
+    method = base.matching("verl")
+    assert method.dual_clip == 3.0 and base.dual_clip is None
+    per_token_adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    assert np.any(mask & (per_token_adv < 0) & (np.exp(logp - old_logp) > 3.0))  # the dual clip binds
+    kl_coef = method.kl_coef
+    agg = method.agg if method.agg != "token-sum-norm" else "verl-seq-mean-token-sum-norm"
+    f32 = {name: jnp.asarray(x, jnp.float32) for name, x in
+           dict(old_logp=old_logp, ref_logp=ref_logp, advantages=advantages).items()}
+    ref = f32["ref_logp"] if kl_coef > 0 else None
+
+    def verl_loss(lp, clip_ratio_c=3.0):
+        return peer_grpo_loss(lp, old_logp, advantages, mask, ref_logp, kl_coef, verl_low_var_kl, agg, T,
+                              eps_low=method.eps_low, eps_high=method.eps_high or method.eps_low,
+                              clip_ratio_c=clip_ratio_c)
+
+    assert_matches_reference(
+        lambda lp: algorithms.policy_loss(method, lp, f32["old_logp"], f32["advantages"], mask, ref_logp=ref,
+                                          max_len=T),
+        verl_loss, jnp.asarray(logp, jnp.float32))
+    without, _ = algorithms.policy_loss(dataclasses.replace(method, dual_clip=None), jnp.asarray(logp, jnp.float32),
+                                        f32["old_logp"], f32["advantages"], mask, ref_logp=ref, max_len=T)
+    np.testing.assert_allclose(without, verl_loss(logp.astype(np.float32).astype(np.float64), None), rtol=2e-5)
+    assert abs(float(without) - verl_loss(logp.astype(np.float32).astype(np.float64))) > 1e-3
+
+
+def test_verl_caps_gspos_sequence_log_ratio_at_10():
+    """matching("verl") gives verl's GSPO loss: a response whose mean log-ratio is 12, with
+    A < 0, weighs e^10, not e^12, and its tokens get no gradient."""
+    logp, old_logp, _, mask, advantages = _loss_batch(7, empty_row=True)
+    old_logp[0] = logp[0] - 12.0
+    advantages[0] = -1.0
+    method = algorithms.GSPO.matching("verl")
+    assert (method.log_ratio_cap, method.dual_clip) == (10.0, None)
+    f32 = {name: jnp.asarray(x, jnp.float32) for name, x in dict(old_logp=old_logp, advantages=advantages).items()}
+    x = jnp.asarray(logp, jnp.float32)
+
+    def loss_fn(lp, method=method):
+        return algorithms.policy_loss(method, lp, f32["old_logp"], f32["advantages"], mask)
+
+    def verl_loss(lp):
+        return verl_gspo_loss(lp, old_logp, advantages, mask, method.eps_low, method.eps_high)
+
+    # The loss is ~1e3: a step of 1e-4 keeps the difference quotient's rounding small.
+    assert_matches_reference(loss_fn, verl_loss, x,
+                             reference_grad=reference.finite_difference_grad(verl_loss, np.asarray(x), h=1e-4))
+    (capped, _), capped_grad = jax.value_and_grad(loss_fn, has_aux=True)(x)
+    (default, _), default_grad = jax.value_and_grad(lambda lp: loss_fn(lp, algorithms.GSPO), has_aux=True)(x)
+    np.testing.assert_array_equal(np.asarray(capped_grad)[0], 0.0)
+    assert np.all(np.asarray(default_grad)[0][mask[0]] > 0)
+    np.testing.assert_allclose(float(default) - float(capped), (np.exp(12.0) - np.exp(10.0)) / (P * G - 1), rtol=1e-4)
 
 
 def test_matching_names_the_peers_and_keeps_the_rest():
@@ -201,5 +285,15 @@ def test_matching_names_the_peers_and_keeps_the_rest():
     for peer in PEERS:
         matched = algorithms.GSPO.matching(peer)
         assert (matched.name, matched.objective, matched.eps_low, matched.eps_high, matched.ratio_level) == (
-            algorithms.GSPO.name, "grpo", algorithms.GSPO.eps_low, algorithms.GSPO.eps_high, "sequence")
+            algorithms.GSPO.name, "ppo_clip", algorithms.GSPO.eps_low, algorithms.GSPO.eps_high, "sequence")
     assert algorithms.PPO.matching("trl") == algorithms.PPO  # TRL's matching covers GRPO (and RLOO, ours already)
+    # The dual clip and the log-ratio cap: verl's only, where verl's actor has them.
+    for name, preset in algorithms.PRESETS.items():
+        for peer in ("trl", "openrlhf"):
+            matched = preset.matching(peer)
+            assert (matched.dual_clip, matched.log_ratio_cap) == (None, objectives.LOG_RATIO_LIMIT), (name, peer)
+        verl = preset.matching("verl")
+        token_surrogate = preset.objective == "ppo_clip" and preset.ratio_level == "token" and preset.update == "optax"
+        assert verl.dual_clip == (3.0 if token_surrogate else None), name
+        assert verl.log_ratio_cap == (10.0 if preset.ratio_level == "sequence" else 20.0), name
+    assert dataclasses.replace(algorithms.GRPO, dual_clip=5.0).matching("verl").dual_clip == 5.0  # kept as set
