@@ -1,5 +1,5 @@
 """``Algorithm.matching(peer)`` against loop implementations of TRL's, verl's and OpenRLHF's
-published formulas, written here from their definitions (README, "Matching TRL, verl and
+published formulas, written here from their definitions (docs/methods.md, "Matching TRL, verl and
 OpenRLHF"), in float64: advantages on batches with ties, a group of equal rewards and an
 empty row, and losses (values and gradients) on masks with gaps."""
 
