@@ -103,7 +103,7 @@ def _train_parser() -> argparse.ArgumentParser:
                         help="replace the run in --run-dir (only a run directory's own files are deleted)")
     parser.add_argument("--method", help=f"the preset: {', '.join(algorithms.PRESETS)}")
     parser.add_argument("--conventions", choices=algorithms.PEER_LIBRARIES,
-                        help="the method with this library's numerics (Algorithm.matching; README, \"Matching TRL, "
+                        help="the peer's numerics for the method (Algorithm.matching; docs/methods.md, \"Matching TRL, "
                              "verl and OpenRLHF\"); --algorithm.* flags apply after it")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="the progress bar (auto: on a terminal)")
