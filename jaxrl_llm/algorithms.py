@@ -245,7 +245,7 @@ class Algorithm:
 
     def matching(self, library: PeerLibrary) -> Algorithm:
         """This method with ``library``'s numerical conventions where they differ from the
-        library's defaults (README, "Matching TRL, verl and OpenRLHF"):
+        library's defaults (docs/methods.md, "Matching TRL, verl and OpenRLHF"):
 
         * ``"trl"`` (``GRPOTrainer``): GRPO's group std, the sample std plus 1e-4 (TRL's
           RLOO is ours; other methods are left as they are).
