@@ -1,6 +1,6 @@
 r"""PPO's critic: a scalar value head on its own copy of the policy's backbone.
 
-Our choice (documented in the README): the critic does not share the policy's
+Our choice (documented in docs/training.md): the critic does not share the policy's
 backbone. A shared trunk would couple the two losses through one set of weights and
 one optimizer state, and a value-loss coefficient would have to balance them; a separate
 trunk, initialised from the policy as in InstructGPT, keeps PPO's policy update exactly
