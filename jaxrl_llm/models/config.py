@@ -122,7 +122,7 @@ class ModelConfig:
     backend compiles the identical kernels of unrolled layers once, so there the saving is
     small, the gradient's slicing back onto the per-layer leaves still takes one kernel
     per layer and leaf, and the scan costs run time (each layer's weights and cache are
-    sliced out of the stacks, a copy per layer). Measured in the README's "Performance"
+    sliced out of the stacks, a copy per layer). Measured in docs/performance.md
     (``benchmarks/compile_depth.py``, ``benchmarks/layer_scan.py``)."""
     remat: str = "none"
     """Rematerialisation (``jax.checkpoint``) of each decoder layer in the backward pass:
