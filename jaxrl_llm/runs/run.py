@@ -270,9 +270,11 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
         if changed:
             hint = (" (`steps` sets the end of the decaying learning rate: set train.decay_steps to extend a run)"
                     if any(c.startswith("steps:") for c in changed) else "")
+            listed = "; ".join(changed[:8]) + ("; ..." if len(changed) > 8 else "")
             raise RunDirectoryError(
                 f"{str(run_dir)!r} holds a different run ({len(changed)} "
-                f"{'settings differ' if len(changed) > 1 else 'setting differs'}, stored -> requested: {'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}){hint}. "
+                f"{'settings differ' if len(changed) > 1 else 'setting differs'}, stored -> requested: "
+                f"{listed}){hint}. "
                 "Choose another --run-dir, or pass --overwrite to replace it.")
     return stored
 
@@ -365,119 +367,29 @@ def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, o
     main = distributed.is_main_process()  # over several processes, process 0 writes and prints
     stream = stream if main else None
     mesh, rules = config.mesh.build(), sharding.RULES[config.mesh.rules]
-    training.loop.check_processes(config.train, mesh)  # before anything is written
-    stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
-    distributed.barrier("run directory checked")  # before process 0 changes it
-    build.check_positions(config)
-    if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
-        raise ValueError(f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
-                         "`pip install wandb`, or leave wandb_project unset.")
-    tokenizer = build.tokenizer(config.model)
-    task = build.task(config.task, tokenizer, checkpoint=config.model.path)
-    training.loop.check_evaluation(task, config.train)
-    if config.warm_start.enabled:
-        build.check_demonstrations(config, task)
-    if main:
-        if stored is None:  # a new run, in place of a run's files (--overwrite, or a start with no step)
-            _clear(run_dir)
-        (run_dir / MARKER_FILE).write_text("A jaxrl_llm run directory: `jaxrl-llm train --run-dir` continues it.\n")
-        _write_json(run_dir / CONFIG_FILE, to_dict(config))
-    distributed.barrier("run directory ready")
-    if config.compilation_cache:
-        compilation_cache.enable()
-
+    stored, task = _checked_start(config, run_dir, mesh, resume=resume, overwrite=overwrite)
+    _open_run_directory(config, run_dir, new=stored is None, main=main)
     checkpointer = training.Checkpointer(run_dir / CHECKPOINTS, max_to_keep=config.keep_checkpoints)
-    latest = checkpointer.latest_step() if stored is not None else None
-    state = None
-    if latest is not None:
-        model, abstract_params = build.model(config, task, abstract=True)
-        like = build.abstract_state(config, model, abstract_params)
-        if mesh is not None:  # restored straight into its shards on this run's mesh
-            like = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
-                                like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
-        state = _restore(checkpointer, like)
-        params = state.params
-        start = int(state.step)
-        for unreadable in (s for s in checkpointer.all_steps() if s > start):
-            aside = run_dir / CHECKPOINTS / f"unreadable-{unreadable}"
-            if main:
-                os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
-            why = checkpointer.skipped.get(unreadable, "not restored")
-            _print(f"Checkpoint {unreadable} cannot be used ({why}); moved to {aside}, continuing from step "
-                   f"{start}.", stream)
-        distributed.barrier("checkpoints restored")
-        checkpointer.reload()  # without those moved aside: their steps are saved again, not counted to keep
-        warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
-        _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
+    state, start = None, 0
+    if stored is not None and checkpointer.latest_step() is not None:
+        model, state, warm = _continued(config, task, checkpointer, run_dir, mesh, rules, main=main, stream=stream)
+        params, start = state.params, int(state.step)
     else:
-        start = 0
-        model, params = build.model(config, task, mesh=mesh)
-        started = time.perf_counter()
-        params, losses = build.warm_start(config, model, params, task)
-        warm = {"steps": len(losses), "first_loss": losses[0] if losses else None,
-                "last_loss": float(np.mean(losses[-20:])) if losses else None,
-                "seconds": time.perf_counter() - started}
-        if config.train.eval_every:
-            with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
-                warm.update(evaluate_model(model, params, task, config, mesh=mesh))
-        if main:
-            _write_json(run_dir / WARM_START_FILE, warm)
-        if "eval_greedy_accuracy" in warm:
-            before = f"After the warm start ({warm['steps']} steps)" if warm["steps"] else "Before training"
-            _print(f"{before}: held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.", stream)
+        model, params, warm = _warm_started(config, task, run_dir, mesh, main=main, stream=stream)
     if start >= config.steps:
         checkpointer.close()
         summary = _summary(run_dir, warm, time.perf_counter() - called)
         _print(f"{run_dir} is complete ({config.steps} steps). Pass a larger --steps to continue it, or "
                f"--overwrite to start again.\n{summary}", stream)
         return RunResult(run_dir, config, None, [], warm, summary)
-
-    # Ctrl-C during the evaluation of step `start - 1` left its record without it; the
-    # checkpoint holds the params it evaluates, so it is run now, as it would have been.
-    unevaluated = _unevaluated_record(run_dir, start, config)
-    if unevaluated is not None:
-        unevaluated.update(evaluate_model(model, params, task, config, mesh=mesh))
-    recorder = records.RunRecorder(
-        run_dir, total_steps=config.steps, start_step=start - (unevaluated is not None),
-        tensorboard=config.tensorboard, plot_every=config.plot_every, progress=progress,
-        wandb_project=config.wandb_project, wandb_config=to_dict(config)) if main else _NoRecords()
-    if unevaluated is not None:
-        recorder.log(start - 1, unevaluated)
-
-    def save(state: training.TrainState, metrics: dict[str, float] | None = None) -> None:
-        step = int(state.step)
-        if step == 0 or step in checkpointer.all_steps():  # saved already (also by a save Ctrl-C interrupted)
-            return
-        checkpointer.save(step, state, metadata={"reward": metrics.get("reward")} if metrics else None)
-
-    def on_step(end: training.StepEnd) -> None:
-        recorder.log(end.step, end.metrics)
-        if config.samples_prompts and (end.step + 1) % config.samples_every == 0:
-            recorder.log_samples(end.step, records.sample_rows(end.collected.first_round, step=end.step,
-                                                               max_prompts=config.samples_prompts))
-        done = end.step + 1
-        if done % config.save_every == 0 or done == config.steps:
-            save(end.state, end.metrics)
-
+    recorder = _recorder(config, run_dir, start, model, params, task, mesh, main=main, progress=progress)
+    steps = _RunSteps(config, recorder, checkpointer)
     try:
         state, history = training.train(model, params, config.algorithm, config.train, steps=config.steps - start,
-                                         task=task, state=state, callback=on_step, mesh=mesh, rules=rules,
+                                         task=task, state=state, callback=steps.on_step, mesh=mesh, rules=rules,
                                          compilation_cache=config.compilation_cache)
     except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
-        # Keep what can be kept; what fails on the way (a full disk fails everything) is one
-        # line each, and the run's own error is the one raised.
-        step = int(stopped.state.step)
-        with _reported(f"record the steps before step {step}", stream):
-            for done, metrics in enumerate(stopped.history, start=start):  # completed, not recorded: Ctrl-C
-                if not recorder.rows or recorder.rows[-1]["step"] < done:  # came during its evaluation or hook
-                    recorder.log(done, metrics)
-        with _reported(f"save a checkpoint of step {step}", stream):
-            save(stopped.state)
-            _print(f"Saved a checkpoint of step {step}.", stream)
-        with _reported("close the records", stream):
-            recorder.close()
-        with _reported("close the checkpoints", stream):
-            checkpointer.close()
+        steps.keep(stopped, start=start, stream=stream)
         stopped.checkpoint_step = latest_checkpoint(run_dir)  # what the CLI names to continue from
         raise
     recorder.close()
@@ -485,6 +397,150 @@ def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, o
     summary = _summary(run_dir, warm, time.perf_counter() - called) if main else ""
     _print(summary, stream)
     return RunResult(run_dir, config, state, history, warm, summary)
+
+
+def _checked_start(config: RunConfig, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, resume: bool,
+                   overwrite: bool) -> tuple[RunConfig | None, Any]:
+    """Everything checked before any compute or write: the processes and mesh, the run
+    directory, the positions, wandb, the task and its demonstrations. Returns the config
+    stored in ``run_dir`` (``None``: a new run) and the task."""
+    training.loop.check_processes(config.train, mesh)  # before anything is written
+    stored = check_run_directory(config, run_dir, resume=resume, overwrite=overwrite)
+    distributed.barrier("run directory checked")  # before process 0 changes it
+    build.check_positions(config)
+    if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
+                         "`pip install wandb`, or leave wandb_project unset.")
+    task = build.task(config.task, build.tokenizer(config.model), checkpoint=config.model.path)
+    training.loop.check_evaluation(task, config.train)
+    if config.warm_start.enabled:
+        build.check_demonstrations(config, task)
+    return stored, task
+
+
+def _open_run_directory(config: RunConfig, run_dir: pathlib.Path, *, new: bool, main: bool) -> None:
+    """Marks ``run_dir`` as the run's and writes its config (process 0; a ``new`` run first
+    clears a run's files there), then turns on the compilation cache."""
+    if main:
+        if new:  # a new run, in place of a run's files (--overwrite, or a start with no step)
+            _clear(run_dir)
+        (run_dir / MARKER_FILE).write_text("A jaxrl_llm run directory: `jaxrl-llm train --run-dir` continues it.\n")
+        _write_json(run_dir / CONFIG_FILE, to_dict(config))
+    distributed.barrier("run directory ready")
+    if config.compilation_cache:
+        compilation_cache.enable()
+
+
+def _continued(config: RunConfig, task, checkpointer: training.Checkpointer, run_dir: pathlib.Path,
+               mesh: jax.sharding.Mesh | None, rules: sharding.Rules, *, main: bool,
+               stream) -> tuple[models.Model, training.TrainState, dict[str, Any]]:
+    """``(model, state, warm_start)`` of a run continued from its latest readable checkpoint
+    (restored straight into its shards on ``mesh``); the checkpoints after it that cannot be
+    used are moved aside, so their steps are saved again."""
+    model, abstract_params = build.model(config, task, abstract=True)
+    like = build.abstract_state(config, model, abstract_params)
+    if mesh is not None:
+        like = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+                            like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
+    state = _restore(checkpointer, like)
+    start = int(state.step)
+    for unreadable in (s for s in checkpointer.all_steps() if s > start):
+        aside = run_dir / CHECKPOINTS / f"unreadable-{unreadable}"
+        if main:
+            os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
+        why = checkpointer.skipped.get(unreadable, "not restored")
+        _print(f"Checkpoint {unreadable} cannot be used ({why}); moved to {aside}, continuing from step "
+               f"{start}.", stream)
+    distributed.barrier("checkpoints restored")
+    checkpointer.reload()  # without those moved aside: their steps are saved again, not counted to keep
+    warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
+    _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
+    return model, state, warm
+
+
+def _warm_started(config: RunConfig, task, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, main: bool,
+                  stream) -> tuple[models.Model, models.Params, dict[str, Any]]:
+    """``(model, params, warm_start)`` of a new run: the model built, warm-started
+    (``config.warm_start``) and evaluated when the run evaluates; ``warm_start.json`` written."""
+    model, params = build.model(config, task, mesh=mesh)
+    started = time.perf_counter()
+    params, losses = build.warm_start(config, model, params, task)
+    warm = {"steps": len(losses), "first_loss": losses[0] if losses else None,
+            "last_loss": float(np.mean(losses[-20:])) if losses else None,
+            "seconds": time.perf_counter() - started}
+    if config.train.eval_every:
+        with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
+            warm.update(evaluate_model(model, params, task, config, mesh=mesh))
+    if main:
+        _write_json(run_dir / WARM_START_FILE, warm)
+    if "eval_greedy_accuracy" in warm:
+        before = f"After the warm start ({warm['steps']} steps)" if warm["steps"] else "Before training"
+        _print(f"{before}: held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.", stream)
+    return model, params, warm
+
+
+def _recorder(config: RunConfig, run_dir: pathlib.Path, start: int, model: models.Model, params: models.Params,
+              task, mesh: jax.sharding.Mesh | None, *, main: bool, progress: bool | None):
+    """The run's records from step ``start`` on (process 0's; the others write nothing).
+
+    Ctrl-C during the evaluation of step ``start - 1`` left its record without it; the
+    checkpoint holds the params it evaluates, so it is run now, as it would have been."""
+    unevaluated = _unevaluated_record(run_dir, start, config)
+    if unevaluated is not None:
+        unevaluated.update(evaluate_model(model, params, task, config, mesh=mesh))
+    if not main:
+        return _NoRecords()
+    recorder = records.RunRecorder(
+        run_dir, total_steps=config.steps, start_step=start - (unevaluated is not None),
+        tensorboard=config.tensorboard, plot_every=config.plot_every, progress=progress,
+        wandb_project=config.wandb_project, wandb_config=to_dict(config))
+    if unevaluated is not None:
+        recorder.log(start - 1, unevaluated)
+    return recorder
+
+
+class _RunSteps:
+    """What :func:`train_run` does at the end of each step (records, samples, checkpoints
+    every ``save_every`` steps and at the last) and when the run stops early."""
+
+    def __init__(self, config: RunConfig, recorder, checkpointer: training.Checkpointer):
+        self.config, self.recorder, self.checkpointer = config, recorder, checkpointer
+
+    def save(self, state: training.TrainState, metrics: dict[str, float] | None = None) -> None:
+        """A checkpoint of ``state``, unless it is step 0 or saved already (also by a save Ctrl-C interrupted)."""
+        step = int(state.step)
+        if step == 0 or step in self.checkpointer.all_steps():
+            return
+        self.checkpointer.save(step, state, metadata={"reward": metrics.get("reward")} if metrics else None)
+
+    def on_step(self, end: training.StepEnd) -> None:
+        """``training.train``'s callback."""
+        config = self.config
+        self.recorder.log(end.step, end.metrics)
+        if config.samples_prompts and (end.step + 1) % config.samples_every == 0:
+            self.recorder.log_samples(end.step, records.sample_rows(end.collected.first_round, step=end.step,
+                                                                    max_prompts=config.samples_prompts))
+        done = end.step + 1
+        if done % config.save_every == 0 or done == config.steps:
+            self.save(end.state, end.metrics)
+
+    def keep(self, stopped: training.RunStopped | training.RunInterrupted, *, start: int, stream) -> None:
+        """Keeps what can be kept of a run that stopped: the records of its completed steps and
+        a checkpoint of its last state. What fails on the way (a full disk fails everything) is
+        one line each: the run's own error is the one raised."""
+        step = int(stopped.state.step)
+        with _reported(f"record the steps before step {step}", stream):
+            # Completed, not recorded: Ctrl-C came during its evaluation or hook.
+            for done, metrics in enumerate(stopped.history, start=start):
+                if not self.recorder.rows or self.recorder.rows[-1]["step"] < done:
+                    self.recorder.log(done, metrics)
+        with _reported(f"save a checkpoint of step {step}", stream):
+            self.save(stopped.state)
+            _print(f"Saved a checkpoint of step {step}.", stream)
+        with _reported("close the records", stream):
+            self.recorder.close()
+        with _reported("close the checkpoints", stream):
+            self.checkpointer.close()
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:

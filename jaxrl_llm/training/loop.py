@@ -33,10 +33,13 @@ history, from which ``train(..., state=error.state)`` continues the run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import signal
 import threading
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -46,8 +49,9 @@ from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.rewards.combine import called_in
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
-from jaxrl_llm.training.step import (Batch, TrainState, batch_shardings, check_params, check_state, init_state,
-                                     make_train_step, rollout_key, state_shardings)
+from jaxrl_llm.training.batch import Batch, batch_shardings
+from jaxrl_llm.training.state import TrainState, check_params, check_state, init_state, rollout_key, state_shardings
+from jaxrl_llm.training.step import make_train_step
 
 
 class StepEnd(NamedTuple):
@@ -206,6 +210,237 @@ def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.T
     return {**{f"eval_{name}": value for name, value in results.items()}, "eval_seconds": time.perf_counter() - started}
 
 
+def _placement(config: TrainConfig, *, mesh: jax.sharding.Mesh | None, rollout_mesh: jax.sharding.Mesh | None,
+               custom_rollout: bool) -> jax.sharding.Mesh | None:
+    """The mesh the rollouts and evaluations decode over (``None``: one device): ``rollout_mesh``,
+    or the train ``mesh`` when it has a ``data`` axis. Raises ValueError for meshes that do
+    not fit the run or each other."""
+    check_processes(config, mesh, custom_rollout=custom_rollout)
+    if custom_rollout and rollout_mesh is not None:
+        raise ValueError("train: pass `rollout_mesh` or your own `rollout` backend (which places its own work), "
+                         "not both.")
+    if mesh is not None:
+        unknown = [axis for axis in mesh.axis_names if axis not in sharding.AXES]
+        if unknown or rollout_mesh is not None:
+            raise ValueError(f"train: the mesh's axes must be among {', '.join(sharding.AXES)} (got "
+                             f"{', '.join(mesh.axis_names)}), and `rollout_mesh` is then the same mesh: pass one.")
+        row_devices = mesh.shape.get(sharding.DATA, 1) * mesh.shape.get(sharding.FSDP, 1)
+        if config.batch_size % row_devices or config.num_prompts % mesh.shape.get(sharding.DATA, 1):
+            raise ValueError(f"train: the batch's B = {config.batch_size} rows are split over data x fsdp = "
+                             f"{row_devices} devices and its {config.num_prompts} prompts over data = "
+                             f"{mesh.shape.get(sharding.DATA, 1)}: each must divide.")
+        if sharding.DATA in mesh.axis_names:
+            rollout_mesh = mesh
+    if rollout_mesh is not None and config.num_prompts % sharding.data_size(rollout_mesh):
+        raise ValueError(f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
+                         f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices.")
+    return rollout_mesh
+
+
+def _initial_state(model: models.Model, params: models.Params, algorithm: algorithms.Algorithm,
+                   config: TrainConfig, *, state: TrainState | None, ref_params: models.Params | None) -> TrainState:
+    """The caller's ``state`` once checked against the run, or a fresh one whose reference is
+    ``ref_params`` (or ``params``) itself, not a copy: the update never donates it."""
+    check_params(model, params)
+    if state is None:
+        if ref_params is not None:
+            check_params(model, ref_params, name="ref_params")
+        return init_state(model, params, algorithm, config, ref_params=ref_params, copy_reference=False)
+    if ref_params is not None:
+        raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
+    check_state(state, model, params, algorithm, config)
+    return state
+
+
+class _Compiled(NamedTuple):
+    """The jitted halves of a run's train step, and where its batches go."""
+
+    score: Callable
+    """``score(state, batch) -> (scored, metrics)``, jitted."""
+    donating_update: Callable
+    """``update(state, scored) -> (state, metrics)``, jitted, donating a state without its reference."""
+    place_batch: Callable[[Batch], Batch]
+    """Puts a host batch where ``score`` takes it (one device, or split over the mesh)."""
+    traces: dict[str, int]
+    """How many times ``score`` and ``update`` were traced."""
+
+    def update(self, state: TrainState, scored) -> tuple[TrainState, dict]:
+        """The donating update on the state without its reference (the caller's ``params`` or
+        ``ref_params``, which ``update`` never reads), put back after."""
+        reference = state.ref_params
+        state, metrics = self.donating_update(state._replace(ref_params=None), scored)
+        return state._replace(ref_params=reference), metrics
+
+
+def _counting_traces(fn: Callable, traces: dict[str, int], name: str) -> Callable:
+    """``fn``, adding one to ``traces[name]`` each time it is traced (not each time it runs)."""
+    def traced(*args):
+        traces[name] += 1
+        return fn(*args)
+    return traced
+
+
+def _compile(model: models.Model, algorithm: algorithms.Algorithm, config: TrainConfig, state: TrainState, *,
+             total_steps: int, mesh: jax.sharding.Mesh | None,
+             rules: sharding.Rules | None) -> tuple[TrainState, _Compiled]:
+    """The jitted train step of the run, and ``state`` placed where it runs (on ``mesh`` by
+    ``rules``, the same on every process; else as it is). A decaying learning rate without
+    ``decay_steps`` ends at ``total_steps``."""
+    halves = make_train_step(model, algorithm, config, total_steps=total_steps)
+    traces = {"score": 0, "update": 0}
+    place_batch = jax.device_put
+    placement = {}  # the update's output shardings, on a mesh: the state stays where the rules put it
+    if mesh is not None:
+        shardings = state_shardings(state, algorithm, config, mesh,
+                                    sharding.RULES["fsdp_tensor"] if rules is None else rules)
+        state = distributed.put(state, shardings)
+        placement = {"out_shardings": (shardings._replace(ref_params=None), None)}
+        place_batch = functools.partial(distributed.put, shardings=batch_shardings(mesh))
+    return state, _Compiled(
+        score=jax.jit(_counting_traces(halves.score, traces, "score")),
+        donating_update=jax.jit(_counting_traces(halves.update, traces, "update"), donate_argnums=0, **placement),
+        place_batch=place_batch, traces=traces)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Run:
+    """What every step of a :func:`train` call uses, built once."""
+
+    model: models.Model
+    algorithm: algorithms.Algorithm
+    config: TrainConfig
+    task: tasks.Task
+    rollout: sampling.RolloutBackend
+    compiled: _Compiled
+    prompt_bucket: int
+    rollout_mesh: jax.sharding.Mesh | None
+    callback: Callable[[StepEnd], Any] | None
+
+
+class _Scored(NamedTuple):
+    """A step up to its update: the rollouts, their scored batch and the host's metrics."""
+
+    started: float  # perf_counter at the step's start
+    collected: CollectedBatch
+    scored: Any  # ScoredBatch
+    score_metrics: dict
+    host_metrics: dict[str, float]
+
+
+def _rollout_and_score(run: _Run, state: TrainState) -> _Scored:
+    """Steps 1-3 up to the update: rollouts and rewards (refilled while groups carry no
+    signal, with DAPO's dynamic sampling), then ``score`` (reference and old log-probs,
+    values, advantages)."""
+    started = time.perf_counter()
+    with called_in(f"the rollout of train step {int(state.step)}"):
+        collected = collect_batch(run.rollout, state.params, run.task, run.algorithm, run.config,
+                                  key=rollout_key(state), position=int(state.prompts_drawn),
+                                  prompt_bucket=run.prompt_bucket)
+    rollouts = collected.rollouts
+    batch = Batch.from_rollout(rollouts.prompt_tokens, rollouts.prompt_mask, rollouts, rollouts.rewards,
+                               prompts_drawn=collected.prompts_drawn)
+    score_started = time.perf_counter()
+    scored, score_metrics = jax.block_until_ready(run.compiled.score(state, run.compiled.place_batch(batch)))
+    logprob_seconds = time.perf_counter() - score_started
+    host_metrics = dict(_rollout_metrics(collected, run.config),
+                        rollout_seconds=score_started - started - collected.reward_seconds,
+                        reward_seconds=collected.reward_seconds, logprob_seconds=logprob_seconds)
+    return _Scored(started, collected, scored, score_metrics, host_metrics)
+
+
+def _rollout_metrics(collected: CollectedBatch, config: TrainConfig) -> dict[str, float]:
+    """The rollouts' own statistics: the first round's rewards (each function's mean), lengths
+    and truncations, and what the refills and reward functions did."""
+    first = collected.first_round
+    task_rewards = first.result.total  # [P * G]: the task's weighted sum, shaping aside
+    lengths = first.rollouts.lengths
+    grouped = first.rollouts.rewards.reshape(config.num_prompts, config.group_size)  # as the advantages see them
+    return dict(
+        reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
+        **{f"reward_{name}": mean for name, mean in first.result.means().items()},
+        reward_errors=float(collected.reward_errors), reward_unscored=float(first.result.unscored.mean()),
+        truncated_prompts=float(collected.truncated_prompts),
+        completion_length=float(lengths.mean()), completion_length_max=float(lengths.max()),
+        truncated_fraction=float(np.mean(first.rollouts.truncated)),
+        identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
+        refill_rounds=float(collected.refill_rounds),
+    )
+
+
+def _step_metrics(scored: _Scored, update_metrics: dict, state: TrainState, traces: dict[str, int],
+                  update_started: float) -> dict[str, float]:
+    """The step's metrics, once its update has run (waits for it): the device's, the host's,
+    the timings and the skip and trace counters."""
+    metrics = {k: float(v) for k, v in jax.device_get({**scored.score_metrics, **update_metrics}).items()}
+    now = time.perf_counter()
+    metrics.update(scored.host_metrics, update_seconds=now - update_started, step_seconds=now - scored.started,
+                   tokens_per_second=scored.collected.sampled_tokens / (now - scored.started),
+                   skipped_updates=float(state.skipped_updates), consecutive_skips=float(state.consecutive_skips),
+                   score_traces=float(traces["score"]), update_traces=float(traces["update"]))
+    return metrics
+
+
+def _end_step(run: _Run, step: int, metrics: dict[str, float], state: TrainState, collected: CollectedBatch,
+              history: list[dict[str, float]]) -> None:
+    """After the update of ``step``: the held-out evaluation when due (into ``metrics``), the
+    callback, and the decision to stop (raises ``NonFiniteUpdates``)."""
+    config = run.config
+    if config.eval_every and (step + 1) % config.eval_every == 0:
+        with called_in(f"the held-out evaluation after train step {step}"):
+            metrics.update(evaluation_metrics(run.model, state.params, run.task, config,
+                                              prompt_bucket=run.prompt_bucket, mesh=run.rollout_mesh))
+    if run.callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
+        with _interrupts_held():
+            run.callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
+    if metrics["consecutive_skips"] >= config.max_consecutive_skips:
+        raise NonFiniteUpdates(
+            f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite loss, "
+            f"gradient or update (max_consecutive_skips={config.max_consecutive_skips}); the state keeps the params "
+            f"of the last finite update.", state, history)
+
+
+def _run_steps(run: _Run, state: TrainState, steps: int) -> tuple[TrainState, list[dict[str, float]]]:
+    """``steps`` train steps from ``state``; an exception or Ctrl-C becomes ``RunStopped`` or
+    ``RunInterrupted`` holding the state after the last completed step."""
+    history: list[dict[str, float]] = []
+    recorded = None  # the arguments of `_step_metrics` for a step whose update is dispatched, not yet recorded
+    first_step = int(state.step)
+    with _interrupts_noticed() as interrupts:
+        try:
+            for _ in range(steps):
+                step = int(state.step)
+                scored = _rollout_and_score(run, state)
+                update_started = time.perf_counter()
+                # The update consumes (donates) the state: from here on only its result is valid.
+                with _interrupts_held():
+                    state, update_metrics = run.compiled.update(state, scored.scored)
+                    recorded = (scored, update_metrics, state, run.compiled.traces, update_started)
+                metrics = _step_metrics(*recorded)
+                history.append(metrics)
+                recorded = None
+                _end_step(run, step, metrics, state, scored.collected, history)
+                if interrupts:  # a Ctrl-C that Python dropped (see _interrupts_noticed)
+                    raise KeyboardInterrupt
+        except RunStopped:
+            raise
+        except (Exception, KeyboardInterrupt) as error:
+            if recorded is not None:  # the update ran: its step is part of the state, so of the history
+                with contextlib.suppress(Exception):  # what failed may have been this; the state is what counts
+                    history.append(_step_metrics(*recorded))
+            raise _stopped(error, state, history, first_step=first_step, steps=steps) from error
+    return state, history
+
+
+def _stopped(error: BaseException, state: TrainState, history: list[dict[str, float]], *, first_step: int,
+             steps: int) -> _StoppedRun:
+    """The ``RunInterrupted`` (Ctrl-C) or ``RunStopped`` that ``error`` ends the run with."""
+    where = f"train stopped at step {first_step + len(history)} ({len(history)} of {steps} steps done)"
+    if isinstance(error, KeyboardInterrupt):
+        return RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state, history)
+    return RunStopped(f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.",
+                      state, history)
+
+
 def train(
     model: models.Model,
     params: models.Params,
@@ -290,155 +525,16 @@ def train(
     task = tasks.DigitSumTask() if task is None else task
     tasks.check_task(task)
     check_evaluation(task, config)
-    if rollout is not None and rollout_mesh is not None:
-        raise ValueError("train: pass `rollout_mesh` or your own `rollout` backend (which places its own work), "
-                         "not both.")
-    traces = {"score": 0, "update": 0}
-
-    def counting(name, fn):
-        def traced(*args):
-            traces[name] += 1  # runs once per trace, not per call
-            return fn(*args)
-        return traced
-
-    check_processes(config, mesh, custom_rollout=rollout is not None)
-    if mesh is not None:
-        unknown = [axis for axis in mesh.axis_names if axis not in sharding.AXES]
-        if unknown or rollout_mesh is not None:
-            raise ValueError(f"train: the mesh's axes must be among {', '.join(sharding.AXES)} (got "
-                             f"{', '.join(mesh.axis_names)}), and `rollout_mesh` is then the same mesh: pass one.")
-        row_devices = mesh.shape.get(sharding.DATA, 1) * mesh.shape.get(sharding.FSDP, 1)
-        if config.batch_size % row_devices or config.num_prompts % mesh.shape.get(sharding.DATA, 1):
-            raise ValueError(f"train: the batch's B = {config.batch_size} rows are split over data x fsdp = "
-                             f"{row_devices} devices and its {config.num_prompts} prompts over data = "
-                             f"{mesh.shape.get(sharding.DATA, 1)}: each must divide.")
-        if sharding.DATA in mesh.axis_names:
-            rollout_mesh = mesh
-    if rollout_mesh is not None and config.num_prompts % sharding.data_size(rollout_mesh):
-        raise ValueError(f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
-                         f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices.")
-    check_params(model, params)
-    if state is None:
-        if ref_params is not None:
-            check_params(model, ref_params, name="ref_params")
-        # The reference is the caller's arrays, not a copy: the update below never donates it.
-        state = init_state(model, params, algorithm, config, ref_params=ref_params, copy_reference=False)
-    elif ref_params is not None:
-        raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
-    else:
-        check_state(state, model, params, algorithm, config)
+    rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)
+    state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
     if compilation_cache:
         compilation_cache_lib.enable()
-    # A decaying learning rate without `decay_steps` ends with the run: `state.step + steps`.
-    halves = make_train_step(model, algorithm, config, total_steps=int(state.step) + steps)
-    place_batch = None
-    placement = {}  # the update's output shardings, on a mesh: the state stays where the rules put it
-    if mesh is not None:
-        shardings = state_shardings(state, algorithm, config, mesh,
-                                    sharding.RULES["fsdp_tensor"] if rules is None else rules)
-        state = distributed.put(state, shardings)  # every process holds the same state
-        placement = {"out_shardings": (shardings._replace(ref_params=None), None)}
-        placed_batch = batch_shardings(mesh)
-        place_batch = lambda batch: distributed.put(batch, placed_batch)  # noqa: E731 (the same on every process)
-    score = jax.jit(counting("score", halves.score))
-    donating_update = jax.jit(counting("update", halves.update), donate_argnums=0, **placement)
-
-    def update(state, scored):
-        """The donating update on the state without its reference (the caller's ``params``
-        or ``ref_params``, which ``update`` never reads), put back after."""
-        reference = state.ref_params
-        state, metrics = donating_update(state._replace(ref_params=None), scored)
-        return state._replace(ref_params=reference), metrics
-
+    state, compiled = _compile(model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh,
+                               rules=rules)
     if rollout is None:
         rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id,
                                    temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                                    min_p=config.min_p, mesh=rollout_mesh)
-    num_prompts, group = config.num_prompts, config.group_size
-    history: list[dict[str, float]] = []
-
-    def record(started, update_started, collected, host_metrics, score_metrics, update_metrics) -> dict[str, float]:
-        """The step's metrics, once its update has run (waits for it)."""
-        metrics = {k: float(v) for k, v in jax.device_get({**score_metrics, **update_metrics}).items()}
-        now = time.perf_counter()
-        metrics.update(host_metrics, update_seconds=now - update_started, step_seconds=now - started,
-                       tokens_per_second=collected.sampled_tokens / (now - started),
-                       skipped_updates=float(state.skipped_updates), consecutive_skips=float(state.consecutive_skips),
-                       score_traces=float(traces["score"]), update_traces=float(traces["update"]))
-        history.append(metrics)
-        return metrics
-
-    pending = None  # the arguments of `record` for a step whose update is dispatched but not recorded
-    first_step = int(state.step)
-    with _interrupts_noticed() as interrupts:
-        try:
-            for _ in range(steps):
-                started = time.perf_counter()
-                step = int(state.step)
-
-                # 1-2. Rollouts and rewards, refilled while groups carry no signal (DAPO).
-                with called_in(f"the rollout of train step {step}"):
-                    collected = collect_batch(rollout, state.params, task, algorithm, config, key=rollout_key(state),
-                                              position=int(state.prompts_drawn), prompt_bucket=prompt_bucket)
-                rollouts, first = collected.rollouts, collected.first_round
-                reward_seconds = collected.reward_seconds
-                rollout_seconds = time.perf_counter() - started - reward_seconds
-
-                # 3. Score (reference / old log-probs, values, advantages) and update.
-                batch = Batch(prompt_tokens=rollouts.prompt_tokens, prompt_mask=rollouts.prompt_mask,
-                              completion_tokens=rollouts.completion_tokens, completion_mask=rollouts.completion_mask,
-                              sampling_logp=rollouts.logprobs, rewards=rollouts.rewards,
-                              prompts_drawn=np.asarray(collected.prompts_drawn, np.int32))
-                batch = jax.device_put(batch) if place_batch is None else place_batch(batch)
-                score_started = time.perf_counter()
-                scored, score_metrics = jax.block_until_ready(score(state, batch))
-                update_started = time.perf_counter()
-
-                task_rewards = first.result.total  # [P * G]: the task's weighted sum, shaping aside
-                lengths = first.rollouts.lengths
-                grouped = first.rollouts.rewards.reshape(num_prompts, group)  # as the advantages see them
-                host_metrics = dict(
-                    reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
-                    **{f"reward_{name}": mean for name, mean in first.result.means().items()},
-                    reward_errors=float(collected.reward_errors), reward_unscored=float(first.result.unscored.mean()),
-                    truncated_prompts=float(collected.truncated_prompts),
-                    completion_length=float(lengths.mean()), completion_length_max=float(lengths.max()),
-                    truncated_fraction=float(np.mean(first.rollouts.truncated)),
-                    identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
-                    refill_rounds=float(collected.refill_rounds),
-                    rollout_seconds=rollout_seconds, reward_seconds=reward_seconds,
-                    logprob_seconds=update_started - score_started,
-                )
-                # The update consumes (donates) the state: from here on only its result is valid.
-                with _interrupts_held():
-                    state, update_metrics = update(state, scored)
-                    pending = (started, update_started, collected, host_metrics, score_metrics, update_metrics)
-                metrics = record(*pending)
-                pending = None
-                if config.eval_every and (step + 1) % config.eval_every == 0:
-                    with called_in(f"the held-out evaluation after train step {step}"):
-                        metrics.update(evaluation_metrics(model, state.params, task, config,
-                                                           prompt_bucket=prompt_bucket, mesh=rollout_mesh))
-                if callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
-                    with _interrupts_held():
-                        callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
-                if interrupts:  # a Ctrl-C that Python dropped (see _interrupts_noticed)
-                    raise KeyboardInterrupt
-                if metrics["consecutive_skips"] >= config.max_consecutive_skips:
-                    raise NonFiniteUpdates(
-                        f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a "
-                        f"non-finite loss, gradient or update (max_consecutive_skips={config.max_consecutive_skips}); the state "
-                        f"keeps the params of the last finite update.", state, history)
-        except RunStopped:
-            raise
-        except (Exception, KeyboardInterrupt) as error:
-            if pending is not None:  # the update ran: its step is part of the state, so of the history
-                with contextlib.suppress(Exception):  # what failed may have been this; the state is what counts
-                    record(*pending)
-            where = f"train stopped at step {first_step + len(history)} ({len(history)} of {steps} steps done)"
-            if isinstance(error, KeyboardInterrupt):
-                raise RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state,
-                                     history) from error
-            raise RunStopped(f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.",
-                             state, history) from error
-    return state, history
+    run = _Run(model=model, algorithm=algorithm, config=config, task=task, rollout=rollout, compiled=compiled,
+               prompt_bucket=prompt_bucket, rollout_mesh=rollout_mesh, callback=callback)
+    return _run_steps(run, state, steps)
