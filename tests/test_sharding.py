@@ -94,11 +94,11 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
     import jax.numpy as jnp
 
     from jaxrl_llm import algorithms, training
-    from jaxrl_llm.training import step as step_lib
+    from jaxrl_llm.training import optim
 
     mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     model, params, state = _model_and_state(algorithms.PPO, jnp.bfloat16)  # a critic and float32 master copies
-    policy, critic = step_lib._optimizers(algorithms.PPO, training.TrainConfig(), decay_steps=1)
+    policy, critic = optim.run_optimizers(algorithms.PPO, training.TrainConfig(), decay_steps=1)
     placed = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.RULES["fsdp_tensor"],
                                                             optimizer=policy, critic_optimizer=critic))
     checked = 0
@@ -121,10 +121,10 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
 
 def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
     from jaxrl_llm import algorithms, training
-    from jaxrl_llm.training import step as step_lib
+    from jaxrl_llm.training import optim
 
     _, _, state = _model_and_state(algorithms.GRPO)
-    policy, _ = step_lib._optimizers(algorithms.GRPO, training.TrainConfig(), decay_steps=1)
+    policy, _ = optim.run_optimizers(algorithms.GRPO, training.TrainConfig(), decay_steps=1)
     mesh = sharding.make_mesh(fsdp=8)
     placed = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.RULES["fsdp"], optimizer=policy))
     device = jax.devices()[0]

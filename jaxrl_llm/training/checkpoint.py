@@ -28,7 +28,7 @@ systems; on object stores orbax marks completion with ``commit_success.txt`` ins
 
 **What is stored.** The state is saved as a nested dict of arrays keyed by its pytree
 path (``state["opt_state"]["inner"]["1"]...``), not as its own pytree: the containers
-(``TrainState``, optax's NamedTuples, :class:`~jaxrl_llm.training.step.Float32State`,
+(``TrainState``, optax's NamedTuples, :class:`~jaxrl_llm.training.optim.Float32State`,
 ``None`` fields such as ``critic_params`` of a method without a critic, TRPO's empty
 ``opt_state``) come back from ``like``'s structure, so any pytree node round-trips, and
 what holds no array stores nothing. Typed PRNG keys are stored as their raw bits
@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxrl_llm.training.step import TrainState, _check_tree
+from jaxrl_llm.training.state import TrainState, check_tree
 
 _ITEM = "state"
 _OURS = "jaxrl_llm"  # our entry in the step's custom metadata, beside the caller's
@@ -356,7 +356,7 @@ class Checkpointer:
             except Exception as error:  # noqa: BLE001 (any unreadable checkpoint: try the previous)
                 errors.append(self._unreadable(s, error, steps[i + 1:], step is not None))
                 continue
-            _check_tree(f"checkpoint {s}", getattr(saved, "tree", saved), target, "`like`", dtypes=True,
+            check_tree(f"checkpoint {s}", getattr(saved, "tree", saved), target, "`like`", dtypes=True,
                         advice=f"Was {self.directory!r} saved by another method, model or TrainConfig?")
             try:
                 restored = self._manager.restore(s, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(

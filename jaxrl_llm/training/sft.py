@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from jaxrl_llm import _checks, models, ops
-from jaxrl_llm.training.step import in_float32
+from jaxrl_llm.training.optim import in_float32
 
 
 def sft_loss(model: models.Model, params: models.Params, tokens: jax.Array, attention_mask: jax.Array,

@@ -58,7 +58,7 @@ def test_a_trained_state_round_trips_exactly(tmp_path, name):
         assert checkpoints.latest_step() == 1 and checkpoints.metadata() == {"reward": 0.5}
         restored = checkpoints.restore(like=_abstract(model, params, name))
         _assert_identical(restored, state)
-        assert type(restored.opt_state) is training.step.Float32State
+        assert type(restored.opt_state) is training.optim.Float32State
         # A real state works as `like` too.
         _assert_identical(checkpoints.restore(1, like=state), state)
 

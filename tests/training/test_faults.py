@@ -107,8 +107,8 @@ def test_an_update_that_would_make_params_non_finite_is_skipped(monkeypatch, nam
     # Loss and gradients are finite; only the step would not be. Policy and critic move
     # together or not at all.
     run = dataclasses.replace(RUN, max_consecutive_skips=2, learning_rate=3e-3, critic_learning_rate=1e-3)
-    monkeypatch.setattr(training.step, "make_optimizer",
-                        _poisoned(training.step.make_optimizer, learning_rate=getattr(run, poisoned)))
+    monkeypatch.setattr(training.optim, "make_optimizer",
+                        _poisoned(training.optim.make_optimizer, learning_rate=getattr(run, poisoned)))
     model, params = models.init(CONFIG, jax.random.key(1))
     with pytest.raises(training.NonFiniteUpdates, match="the state keeps the params of the last finite update") as e:
         training.train(model, params, algorithms.get(name), run, steps=3, task=TASK)

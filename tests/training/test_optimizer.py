@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from jaxrl_llm import algorithms, training
-from jaxrl_llm.training import step as step_lib
+from jaxrl_llm.training import optim
 from jaxrl_llm.training.config import LR_SCHEDULES
 
 
@@ -55,7 +55,7 @@ def test_each_step_takes_the_scheduled_learning_rate(schedule, warmup, end):
 
 
 def test_the_default_schedule_is_the_linear_warm_up_then_constant():
-    schedule = step_lib.learning_rate_schedule(learning_rate=1.0, warmup_steps=4)
+    schedule = optim.learning_rate_schedule(learning_rate=1.0, warmup_steps=4)
     np.testing.assert_allclose([float(schedule(k)) for k in range(7)], [0.25, 0.5, 0.75, 1, 1, 1, 1])
 
 
@@ -144,7 +144,7 @@ def _recorded_optimizers(monkeypatch):
     def record(**kwargs):
         calls.append(kwargs)
         return optax.identity()
-    monkeypatch.setattr(step_lib, "make_optimizer", record)
+    monkeypatch.setattr(optim, "make_optimizer", record)
     return calls
 
 

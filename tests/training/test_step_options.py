@@ -132,7 +132,7 @@ def test_the_update_advances_the_key_baseline_stream_and_learning_rate_itself():
     assert int(new.prompts_drawn) == 12 and int(new.step) == 1
     np.testing.assert_allclose(float(new.baseline.mean), float(jnp.mean(batch.rewards)), rtol=1e-6)  # first batch
     assert not np.array_equal(np.asarray(jax.random.key_data(training.rollout_key(new))), first_key)
-    schedule = training.step.learning_rate_schedule(learning_rate=RUN.learning_rate, warmup_steps=RUN.warmup_steps)
+    schedule = training.optim.learning_rate_schedule(learning_rate=RUN.learning_rate, warmup_steps=RUN.warmup_steps)
     np.testing.assert_allclose(float(metrics["learning_rate"]), float(schedule(0)), rtol=1e-6)
     again, _ = jax.jit(halves.update)(new, jax.jit(halves.score)(new, batch)[0])
     assert int(again.prompts_drawn) == 24

@@ -1,0 +1,152 @@
+"""The train state: everything a run carries between steps, in one pytree.
+
+:func:`init_state` builds it at step 0, :func:`check_state` checks a given one against the
+run (method, model, optimizer), :func:`state_shardings` places it on a mesh. Every change
+to it happens inside the jitted train step (:mod:`jaxrl_llm.training.step`): the next PRNG
+key (the rollout draws from :func:`rollout_key`), the running baseline, the prompts
+consumed, the optimizer's step, so a step is a function of ``(state, batch)`` alone.
+
+**The reference** is kept and run only when it is used (:func:`uses_reference`): by the
+method's KL term (in the loss or the reward), or by the metrics
+``TrainConfig.reference_metrics`` (``kl_k3``) and ``TrainConfig.exact_kl``. Otherwise
+``state.ref_params`` is ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import advantages, algorithms, models, sharding
+from jaxrl_llm.training import critic
+from jaxrl_llm.training.config import TrainConfig
+from jaxrl_llm.training.optim import run_optimizers
+
+
+class TrainState(NamedTuple):
+    """Everything a run carries between steps; a pytree (checkpointable, shardable)."""
+
+    params: models.Params
+    opt_state: Any  # optax state of the policy; () for TRPO, which has none
+    ref_params: models.Params | None  # frozen: the initial policy by default (train: the caller's arrays, never
+    # donated); None when unused
+    critic_params: critic.CriticParams | None  # methods with GAE only
+    critic_opt_state: Any
+    baseline: advantages.RunningMeanState
+    key: jax.Array  # PRNG key for rollouts and minibatch shuffles
+    step: jax.Array  # [] int32: train steps (rollout batches) done
+    skipped_updates: jax.Array  # [] int32: non-finite minibatch updates skipped in all
+    consecutive_skips: jax.Array  # [] int32: train steps in a row with a skipped update
+    prompts_drawn: jax.Array  # [] int32: positions of the task's train stream consumed (tasks.draw)
+
+
+def uses_reference(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
+    """Whether the run keeps and runs the reference model: for the method's KL term (in
+    the loss or the reward) or for the KL metrics the config asks for."""
+    return algorithm.needs_reference or config.reference_metrics or config.exact_kl
+
+
+def rollout_key(state: TrainState) -> jax.Array:
+    """The PRNG key the step's rollouts draw from; ``update`` moves ``state.key`` past it."""
+    return jax.random.split(state.key)[1]
+
+
+def _copy(tree):
+    # The update donates the state, so the state must own its buffers: the caller's
+    # params stay valid, and the critic is a separate copy.
+    return jax.tree.map(jnp.copy, tree)
+
+
+def init_state(model: models.Model, params: models.Params, algorithm: algorithms.Algorithm, config: TrainConfig,
+               *, ref_params: models.Params | None = None, copy_reference: bool = True) -> TrainState:
+    """The state at step 0: policy and reference copied from ``params`` (or the given
+    ``ref_params``), a critic initialised from the policy when the method has one. The
+    reference is ``None`` when the run does not use one (:func:`uses_reference`); then
+    ``ref_params`` must not be given.
+
+    ``copy_reference=False`` makes the reference ``ref_params`` (or ``params``) itself,
+    not a copy: one params-sized buffer less (2 GB at 0.5B parameters in float32). Then
+    whatever donates the state must leave the reference out, as :func:`train` does
+    (``update`` never reads it); donating it would delete the caller's arrays."""
+    # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
+    optimizers = run_optimizers(algorithm, config, decay_steps=1)
+    critic_params = critic.init_critic(model, params) if algorithm.needs_critic else None
+    with_reference = uses_reference(algorithm, config)
+    if ref_params is not None and not with_reference:
+        raise ValueError(f"init_state: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "
+                         "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
+                         "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it.")
+    reference = None
+    if with_reference:
+        reference = params if ref_params is None else ref_params
+        reference = _copy(reference) if copy_reference else jax.tree.map(jnp.asarray, reference)
+    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
+    return TrainState(
+        params=_copy(params),
+        opt_state=optimizers.policy.init(params) if optimizers.policy else (),
+        ref_params=reference,
+        critic_params=critic_params,
+        critic_opt_state=optimizers.critic.init(critic_params) if critic_params is not None else None,
+        baseline=advantages.running_mean_init(),
+        key=jax.random.key(config.seed),
+        step=zero(), skipped_updates=zero(), consecutive_skips=zero(), prompts_drawn=zero(),
+    )
+
+
+def state_shardings(state: TrainState, algorithm: algorithms.Algorithm, config: TrainConfig,
+                    mesh: jax.sharding.Mesh, rules: sharding.Rules) -> TrainState:
+    """The ``NamedSharding`` of every leaf of ``state`` on ``mesh`` by ``rules``
+    (:func:`jaxrl_llm.sharding.state_shardings` with the run's optimizers)."""
+    optimizers = run_optimizers(algorithm, config, decay_steps=1)  # the state's structure only
+    return sharding.state_shardings(state, mesh, rules, optimizer=optimizers.policy,
+                                    critic_optimizer=optimizers.critic)
+
+
+def check_params(model: models.Model, params: models.Params, *, name: str = "params") -> None:
+    """Raises ValueError naming the first parameter whose path or shape is not the model's."""
+    check_tree(name, params, models.abstract(model.config)[1], "the model's config", dtypes=False,
+               advice="Are they the params of another model?")
+
+
+def check_state(state: TrainState, model: models.Model, params: models.Params, algorithm: algorithms.Algorithm,
+                config: TrainConfig) -> None:
+    """Raises ValueError, naming the first field, path, shape or dtype that differs, when
+    ``state`` is not a state of this run: made for another method (a critic or an
+    optimizer it lacks), another model size, or another optimizer."""
+    if not isinstance(state, TrainState):
+        raise ValueError(f"`state` must be a TrainState (from init_state or a previous train); got "
+                         f"{type(state).__name__}.")
+    expected = jax.eval_shape(lambda p: init_state(model, p, algorithm, config), params)
+    for field in TrainState._fields:
+        check_tree(f"state.{field}", getattr(state, field), getattr(expected, field),
+                   f"algorithm {algorithm.name!r} on this model", dtypes=True,
+                   advice="Was the state made for another method, model or TrainConfig?")
+
+
+def check_tree(name: str, tree, expected, what: str, *, dtypes: bool, advice: str) -> None:
+    """Raises ValueError at the first difference of structure, shape (or dtype) between
+    ``tree`` and ``expected`` (abstract leaves), naming ``name``'s path and ``what`` it must fit."""
+    def describe(leaf) -> str:
+        return f"{list(leaf.shape)}" + (f" {leaf.dtype}" if dtypes else "")
+
+    if (tree is None) != (expected is None):
+        needs = "has none" if expected is None else "needs one"
+        raise ValueError(f"`{name}` is {'None' if tree is None else 'set'}, but {what} {needs}. {advice}")
+    got_leaves, got_structure = jax.tree_util.tree_flatten_with_path(tree)
+    want_leaves, want_structure = jax.tree_util.tree_flatten_with_path(expected)
+    if got_structure != want_structure:
+        got_paths = {jax.tree_util.keystr(path) for path, _ in got_leaves}
+        want_paths = {jax.tree_util.keystr(path) for path, _ in want_leaves}
+        if want_paths - got_paths:
+            detail = f"it lacks {', '.join(sorted(want_paths - got_paths)[:3])}"
+        elif got_paths - want_paths:
+            detail = f"it has {', '.join(sorted(got_paths - want_paths)[:3])}, which {what} does not"
+        else:
+            detail = f"its structure is {got_structure}, not {want_structure}"
+        raise ValueError(f"`{name}` does not fit {what}: {detail}. {advice}")
+    for (path, got), (_, want) in zip(got_leaves, want_leaves):
+        if got.shape != want.shape or (dtypes and got.dtype != want.dtype):
+            raise ValueError(f"`{name}{jax.tree_util.keystr(path)}` is {describe(got)}, but {what} needs "
+                             f"{describe(want)}. {advice}")
