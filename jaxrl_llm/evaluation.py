@@ -6,9 +6,11 @@ r"""Evaluation over a task's split: greedy accuracy, mean reward and unbiased pa
     metrics["greedy_accuracy"], metrics["pass@1"], metrics["pass@16"]
 
 :func:`evaluate` walks the *whole* split in order, in batches of prompts, through
-:func:`jaxrl_llm.training.collect.rollout_and_score` (the trainer's own path from prompts
-to rewards: prompt fitting, sampling, stop strings, decoding, reward functions), once
-greedily and, when asked, once more with ``n`` samples per prompt at a temperature.
+:func:`jaxrl_llm.rollouts.rollout_and_score` (the trainer's own path from prompts to
+rewards: prompt fitting, sampling, stop strings, decoding, reward functions), once
+greedily and, when asked, once more with ``n`` samples per prompt at a temperature. The
+trainer's held-out evaluations (``TrainConfig.eval_every``) and ``jaxrl-llm eval`` call it
+and record its results as ``eval_*`` metrics (:func:`as_metrics`).
 
 **Solved.** An example (or a sample) is *solved* when the reward function named by
 ``correct_reward`` returns at least ``threshold`` for it:
@@ -31,8 +33,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl_llm import _checks, distributed, models, rewards, sampling, tasks
-from jaxrl_llm.training import collect
+from jaxrl_llm import _checks, distributed, models, rewards, rollouts, sampling, tasks
 
 
 def pass_at_k(num_samples: int | np.ndarray, num_correct: int | np.ndarray, k: int) -> float | np.ndarray:
@@ -158,7 +159,7 @@ def evaluate(
     The split's ``M = task.split_size(split)`` examples are taken in order (indices
     ``0 .. M-1``, ``task.examples(split, indices, seed=seed)``) in batches of
     ``P = batch_size`` prompts (the last one may be smaller). Each batch is rolled out
-    through :func:`jaxrl_llm.training.collect.rollout_and_score` with the built-in
+    through :func:`jaxrl_llm.rollouts.rollout_and_score` with the built-in
     :class:`jaxrl_llm.sampling.Sampler`:
 
     - greedily (temperature 0, one completion ``[P, S + N]`` per prompt): example ``m`` is
@@ -189,7 +190,7 @@ def evaluate(
       max_new_tokens: ``N >= 1``, the completion budget of every rollout.
       batch_size: ``P >= 1`` prompts per rollout call (``P n`` sequences when sampling).
       max_prompt_length, prompt_truncation, prompt_bucket, on_reward_error: as in
-        :func:`jaxrl_llm.training.collect.rollout_and_score` (and
+        :func:`jaxrl_llm.rollouts.rollout_and_score` (and
         :class:`jaxrl_llm.training.TrainConfig`).
       top_k, top_p, min_p: truncation of the samples' distribution (``None``: off), see
         :func:`jaxrl_llm.sampling.sample`.
@@ -231,7 +232,7 @@ def evaluate(
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size),
                         ("max_prompt_length", max_prompt_length), ("prompt_bucket", prompt_bucket)):
         _checks.positive_int(fn, name, value)
-    _checks.one_of(fn, "prompt_truncation", prompt_truncation, collect.PROMPT_TRUNCATION)
+    _checks.one_of(fn, "prompt_truncation", prompt_truncation, sampling.PROMPT_TRUNCATION)
     _checks.one_of(fn, "on_reward_error", on_reward_error, rewards.ON_ERROR)
     _checks.finite_number(fn, "threshold", threshold)
     _checks.nonnegative_int(fn, "seed", seed)
@@ -269,15 +270,15 @@ def evaluate(
                 raise ValueError(f"{type(task).__name__}.examples returned {len(batch)} examples for "
                                  f"{len(indices)} indices.")
             batch_key = jax.random.fold_in(key, number)
-            scored = collect.rollout_and_score(greedy, params, task, batch, jax.random.fold_in(batch_key, 0),
-                                               num_samples=1, **settings)
+            scored = rollouts.rollout_and_score(greedy, params, task, batch, jax.random.fold_in(batch_key, 0),
+                                                num_samples=1, **settings)
             greedy_solved += int((scored.result.values[correct] >= threshold).sum())  # NaN (None): unsolved
             greedy_reward += float(scored.result.total.sum(dtype=np.float64))
             truncated_prompts += scored.truncated_prompts
             reward_errors += sum(scored.result.errors.values())
             if sampler is not None:
-                scored = collect.rollout_and_score(sampler, params, task, batch, jax.random.fold_in(batch_key, 1),
-                                                   num_samples=num_samples, **settings)
+                scored = rollouts.rollout_and_score(sampler, params, task, batch, jax.random.fold_in(batch_key, 1),
+                                                    num_samples=num_samples, **settings)
                 solved = scored.result.values[correct] >= threshold  # [P n], prompt p's rows p n .. p n + n - 1
                 solved_counts.append(solved.reshape(len(batch), num_samples).sum(axis=1))
                 sample_reward += float(scored.result.total.sum(dtype=np.float64))
@@ -296,3 +297,9 @@ def evaluate(
     if on_reward_error == "zero":
         metrics["reward_errors"] = float(reward_errors)
     return metrics
+
+
+def as_metrics(results: dict[str, float], *, seconds: float) -> dict[str, float]:
+    """:func:`evaluate`'s results as a run records them beside its train metrics: each as
+    ``eval_<name>``, and ``eval_seconds``, the evaluation's wall time."""
+    return {**{f"eval_{name}": value for name, value in results.items()}, "eval_seconds": seconds}

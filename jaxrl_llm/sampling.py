@@ -60,6 +60,9 @@ import numpy as np
 
 from jaxrl_llm import _checks, distributed, models, sharding
 
+PROMPT_TRUNCATION = ("error", "left")
+"""What a prompt longer than ``max_prompt_length`` does: stop with an error, or lose its first tokens."""
+
 
 class Rollout(NamedTuple):
     """What RL needs from generation; a pytree. ``B = P * G``, groups adjacent."""

@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import compilation_cache, distributed, models, sharding, training
+from jaxrl_llm import compilation_cache, distributed, evaluation, models, sharding, training
 from jaxrl_llm.rewards.combine import RewardFunctionError, called_in
 from jaxrl_llm.runs import build, records
 from jaxrl_llm.runs import config as run_config
@@ -664,10 +664,17 @@ def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
 def evaluate_model(model: models.Model, params: models.Params, task, config: RunConfig, *,
                    num_samples: int | None = None, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
     """Greedy accuracy, mean rewards and pass@k on ``task``'s test split with the run's
-    sampling settings, as training's evaluations report them (``eval_*``), with
-    ``num_samples`` samples per prompt (default ``train.eval_samples``), decoded over ``mesh``."""
-    train = config.train if num_samples is None else dataclasses.replace(config.train, eval_samples=num_samples)
-    return training.evaluation_metrics(model, params, task, train, mesh=mesh)
+    sampling settings (:func:`jaxrl_llm.evaluation.evaluate`), as training's evaluations
+    record them (``eval_*``), with ``num_samples`` samples per prompt (default
+    ``train.eval_samples``), decoded over ``mesh``."""
+    train = config.train
+    started = time.perf_counter()
+    results = evaluation.evaluate(
+        model, params, task, num_samples=train.eval_samples if num_samples is None else num_samples,
+        temperature=train.temperature, max_new_tokens=train.max_new_tokens, max_prompt_length=train.max_prompt_length,
+        prompt_truncation=train.prompt_truncation, top_k=train.top_k, top_p=train.top_p, min_p=train.min_p,
+        seed=train.seed, on_reward_error=train.on_reward_error, progress=False, mesh=mesh)
+    return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
 
 def evaluate_run(run_dir: str | os.PathLike, *, step: int | None = None, num_samples: int | None = None

@@ -6,9 +6,7 @@ import dataclasses
 
 from jaxrl_llm import _checks
 from jaxrl_llm.rewards.combine import ON_ERROR
-
-PROMPT_TRUNCATION = ("error", "left")
-"""What a prompt longer than ``max_prompt_length`` does: stop with an error, or lose its first tokens."""
+from jaxrl_llm.sampling import PROMPT_TRUNCATION
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """The learning rate after the linear warm-up: constant at the peak, or a linear or cosine decay."""

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxrl_llm import _checks, algorithms, distributed, models, sampling, sharding, tasks
+from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.rewards.combine import called_in
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
@@ -195,11 +195,9 @@ def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh | None, *, cust
 
 def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.Task, config: TrainConfig, *,
                        prompt_bucket: int = 8, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
-    """The task's test split evaluated with the run's sampling settings
-    (:func:`jaxrl_llm.evaluation.evaluate`, decoded over ``mesh``), as ``eval_*`` metrics
-    and ``eval_seconds``: what ``train`` adds every ``config.eval_every`` steps."""
-    from jaxrl_llm import evaluation  # evaluation imports training
-
+    """What ``train`` adds to the metrics every ``config.eval_every`` steps: the task's test
+    split evaluated with the run's sampling settings (:func:`jaxrl_llm.evaluation.evaluate`,
+    decoded over ``mesh``), as ``eval_*`` metrics and ``eval_seconds``."""
     started = time.perf_counter()
     results = evaluation.evaluate(
         model, params, task, num_samples=config.eval_samples, temperature=config.temperature,
@@ -207,7 +205,7 @@ def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.T
         prompt_truncation=config.prompt_truncation, prompt_bucket=prompt_bucket, top_k=config.top_k,
         top_p=config.top_p, min_p=config.min_p, seed=config.seed, on_reward_error=config.on_reward_error,
         progress=False, mesh=mesh)
-    return {**{f"eval_{name}": value for name, value in results.items()}, "eval_seconds": time.perf_counter() - started}
+    return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
 
 def _placement(config: TrainConfig, *, mesh: jax.sharding.Mesh | None, rollout_mesh: jax.sharding.Mesh | None,

@@ -15,7 +15,7 @@ from tensorboardX.proto import event_pb2
 
 from jaxrl_llm.rewards.combine import RewardResult
 from jaxrl_llm.runs import records
-from jaxrl_llm.training.collect import Rollouts, ScoredRound
+from jaxrl_llm.rollouts import Rollouts, ScoredRound
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import transformers
 
-from jaxrl_llm import algorithms, models, sampling, tasks, training
+from jaxrl_llm import algorithms, models, rollouts, sampling, tasks, training
 from jaxrl_llm.tasks.text import from_jsonl
 from tests.models.hf_fixtures import tiny_hf_model
 from tests.tasks.fixtures import chat_tokenizer
@@ -108,7 +108,7 @@ def test_prompts_of_spread_lengths_trace_each_half_a_bounded_number_of_times():
     model, params = _tiny_model(tokenizer, max_positions=80)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=64)
     _, history = training.train(model, params, algorithms.GRPO, run, steps=20, task=task)
-    widths = {training.collect.prompt_width(length, bucket=8, max_length=64) for length in range(5, 61)}
+    widths = {rollouts.prompt_width(length, bucket=8, max_length=64) for length in range(5, 61)}
     assert widths == {8, 16, 32, 64}
     assert history[-1]["score_traces"] <= len(widths) and history[-1]["update_traces"] <= len(widths)
     assert history[-1]["score_traces"] >= 3  # the prompts did spread over the widths
