@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import tyro
 
-from jaxrl_llm import algorithms, host, rewards, training
+from jaxrl_llm import algorithms, distributed, host, rewards, training
 from jaxrl_llm.runs import build, config as run_config, run
 
 PROG = "jaxrl-llm"
@@ -130,8 +130,6 @@ def _connect(args: argparse.Namespace) -> None:
             raise UsageError(f"--local-device-ids must be comma-separated integers; got "
                              f"{args.local_device_ids!r}.") from None
     if args.distributed or any(value is not None for value in given.values()):
-        from jaxrl_llm import distributed
-
         distributed.initialize(**given)
 
 

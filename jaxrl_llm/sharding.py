@@ -3,7 +3,7 @@
 **Meshes and rules.** :func:`make_mesh` builds a mesh over the named axes ``data``,
 ``fsdp`` and ``tensor``. A rules table (:data:`RULES`) maps the model's logical axis names
 (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``norm``; see
-:func:`jaxrl_llm.models.logical_axes`) to mesh axes, and :func:`param_shardings` /
+:func:`logical_axes`) to mesh axes, and :func:`param_shardings` /
 :func:`state_shardings` turn it into the ``NamedSharding`` of every parameter and of the
 whole :class:`~jaxrl_llm.training.TrainState` (optimizer moments follow their
 parameters through ``optax.tree_utils.tree_map_params``):
@@ -40,7 +40,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import Any
+
 import jax
+import optax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA = "data"
@@ -134,12 +138,17 @@ def spec_for(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, rules: 
     return PartitionSpec(*spec)
 
 
+def logical_axes(params) -> Any:
+    """The pytree of ``PartitionSpec``s of logical axis names, one per parameter: the names
+    the model's layers give their params (``nnx`` sharding metadata), which :data:`RULES`
+    map to mesh axes."""
+    return nnx.get_partition_spec(params)
+
+
 def param_shardings(params, mesh: Mesh, rules: Rules):
     """The ``NamedSharding`` of each parameter of a model's params (arrays or
-    ``jax.ShapeDtypeStruct``), by its logical axis names and ``rules``."""
-    from jaxrl_llm import models  # models imports sharding
-
-    logical = models.logical_axes(params)
+    ``jax.ShapeDtypeStruct``), by its logical axis names (:func:`logical_axes`) and ``rules``."""
+    logical = logical_axes(params)
     return jax.tree.map(lambda names, leaf: NamedSharding(mesh, spec_for(names, leaf.shape, mesh, rules)),
                         logical, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -151,8 +160,6 @@ def state_shardings(state, mesh: Mesh, rules: Rules, *, optimizer, critic_optimi
     to (``optax.tree_utils.tree_map_params`` with the ``optimizer`` that made them, and
     ``critic_optimizer`` for the critic's), everything else (step counts,
     hyperparameters, PRNG key, counters, running baseline) whole on every device."""
-    import optax  # noqa: PLC0415
-
     whole = replicated(mesh)
     policy = param_shardings(state.params, mesh, rules)
 

@@ -27,7 +27,6 @@ from jaxrl_llm.models.functional import (
     hidden_states,
     init,
     init_cache,
-    logical_axes,
     logits_from_hidden,
     output_kernel,
     prefill,
@@ -36,6 +35,7 @@ from jaxrl_llm.models.functional import (
 )
 from jaxrl_llm.models.hf import from_pretrained, save_pretrained
 from jaxrl_llm.models.tokenizer import load_tokenizer, save_tokenizer
+from jaxrl_llm.sharding import logical_axes  # the names the params carry: the sharding rules' keys
 
 __all__ = [
     "ARCHITECTURES", "EXECUTION_OPTIONS", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract",

@@ -96,11 +96,6 @@ def with_options(model: Model, **options: Any) -> Model:
     return abstract(config)[0]
 
 
-def logical_axes(params: Params) -> Any:
-    """The pytree of ``PartitionSpec``s of logical axis names, one per parameter."""
-    return nnx.get_partition_spec(params)
-
-
 def _inputs(fn: str, model: Model, tokens, attention_mask, positions):
     """Validated ``[B, S]`` ids, bool mask (default all ones) and positions (default: each
     row's first real token at 0). Values are checked only when concrete (see the module)."""

@@ -40,7 +40,7 @@ import typing
 from collections.abc import Sequence
 from typing import Literal
 
-from jaxrl_llm import _checks, algorithms, training
+from jaxrl_llm import _checks, algorithms, sharding, training
 
 CONFIG_DIRECTORY = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 """Where ``--config NAME`` looks for ``NAME.toml`` (after the current directory's
@@ -255,8 +255,6 @@ class MeshSpec:
 
     def build(self):
         """The ``jax.sharding.Mesh``, or ``None`` for one device."""
-        from jaxrl_llm import sharding
-
         if self.data is None and self.fsdp is None and self.tensor is None:
             return None
         return sharding.make_mesh(data=self.data, fsdp=self.fsdp, tensor=self.tensor)

@@ -50,9 +50,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
+from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from jaxrl_llm.training.collect import ScoredRound
+    from jaxrl_llm.rollouts import ScoredRound
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -159,7 +160,7 @@ def sample_rows(scored_round: ScoredRound, *, step: int, max_prompts: int) -> li
     """The completions of the first ``max_prompts`` prompts of a round, as JSON-ready rows.
 
     Args:
-      scored_round: a :class:`~jaxrl_llm.training.collect.ScoredRound` of ``P`` prompts
+      scored_round: a :class:`~jaxrl_llm.rollouts.ScoredRound` of ``P`` prompts
         and ``R = P G`` completions, prompt ``i``'s in rows ``i G .. (i + 1) G - 1``.
       step: the train step the round belongs to.
       max_prompts: how many prompts' groups to keep (all ``G`` completions of each).
@@ -420,8 +421,6 @@ class RunRecorder:
             if progress is None:
                 progress = _is_terminal(self._stream)
             if progress:
-                from tqdm import tqdm
-
                 self._bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
                                  file=self._stream, dynamic_ncols=True)
         except BaseException:
