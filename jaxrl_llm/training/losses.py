@@ -1,9 +1,12 @@
 r"""The losses of a train step on rows of a scored batch, and the teacher-forced passes they run.
 
-Every pass reads the model at the completion tokens only: the hidden states before each
-completion token (each prompt run once for its group when ``TrainConfig.share_prompts``,
+A train step reads its policy through :class:`TeacherForcing`: the states before each
+completion token, the output head, log-probs and per-token KLs from them, and the critic's
+values. :class:`DecoderTeacherForcing` is the language model's: the hidden states before
+each completion token (each prompt run once for its group when ``TrainConfig.share_prompts``,
 :func:`jaxrl_llm.models.group_completion_hidden_states`), then log-probs chunked over the
-tokens from the output projection as stored (a tied embedding stays ``[V, E]``).
+tokens from the output projection as stored (a tied embedding stays ``[V, E]``). Another
+policy (``experiments/toy_digits.py``'s MLP) brings its own and trains with the same step.
 
 :func:`policy_loss` is the method's loss (:func:`jaxrl_llm.algorithms.policy_loss`) at
 params :math:`\theta`, with :math:`\log\pi_{old} = \operatorname{sg}(\log\pi_\theta)` when
@@ -11,6 +14,9 @@ the step is on-policy (:func:`is_on_policy`); :func:`critic_loss` is PPO's value
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
 
 import jax
 
@@ -20,6 +26,64 @@ from jaxrl_llm.training import critic
 from jaxrl_llm.training.batch import Batch, ScoredBatch
 from jaxrl_llm.training.config import TrainConfig
 
+Rows = Batch | ScoredBatch
+
+
+class TeacherForcing(Protocol):
+    """How a train step runs its policy (and critic) over a batch's given completions."""
+
+    def states(self, params: Any, rows: Rows) -> jax.Array:
+        """``[b, N, ...]``: what the output head reads before each completion token."""
+
+    def head(self, params: Any) -> Any:
+        """The part of ``params`` that maps states to logits."""
+
+    def logprobs(self, states: jax.Array, head: Any, rows: Rows, *, with_entropy: bool = False):
+        """``[b, N]`` log-probs of the completion tokens (and ``[b, N]`` entropies)."""
+
+    def categorical_kl(self, states: jax.Array, head: Any, other_states: jax.Array, other_head: Any) -> jax.Array:
+        """``[b, N]``: the exact KL of the first distribution from the second at each token."""
+
+    def values(self, critic_params: Any, rows: Rows) -> jax.Array:
+        """``[b, N]``: the critic's value before each completion token."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderTeacherForcing:
+    """:class:`TeacherForcing` of a :class:`jaxrl_llm.models.Model` with a run's settings."""
+
+    model: models.Model
+    config: TrainConfig
+
+    def states(self, params: models.Params, rows: Rows) -> jax.Array:
+        """``[b, N, E]`` hidden states before each completion token (each prompt once if shared)."""
+        return models.group_completion_hidden_states(self.model, params, rows.prompt_tokens, rows.prompt_mask,
+                                                     rows.completion_tokens, share_prompts=self.config.share_prompts)
+
+    def head(self, params: models.Params) -> jax.Array:
+        """The output projection as stored: a tied embedding stays ``[V, E]`` (no transposed copy)."""
+        return models.output_kernel(self.model, params, as_stored=True)
+
+    def _options(self) -> dict:
+        return dict(chunk_size=self.config.chunk_size, temperature=self.config.temperature)
+
+    def logprobs(self, states: jax.Array, head: jax.Array, rows: Rows, *, with_entropy: bool = False):
+        """:func:`jaxrl_llm.ops.chunked_token_logprobs` of the completion tokens."""
+        return ops.chunked_token_logprobs(states, head, rows.completion_tokens,
+                                          transposed_kernel=self.model.config.tie_word_embeddings, **self._options(),
+                                          with_entropy=with_entropy)
+
+    def categorical_kl(self, states: jax.Array, head: jax.Array, other_states: jax.Array,
+                       other_head: jax.Array) -> jax.Array:
+        """:func:`jaxrl_llm.ops.chunked_categorical_kl` over the vocabulary, ``[b, N]``."""
+        return ops.chunked_categorical_kl(states, head, other_states, other_head,
+                                          transposed_kernels=self.model.config.tie_word_embeddings, **self._options())
+
+    def values(self, critic_params: critic.CriticParams, rows: Rows) -> jax.Array:
+        """:func:`jaxrl_llm.training.critic.completion_values`, ``[b, N]``."""
+        return critic.completion_values(self.model, critic_params, rows.prompt_tokens, rows.prompt_mask,
+                                        rows.completion_tokens, share_prompts=self.config.share_prompts)
+
 
 def is_on_policy(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
     """Whether the step's one gradient is taken at the params that sampled the batch
@@ -27,48 +91,15 @@ def is_on_policy(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
     return algorithm.num_iterations * config.num_minibatches == 1
 
 
-def logprob_options(config: TrainConfig) -> dict:
-    """The options of every chunked log-prob and KL pass of the run."""
-    return dict(chunk_size=config.chunk_size, temperature=config.temperature)
-
-
-def output_kernel(model: models.Model, params: models.Params) -> jax.Array:
-    """The output projection as stored: a tied embedding stays ``[V, E]`` (no transposed copy)."""
-    return models.output_kernel(model, params, as_stored=True)
-
-
-def completion_hidden_states(model: models.Model, params: models.Params, rows: Batch | ScoredBatch, *,
-                             config: TrainConfig) -> jax.Array:
-    """``[b, N, E]`` states before each completion token (each prompt once if shared)."""
-    return models.group_completion_hidden_states(model, params, rows.prompt_tokens, rows.prompt_mask,
-                                                 rows.completion_tokens, share_prompts=config.share_prompts)
-
-
-def completion_logprobs(model: models.Model, params: models.Params, hidden: jax.Array, rows: Batch | ScoredBatch,
-                        *, config: TrainConfig, **options):
-    """``[b, N]`` log-probs of the completion tokens from ``hidden`` ``[b, N, E]``
-    (:func:`jaxrl_llm.ops.chunked_token_logprobs`; ``options`` such as ``with_entropy``)."""
-    return ops.chunked_token_logprobs(hidden, output_kernel(model, params), rows.completion_tokens,
-                                      transposed_kernel=model.config.tie_word_embeddings, **logprob_options(config),
-                                      **options)
-
-
-def completion_values(model: models.Model, critic_params: critic.CriticParams, rows: Batch | ScoredBatch, *,
-                      config: TrainConfig) -> jax.Array:
-    """``[b, N]``: the critic's value before each completion token."""
-    return critic.completion_values(model, critic_params, rows.prompt_tokens, rows.prompt_mask,
-                                    rows.completion_tokens, share_prompts=config.share_prompts)
-
-
-def policy_loss(params: models.Params, rows: ScoredBatch, *, model: models.Model, algorithm: algorithms.Algorithm,
-                config: TrainConfig, old_logp: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+def policy_loss(params, rows: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
+                on_policy: bool, old_logp: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
     """``(loss, metrics)`` of the method on some rows at ``params``; ``old_logp`` ``[b, N]``
-    overrides the rows'. Runs with a reference also report ``kl_k3`` (k3 to the reference)."""
+    overrides the rows' (and ``on_policy``). Runs with a reference also report ``kl_k3``
+    (k3 to the reference)."""
     n = rows.completion_tokens.shape[1]
-    logp, entropy = completion_logprobs(model, params, completion_hidden_states(model, params, rows, config=config),
-                                        rows, config=config, with_entropy=True)
+    logp, entropy = policy.logprobs(policy.states(params, rows), policy.head(params), rows, with_entropy=True)
     if old_logp is None:
-        old_logp = jax.lax.stop_gradient(logp) if is_on_policy(algorithm, config) else rows.old_logp
+        old_logp = jax.lax.stop_gradient(logp) if on_policy else rows.old_logp
     if algorithm.entropy_coef == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only
     loss, metrics = algorithms.policy_loss(algorithm, logp, old_logp, rows.advantages, rows.completion_mask,
@@ -78,8 +109,8 @@ def policy_loss(params: models.Params, rows: ScoredBatch, *, model: models.Model
     return loss, metrics
 
 
-def critic_loss(critic_params: critic.CriticParams, rows: ScoredBatch, *, model: models.Model,
-                algorithm: algorithms.Algorithm, config: TrainConfig) -> tuple[jax.Array, Metrics]:
+def critic_loss(critic_params, rows: ScoredBatch, *, policy: TeacherForcing,
+                algorithm: algorithms.Algorithm) -> tuple[jax.Array, Metrics]:
     """``(loss, metrics)``: the clipped value loss (:func:`jaxrl_llm.objectives.value_loss`)."""
-    return objectives.value_loss(completion_values(model, critic_params, rows, config=config), rows.old_values,
-                                 rows.returns, rows.completion_mask, clip=algorithm.value_clip)
+    return objectives.value_loss(policy.values(critic_params, rows), rows.old_values, rows.returns,
+                                 rows.completion_mask, clip=algorithm.value_clip)

@@ -59,12 +59,15 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def init_state(model: models.Model, params: models.Params, algorithm: algorithms.Algorithm, config: TrainConfig,
-               *, ref_params: models.Params | None = None, copy_reference: bool = True) -> TrainState:
+def init_state(model: models.Model | None, params: models.Params, algorithm: algorithms.Algorithm,
+               config: TrainConfig, *, ref_params: models.Params | None = None, copy_reference: bool = True,
+               critic_params: Any = None) -> TrainState:
     """The state at step 0: policy and reference copied from ``params`` (or the given
-    ``ref_params``), a critic initialised from the policy when the method has one. The
-    reference is ``None`` when the run does not use one (:func:`uses_reference`); then
-    ``ref_params`` must not be given.
+    ``ref_params``), a critic when the method has one: ``critic_params``, by default
+    initialised from the policy (:func:`jaxrl_llm.training.critic.init_critic`; another
+    policy than ``model``'s brings its own, with ``model=None``). The reference is ``None``
+    when the run does not use one (:func:`uses_reference`); then ``ref_params`` must not be
+    given.
 
     ``copy_reference=False`` makes the reference ``ref_params`` (or ``params``) itself,
     not a copy: one params-sized buffer less (2 GB at 0.5B parameters in float32). Then
@@ -72,7 +75,12 @@ def init_state(model: models.Model, params: models.Params, algorithm: algorithms
     (``update`` never reads it); donating it would delete the caller's arrays."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     optimizers = run_optimizers(algorithm, config, decay_steps=1)
-    critic_params = critic.init_critic(model, params) if algorithm.needs_critic else None
+    if not algorithm.needs_critic:
+        critic_params = None
+    elif critic_params is None:
+        critic_params = critic.init_critic(model, params)
+    else:
+        critic_params = _copy(critic_params)
     with_reference = uses_reference(algorithm, config)
     if ref_params is not None and not with_reference:
         raise ValueError(f"init_state: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "

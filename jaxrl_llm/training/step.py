@@ -66,6 +66,7 @@ from jaxrl_llm.training import losses
 from jaxrl_llm.training.accumulation import accumulate_gradients
 from jaxrl_llm.training.batch import Batch, ScoredBatch, micro_batches, rows_with_own_prompts
 from jaxrl_llm.training.config import TrainConfig
+from jaxrl_llm.training.losses import TeacherForcing
 from jaxrl_llm.training.optim import (RunOptimizers, apply_update_if, decay_steps_of_run, learning_rate_in,
                                      run_optimizers, update_is_finite)
 from jaxrl_llm.training.state import TrainState, uses_reference
@@ -114,31 +115,28 @@ def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
     )
 
 
-def score(state: TrainState, batch: Batch, *, model: models.Model, algorithm: algorithms.Algorithm,
+def score(state: TrainState, batch: Batch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
           config: TrainConfig) -> tuple[ScoredBatch, Metrics]:
     """The batch with its old and reference log-probs, values and advantages, and the
     metrics of scoring it (the advantages', ``kl_exact``)."""
     mask = batch.completion_mask
     metrics = {}
-    ref_logp = ref_hidden = policy_hidden = None
+    ref_logp = ref_states = policy_states = None
     if uses_reference(algorithm, config):
-        ref_hidden = losses.completion_hidden_states(model, state.ref_params, batch, config=config)  # [B, N, E]
-        ref_logp = losses.completion_logprobs(model, state.ref_params, ref_hidden, batch, config=config)
+        ref_states = policy.states(state.ref_params, batch)  # [B, N, ...]
+        ref_logp = policy.logprobs(ref_states, policy.head(state.ref_params), batch)
     if losses.is_on_policy(algorithm, config) or algorithm.update == "trpo" or not algorithm.needs_old_logp:
         old_logp = batch.sampling_logp  # TRPO recomputes its own in `update`
     else:
-        policy_hidden = losses.completion_hidden_states(model, state.params, batch, config=config)
-        old_logp = losses.completion_logprobs(model, state.params, policy_hidden, batch, config=config)
+        policy_states = policy.states(state.params, batch)
+        old_logp = policy.logprobs(policy_states, policy.head(state.params), batch)
     if config.exact_kl:
-        if policy_hidden is None:
-            policy_hidden = losses.completion_hidden_states(model, state.params, batch, config=config)
-        per_token = ops.chunked_categorical_kl(
-            policy_hidden, losses.output_kernel(model, state.params), ref_hidden,
-            losses.output_kernel(model, state.ref_params), transposed_kernels=model.config.tie_word_embeddings,
-            **losses.logprob_options(config))  # [B, N]
+        if policy_states is None:
+            policy_states = policy.states(state.params, batch)
+        per_token = policy.categorical_kl(policy_states, policy.head(state.params), ref_states,
+                                          policy.head(state.ref_params))  # [B, N]
         metrics["kl_exact"] = ops.masked_mean(per_token, mask)
-    old_values = losses.completion_values(model, state.critic_params, batch, config=config) if (
-        algorithm.needs_critic) else None
+    old_values = policy.values(state.critic_params, batch) if algorithm.needs_critic else None
     advantages, returns, baseline = algorithms.compute_advantages(
         algorithm, batch.rewards, mask, group_size=config.group_size, logp=old_logp, ref_logp=ref_logp,
         values=old_values, baseline=state.baseline)
@@ -151,24 +149,25 @@ def score(state: TrainState, batch: Batch, *, model: models.Model, algorithm: al
     return scored, metrics
 
 
-def _value_and_grads(params, critic_params, rows: ScoredBatch, *, model, algorithm, config):
+def _value_and_grads(params, critic_params, rows: ScoredBatch, *, policy: TeacherForcing,
+                     algorithm: algorithms.Algorithm, on_policy: bool):
     """The policy's ``(loss, metrics, grads)`` on ``rows``, then the critic's if the method has one."""
-    loss_options = dict(model=model, algorithm=algorithm, config=config)
-    (loss, metrics), grads = jax.value_and_grad(losses.policy_loss, has_aux=True)(params, rows, **loss_options)
+    (loss, metrics), grads = jax.value_and_grad(losses.policy_loss, has_aux=True)(
+        params, rows, policy=policy, algorithm=algorithm, on_policy=on_policy)
     if not algorithm.needs_critic:
         return ((loss, metrics, grads),)
     (value_loss, critic_metrics), critic_grads = jax.value_and_grad(losses.critic_loss, has_aux=True)(
-        critic_params, rows, **loss_options)
+        critic_params, rows, policy=policy, algorithm=algorithm)
     return (loss, metrics, grads), (value_loss, critic_metrics, critic_grads)
 
 
-def minibatch_gradients(params, critic_params, rows: ScoredBatch, *, model: models.Model,
+def minibatch_gradients(params, critic_params, rows: ScoredBatch, *, policy: TeacherForcing,
                         algorithm: algorithms.Algorithm, config: TrainConfig):
     """``((loss, metrics, grads), critic)`` of one optimizer step's rows, ``critic`` the
     critic's ``(loss, metrics, grads)`` or None, over ``config.num_micro_batches`` passes
     (:func:`jaxrl_llm.training.accumulation.accumulate_gradients`; the value loss is a token mean)."""
-    value_and_grads = functools.partial(_value_and_grads, params, critic_params, model=model, algorithm=algorithm,
-                                        config=config)
+    value_and_grads = functools.partial(_value_and_grads, params, critic_params, policy=policy, algorithm=algorithm,
+                                        on_policy=losses.is_on_policy(algorithm, config))
     if config.num_micro_batches == 1:
         results = value_and_grads(rows)
     else:
@@ -190,14 +189,14 @@ class _Carry(NamedTuple):
     skipped: jax.Array  # [] int32: the state's skipped_updates so far
 
 
-def _minibatch_step(carry: _Carry, indices: jax.Array, *, scored: ScoredBatch, model: models.Model,
+def _minibatch_step(carry: _Carry, indices: jax.Array, *, scored: ScoredBatch, policy: TeacherForcing,
                     algorithm: algorithms.Algorithm, config: TrainConfig,
                     optimizers: RunOptimizers) -> tuple[_Carry, Metrics]:
     """One optimizer step on the rows ``indices`` ``[b]`` of ``scored`` (all of it, in
     order, with one minibatch), policy and critic together, or none if not finite."""
     params, opt_state, critic_params, critic_opt_state, skipped = carry
     rows = scored if config.num_minibatches == 1 else rows_with_own_prompts(scored, indices)
-    (loss, metrics, grads), critic = minibatch_gradients(params, critic_params, rows, model=model,
+    (loss, metrics, grads), critic = minibatch_gradients(params, critic_params, rows, policy=policy,
                                                          algorithm=algorithm, config=config)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & update_is_finite(
@@ -227,7 +226,7 @@ def _reduce(metrics: Metrics) -> Metrics:
     return {name: reduce(name, values) for name, values in metrics.items()}
 
 
-def optax_update(state: TrainState, scored: ScoredBatch, *, model: models.Model, algorithm: algorithms.Algorithm,
+def optax_update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
                  config: TrainConfig, optimizers: RunOptimizers) -> tuple[TrainState, Metrics]:
     """``num_iterations`` passes over ``scored`` in shuffled minibatches (in order when there
     is one), one optimizer step each, in one ``lax.scan``; the metrics are their means
@@ -240,7 +239,7 @@ def optax_update(state: TrainState, scored: ScoredBatch, *, model: models.Model,
         keys = jax.random.split(shuffle_key, algorithm.num_iterations)
         permutations = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(keys)  # [mu, B]
         order = permutations.reshape(algorithm.num_iterations * config.num_minibatches, -1)  # [mu * M, B / M]
-    one_step = functools.partial(_minibatch_step, scored=scored, model=model, algorithm=algorithm, config=config,
+    one_step = functools.partial(_minibatch_step, scored=scored, policy=policy, algorithm=algorithm, config=config,
                                  optimizers=optimizers)
     carry = _Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state, state.skipped_updates)
     carry, metrics = jax.lax.scan(one_step, carry, order)
@@ -253,15 +252,15 @@ def optax_update(state: TrainState, scored: ScoredBatch, *, model: models.Model,
     return state, _reduce(metrics)
 
 
-def update(state: TrainState, scored: ScoredBatch, *, model: models.Model, algorithm: algorithms.Algorithm,
+def update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
            config: TrainConfig, optimizers: RunOptimizers) -> tuple[TrainState, Metrics]:
     """The state after training on ``scored``: past the rollout's key, with the batch's
     baseline and prompt count, then :func:`optax_update` or TRPO's step."""
     key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
     state = state._replace(key=key, baseline=scored.baseline, prompts_drawn=state.prompts_drawn + scored.prompts_drawn)
     if algorithm.update == "trpo":
-        return trpo_update(state, scored, model=model, algorithm=algorithm, config=config)
-    return optax_update(state, scored, model=model, algorithm=algorithm, config=config, optimizers=optimizers)
+        return trpo_update(state, scored, policy=policy, algorithm=algorithm)
+    return optax_update(state, scored, policy=policy, algorithm=algorithm, config=config, optimizers=optimizers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,9 +271,12 @@ class TrainStep:
     update: Callable[[TrainState, ScoredBatch], tuple[TrainState, Metrics]]
 
 
-def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config: TrainConfig, *,
+def make_train_step(model: models.Model | TeacherForcing, algorithm: algorithms.Algorithm, config: TrainConfig, *,
                     total_steps: int | None = None) -> TrainStep:
     """:func:`score` and :func:`update` bound to one (model, method, config).
+
+    ``model``: the language model (:class:`jaxrl_llm.models.Model`), or any policy's
+    :class:`~jaxrl_llm.training.losses.TeacherForcing` (the toy experiment's MLP).
 
     ``total_steps``: the run's train steps (rollout batches), counted from step 0 (a
     resumed run counts those before it). A decaying ``config.lr_schedule`` with
@@ -284,6 +286,7 @@ def make_train_step(model: models.Model, algorithm: algorithms.Algorithm, config
     check_supported(algorithm, config)
     optimizers = run_optimizers(algorithm, config,
                                 decay_steps=decay_steps_of_run(algorithm, config, total_steps))
-    run = dict(model=model, algorithm=algorithm, config=config)
+    policy = losses.DecoderTeacherForcing(model, config) if isinstance(model, models.Model) else model
+    run = dict(policy=policy, algorithm=algorithm, config=config)
     return TrainStep(score=functools.partial(score, **run),
                      update=functools.partial(update, **run, optimizers=optimizers))

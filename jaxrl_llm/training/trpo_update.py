@@ -13,43 +13,37 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import algorithms, models, ops, trpo
+from jaxrl_llm import algorithms, ops, trpo
 from jaxrl_llm.objectives import Metrics
-from jaxrl_llm.training import losses
 from jaxrl_llm.training.batch import ScoredBatch
-from jaxrl_llm.training.config import TrainConfig
+from jaxrl_llm.training.losses import TeacherForcing, policy_loss
 from jaxrl_llm.training.state import TrainState
 
 
-def trpo_update(state: TrainState, scored: ScoredBatch, *, model: models.Model, algorithm: algorithms.Algorithm,
-                config: TrainConfig) -> tuple[TrainState, Metrics]:
+def trpo_update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForcing,
+                algorithm: algorithms.Algorithm) -> tuple[TrainState, Metrics]:
     """The state after one natural-gradient step on ``scored``, and the step's metrics
     (the loss's after the step, ``trpo_*`` from the solver, ``grad_norm``, and the step
     size as ``learning_rate``). A non-finite gradient counts as a skipped update; a
     candidate with a non-finite parameter, KL or surrogate is rejected by the line search
     and the params stay."""
-    tied = model.config.tie_word_embeddings
     old_params = state.params
-    old_hidden = jax.lax.stop_gradient(losses.completion_hidden_states(model, old_params, scored, config=config))
-    old_kernel = jax.lax.stop_gradient(losses.output_kernel(model, old_params))
-    old_logp = ops.chunked_token_logprobs(old_hidden, old_kernel, scored.completion_tokens,
-                                          transposed_kernel=tied, **losses.logprob_options(config))
+    old_states = jax.lax.stop_gradient(policy.states(old_params, scored))
+    old_head = jax.lax.stop_gradient(policy.head(old_params))
+    old_logp = policy.logprobs(old_states, old_head, scored)
 
     def surrogate(params):
-        return losses.policy_loss(params, scored, model=model, algorithm=algorithm, config=config,
-                                  old_logp=old_logp)[0]
+        return policy_loss(params, scored, policy=policy, algorithm=algorithm, on_policy=False, old_logp=old_logp)[0]
 
     def kl_from_old(params):  # exact mean KL(pi_old || pi_params) over the batch's completion states
-        per_token = ops.chunked_categorical_kl(
-            old_hidden, old_kernel, losses.completion_hidden_states(model, params, scored, config=config),
-            losses.output_kernel(model, params), transposed_kernels=tied, **losses.logprob_options(config))
+        per_token = policy.categorical_kl(old_states, old_head, policy.states(params, scored), policy.head(params))
         return ops.masked_mean(per_token, scored.completion_mask)
 
     params, info = trpo.natural_gradient_step(
         old_params, surrogate_fn=surrogate, kl_fn=kl_from_old, max_kl=algorithm.max_kl, damping=algorithm.cg_damping,
         cg_iters=algorithm.cg_iters, backtrack_coef=algorithm.backtrack_coef, max_backtracks=algorithm.max_backtracks)
-    _, metrics = losses.policy_loss(params, scored, model=model, algorithm=algorithm, config=config,
-                                    old_logp=old_logp)  # diagnostics after the step
+    _, metrics = policy_loss(params, scored, policy=policy, algorithm=algorithm, on_policy=False,
+                             old_logp=old_logp)  # diagnostics after the step
     metrics.update({f"trpo_{name}": value.astype(jnp.float32) for name, value in info.items()})
     finite = jnp.isfinite(info["grad_norm"])
     # theta' = theta + step_size * s, s the natural-gradient direction: its learning rate.
