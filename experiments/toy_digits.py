@@ -9,22 +9,19 @@ Policy: a tiny autoregressive MLP over 11 tokens (digits and EOS),
 and scored in parallel with teacher forcing, so the sampled and recomputed log-probs of
 a response are the same numbers.
 
-Each step is one jitted function, built once per method: sample ``G`` completions for
-``P`` prompts, score them, compute advantages, then ``num_iterations`` optax updates of
-the policy loss (or one TRPO natural-gradient step). Policy, old and reference
-parameters are separate immutable pytrees.
-
-The RL math is the library's, for every preset; this file owns only the model, the
-sampler and the task's reward. Advantages come from ``algorithms.compute_advantages``
-(sequence estimators; per-token GAE with a critic for PPO; REINFORCE++'s returns to go
-whitened over the batch's tokens; the k1 KL-in-reward penalty), fed the ``[B, T]``
-completion mask, the sampling and reference log-probs and the critic's values built
-here. The loss is ``algorithms.policy_loss`` (objective, KL and entropy terms), the
-critic's ``objectives.value_loss``, TRPO's step ``trpo.natural_gradient_step``, DAPO's
-shaping ``rewards.length.overlong_penalty`` with ``training.fit_overlong_buffer``.
-DAPO's dynamic sampling keeps the LM trainer's rule (``training.collect``: groups whose
-task rewards are all equal become padding rows before the advantages) but, to stay
-inside the jit, does not refill the batch.
+This file owns only the model, the sampler and the task's reward. The train step is the
+library's, the one that trains the language model: :func:`jaxrl_llm.training.make_train_step`
+reads the MLP through :class:`MLPTeacherForcing` (its
+:class:`jaxrl_llm.training.losses.TeacherForcing`), and its ``score`` and ``update`` give the
+advantages (``algorithms.compute_advantages``), the loss (``algorithms.policy_loss``), the
+critic's value loss, TRPO's natural-gradient step and the optimizer
+(``training.optim.make_optimizer``) on a :class:`jaxrl_llm.training.TrainState`. Each step is
+one jitted function, built once per method: sample ``G`` completions for ``P`` prompts,
+reward them, then ``score`` and ``update``. DAPO's shaping is
+``rewards.length.overlong_penalty`` with ``training.fit_overlong_buffer``; its dynamic
+sampling keeps the LM trainer's rule (``training.collect``: groups whose task rewards are
+all equal become padding rows before the advantages) but, to stay inside the jit, does
+not refill the batch.
 
 Run ``python experiments/toy_digits.py --help`` for options.
 """
@@ -39,10 +36,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import tyro
 
-from jaxrl_llm import _checks, advantages as adv_lib, algorithms, kl, objectives, ops, training, trpo
+from jaxrl_llm import _checks, algorithms, kl, ops, training
 from jaxrl_llm.rewards.length import overlong_penalty
 
 NUM_DIGITS = 10
@@ -71,7 +67,7 @@ class ToyConfig:
     hidden: int = 64
     """Width of the policy (and critic) MLP."""
     learning_rate: float = 1e-2
-    """Adam learning rate of the policy (and critic)."""
+    """Adam learning rate of the policy (and critic), from the first step (no warm-up)."""
     seed: int = 0
     """PRNG seed: initial params and every rollout derive from it."""
 
@@ -94,6 +90,14 @@ class ToyConfig:
         """The presets named by ``algorithms``."""
         return [algorithms.get(name) for name in self.algorithms]
 
+    def train_config(self) -> training.TrainConfig:
+        """The library's settings of the step: the batch, Adam at ``learning_rate`` for the
+        policy and the critic, and the reference kept for the ``kl_to_ref`` metric."""
+        return training.TrainConfig(num_prompts=self.num_prompts, group_size=self.group_size,
+                                    max_new_tokens=self.max_new_tokens, learning_rate=self.learning_rate,
+                                    critic_learning_rate=self.learning_rate, warmup_steps=1, seed=self.seed,
+                                    reference_metrics=True)
+
 
 # --- Model ----------------------------------------------------------------------------------
 
@@ -114,22 +118,59 @@ def init_mlp(key: jax.Array, *, hidden: int, max_len: int, outputs: int) -> Para
     }
 
 
-def mlp(params: Params, a: jax.Array, b: jax.Array, pos: jax.Array, prev: jax.Array) -> jax.Array:
-    """``[...]`` integer inputs -> ``[..., outputs]``."""
+def features(params: Params, a: jax.Array, b: jax.Array, pos: jax.Array, prev: jax.Array) -> jax.Array:
+    """``[...]`` integer inputs -> ``[..., hidden]``: what the output layer reads."""
     x = params["embed_a"][a] + params["embed_b"][b] + params["embed_pos"][pos] + params["embed_prev"][prev]
     leading = (1,) * (x.ndim - 1)  # biases broadcast over the leading axes explicitly
-    h = jnp.tanh(jnp.tanh(x) @ params["w_hidden"] + params["b_hidden"].reshape(*leading, -1))
-    return h @ params["w_out"] + params["b_out"].reshape(*leading, -1)
+    return jnp.tanh(jnp.tanh(x) @ params["w_hidden"] + params["b_hidden"].reshape(*leading, -1))
 
 
-def teacher_forced(params: Params, prompts: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Outputs at every position of given completions: ``[B, 2], [B, T] -> [B, T, outputs]``."""
+def output(h: jax.Array, head: Params) -> jax.Array:
+    """``[..., hidden] -> [..., outputs]`` with the output layer ``head`` (``w_out``, ``b_out``)."""
+    leading = (1,) * (h.ndim - 1)
+    return h @ head["w_out"] + head["b_out"].reshape(*leading, -1)
+
+
+def mlp(params: Params, a: jax.Array, b: jax.Array, pos: jax.Array, prev: jax.Array) -> jax.Array:
+    """``[...]`` integer inputs -> ``[..., outputs]``."""
+    return output(features(params, a, b, pos, prev), params)
+
+
+def teacher_forced_features(params: Params, prompts: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Features at every position of given completions: ``[B, 2], [B, T] -> [B, T, hidden]``."""
     batch, length = tokens.shape
     prev = jnp.concatenate([jnp.full((batch, 1), BOS), tokens[:, :-1]], axis=1)  # [B, T]
     pos = jnp.broadcast_to(jnp.arange(length)[None, :], (batch, length))  # [B, T]
     a = jnp.broadcast_to(prompts[:, :1], (batch, length))
     b = jnp.broadcast_to(prompts[:, 1:], (batch, length))
-    return mlp(params, a, b, pos, prev)
+    return features(params, a, b, pos, prev)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPTeacherForcing:
+    """How the library's train step reads the MLP policy and critic
+    (:class:`jaxrl_llm.training.losses.TeacherForcing`). A batch's prompts are its ``[P, 2]``
+    digit pairs, row ``b`` of the completions continuing prompt ``b // G``."""
+
+    def states(self, params: Params, rows) -> jax.Array:
+        group = rows.completion_tokens.shape[0] // rows.prompt_tokens.shape[0]
+        prompts = jnp.repeat(rows.prompt_tokens, group, axis=0)  # [b, 2]
+        return teacher_forced_features(params, prompts, rows.completion_tokens)  # [b, T, hidden]
+
+    def head(self, params: Params) -> Params:
+        return {"w_out": params["w_out"], "b_out": params["b_out"]}
+
+    def logprobs(self, states: jax.Array, head: Params, rows, *, with_entropy: bool = False):
+        logits = output(states, head)  # [b, T, V]
+        logp = ops.token_logprobs(logits, rows.completion_tokens)
+        return (logp, ops.entropy(logits)) if with_entropy else logp
+
+    def categorical_kl(self, states: jax.Array, head: Params, other_states: jax.Array,
+                       other_head: Params) -> jax.Array:
+        return kl.categorical(output(states, head), output(other_states, other_head))
+
+    def values(self, critic_params: Params, rows) -> jax.Array:
+        return output(self.states(critic_params, rows), critic_params)[..., 0]  # [b, T]
 
 
 class Rollout(NamedTuple):
@@ -167,127 +208,61 @@ def rewards_of(prompts: jax.Array, rollout: Rollout) -> jax.Array:
     return correct.astype(jnp.float32) + 0.5 * (correct & stops).astype(jnp.float32)
 
 
-# --- Train state and step ---------------------------------------------------------------------
+# --- Train step -------------------------------------------------------------------------------
 
 
-class TrainState(NamedTuple):
-    params: Params
-    opt_state: Any
-    ref_params: Params
-    critic_params: Params
-    critic_opt_state: Any
-    baseline: adv_lib.RunningMeanState
-    key: jax.Array
-    step: jax.Array
-
-
-def init_state(config: ToyConfig, algorithm: algorithms.Algorithm, optimizer) -> TrainState:
+def init_state(config: ToyConfig, algorithm: algorithms.Algorithm) -> training.TrainState:
+    """The library's train state of the MLP policy (and its critic), from ``config.seed``."""
+    # Three independent keys: initial weights drawn from the rollouts' key stream would be
+    # correlated with the first prompts and samples.
     policy_key, critic_key, run_key = jax.random.split(jax.random.key(config.seed), 3)
     params = init_mlp(policy_key, hidden=config.hidden, max_len=config.max_new_tokens, outputs=VOCAB)
     critic = init_mlp(critic_key, hidden=config.hidden, max_len=config.max_new_tokens, outputs=1)
-    return TrainState(
-        params=params,
-        opt_state=optimizer.init(params),
-        # The reference is the initial policy. It needs buffers of its own: the state is
-        # donated to the step, and one buffer cannot be donated twice.
-        ref_params=jax.tree.map(jnp.copy, params),
-        critic_params=critic,
-        critic_opt_state=optimizer.init(critic),
-        baseline=adv_lib.running_mean_init(),
-        key=run_key,
-        step=jnp.zeros((), jnp.int32),
-    )
+    state = training.init_state(None, params, algorithm, config.train_config(), critic_params=critic)
+    return state._replace(key=run_key)
 
 
-def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm, optimizer):
-    """Builds the pure step ``state -> (state, metrics)`` for one method."""
-    a = algorithm
+def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm):
+    """The pure step ``state -> (state, metrics)`` of one method: the toy's rollout and
+    rewards, then the library's ``score`` and ``update``."""
     num_prompts, group, length = config.num_prompts, config.group_size, config.max_new_tokens
+    step = training.make_train_step(MLPTeacherForcing(), algorithm, config.train_config())
 
-    def train_step(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
-        key, prompt_key, sample_key = jax.random.split(state.key, 3)
+    def train_step(state: training.TrainState) -> tuple[training.TrainState, dict[str, jax.Array]]:
+        prompt_key, sample_key = jax.random.split(training.rollout_key(state))
         prompts = jax.random.randint(prompt_key, (num_prompts, 2), 0, NUM_DIGITS)  # [P, 2]
-        prompts = jnp.repeat(prompts, group, axis=0)  # [B = P * G, 2], groups adjacent
-        old_params = state.params  # the snapshot that samples: immutable, so free
-        rollout = sample(old_params, prompts, sample_key, max_len=length)
-        mask = rollout.mask
-        task_rewards = rewards_of(prompts, rollout)  # [B]
+        rows_prompts = jnp.repeat(prompts, group, axis=0)  # [B = P * G, 2], groups adjacent
+        rollout = sample(state.params, rows_prompts, sample_key, max_len=length)
+        mask = rollout.mask > 0
+        task_rewards = rewards_of(rows_prompts, rollout)  # [B]
         rewards = task_rewards  # what the advantages see: plus DAPO's shaping, if any
-        if a.dynamic_sampling:
+        if algorithm.dynamic_sampling:
             # DAPO's filter, as in `training.collect`: a group whose *task* rewards are all
             # equal carries no signal (the overlong shaping does not count). Its rows become
-            # padding (all-zero mask) before the advantages, so they change no loss and no
+            # padding (all-False mask) before the advantages, so they change no loss and no
             # token statistic; this toy does not refill the batch, the LM trainer does.
             grouped = task_rewards.reshape(num_prompts, group)
             informative = jnp.repeat(jnp.max(grouped, 1) > jnp.min(grouped, 1), group)  # [B]
-            mask = mask * informative[:, None]
-        if a.overlong_buffer:
-            rewards = rewards + overlong_penalty(
-                rollout.lengths, max_len=length, buffer=a.overlong_buffer, penalty=a.overlong_penalty
-            )
-        # Sampling was at temperature 1 from old_params, so its log-probs are the old
-        # log-probs: no separate old-policy forward pass.
-        old_logp = rollout.logp
-        # The reference's logits serve the KL term (if any) and the KL-to-reference metric.
-        ref_logits = teacher_forced(state.ref_params, prompts, rollout.tokens)
-        ref_logp = ops.token_logprobs(ref_logits, rollout.tokens) * mask if a.needs_reference else None
-
-        # Advantages from the library, with the KL penalty in the reward where the method has
-        # one: sequence-level [B], or per token [B, T] (GAE, REINFORCE++).
-        critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
-        old_values = teacher_forced(critic_params, prompts, rollout.tokens)[..., 0] * mask if a.needs_critic else None
-        advantages, returns, baseline = algorithms.compute_advantages(
-            a, rewards, mask, group_size=group, logp=old_logp, ref_logp=ref_logp, values=old_values,
-            baseline=state.baseline)
-
-        def loss_fn(params):
-            logits = teacher_forced(params, prompts, rollout.tokens)
-            logp = ops.token_logprobs(logits, rollout.tokens)
-            entropy = ops.entropy(logits) if a.entropy_coef > 0 else None
-            return algorithms.policy_loss(
-                a, logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy, max_len=length
-            )
-
-        params, opt_state = state.params, state.opt_state
-        if a.update == "trpo":
-            old_logits = jax.lax.stop_gradient(teacher_forced(old_params, prompts, rollout.tokens))
-
-            def kl_fn(p):  # exact mean KL(pi_old || pi_p) over the batch's states
-                return ops.masked_mean(kl.categorical(old_logits, teacher_forced(p, prompts, rollout.tokens)), mask)
-
-            params, info = trpo.natural_gradient_step(
-                params, surrogate_fn=lambda p: loss_fn(p)[0], kl_fn=kl_fn, max_kl=a.max_kl, damping=a.cg_damping,
-                cg_iters=a.cg_iters, backtrack_coef=a.backtrack_coef, max_backtracks=a.max_backtracks,
-            )
-            _, metrics = loss_fn(params)  # diagnostics after the step, as the LM trainer reports them
-            metrics.update({f"trpo_{k}": v for k, v in info.items()})
-        else:
-            for _ in range(a.num_iterations):  # mu passes over the batch (static, unrolled)
-                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-                updates, opt_state = optimizer.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
-
-        if a.needs_critic:
-
-            def critic_loss(cp):
-                values = teacher_forced(cp, prompts, rollout.tokens)[..., 0]
-                return objectives.value_loss(values, old_values, returns, mask, clip=a.value_clip)
-
-            for _ in range(a.num_iterations):
-                (_, critic_metrics), grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params)
-                updates, critic_opt_state = optimizer.update(grads, critic_opt_state, critic_params)
-                critic_params = optax.apply_updates(critic_params, updates)
-            metrics.update(critic_metrics)
-
-        new_logits = teacher_forced(params, prompts, rollout.tokens)
+            mask = mask & informative[:, None]
+        if algorithm.overlong_buffer:
+            rewards = rewards + overlong_penalty(rollout.lengths, max_len=length, buffer=algorithm.overlong_buffer,
+                                                 penalty=algorithm.overlong_penalty)
+        batch = training.Batch(prompt_tokens=prompts, prompt_mask=jnp.ones(prompts.shape, bool),
+                               completion_tokens=rollout.tokens, completion_mask=mask, sampling_logp=rollout.logp,
+                               rewards=rewards, prompts_drawn=jnp.asarray(num_prompts, jnp.int32))
+        scored, score_metrics = step.score(state, batch)
+        state, metrics = step.update(state, scored)
+        policy = MLPTeacherForcing()
+        new_logits = output(policy.states(state.params, batch), state.params)
+        ref_logits = output(policy.states(state.ref_params, batch), state.ref_params)
         metrics.update(
+            score_metrics,
             reward=jnp.mean(task_rewards),
+            trained_rows=jnp.sum(jnp.any(mask, axis=1)),  # B, or fewer when dynamic sampling drops groups
             length=jnp.mean(rollout.lengths.astype(jnp.float32)),
-            kl_to_ref=ops.masked_mean(kl.categorical(new_logits, ref_logits), rollout.mask),
+            kl_to_ref=ops.masked_mean(kl.categorical(new_logits, ref_logits), rollout.mask > 0),
         )
-        new_state = TrainState(params, opt_state, state.ref_params, critic_params, critic_opt_state, baseline, key,
-                               state.step + 1)
-        return new_state, metrics
+        return state, metrics
 
     return train_step
 
@@ -316,9 +291,8 @@ def train(config: ToyConfig, algorithm: algorithms.Algorithm) -> dict[str, Any]:
         print(f"  ({algorithm.name}: overlong_buffer {algorithm.overlong_buffer} -> {fitted.overlong_buffer} tokens "
               f"for a {config.max_new_tokens}-token budget)")
         algorithm = fitted
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(config.learning_rate))
-    state = init_state(config, algorithm, optimizer)
-    step_fn = jax.jit(make_train_step(config, algorithm, optimizer), donate_argnums=0)
+    state = init_state(config, algorithm)
+    step_fn = jax.jit(make_train_step(config, algorithm), donate_argnums=0)
     initial_accuracy = greedy_accuracy(state.params, max_len=config.max_new_tokens)
     history = []
     start = time.perf_counter()

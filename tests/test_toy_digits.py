@@ -4,13 +4,12 @@ import re
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from experiments import toy_digits
 from jaxrl_llm import algorithms, training
 
-CONFIG = toy_digits.ToyConfig(steps=100, seed=0)
+CONFIG = toy_digits.ToyConfig(steps=150, seed=0)  # learning is stochastic: 150 steps (the default) leave a margin
 
 
 @pytest.mark.slow
@@ -29,14 +28,16 @@ def test_every_preset_learns(name):
     elif method.num_iterations == 1 and method.objective != "policy_gradient":
         # mu = 1: the single update is on-policy, so the ratio is 1 (to float32 rounding:
         # the sampler and the teacher-forced pass order their sums differently) and
-        # nothing clips.
+        # nothing clips. Checked on the last step that trained on any row (DAPO's dynamic
+        # sampling can leave none: then there is no ratio).
+        metrics = next(m for m in reversed(result["history"]) if m["trained_rows"] > 0)
         np.testing.assert_allclose([metrics["ratio_min"], metrics["ratio_max"]], 1.0, atol=1e-5)
         assert float(metrics["clip_fraction"]) == 0.0
 
 
 @pytest.mark.parametrize("name", list(algorithms.PRESETS))
 def test_the_step_takes_its_advantages_and_loss_from_the_library(name, monkeypatch):
-    """The toy is the functional core without the model: no private copy of the RL math.
+    """The toy trains with the library's train step: no private copy of the RL math.
     Its step must feed `compute_advantages`' output, unchanged, to `policy_loss`."""
     calls = {"compute_advantages": [], "policy_loss": []}
     for fn in calls:
@@ -47,9 +48,8 @@ def test_the_step_takes_its_advantages_and_loss_from_the_library(name, monkeypat
         monkeypatch.setattr(algorithms, fn, spy)
     config = toy_digits.ToyConfig(num_prompts=2, group_size=2, hidden=8)
     method = training.fit_overlong_buffer(algorithms.get(name), config.max_new_tokens)
-    optimizer = optax.sgd(0.1)
-    state = toy_digits.init_state(config, method, optimizer)
-    jax.eval_shape(toy_digits.make_train_step(config, method, optimizer), state)  # traces the whole step
+    state = toy_digits.init_state(config, method)
+    jax.eval_shape(toy_digits.make_train_step(config, method), state)  # traces the whole step
     (args, _, (advantages, _, _)), = calls["compute_advantages"]
     assert args[0] is method
     assert calls["policy_loss"] and all(loss_args[3] is advantages for loss_args, _, _ in calls["policy_loss"])
