@@ -197,8 +197,9 @@ def grpo(
         \mu_G = \frac1G \sum_{j=1}^G R_j, \qquad
         \sigma_G = \sqrt{\frac{1}{G - \text{ddof}} \sum_{j=1}^G (R_j - \mu_G)^2}
 
-    ``ddof=0`` is the spec's population standard deviation; ``ddof=1`` the sample
-    standard deviation of TRL, verl and Tunix. ``scale`` chooses :math:`\sigma`:
+    ``ddof=0`` is the population standard deviation, our default (Shao et al., 2024,
+    "DeepSeekMath", write :math:`\operatorname{std}(r)` without saying which); ``ddof=1`` the
+    sample standard deviation of TRL, verl and Tunix. ``scale`` chooses :math:`\sigma`:
 
     * ``"group"``: :math:`\sigma = \sigma_G`, per group (GRPO).
     * ``"batch"``: the standard deviation of all ``P * G`` rewards (group mean, batch

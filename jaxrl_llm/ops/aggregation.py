@@ -8,8 +8,8 @@ of algorithm (it decides how a response's length weighs on its gradient):
 mode                        loss                                                used by
 =========================== =================================================== =====================
 ``token-mean``              :math:`\sum_{i,t} m x / \sum_{i,t} m`               PPO, DAPO, CISPO
-``seq-mean-token-mean``     :math:`\frac1B \sum_i \frac{1}{|o_i|}\sum_t m x`    GRPO (spec), GSPO
-``seq-mean-token-sum``      :math:`\frac1B \sum_i \sum_t m x`                   PG, RLOO (spec)
+``seq-mean-token-mean``     :math:`\frac1B \sum_i \frac{1}{|o_i|}\sum_t m x`    GRPO, GSPO
+``seq-mean-token-sum``      :math:`\frac1B \sum_i \sum_t m x`                   PG, RLOO
 ``seq-mean-token-sum-norm`` :math:`\frac{1}{B\,L} \sum_{i,t} m x`               Dr. GRPO, TRL
 ``token-sum-norm``          :math:`\frac{1}{L} \sum_{i,t} m x`                  verl's "seq-mean-token-sum-norm"
 =========================== =================================================== =====================
@@ -68,8 +68,10 @@ def aggregate(
         \text{seq-mean-token-sum-norm} &= \frac{1}{B \cdot L}\sum_{i,t} m_{i,t} x_{i,t} \\
         \text{token-sum-norm} &= \frac{1}{L}\sum_{i,t} m_{i,t} x_{i,t}
 
-    ``seq-mean-token-mean`` is the spec's GRPO normaliser, ``seq-mean-token-sum`` the
-    spec's PG / RLOO, ``token-mean`` DAPO's token-level loss and ``seq-mean-token-sum-norm``
+    ``seq-mean-token-mean`` is GRPO's normaliser (Shao et al., 2024, "DeepSeekMath", eq. 3),
+    ``seq-mean-token-sum`` REINFORCE's and RLOO's sum over a response's tokens (Williams,
+    1992; Ahmadian et al., 2024, "Back to Basics"), ``token-mean`` DAPO's token-level loss
+    (Yu et al., 2025, eq. 8) and ``seq-mean-token-sum-norm``
     Dr. GRPO's constant normaliser (Liu et al., 2025, "Understanding R1-Zero-Like
     Training"; TRL's ``loss_type="dr_grpo"``), where :math:`L` is the generation budget
     ``max_len``. ``token-sum-norm`` is what verl computes for its

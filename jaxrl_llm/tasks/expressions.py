@@ -1,7 +1,7 @@
 r"""Arithmetic: "Solve 12 + 7 * 3", answered with the exact integer.
 
-The spec's running example (``Prompt: Solve 2 + 2``) as a task: expressions of
-``num_operands`` non-negative integers of ``digits`` digits joined by ``operators``
+The textbook example of RL post-training (``Prompt: Solve 2 + 2``) as a task: expressions
+of ``num_operands`` non-negative integers of ``digits`` digits joined by ``operators``
 (``+``, ``-``, ``*``), evaluated with Python's precedence (``*`` first, then ``+`` and
 ``-`` left to right; results may be negative). The test split is ``test_size``
 *distinct* expressions drawn from ``test_seed``, so every seed of a run evaluates on the
