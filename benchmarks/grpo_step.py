@@ -134,7 +134,8 @@ def main(argv=None) -> None:
 
     model, params = models.init(CONFIG, jax.random.key(0))
     eos = CONFIG.vocab_size - 1
-    run = training.TrainConfig(num_prompts=PROMPTS, group_size=GROUP, max_new_tokens=NEW_TOKENS,
+    run = training.TrainConfig(num_prompts=PROMPTS, group_size=GROUP,
+                               sampling=sampling.SamplingConfig(max_new_tokens=NEW_TOKENS),
                                share_prompts=args.share_prompts)
     halves = training.make_train_step(model, algorithms.GRPO, run)
     score, update = jax.jit(halves.score), jax.jit(halves.update, donate_argnums=0)

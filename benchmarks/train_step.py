@@ -56,7 +56,8 @@ from layer_scan import qwen25_05b  # noqa: E402
 import step_report  # noqa: E402
 from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers  # noqa: E402
 
-from jaxrl_llm import algorithms, models, tasks, training  # noqa: E402
+from jaxrl_llm import algorithms, models, sampling, tasks, training  # noqa: E402
+from jaxrl_llm.training.config import OptimizerConfig  # noqa: E402
 
 SHAPES = {
     "tiny": dict(config=lambda: TINY_CONFIG, prompts=8, group=4, prompt_len=16, new_tokens=32),
@@ -118,8 +119,10 @@ def main(argv=None) -> dict:
     prompts, prompt_len, group, new_tokens = shape["prompts"], shape["prompt_len"], args.group_size, args.new_tokens
 
     model, params = models.init(config, jax.random.key(0))
-    run = training.TrainConfig(num_prompts=prompts, group_size=group, max_new_tokens=new_tokens,
-                               max_prompt_length=prompt_len, learning_rate=1e-6)
+    run = training.TrainConfig(
+        num_prompts=prompts, group_size=group,
+        sampling=sampling.SamplingConfig(max_new_tokens=new_tokens, max_prompt_length=prompt_len),
+        optimizer=OptimizerConfig(learning_rate=1e-6))
     task = WordParityTask(vocab_size=config.vocab_size, prompt_len=prompt_len)
     first_step_done = []
 

@@ -39,6 +39,8 @@ import numpy as np
 import tyro
 
 from jaxrl_llm import _checks, algorithms, evaluation, host, models, training
+from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.training.config import OptimizerConfig
 from jaxrl_llm.tasks import DigitSumTask
 
 PROMPT_WIDTH = 8
@@ -116,9 +118,10 @@ class CompareConfig:
     def train_config(self) -> training.TrainConfig:
         """The settings of each method's RL run."""
         return training.TrainConfig(
-            num_prompts=self.num_prompts, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
-            learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate, seed=self.seed,
-            exact_kl=True)  # every method's KL to its start, those without a KL term too
+            num_prompts=self.num_prompts, group_size=self.group_size,
+            sampling=SamplingConfig(max_new_tokens=self.max_new_tokens),
+            optimizer=OptimizerConfig(learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate),
+            seed=self.seed, exact_kl=True)  # every method's KL to its start, those without a KL term too
 
 
 def warm_started_model(config: CompareConfig, task: DigitSumTask) -> tuple[models.Model, models.Params, list[float]]:
@@ -141,8 +144,8 @@ def warm_started_model(config: CompareConfig, task: DigitSumTask) -> tuple[model
 def greedy_accuracy(model: models.Model, params: models.Params, task: DigitSumTask) -> float:
     """Fraction of all 100 prompts (the task's test split) answered exactly by greedy
     decoding: the digit, then EOS (the ``stops`` reward, 0.5, is earned by exactly these)."""
-    return evaluation.evaluate(model, params, task, max_new_tokens=2, batch_size=100, correct_reward="stops",
-                               threshold=0.5, progress=False)["greedy_accuracy"]
+    return evaluation.evaluate(model, params, task, sampling=SamplingConfig(max_new_tokens=2), batch_size=100,
+                               correct_reward="stops", threshold=0.5, progress=False)["greedy_accuracy"]
 
 
 def expected_reward(model: models.Model, params: models.Params, task: DigitSumTask) -> float:

@@ -3,7 +3,7 @@
 .. code-block:: text
 
     jaxrl-llm train  [--config NAME_OR_PATH] --run-dir DIR [--resume] [--overwrite] [--method NAME]
-                     [--steps N] [--save-every K] [--train.learning-rate 1e-5] [--any.config.field VALUE]
+                     [--steps N] [--save-every K] [--train.optimizer.learning-rate 1e-5] [--any.config.field VALUE]
                      [--mesh.fsdp 8] [--distributed | --coordinator-address H:P --num-processes N --process-id I]
     jaxrl-llm eval   --run-dir DIR [--step N] [--num-samples K]
     jaxrl-llm eval   --model HF_DIR [--config NAME_OR_PATH] [--task.name jsonl --task.path data.jsonl ...]
@@ -14,9 +14,11 @@ A run's settings are one :class:`~jaxrl_llm.runs.RunConfig`: the embedded defaul
 the file ``--config`` names (``experiments/configs/NAME.toml`` or a path), or, when
 continuing, the config stored in the run directory; every field can then be set by a
 flag generated from the dataclasses by tyro (``--train.share-prompts False``,
-``--train.minibatch-size 16``, ``--task.operators + -``, ``--model.path None``), with
-the field's docstring as its help. Bad settings end the program with status 2 and a
-message before any compute; Ctrl-C saves a checkpoint and exits with status 130.
+``--train.minibatch-size 16``, ``--train.sampling.temperature 0.7``, ``--task.operators + -``,
+``--model.path None``), with the field's docstring as its help; the grouped train settings
+also take their flat flags (``--train.temperature 0.7``). Bad settings end the program
+with status 2 and a message before any compute; Ctrl-C saves a checkpoint and exits with
+status 130.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tyro
 
 from jaxrl_llm import algorithms, distributed, host, rewards, training
 from jaxrl_llm.runs import build, config as run_config, run
+from jaxrl_llm.training.config import GROUPED_FIELDS
 
 PROG = "jaxrl-llm"
 _TYRO = (tyro.conf.FlagConversionOff,)  # booleans take a value (`--x False`), as in config files
@@ -44,10 +47,26 @@ class UsageError(Exception):
     """A bad command line or setting: reported in one line with exit status 2."""
 
 
+def _grouped_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the flat flags of grouped train settings at their group's place:
+    ``--train.temperature`` is ``--train.sampling.temperature``, ``--train.learning-rate=1e-5``
+    is ``--train.optimizer.learning-rate=1e-5`` (:data:`jaxrl_llm.training.config.GROUPED_FIELDS`)."""
+    flags = []
+    for arg in argv:
+        name, equals, value = arg.partition("=")
+        field = name.removeprefix("--train.")
+        group = GROUPED_FIELDS.get(field.replace("-", "_")) if name.startswith("--train.") else None
+        flags.append(f"--train.{group}.{field}{equals}{value}" if group else arg)
+    return flags
+
+
 def _settings(base: run_config.RunConfig, argv: Sequence[str], prog: str) -> run_config.RunConfig:
     """``base`` with the ``--field value`` flags of ``argv`` applied (tyro; exits 2 on a bad
     one). ``--warm-start.*`` flags change the demo's warm start only on the demo, as a
-    config file's ``[warm_start]`` does (:func:`~jaxrl_llm.runs.config.from_dict`)."""
+    config file's ``[warm_start]`` does (:func:`~jaxrl_llm.runs.config.from_dict`). The flat
+    flags of grouped train settings (``--train.learning-rate``) mean their group's."""
+    argv = _grouped_flags(argv)
+
     def parse(start: run_config.RunConfig) -> run_config.RunConfig:
         return tyro.cli(run_config.RunConfig, default=start, args=list(argv), prog=prog, config=_TYRO,
                         description="Settings of the run (any field of RunConfig):")

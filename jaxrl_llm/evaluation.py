@@ -2,7 +2,7 @@ r"""Evaluation over a task's split: greedy accuracy, mean reward and unbiased pa
 
 .. code-block:: python
 
-    metrics = evaluation.evaluate(model, params, task, max_new_tokens=256, num_samples=16)
+    metrics = evaluation.evaluate(model, params, task, sampling=SamplingConfig(max_new_tokens=256), num_samples=16)
     metrics["greedy_accuracy"], metrics["pass@1"], metrics["pass@16"]
 
 :func:`evaluate` walks the *whole* split in order, in batches of prompts, through
@@ -27,13 +27,16 @@ the probability that ``k`` of them drawn without replacement hold a solved one.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from typing import Any
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl_llm import _checks, distributed, models, rewards, rollouts, sampling, tasks
+from jaxrl_llm import _checks, distributed, models, rewards, rollouts, tasks
+from jaxrl_llm.sampling import Sampler, SamplingConfig
 
 
 def pass_at_k(num_samples: int | np.ndarray, num_correct: int | np.ndarray, k: int) -> float | np.ndarray:
@@ -136,25 +139,26 @@ def evaluate(
     params: models.Params,
     task: tasks.Task,
     *,
+    sampling: SamplingConfig | None = None,
     split: str = "test",
     num_samples: int = 0,
-    temperature: float = 1.0,
-    max_new_tokens: int,
     batch_size: int = 32,
-    max_prompt_length: int = 512,
-    prompt_truncation: str = "error",
     prompt_bucket: int = 8,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
     correct_reward: int | str = 0,
     threshold: float = 1.0,
     seed: int = 0,
     on_reward_error: str = "raise",
     progress: bool = True,
     mesh: jax.sharding.Mesh | None = None,
+    **sampling_fields: Any,
 ) -> dict[str, float]:
     r"""Greedy accuracy, mean rewards and pass@k of ``params`` over every example of a split.
+
+    .. code-block:: python
+
+        evaluate(model, params, task, sampling=SamplingConfig(max_new_tokens=256, temperature=0.6),
+                 num_samples=16)
+        evaluate(model, params, task, max_new_tokens=256, temperature=0.6, num_samples=16)  # the same
 
     The split's ``M = task.split_size(split)`` examples are taken in order (indices
     ``0 .. M-1``, ``task.examples(split, indices, seed=seed)``) in batches of
@@ -166,7 +170,7 @@ def evaluate(
       solved when :math:`r_{\text{correct}}(y_m) \ge \text{threshold}` (see the module
       doc), and its reward is the task's weighted total :math:`r(y_m) = \sum_j w_j r_j(y_m)`;
     - with ``n = num_samples > 0``, ``n`` completions per prompt (``[P n, S + N]``, those of
-      prompt ``p`` adjacent) at ``temperature`` (and ``top_k`` / ``top_p`` / ``min_p``):
+      prompt ``p`` adjacent) drawn as ``sampling`` says (temperature, top-k, top-p, min-p):
       :math:`c_m` of example ``m``'s samples are solved, and
 
       .. math::
@@ -184,16 +188,18 @@ def evaluate(
     Args:
       model, params: the policy (:func:`jaxrl_llm.models.init` / ``from_pretrained``).
       task: a :class:`jaxrl_llm.tasks.Task`.
+      sampling: the completion budget ``N = max_new_tokens`` of every rollout, the prompts'
+        ``max_prompt_length`` and ``prompt_truncation``, and the samples' temperature
+        ``T >= 0`` and truncation (top-k, top-p, min-p; not the greedy rollout's)
+        (:class:`jaxrl_llm.sampling.SamplingConfig`, a run's ``TrainConfig.sampling``).
+      sampling_fields: fields of a ``SamplingConfig`` by name, replacing those of
+        ``sampling`` (``max_new_tokens=256``); without ``sampling`` the budget,
+        ``max_new_tokens``, must be among them.
       split: one of :data:`jaxrl_llm.tasks.SPLITS`; it must be finite and non-empty.
       num_samples: ``n >= 0`` samples per prompt for the sampled metrics; 0: greedy only.
-      temperature: ``T >= 0`` of the samples (not of the greedy rollout).
-      max_new_tokens: ``N >= 1``, the completion budget of every rollout.
       batch_size: ``P >= 1`` prompts per rollout call (``P n`` sequences when sampling).
-      max_prompt_length, prompt_truncation, prompt_bucket, on_reward_error: as in
-        :func:`jaxrl_llm.rollouts.rollout_and_score` (and
-        :class:`jaxrl_llm.training.TrainConfig`).
-      top_k, top_p, min_p: truncation of the samples' distribution (``None``: off), see
-        :func:`jaxrl_llm.sampling.sample`.
+      prompt_bucket, on_reward_error: as in :func:`jaxrl_llm.rollouts.rollout_and_score`
+        (and :class:`jaxrl_llm.training.TrainConfig`).
       correct_reward: the reward function that decides "solved": an index into
         ``task.reward_fns`` or its logged name (:func:`jaxrl_llm.rewards.reward_names`).
       threshold: a completion is solved when that function returns at least this.
@@ -220,83 +226,137 @@ def evaluate(
       ValueError: a bad argument (the message names the allowed values), an unbounded or
         empty split, a prompt longer than ``max_prompt_length`` with
         ``prompt_truncation="error"``.
+      TypeError: no completion budget (neither ``sampling`` nor ``max_new_tokens``), or a
+        keyword that is neither an argument nor a ``SamplingConfig`` field.
       jaxrl_llm.rewards.RewardFunctionError: a reward function failed (see
         :func:`jaxrl_llm.rewards.compute_rewards`).
     """
+    sampling = _sampling_of(sampling, sampling_fields)
+    _check_arguments(task, split=split, num_samples=num_samples, batch_size=batch_size, prompt_bucket=prompt_bucket,
+                     threshold=threshold, seed=seed, on_reward_error=on_reward_error, progress=progress)
+    correct = _correct_name(task, correct_reward)
+    size = _split_size(task, split)
+    greedy_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=None, top_p=None, min_p=None)
+    backends = [(Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=greedy_sampling,
+                         mesh=mesh), 1)]
+    if num_samples:
+        backends.append((Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=sampling,
+                                 mesh=mesh), num_samples))
+    settings = dict(max_new_tokens=sampling.max_new_tokens, max_prompt_length=sampling.max_prompt_length,
+                    prompt_truncation=sampling.prompt_truncation, prompt_bucket=prompt_bucket,
+                    on_reward_error=on_reward_error)
+    key = jax.random.key(seed)
+    tally = _Tally(correct=correct, threshold=threshold)
+    show = progress and distributed.is_main_process()
+    with tqdm(total=size, desc=f"evaluate {split}", unit="example", disable=not show) as bar:
+        for number, start in enumerate(range(0, size, batch_size)):
+            batch = _examples(task, split, np.arange(start, min(start + batch_size, size), dtype=np.int64), seed=seed)
+            batch_key = jax.random.fold_in(key, number)
+            for index, (backend, samples) in enumerate(backends):  # greedy (key 0), then sampled (key 1)
+                scored = rollouts.rollout_and_score(backend, params, task, batch, jax.random.fold_in(batch_key, index),
+                                                    num_samples=samples, **settings)
+                tally.add(scored, samples=samples, sampled=index > 0)
+            bar.update(len(batch))
+            bar.set_postfix(greedy_accuracy=f"{tally.greedy_solved / (start + len(batch)):.3f}")
+    return tally.metrics(size, num_samples=num_samples, truncation=sampling.prompt_truncation,
+                         on_reward_error=on_reward_error)
+
+
+def _sampling_of(sampling: SamplingConfig | None, fields: dict[str, Any]) -> SamplingConfig:
+    """``sampling`` with ``fields`` (``evaluate``'s keywords that name SamplingConfig fields) replaced."""
+    known = {field.name for field in dataclasses.fields(SamplingConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"evaluate: unexpected keyword {', '.join(map(repr, unknown))}; besides its own arguments it "
+                        f"takes SamplingConfig's fields ({', '.join(sorted(known))}).")
+    if sampling is None:
+        if "max_new_tokens" not in fields:
+            raise TypeError("evaluate: give the completion budget, `max_new_tokens=` (or a whole "
+                            "`sampling=SamplingConfig(max_new_tokens=...)`).")
+        return SamplingConfig(**fields)
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"evaluate: `sampling` must be a SamplingConfig; got {sampling!r}.")
+    return dataclasses.replace(sampling, **fields)
+
+
+def _check_arguments(task: tasks.Task, *, split: str, num_samples: int, batch_size: int, prompt_bucket: int,
+                     threshold: float, seed: int, on_reward_error: str, progress: bool) -> None:
+    """Raises ValueError naming the first of ``evaluate``'s arguments that is out of range."""
     fn = "evaluate"
     tasks.check_task(task)
     _checks.one_of(fn, "split", split, tasks.SPLITS)
     _checks.nonnegative_int(fn, "num_samples", num_samples)
-    _checks.finite_number(fn, "temperature", temperature)
-    _checks.nonnegative(fn, "temperature", temperature)
-    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size),
-                        ("max_prompt_length", max_prompt_length), ("prompt_bucket", prompt_bucket)):
+    for name, value in (("batch_size", batch_size), ("prompt_bucket", prompt_bucket)):
         _checks.positive_int(fn, name, value)
-    _checks.one_of(fn, "prompt_truncation", prompt_truncation, sampling.PROMPT_TRUNCATION)
     _checks.one_of(fn, "on_reward_error", on_reward_error, rewards.ON_ERROR)
     _checks.finite_number(fn, "threshold", threshold)
     _checks.nonnegative_int(fn, "seed", seed)
     if not isinstance(progress, bool):
         raise ValueError(f"{fn}: `progress` must be True or False; got {progress!r}.")
-    correct = _correct_name(task, correct_reward)
+
+
+def _split_size(task: tasks.Task, split: str) -> int:
+    """``M``, the examples of ``split``; raises ValueError for an unbounded or empty split."""
     size = task.split_size(split)
     if size is None:
-        raise ValueError(f"{fn}: the {split!r} split of {type(task).__name__} is unbounded (procedural); "
+        raise ValueError(f"evaluate: the {split!r} split of {type(task).__name__} is unbounded (procedural); "
                          f"evaluation walks a finite split. Evaluate on a finite split (e.g. 'test').")
     if size < 1:
         hint = (" Give the task a test split: pass `test_records=` or `test_fraction=` when building it "
                 "(jaxrl_llm.tasks.text.from_records, from_jsonl, from_dataset)." if split == "test" else "")
-        raise ValueError(f"{fn}: the {split!r} split of {type(task).__name__} has no examples.{hint}")
+        raise ValueError(f"evaluate: the {split!r} split of {type(task).__name__} has no examples.{hint}")
+    return size
 
-    greedy = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, temperature=0.0, mesh=mesh)
-    truncation = {name: value for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
-                  if value is not None}
-    sampler = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, temperature=temperature,
-                               mesh=mesh, **truncation) if num_samples else None
-    settings = dict(max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length,
-                    prompt_truncation=prompt_truncation, prompt_bucket=prompt_bucket, on_reward_error=on_reward_error)
 
-    key = jax.random.key(seed)
-    greedy_solved = 0
-    greedy_reward = sample_reward = 0.0  # float64 sums on the host
-    solved_counts = []  # per batch: [P] int, solved samples of each example
-    truncated_prompts = reward_errors = 0
-    show = progress and distributed.is_main_process()
-    with tqdm(total=size, desc=f"evaluate {split}", unit="example", disable=not show) as bar:
-        for number, start in enumerate(range(0, size, batch_size)):
-            indices = np.arange(start, min(start + batch_size, size), dtype=np.int64)  # [P]
-            batch = task.examples(split, indices, seed=seed)
-            if len(batch) != len(indices):
-                raise ValueError(f"{type(task).__name__}.examples returned {len(batch)} examples for "
-                                 f"{len(indices)} indices.")
-            batch_key = jax.random.fold_in(key, number)
-            scored = rollouts.rollout_and_score(greedy, params, task, batch, jax.random.fold_in(batch_key, 0),
-                                                num_samples=1, **settings)
-            greedy_solved += int((scored.result.values[correct] >= threshold).sum())  # NaN (None): unsolved
-            greedy_reward += float(scored.result.total.sum(dtype=np.float64))
-            truncated_prompts += scored.truncated_prompts
-            reward_errors += sum(scored.result.errors.values())
-            if sampler is not None:
-                scored = rollouts.rollout_and_score(sampler, params, task, batch, jax.random.fold_in(batch_key, 1),
-                                                    num_samples=num_samples, **settings)
-                solved = scored.result.values[correct] >= threshold  # [P n], prompt p's rows p n .. p n + n - 1
-                solved_counts.append(solved.reshape(len(batch), num_samples).sum(axis=1))
-                sample_reward += float(scored.result.total.sum(dtype=np.float64))
-                reward_errors += sum(scored.result.errors.values())
-            bar.update(len(batch))
-            bar.set_postfix(greedy_accuracy=f"{greedy_solved / (start + len(batch)):.3f}")
+def _examples(task: tasks.Task, split: str, indices: np.ndarray, *, seed: int) -> tasks.PromptBatch:
+    """The examples ``indices`` ``[P]`` of ``split``; raises ValueError if the task returns another number."""
+    batch = task.examples(split, indices, seed=seed)
+    if len(batch) != len(indices):
+        raise ValueError(f"{type(task).__name__}.examples returned {len(batch)} examples for {len(indices)} indices.")
+    return batch
 
-    metrics = {"examples": float(size), "greedy_accuracy": greedy_solved / size, "greedy_reward": greedy_reward / size}
-    if sampler is not None:
-        counts = np.concatenate(solved_counts)  # [M]
-        metrics["reward"] = sample_reward / (size * num_samples)
-        for k in pass_at_k_values(num_samples):
-            metrics[f"pass@{k}"] = float(np.mean(pass_at_k(num_samples, counts, k)))
-    if prompt_truncation == "left":
-        metrics["truncated_prompts"] = float(truncated_prompts)
-    if on_reward_error == "zero":
-        metrics["reward_errors"] = float(reward_errors)
-    return metrics
+
+@dataclasses.dataclass
+class _Tally:
+    """:func:`evaluate`'s running sums over the split's batches (rewards in float64, on the host)."""
+
+    correct: str  # the logged name of the reward function that decides "solved"
+    threshold: float
+    greedy_solved: int = 0
+    greedy_reward: float = 0.0
+    sample_reward: float = 0.0
+    solved_counts: list = dataclasses.field(default_factory=list)  # per batch: [P] int, solved samples per example
+    truncated_prompts: int = 0
+    reward_errors: int = 0
+
+    def add(self, scored: rollouts.ScoredRound, *, samples: int, sampled: bool) -> None:
+        """One batch's greedy rollout (``samples = 1``) or its ``samples`` samples per prompt."""
+        # [P n], prompt p's rows p n .. p n + n - 1; NaN (None: "does not apply") is unsolved.
+        solved = scored.result.values[self.correct] >= self.threshold
+        total = float(scored.result.total.sum(dtype=np.float64))
+        if sampled:
+            self.solved_counts.append(solved.reshape(-1, samples).sum(axis=1))
+            self.sample_reward += total
+        else:
+            self.greedy_solved += int(solved.sum())
+            self.greedy_reward += total
+            self.truncated_prompts += scored.truncated_prompts
+        self.reward_errors += sum(scored.result.errors.values())
+
+    def metrics(self, size: int, *, num_samples: int, truncation: str, on_reward_error: str) -> dict[str, float]:
+        """The split's metrics (see :func:`evaluate`'s Returns)."""
+        metrics = {"examples": float(size), "greedy_accuracy": self.greedy_solved / size,
+                   "greedy_reward": self.greedy_reward / size}
+        if num_samples:
+            counts = np.concatenate(self.solved_counts)  # [M]
+            metrics["reward"] = self.sample_reward / (size * num_samples)
+            for k in pass_at_k_values(num_samples):
+                metrics[f"pass@{k}"] = float(np.mean(pass_at_k(num_samples, counts, k)))
+        if truncation == "left":
+            metrics["truncated_prompts"] = float(self.truncated_prompts)
+        if on_reward_error == "zero":
+            metrics["reward_errors"] = float(self.reward_errors)
+        return metrics
 
 
 def as_metrics(results: dict[str, float], *, seconds: float) -> dict[str, float]:

@@ -10,6 +10,11 @@ r"""Rollouts: ``G`` completions per prompt from a jitted KV-cache sampler.
 
 Completions of prompt ``p`` are rows ``p*G ... p*G+G-1``.
 
+**Settings.** :class:`SamplingConfig` holds what the sampler, the trainer
+(``TrainConfig.sampling``) and the evaluation (:func:`jaxrl_llm.evaluation.evaluate`) share:
+temperature, top-k, top-p, min-p, the completion budget and the prompts' length;
+:class:`Sampler`, the rollout backend, takes it whole.
+
 **Log-prob convention.** The policy being trained is :math:`\pi_T = \operatorname{softmax}(z/T)`,
 the model's logits at the sampling temperature ``T`` (``T = 1`` by default), as in TRL and
 verl. ``logprobs`` are :math:`\log\pi_T(a_t)` of the sampled tokens, without top-k /
@@ -62,6 +67,48 @@ from jaxrl_llm import _checks, distributed, models, sharding
 
 PROMPT_TRUNCATION = ("error", "left")
 """What a prompt longer than ``max_prompt_length`` does: stop with an error, or lose its first tokens."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How completions are drawn, how long they may be and how prompts are fitted: one
+    setting for a run's rollouts (``TrainConfig.sampling``), its held-out evaluations and
+    :func:`jaxrl_llm.evaluation.evaluate`'s samples; :class:`Sampler` takes it whole. The
+    defaults fit the digit task on a CPU."""
+
+    max_new_tokens: int = 4
+    """N: completion budget in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature ``T >= 0`` (0: greedy); the policy a run trains is
+    ``softmax(logits / T)`` (:mod:`jaxrl_llm.sampling`), so training needs ``T > 0``."""
+    top_k: int | None = None
+    """Sample among the ``k`` most likely tokens (``None``: all)."""
+    top_p: float | None = None
+    """Sample from the smallest set of tokens with mass ``>= top_p``, in ``(0, 1]`` (``None``: all)."""
+    min_p: float | None = None
+    """Sample among tokens at least ``min_p`` times as likely as the most likely one, in
+    ``[0, 1]`` (``None``: all). With top-k, top-p or min-p, the old policy's log-probs are
+    still those of ``softmax(logits / T)``."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens. Prompts are padded to one of a few widths up to this
+    (``8, 16, 32, ...``), so the train step compiles a bounded number of times."""
+    prompt_truncation: str = "error"
+    """A longer prompt: ``"error"`` stops naming it; ``"left"`` drops its first tokens
+    (counted in the ``truncated_prompts`` metric). One of :data:`PROMPT_TRUNCATION`."""
+
+    def __post_init__(self):
+        where = "SamplingConfig"
+        for field in ("max_new_tokens", "max_prompt_length"):
+            _checks.positive_int(where, field, getattr(self, field))
+        _checks.finite_number(where, "temperature", self.temperature)
+        _checks.nonnegative(where, "temperature", self.temperature)
+        if self.top_k is not None:
+            _checks.positive_int(where, "top_k", self.top_k)
+        for field, closed in (("top_p", "(]"), ("min_p", "[]")):
+            if getattr(self, field) is not None:
+                _checks.finite_number(where, field, getattr(self, field))
+                _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
+        _checks.one_of(where, "prompt_truncation", self.prompt_truncation, PROMPT_TRUNCATION)
 
 
 class Rollout(NamedTuple):
@@ -129,7 +176,7 @@ def _probability(fn: str, name: str, value: object, *, closed: str) -> None:
 
 def _check_settings(fn: str, *, temperature: float, top_k: int | None, top_p: float | None,
                     min_p: float | None) -> None:
-    """The sampling settings shared by :func:`sample` and :class:`Sampler`."""
+    """:func:`sample`'s sampling settings (traced ``top_p`` and ``min_p`` pass unchecked)."""
     _checks.nonnegative(fn, "temperature", temperature)
     if top_k is not None:
         _checks.positive_int(fn, "top_k", top_k)
@@ -524,28 +571,30 @@ def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampler:
-    """This module's :class:`RolloutBackend`: :func:`sample` with its settings bound."""
+    """This module's :class:`RolloutBackend`: :func:`sample` with its settings bound, the
+    distribution's from ``sampling`` (temperature, top-k, top-p, min-p). The completion
+    budget is each call's (``max_new_tokens``, as the protocol has it); the prompts come
+    fitted (``sampling.max_prompt_length`` is the caller's, :mod:`jaxrl_llm.rollouts`)."""
 
     model: models.Model
     eos_ids: int | tuple[int, ...]  # one int is one id; stored as a tuple
     pad_id: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+    sampling: SamplingConfig = SamplingConfig()
     bucket: int = 16
     mesh: jax.sharding.Mesh | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "eos_ids", _eos_tuple("Sampler", self.eos_ids))  # frozen: set once, here
-        _check_settings("Sampler", temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                        min_p=self.min_p)
+        if not isinstance(self.sampling, SamplingConfig):
+            raise TypeError(f"Sampler: `sampling` must be a SamplingConfig; got {self.sampling!r}.")
 
     def __call__(self, params, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens) -> Rollout:
+        sampling = self.sampling
         return sample(
             self.model, params, prompt_tokens, prompt_mask, key, num_samples=num_samples,
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            min_p=self.min_p, eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket, mesh=self.mesh,
+            max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, min_p=sampling.min_p, eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket,
+            mesh=self.mesh,
         )
 
 

@@ -34,6 +34,18 @@ def test_flags_parse_booleans_optionals_literals_tuples_and_nested_fields():
     assert parse().train == runs.RunConfig().train and parse() == runs.RunConfig()
 
 
+def test_grouped_train_settings_take_their_group_flags_and_their_flat_ones():
+    grouped = parse("--train.sampling.temperature", "0.7", "--train.sampling.max-new-tokens", "2",
+                    "--train.optimizer.learning-rate", "1e-5", "--train.optimizer.lr_schedule", "cosine")
+    flat = parse("--train.temperature", "0.7", "--train.max_new_tokens=2", "--train.learning-rate", "1e-5",
+                 "--train.lr-schedule=cosine")
+    assert grouped == flat
+    assert grouped.train.sampling == training.config.SamplingConfig(temperature=0.7, max_new_tokens=2)
+    assert grouped.train.optimizer == dataclasses.replace(runs.RunConfig().train.optimizer, learning_rate=1e-5,
+                                                          lr_schedule="cosine")
+    assert (flat.train.temperature, flat.train.learning_rate) == (0.7, 1e-5)  # the flat names read them too
+
+
 def test_method_picks_the_preset_and_config_files_override_it(tmp_path):
     assert parse("--method", "dapo").algorithm == algorithms.DAPO
     path = tmp_path / "run.toml"
@@ -89,6 +101,11 @@ def test_a_stored_config_loads_back_to_the_same_run_config(flags):
     ("[model]\nparam_dtype = \"fp16\"", "must be one of 'float32', 'bfloat16'; got 'fp16'"),
     ("[task]\noperators = [\"+\", 2]", "config.task.operators[1] must be a string; got 2"),
     ("steps = 0", "`steps` must be an integer >= 1"),
+    ("[train]\ntemperature = 0.5\n[train.sampling]\ntemperature = 0.4",
+     "config.train: `temperature` is given twice, as config.train.temperature and config.train.sampling.temperature"),
+    ("[train.optimizer]\nlearning_rat = 1e-5", "config.train.optimizer: unknown key 'learning_rat' (did you mean "
+                                               "'learning_rate'?)"),
+    ("[train.sampling]\ntemperature = 0.0", "TrainConfig: `sampling.temperature` must be a finite number > 0"),
 ])
 def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_path):
     path = tmp_path / "config.toml"
@@ -112,6 +129,9 @@ def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_
     (["--task.rewards", "exact_matc"], "unknown reward 'exact_matc'; the built-in ones are exact_match"),
     (["--train.max-new-tokens", "100000"], "= 100512 positions, more than the built-in model takes"),
     (["--train.seed", "-1"], "seed"),
+    (["--train.sampling.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
+    (["--train.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
+    (["--train.optimizer.adam-b1", "1"], "OptimizerConfig: `adam_b1` must be in [0.0, 1.0); got 1.0"),
 ])
 def test_bad_settings_exit_with_status_2_and_a_message_before_any_compute(argv, message, tmp_path, capsys,
                                                                        monkeypatch):
@@ -157,7 +177,7 @@ def test_listings_and_the_module_entry_point(capsys):
     assert cli.main(["nonsense"]) == 2
     help_ = subprocess.run([sys.executable, "-m", "jaxrl_llm", "train", "--help"], capture_output=True, text=True)
     assert help_.returncode == 0
-    assert "--run-dir" in help_.stdout and "--train.learning-rate" in help_.stdout
+    assert "--run-dir" in help_.stdout and "--train.optimizer.learning-rate" in help_.stdout
     assert "Peak AdamW learning rate of the policy" in help_.stdout  # the field's docstring
 
 

@@ -247,12 +247,31 @@ def test_an_always_correct_model_scores_one(policy):
 def test_truncation_settings_reach_the_sampler(policy):
     """min_p = 1 keeps only the most likely token: the samples are the greedy completion."""
     model, params = policy
-    metrics = evaluate(model, params, DigitSumTask(), num_samples=2, min_p=1.0, max_new_tokens=MAX_NEW_TOKENS,
-                       batch_size=100, progress=False)
+    metrics = evaluate(model, params, DigitSumTask(), sampling=sampling.SamplingConfig(
+        max_new_tokens=MAX_NEW_TOKENS, min_p=1.0), num_samples=2, batch_size=100, progress=False)
     greedy = evaluate(model, params, DigitSumTask(), max_new_tokens=MAX_NEW_TOKENS, progress=False)
     assert metrics["greedy_accuracy"] == greedy["greedy_accuracy"]  # batch size changes nothing greedy
     assert metrics["pass@1"] == metrics["pass@2"] == pytest.approx(greedy["greedy_accuracy"], abs=1e-12)
     assert metrics["reward"] == pytest.approx(greedy["greedy_reward"], abs=1e-6)
+
+
+def test_the_sampling_settings_come_whole_or_as_fields_that_replace_its_own(policy):
+    model, params = policy
+    settings = dict(num_samples=2, batch_size=50, progress=False)
+    whole = evaluate(model, params, DigitSumTask(), sampling=sampling.SamplingConfig(
+        max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, top_k=3), **settings)
+    fields = evaluate(model, params, DigitSumTask(), max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, top_k=3,
+                      **settings)
+    replaced = evaluate(model, params, DigitSumTask(), sampling=sampling.SamplingConfig(max_new_tokens=1, top_k=3),
+                        max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, **settings)
+    assert whole == fields == replaced
+    with pytest.raises(TypeError, match=r"evaluate: give the completion budget, `max_new_tokens=`"):
+        evaluate(model, params, DigitSumTask(), temperature=0.7, progress=False)
+    with pytest.raises(TypeError, match=r"evaluate: unexpected keyword 'temprature'; .* SamplingConfig's fields "
+                                        r"\(max_new_tokens, .*temperature"):
+        evaluate(model, params, DigitSumTask(), max_new_tokens=MAX_NEW_TOKENS, temprature=0.7, progress=False)
+    with pytest.raises(TypeError, match="evaluate: `sampling` must be a SamplingConfig"):
+        evaluate(model, params, DigitSumTask(), sampling=dict(max_new_tokens=MAX_NEW_TOKENS), progress=False)
 
 
 def test_progress_bar_counts_examples(policy, capsys):

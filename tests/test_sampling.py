@@ -200,7 +200,8 @@ def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices, se
     key = jax.random.key(5)
     expected = sampling.sample(model, params, prompts, prompt_mask, key, **kwargs(num_samples=3, **settings))
     mesh = sharding.make_mesh(devices)
-    got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh, **settings)(
+    got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh,
+                           sampling=sampling.SamplingConfig(**settings))(
         params, prompts, prompt_mask, key, num_samples=3, max_new_tokens=9)
     assert got.tokens.sharding.is_equivalent_to(sharding.rows(mesh), got.tokens.ndim)
     assert len(got.tokens.addressable_shards) == devices
@@ -225,7 +226,8 @@ def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(
     for settings in ({}, dict(temperature=0.0)):
         expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(6),
                                    **kwargs(num_samples=2, **settings))
-        got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh, **settings)(
+        got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh,
+                               sampling=sampling.SamplingConfig(**settings))(
             placed, prompts, prompt_mask, jax.random.key(6), num_samples=2, max_new_tokens=9)
         for name in ("tokens", "completion_mask", "lengths", "truncated"):
             np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=f"{settings} {name}")
@@ -318,7 +320,8 @@ def test_lengths_in_one_bucket_share_a_compilation():
 
 def test_sampler_backend_binds_the_settings():
     model, params = peaked_model()
-    backend: sampling.RolloutBackend = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, temperature=0.0)
+    backend: sampling.RolloutBackend = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD,
+                                                        sampling=sampling.SamplingConfig(temperature=0.0))
     rollout = backend(params, PROMPTS, PROMPT_MASK, jax.random.key(0), num_samples=2, max_new_tokens=9)
     expected = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(1), **kwargs(temperature=0.0))
     np.testing.assert_array_equal(rollout.tokens, expected.tokens)
@@ -521,19 +524,27 @@ def test_min_p_is_traced_changing_it_does_not_recompile():
     np.testing.assert_array_equal(traced.tokens, rollouts[1].tokens)
 
 
-def test_sampler_binds_min_p_and_checks_its_settings_when_built():
+def test_sampler_binds_min_p_and_its_settings_are_checked_when_built():
     model, params = peaked_model(scale=3.0)
-    sampler = sampling.Sampler(model=model, eos_ids=EOS, pad_id=PAD, top_k=8, min_p=0.2)
+    sampler = sampling.Sampler(model=model, eos_ids=EOS, pad_id=PAD,
+                               sampling=sampling.SamplingConfig(top_k=8, min_p=0.2))
     expected = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(2), **kwargs(top_k=8, min_p=0.2))
     rollout = sampler(params, PROMPTS, PROMPT_MASK, jax.random.key(2), num_samples=2, max_new_tokens=9)
     np.testing.assert_array_equal(rollout.tokens, expected.tokens)
     np.testing.assert_array_equal(rollout.sampling_logprobs, expected.sampling_logprobs)
-    for bad, message in ((dict(min_p=2.0), r"Sampler: `min_p` must be in \[0.0, 1.0\]; got 2.0"),
-                         (dict(top_p=0.0), r"Sampler: `top_p` must be in \(0.0, 1.0\]; got 0.0"),
-                         (dict(top_k=0), "Sampler: `top_k` must be an integer >= 1; got 0"),
-                         (dict(temperature=-1.0), "Sampler: `temperature` must be a finite number >= 0")):
+    for bad, message in ((dict(min_p=2.0), r"SamplingConfig: `min_p` must be in \[0.0, 1.0\]; got 2.0"),
+                         (dict(top_p=0.0), r"SamplingConfig: `top_p` must be in \(0.0, 1.0\]; got 0.0"),
+                         (dict(top_k=0), "SamplingConfig: `top_k` must be an integer >= 1; got 0"),
+                         (dict(temperature=-1.0), "SamplingConfig: `temperature` must be a finite number >= 0"),
+                         (dict(temperature=float("nan")), "SamplingConfig: `temperature` must be a finite number"),
+                         (dict(max_new_tokens=0), "SamplingConfig: `max_new_tokens` must be an integer >= 1"),
+                         (dict(max_prompt_length=2.5), "SamplingConfig: `max_prompt_length` must be an integer"),
+                         (dict(prompt_truncation="right"),
+                          "SamplingConfig: `prompt_truncation` must be one of 'error', 'left'; got 'right'")):
         with pytest.raises(ValueError, match=message):
-            sampling.Sampler(model=model, eos_ids=EOS, pad_id=PAD, **bad)
+            sampling.SamplingConfig(**bad)
+    with pytest.raises(TypeError, match="Sampler: `sampling` must be a SamplingConfig; got"):
+        sampling.Sampler(model=model, eos_ids=EOS, pad_id=PAD, sampling=dict(top_k=8))
 
 
 # --- stop strings --------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 (:func:`train_run`: checkpoints, exact resume, records), and its evaluation and export.
 The ``jaxrl-llm`` command line (:mod:`jaxrl_llm.cli`) is a thin layer over these."""
 
-from jaxrl_llm.runs.config import MeshSpec, ModelSpec, RunConfig, TaskSpec, WarmStartConfig, from_dict, load, to_dict
+from jaxrl_llm.runs.config import (MeshSpec, ModelSpec, OptimizerConfig, RunConfig, SamplingConfig, TaskSpec,
+                                   WarmStartConfig, from_dict, load, to_dict)
 from jaxrl_llm.runs.records import RunRecorder, read_metrics, read_samples
 from jaxrl_llm.runs.run import (
     RunDirectoryError,
@@ -16,7 +17,7 @@ from jaxrl_llm.runs.run import (
 )
 
 __all__ = [
-    "MeshSpec", "ModelSpec", "RunConfig", "RunDirectoryError", "RunRecorder", "RunResult", "TaskSpec", "WarmStartConfig",
-    "evaluate_model", "evaluate_run", "export_run", "from_dict", "load", "read_metrics", "read_samples",
-    "restore_policy", "stored_config", "to_dict", "train_run",
+    "MeshSpec", "ModelSpec", "OptimizerConfig", "RunConfig", "RunDirectoryError", "RunRecorder", "RunResult",
+    "SamplingConfig", "TaskSpec", "WarmStartConfig", "evaluate_model", "evaluate_run", "export_run", "from_dict",
+    "load", "read_metrics", "read_samples", "restore_policy", "stored_config", "to_dict", "train_run",
 ]

@@ -45,7 +45,7 @@ def check_model_path(spec: ModelSpec) -> None:
 
 
 def check_positions(config: RunConfig) -> None:
-    """Raises ValueError, before any compute, if ``train.max_new_tokens`` leave no room for
+    """Raises ValueError, before any compute, if ``train.sampling.max_new_tokens`` leave no room for
     a prompt in a model directory's ``max_position_embeddings`` (the sampler checks each
     batch's prompt width; the built-in model's limit is checked by the config)."""
     if config.model.path is None:
@@ -53,9 +53,10 @@ def check_positions(config: RunConfig) -> None:
     check_model_path(config.model)
     limit = getattr(transformers.AutoConfig.from_pretrained(config.model.path, local_files_only=True),
                     "max_position_embeddings", None)
-    if limit is not None and config.train.max_new_tokens >= limit:
-        raise ValueError(f"train.max_new_tokens ({config.train.max_new_tokens}) leaves no room for a prompt in the "
-                         f"model in {config.model.path!r} (max_position_embeddings = {limit}); lower it.")
+    budget = config.train.sampling.max_new_tokens
+    if limit is not None and budget >= limit:
+        raise ValueError(f"train.sampling.max_new_tokens ({budget}) leaves no room for a prompt in the model in "
+                         f"{config.model.path!r} (max_position_embeddings = {limit}); lower it.")
 
 
 def tokenizer(spec: ModelSpec) -> transformers.PreTrainedTokenizerBase:
@@ -89,7 +90,8 @@ def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=N
     spec = config.model
     options = dict(scan_layers=spec.scan_layers, remat=spec.remat, attention=spec.attention)
     if spec.path is None:
-        built = model_config(spec, task, config.train.max_prompt_length + config.train.max_new_tokens)
+        sampling = config.train.sampling
+        built = model_config(spec, task, sampling.max_prompt_length + sampling.max_new_tokens)
         model_, params = models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
     else:
         check_model_path(spec)
@@ -254,7 +256,7 @@ def demonstrations(config: RunConfig, task_: tasks.Task, *, limit: int | None = 
 
     count = _demonstration_count(config, task_)
     return task_.demonstrations("train", np.arange(count if limit is None else min(count, limit)), completion=target,
-                                max_new_tokens=config.train.max_new_tokens, seed=config.train.seed)
+                                max_new_tokens=config.train.sampling.max_new_tokens, seed=config.train.seed)
 
 
 def check_demonstrations(config: RunConfig, task_: tasks.Task) -> None:

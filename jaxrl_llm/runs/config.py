@@ -13,6 +13,12 @@ A config file holds the fields to change, in tables named like the dataclasses b
     eps_high = 0.3
 
     [train]                  # jaxrl_llm.training.TrainConfig
+    num_prompts = 16
+
+    [train.sampling]         # jaxrl_llm.sampling.SamplingConfig
+    max_new_tokens = 256
+
+    [train.optimizer]        # jaxrl_llm.training.config.OptimizerConfig
     learning_rate = 1e-5
     lr_schedule = "cosine"
 
@@ -21,9 +27,11 @@ A config file holds the fields to change, in tables named like the dataclasses b
     path = "data/gsm8k.jsonl"
     rewards = ["math_equivalence"]
 
-An unknown key is an error naming the allowed ones. A run directory stores the resolved
-config as ``config.json`` (every field, the algorithm in full), which loads back to the
-same ``RunConfig``.
+An unknown key is an error naming the allowed ones. The grouped settings of ``[train]``
+also take their flat names (``[train] learning_rate = 1e-5``, as configs and stored runs
+from before the groups have them; :mod:`jaxrl_llm.training.config`). A run directory stores
+the resolved config as ``config.json`` (every field, the algorithm in full), which loads
+back to the same ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 from jaxrl_llm import _checks, algorithms, sharding, training
+from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.training.config import GROUPED_FIELDS, OptimizerConfig, nest_flat_settings
 
 CONFIG_DIRECTORY = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 """Where ``--config NAME`` looks for ``NAME.toml`` (after the current directory's
@@ -91,9 +101,9 @@ class ModelSpec:
     num_kv_heads: int = 2
     """Built-in model only: key/value heads (grouped-query attention)."""
     max_positions: int = 4096
-    """Built-in model only: the most positions a run may ask of it, ``train.max_prompt_length
-    + train.max_new_tokens`` (it is built with exactly those; its KV cache and attention grow
-    with them). A model directory's limit is its ``max_position_embeddings``."""
+    """Built-in model only: the most positions a run may ask of it, ``train.sampling.max_prompt_length
+    + train.sampling.max_new_tokens`` (it is built with exactly those; its KV cache and
+    attention grow with them). A model directory's limit is its ``max_position_embeddings``."""
     scan_layers: bool = False
     """Run the decoder layers in one ``lax.scan`` in every pass, decoding included
     (``models.ModelConfig.scan_layers``): with ``remat``, far less activation memory."""
@@ -275,8 +285,8 @@ class RunConfig:
     ``[algorithm]`` table and ``--algorithm.*`` flags override its fields."""
     algorithm: algorithms.Algorithm = algorithms.GRPO
     train: training.TrainConfig = training.TrainConfig(
-        num_prompts=8, group_size=8, max_new_tokens=3, learning_rate=2e-4, critic_learning_rate=2e-4,
-        eval_every=10, eval_samples=8)
+        num_prompts=8, group_size=8, sampling=SamplingConfig(max_new_tokens=3),
+        optimizer=OptimizerConfig(learning_rate=2e-4, critic_learning_rate=2e-4), eval_every=10, eval_samples=8)
     mesh: MeshSpec = MeshSpec()
     steps: int = 40
     """Train steps (rollout batches) of the whole run."""
@@ -310,12 +320,13 @@ class RunConfig:
         _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
         algorithms.get(self.method)  # a preset's name (the error lists them)
         training.check_supported(self.algorithm, self.train)
-        positions = self.train.max_prompt_length + self.train.max_new_tokens
+        sampling = self.train.sampling
+        positions = sampling.max_prompt_length + sampling.max_new_tokens
         if self.model.path is None and positions > self.model.max_positions:
-            raise ValueError(f"{where}: train.max_prompt_length ({self.train.max_prompt_length}) + "
-                             f"train.max_new_tokens ({self.train.max_new_tokens}) = {positions} positions, more than "
-                             f"the built-in model takes (model.max_positions = {self.model.max_positions}); lower "
-                             "them, or raise model.max_positions.")
+            raise ValueError(f"{where}: train.sampling.max_prompt_length ({sampling.max_prompt_length}) + "
+                             f"train.sampling.max_new_tokens ({sampling.max_new_tokens}) = {positions} positions, "
+                             f"more than the built-in model takes (model.max_positions = {self.model.max_positions}); "
+                             "lower them, or raise model.max_positions.")
         if self.warm_start == DEMO_WARM_START and not self.is_demo:
             object.__setattr__(self, "warm_start", WarmStartConfig())  # the demo's stays with the demo
 
@@ -382,14 +393,20 @@ def _coerce(kind, value, where: str):
 
 
 def _from_dict(cls, data: dict, where: str, *, base=None):
-    """``cls`` from ``data``'s keys, starting from ``base`` (default: ``cls()``'s fields)."""
+    """``cls`` from ``data``'s keys, starting from ``base`` (default: ``cls()``'s fields).
+    A ``TrainConfig`` table's flat names of grouped settings go to their group first."""
+    flat_names = list(GROUPED_FIELDS) if cls is training.TrainConfig else []
+    if flat_names:
+        data = nest_flat_settings(data, where=where)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], names, n=1)
+        close = difflib.get_close_matches(unknown[0], names + flat_names, n=1)
+        group = f", in {GROUPED_FIELDS[close[0]]}" if close and close[0] in flat_names else ""
+        also = f", and the fields of {' and '.join(dict.fromkeys(GROUPED_FIELDS.values()))}" if flat_names else ""
         raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-                         f"{f' (did you mean {close[0]!r}?)' if close else ''}; the allowed keys are "
-                         f"{', '.join(names)}.")
+                         f"{f' (did you mean {close[0]!r}{group}?)' if close else ''}; the allowed keys are "
+                         f"{', '.join(names)}{also}.")
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in data.items():
@@ -515,7 +532,9 @@ def reward_source(name: str, directories: Sequence[str | os.PathLike]) -> str:
 
 def differences(a: RunConfig, b: RunConfig, *, ignore: tuple[str, ...] = ()) -> list[str]:
     """The dotted names of the fields where ``a`` and ``b`` differ (``ignore``: fields left
-    out, by dotted name: ``"mesh"``, ``"model.remat"``), each as ``name: a -> b``."""
+    out, by dotted name: ``"mesh"``, ``"model.remat"``, ``"train.optimizer.learning_rate"``
+    or its flat name ``"train.learning_rate"``), each as ``name: a -> b``."""
+    ignore = tuple(_grouped_name(name) for name in ignore)
     found = []
 
     def walk(x, y, prefix):
@@ -529,3 +548,12 @@ def differences(a: RunConfig, b: RunConfig, *, ignore: tuple[str, ...] = ()) -> 
 
     walk(to_dict(a), to_dict(b), "")
     return found
+
+
+def _grouped_name(dotted: str) -> str:
+    """A dotted field name with a flat grouped setting of ``train`` at its place in its group:
+    ``"train.learning_rate"`` -> ``"train.optimizer.learning_rate"``."""
+    parts = dotted.split(".")
+    if len(parts) == 2 and parts[0] == "train" and parts[1] in GROUPED_FIELDS:
+        return f"train.{GROUPED_FIELDS[parts[1]]}.{parts[1]}"
+    return dotted

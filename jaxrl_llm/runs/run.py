@@ -67,7 +67,7 @@ RUN_MANAGEMENT = ("steps", "save_every", "keep_checkpoints", "samples_every", "s
 """Settings a continued run may change, by dotted name: they decide how long it runs, what
 it writes, on which devices (a checkpoint restores onto another mesh) and how the model
 executes, not what it computes (``steps`` also sets the end of a decaying learning-rate
-schedule without ``train.decay_steps``, and is then fixed)."""
+schedule without ``train.optimizer.decay_steps``, and is then fixed)."""
 
 TIMING_METRICS = ("tokens_per_second", "score_traces", "update_traces")
 """Metrics (besides ``*_seconds``) that depend on the machine or the process, not the run."""
@@ -233,7 +233,8 @@ def _lock(run_dir: pathlib.Path):
 
 
 def _ignorable(config: RunConfig) -> tuple[str, ...]:
-    decays = config.train.lr_schedule != "constant" and config.train.decay_steps is None
+    optimizer = config.train.optimizer
+    decays = optimizer.lr_schedule != "constant" and optimizer.decay_steps is None
     return tuple(name for name in RUN_MANAGEMENT if not (decays and name == "steps"))
 
 
@@ -268,7 +269,8 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
     if stored is not None:
         changed = differences(stored, config, ignore=_ignorable(stored))
         if changed:
-            hint = (" (`steps` sets the end of the decaying learning rate: set train.decay_steps to extend a run)"
+            hint = (" (`steps` sets the end of the decaying learning rate: set train.optimizer.decay_steps to extend "
+                    "a run)"
                     if any(c.startswith("steps:") for c in changed) else "")
             listed = "; ".join(changed[:8]) + ("; ..." if len(changed) > 8 else "")
             raise RunDirectoryError(
@@ -669,11 +671,9 @@ def evaluate_model(model: models.Model, params: models.Params, task, config: Run
     ``train.eval_samples``), decoded over ``mesh``."""
     train = config.train
     started = time.perf_counter()
-    results = evaluation.evaluate(
-        model, params, task, num_samples=train.eval_samples if num_samples is None else num_samples,
-        temperature=train.temperature, max_new_tokens=train.max_new_tokens, max_prompt_length=train.max_prompt_length,
-        prompt_truncation=train.prompt_truncation, top_k=train.top_k, top_p=train.top_p, min_p=train.min_p,
-        seed=train.seed, on_reward_error=train.on_reward_error, progress=False, mesh=mesh)
+    results = evaluation.evaluate(model, params, task, sampling=train.sampling,
+                                  num_samples=train.eval_samples if num_samples is None else num_samples,
+                                  seed=train.seed, on_reward_error=train.on_reward_error, progress=False, mesh=mesh)
     return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
 
@@ -696,7 +696,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
                overwrite: bool = False) -> int:
     """Writes checkpoint ``step``'s policy (default: the latest) as a Hugging Face directory
     with its tokenizer and a generation config holding the task's stop ids and the run's
-    sampling settings (the policy trained is the one sampled at ``train.temperature``);
+    sampling settings (the policy trained is the one sampled at ``train.sampling.temperature``);
     returns the step. ``out`` must not hold anything unless ``overwrite`` (its model and
     tokenizer files are then replaced, other files kept), nor lie in the run directory.
 
@@ -712,10 +712,10 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
         raise RunDirectoryError(f"--out {str(out)!r} exists and is not empty; choose another directory, or pass "
                                 "--overwrite to replace the model and tokenizer files there.")
     config, task, model, params, step = restore_policy(run_dir, step)
-    train = config.train
-    sampling = {"top_k": train.top_k, "top_p": train.top_p, "min_p": train.min_p}
+    sampling = config.train.sampling
+    truncation = {"top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p}
     generation = {"eos_token_id": list(task.eos_ids), "pad_token_id": task.pad_id, "do_sample": True,
-                  "temperature": train.temperature, **{k: v for k, v in sampling.items() if v is not None}}
+                  "temperature": sampling.temperature, **{k: v for k, v in truncation.items() if v is not None}}
     models.save_pretrained(out, model, params, tokenizer=task.tokenizer, generation_config=generation)
     return step
 

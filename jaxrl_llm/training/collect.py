@@ -56,17 +56,18 @@ def collect_batch(
 
     Without dynamic sampling: one round of ``P`` prompts times ``G`` completions. With it
     (DAPO): groups whose task rewards are all equal (all right or all wrong; the overlong
-    shaping does not count, as in DAPO's and verl's accuracy filter) are dropped and rounds of ``P`` new prompts
-    are drawn until ``P`` groups with signal are collected or ``config.max_refill_rounds``
+    shaping does not count, as in DAPO's and verl's accuracy filter) are dropped and rounds of
+    ``P`` new prompts are drawn until ``P`` groups with signal are collected or ``config.max_refill_rounds``
     extra rounds are spent; the batch is the first ``P`` groups with signal, then groups
     without it with an all-zero completion mask (padding rows: they change no loss).
     DAPO's soft overlong punishment (:func:`jaxrl_llm.rewards.soft_overlong_punishment`)
     is added to the rewards the advantages see.
     """
-    algorithm = fit_overlong_buffer(algorithm, config.max_new_tokens)
+    settings = config.sampling
+    algorithm = fit_overlong_buffer(algorithm, settings.max_new_tokens)
     shaping = None
     if algorithm.overlong_buffer:
-        shaping = functools.partial(rewards.soft_overlong_punishment, max_completion_length=config.max_new_tokens,
+        shaping = functools.partial(rewards.soft_overlong_punishment, max_completion_length=settings.max_new_tokens,
                                     buffer=algorithm.overlong_buffer, penalty=algorithm.overlong_penalty)
     num_prompts, group = config.num_prompts, config.group_size
     rounds: list[ScoredRound] = []
@@ -77,8 +78,8 @@ def collect_batch(
                            count=num_prompts)
         scored = rollout_and_score(
             backend, params, task, batch, jax.random.fold_in(key, round_index), num_samples=group,
-            max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length,
-            prompt_truncation=config.prompt_truncation, prompt_bucket=prompt_bucket,
+            max_new_tokens=settings.max_new_tokens, max_prompt_length=settings.max_prompt_length,
+            prompt_truncation=settings.prompt_truncation, prompt_bucket=prompt_bucket,
             on_reward_error=config.on_reward_error, shaping=shaping)
         rounds.append(scored)
         grouped = scored.result.total.reshape(num_prompts, group)  # the task's rewards: shaping is no signal

@@ -1,30 +1,43 @@
-"""The settings of a training run: one frozen, validated dataclass."""
+"""The settings of a training run: frozen, validated dataclasses grouped by concern.
+
+* :class:`~jaxrl_llm.sampling.SamplingConfig` (``TrainConfig.sampling``): how completions
+  are drawn and how long they may be, shared with the sampler and the evaluation;
+* :class:`OptimizerConfig` (``TrainConfig.optimizer``): AdamW, its clip and its
+  learning-rate schedule;
+* :class:`TrainConfig`: the batch's shape, those two, the held-out evaluations, fault
+  tolerance and memory.
+
+**Flat names.** The grouped settings once sat in ``TrainConfig`` itself; their flat names
+still work, each meaning its group's field (:data:`GROUPED_FIELDS`):
+``TrainConfig(temperature=0.7, learning_rate=1e-5)`` is ``TrainConfig(sampling=
+SamplingConfig(temperature=0.7), optimizer=OptimizerConfig(learning_rate=1e-5))`` (a flat
+name wins over the group given beside it, so ``dataclasses.replace(config,
+temperature=0.7)`` changes that one field), and ``config.temperature`` reads
+``config.sampling.temperature``. A config file's ``[train]`` table and the ``--train.*``
+flags take them too (:func:`nest_flat_settings`), so stored runs resume.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
 
 from jaxrl_llm import _checks
 from jaxrl_llm.rewards.combine import ON_ERROR
-from jaxrl_llm.sampling import PROMPT_TRUNCATION
+from jaxrl_llm.sampling import PROMPT_TRUNCATION, SamplingConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """The learning rate after the linear warm-up: constant at the peak, or a linear or cosine decay."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Settings of a training run; the defaults fit the digit task on a CPU."""
+class OptimizerConfig:
+    """AdamW after a global gradient-norm clip, at a learning rate warmed up linearly and then
+    held or decayed (:func:`jaxrl_llm.training.optim.make_optimizer`); the critic's (methods
+    with GAE) has the same shape at its own peak rate."""
 
-    num_prompts: int = 8
-    """P: prompts per rollout batch."""
-    group_size: int = 8
-    """G: completions per prompt; the batch has ``B = P * G`` sequences."""
-    max_new_tokens: int = 4
-    """N: completion budget in tokens."""
-    minibatch_size: int | None = None
-    """Sequences per optimizer step; ``None`` is the whole batch. Must divide ``B``. Each of
-    the method's ``num_iterations`` passes visits every minibatch once, in a fresh order."""
     learning_rate: float = 3e-3
     """Peak AdamW learning rate of the policy (linear warm-up over ``warmup_steps``, then
     ``lr_schedule``)."""
@@ -36,7 +49,7 @@ class TrainConfig:
     lr_schedule: str = "constant"
     """After the warm-up: ``"constant"`` stays at the peak; ``"linear"`` and ``"cosine"``
     decay from it to ``end_learning_rate_fraction * lr`` over ``decay_steps``, then stay
-    there (:func:`jaxrl_llm.training.step.learning_rate_schedule`)."""
+    there (:func:`jaxrl_llm.training.optim.learning_rate_schedule`)."""
     decay_steps: int | None = None
     """Optimizer steps from the peak (the warm-up's last step) to the end of the decay: the
     rate reaches its end value at step ``warmup_steps - 1 + decay_steps``. ``None``: the
@@ -57,22 +70,95 @@ class TrainConfig:
     """AdamW's ``epsilon`` (> 0), added to ``sqrt(v_hat)`` in the denominator."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip, before AdamW (finite: a very large value turns it off)."""
-    temperature: float = 1.0
-    """Sampling temperature; the policy trained is ``softmax(logits / T)`` (see sampling)."""
-    top_k: int | None = None
-    """Rollouts sample among the ``k`` most likely tokens (``None``: all)."""
-    top_p: float | None = None
-    """Rollouts sample from the smallest set of tokens with mass ``>= top_p`` (``None``: all)."""
-    min_p: float | None = None
-    """Rollouts sample among tokens at least ``min_p`` times as likely as the most likely
-    one (``None``: all). With top-k, top-p or min-p, the old policy's log-probs are still
-    those of ``softmax(logits / T)`` (see :mod:`jaxrl_llm.sampling`)."""
-    max_prompt_length: int = 512
-    """Longest prompt in tokens. Prompts are padded to one of a few widths up to this
-    (``8, 16, 32, ...``), so the train step compiles a bounded number of times."""
-    prompt_truncation: str = "error"
-    """A longer prompt: ``"error"`` stops the run naming it; ``"left"`` drops its first
-    tokens (counted in the ``truncated_prompts`` metric)."""
+
+    def __post_init__(self):
+        where = "OptimizerConfig"
+        _checks.positive_int(where, "warmup_steps", self.warmup_steps)
+        for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "adam_eps"):
+            _checks.finite_number(where, field, getattr(self, field))
+            _checks.positive(where, field, getattr(self, field))
+        _checks.one_of(where, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.decay_steps is not None:
+            _checks.positive_int(where, "decay_steps", self.decay_steps)
+        _checks.finite_number(where, "weight_decay", self.weight_decay)
+        _checks.nonnegative(where, "weight_decay", self.weight_decay)
+        for field, closed in (("end_learning_rate_fraction", "[]"), ("adam_b1", "[)"), ("adam_b2", "[)")):
+            _checks.finite_number(where, field, getattr(self, field))
+            _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
+
+
+GROUPS: dict[str, type] = {"sampling": SamplingConfig, "optimizer": OptimizerConfig}
+"""TrainConfig's groups of settings: field name -> its dataclass."""
+
+GROUPED_FIELDS: dict[str, str] = {field.name: group for group, kind in GROUPS.items()
+                                  for field in dataclasses.fields(kind)}
+"""The flat name of each grouped setting -> its group: ``"temperature" -> "sampling"``
+(``train.temperature`` is ``train.sampling.temperature``)."""
+
+
+def _flat_settings_taken(cls):
+    """Makes ``cls(...)`` (a dataclass with the fields of :data:`GROUPS`) also take the flat
+    names of :data:`GROUPED_FIELDS`, each replacing that field of its group."""
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, **settings):
+        generated(self, **_grouped(settings, where=cls.__name__))
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _grouped(settings: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """``settings`` with their flat grouped names moved into their group (the one given, or
+    the default). An error names the setting as it was given: ``TrainConfig: `weight_decay`
+    must be ...``."""
+    for group, kind in GROUPS.items():
+        flat = {name: settings.pop(name) for name in [*settings] if GROUPED_FIELDS.get(name) == group}
+        if flat:
+            try:
+                settings[group] = dataclasses.replace(settings.get(group, _DEFAULTS[group]), **flat)
+            except ValueError as error:
+                raise ValueError(str(error).replace(f"{kind.__name__}: ", f"{where}: ", 1)) from None
+    return settings
+
+
+def nest_flat_settings(table: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """A ``[train]`` table (a config file's, a stored run's) with the flat names of grouped
+    settings moved into their group's table: ``{"temperature": 0.7}`` becomes
+    ``{"sampling": {"temperature": 0.7}}``. Raises ValueError for a setting given both ways."""
+    nested = dict(table)
+    for name in [key for key in table if key in GROUPED_FIELDS]:
+        group = GROUPED_FIELDS[name]
+        inner = nested.get(group, {})
+        if not isinstance(inner, Mapping):
+            raise ValueError(f"{where}.{group} must be a table of {GROUPS[group].__name__}'s fields; got {inner!r}.")
+        if name in inner:
+            raise ValueError(f"{where}: `{name}` is given twice, as {where}.{name} and {where}.{group}.{name} "
+                             f"(its place now); give it once, in {group}.")
+        nested[group] = {**inner, name: nested.pop(name)}
+    return nested
+
+
+@_flat_settings_taken
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Settings of a training run; the defaults fit the digit task on a CPU. The flat names
+    of the grouped settings work too (see the module doc)."""
+
+    num_prompts: int = 8
+    """P: prompts per rollout batch."""
+    group_size: int = 8
+    """G: completions per prompt; the batch has ``B = P * G`` sequences."""
+    sampling: SamplingConfig = SamplingConfig()
+    """How the rollouts (and the held-out evaluations' samples) are drawn: temperature,
+    top-k/top-p/min-p, the completion budget ``N = max_new_tokens``, the prompts' length
+    (:class:`~jaxrl_llm.sampling.SamplingConfig`). Training needs a temperature > 0."""
+    minibatch_size: int | None = None
+    """Sequences per optimizer step; ``None`` is the whole batch. Must divide ``B``. Each of
+    the method's ``num_iterations`` passes visits every minibatch once, in a fresh order."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """The policy's (and the critic's) AdamW and learning-rate schedule (:class:`OptimizerConfig`)."""
     on_reward_error: str = "raise"
     """A reward function that raises: ``"raise"`` stops the run naming the function and the
     example; ``"zero"`` scores those completions 0 (counted in ``reward_errors``)."""
@@ -80,7 +166,7 @@ class TrainConfig:
     """Evaluate on the task's test split every this many steps (0: never); the results
     join that step's metrics as ``eval_*``."""
     eval_samples: int = 0
-    """Samples per test prompt at ``temperature`` for the evaluation's pass@k (0: greedy only)."""
+    """Samples per test prompt (drawn as ``sampling`` says) for the evaluation's pass@k (0: greedy only)."""
     chunk_size: int = 256
     """Tokens per chunk (over all rows) when log-probs and KLs are computed from hidden
     states: the float32 logits held at once are about ``chunk_size x V``, and at least one
@@ -117,35 +203,21 @@ class TrainConfig:
 
     def __post_init__(self):
         where = "TrainConfig"
-        for field in ("num_prompts", "group_size", "max_new_tokens", "warmup_steps", "chunk_size",
-                      "max_consecutive_skips"):
+        for group, kind in GROUPS.items():
+            if not isinstance(getattr(self, group), kind):
+                raise ValueError(f"{where}: `{group}` must be of type {kind.__name__}; got {getattr(self, group)!r}.")
+        for field in ("num_prompts", "group_size", "chunk_size", "max_consecutive_skips"):
             _checks.positive_int(where, field, getattr(self, field))
         for field in ("max_refill_rounds", "eval_every", "eval_samples"):
             _checks.nonnegative_int(where, field, getattr(self, field))
-        _checks.positive_int(where, "max_prompt_length", self.max_prompt_length)
         _checks.nonnegative_int(where, "seed", self.seed)
-        if self.top_k is not None:
-            _checks.positive_int(where, "top_k", self.top_k)
-        for field, closed in (("top_p", "(]"), ("min_p", "[]")):
-            if getattr(self, field) is not None:
-                _checks.finite_number(where, field, getattr(self, field))
-                _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
-        _checks.one_of(where, "prompt_truncation", self.prompt_truncation, PROMPT_TRUNCATION)
+        if not self.sampling.temperature > 0:
+            raise ValueError(f"{where}: `sampling.temperature` must be a finite number > 0 (the policy trained is "
+                             f"softmax(logits / T)); got {self.sampling.temperature}.")
         _checks.one_of(where, "on_reward_error", self.on_reward_error, ON_ERROR)
         for field in ("share_prompts", "reference_metrics", "exact_kl"):
             if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"TrainConfig: `{field}` must be True or False; got {getattr(self, field)!r}.")
-        for field in ("learning_rate", "critic_learning_rate", "max_grad_norm", "temperature", "adam_eps"):
-            _checks.finite_number(where, field, getattr(self, field))
-            _checks.positive(where, field, getattr(self, field))
-        _checks.one_of(where, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        if self.decay_steps is not None:
-            _checks.positive_int(where, "decay_steps", self.decay_steps)
-        _checks.finite_number(where, "weight_decay", self.weight_decay)
-        _checks.nonnegative(where, "weight_decay", self.weight_decay)
-        for field, closed in (("end_learning_rate_fraction", "[]"), ("adam_b1", "[)"), ("adam_b2", "[)")):
-            _checks.finite_number(where, field, getattr(self, field))
-            _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
+                raise ValueError(f"{where}: `{field}` must be True or False; got {getattr(self, field)!r}.")
         if self.minibatch_size is not None:
             _checks.positive_int(where, "minibatch_size", self.minibatch_size)
             if self.batch_size % self.minibatch_size:
@@ -161,6 +233,13 @@ class TrainConfig:
                                  f"({'minibatch_size' if self.minibatch_size else 'B'} = {rows}); got "
                                  f"{self.micro_batch_size}.")
 
+    def __getattr__(self, name: str) -> Any:
+        """The flat names of the grouped settings: ``config.temperature`` is ``config.sampling.temperature``."""
+        group = GROUPED_FIELDS.get(name)
+        if group is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(getattr(self, group), name)
+
     @property
     def batch_size(self) -> int:
         """B = P * G sequences per rollout batch."""
@@ -175,3 +254,7 @@ class TrainConfig:
         """Forward and backward passes per optimizer step (gradient accumulation)."""
         rows = self.batch_size // self.num_minibatches
         return 1 if self.micro_batch_size is None else rows // self.micro_batch_size
+
+
+_DEFAULTS = {group: getattr(TrainConfig, group) for group in GROUPS}
+"""Each group's default in TrainConfig: what a flat setting given without its group changes."""

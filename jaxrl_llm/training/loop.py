@@ -199,12 +199,9 @@ def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.T
     split evaluated with the run's sampling settings (:func:`jaxrl_llm.evaluation.evaluate`,
     decoded over ``mesh``), as ``eval_*`` metrics and ``eval_seconds``."""
     started = time.perf_counter()
-    results = evaluation.evaluate(
-        model, params, task, num_samples=config.eval_samples, temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length,
-        prompt_truncation=config.prompt_truncation, prompt_bucket=prompt_bucket, top_k=config.top_k,
-        top_p=config.top_p, min_p=config.min_p, seed=config.seed, on_reward_error=config.on_reward_error,
-        progress=False, mesh=mesh)
+    results = evaluation.evaluate(model, params, task, sampling=config.sampling, num_samples=config.eval_samples,
+                                  prompt_bucket=prompt_bucket, seed=config.seed, on_reward_error=config.on_reward_error,
+                                  progress=False, mesh=mesh)
     return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
 
@@ -472,11 +469,10 @@ def train(
       ref_params: the frozen reference (default: ``params``; only for runs that use one:
         :func:`jaxrl_llm.training.uses_reference`). Used as it is, never copied or donated.
       rollout: the :class:`~jaxrl_llm.sampling.RolloutBackend` that samples completions
-        (default: the built-in KV-cache sampler with the task's stop ids and the config's
-        temperature, top-k, top-p and min-p). The evaluation of ``config.eval_every``
-        uses the built-in sampler.
+        (default: the built-in KV-cache sampler with the task's stop ids and
+        ``config.sampling``). The evaluation of ``config.eval_every`` uses the built-in sampler.
       prompt_bucket: the narrowest prompt width; wider ones double it (``8, 16, 32, ...``
-        up to ``config.max_prompt_length``).
+        up to ``config.sampling.max_prompt_length``).
       rollout_mesh: decode the rollouts and evaluations data-parallel over this mesh
         (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
         ``data`` size; evaluation batches split as :func:`jaxrl_llm.sampling.sample`
@@ -530,9 +526,8 @@ def train(
     state, compiled = _compile(model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh,
                                rules=rules)
     if rollout is None:
-        rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id,
-                                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                                   min_p=config.min_p, mesh=rollout_mesh)
+        rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=config.sampling,
+                                   mesh=rollout_mesh)
     run = _Run(model=model, algorithm=algorithm, config=config, task=task, rollout=rollout, compiled=compiled,
                prompt_bucket=prompt_bucket, rollout_mesh=rollout_mesh, callback=callback)
     return _run_steps(run, state, steps)

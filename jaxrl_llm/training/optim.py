@@ -45,7 +45,7 @@ def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, lr_schedu
         return warmup  # stays at the peak after its last step
     if decay_steps is None:
         raise ValueError(f"learning_rate_schedule: lr_schedule={lr_schedule!r} decays over `decay_steps` optimizer "
-                         "steps; got None. Set TrainConfig.decay_steps, or pass the run's length to "
+                         "steps; got None. Set TrainConfig.optimizer.decay_steps, or pass the run's length to "
                          "make_train_step(..., total_steps=).")
     _checks.positive_int("learning_rate_schedule", "decay_steps", decay_steps)
     end = end_learning_rate_fraction * learning_rate
@@ -172,22 +172,23 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
 
 
 def decay_steps_of_run(algorithm: algorithms.Algorithm, config: TrainConfig, total_steps: int | None) -> int | None:
-    """``config.decay_steps``, or, when it is ``None`` and the schedule decays, the optimizer
-    steps from the warm-up's last step to the run's last one:
+    """``config.optimizer.decay_steps``, or, when it is ``None`` and the schedule decays, the
+    optimizer steps from the warm-up's last step to the run's last one:
     ``total_steps * num_iterations * num_minibatches - warmup_steps`` (at least 1: a run
     that ends within the warm-up never decays). ``None`` for ``"constant"`` and TRPO, which
     has no optax optimizer."""
     if total_steps is not None:
         _checks.nonnegative_int("make_train_step", "total_steps", total_steps)
-    if config.decay_steps is not None or config.lr_schedule == "constant" or algorithm.update == "trpo":
-        return config.decay_steps
+    settings = config.optimizer
+    if settings.decay_steps is not None or settings.lr_schedule == "constant" or algorithm.update == "trpo":
+        return settings.decay_steps
     if total_steps is None:
         raise ValueError(
-            f"make_train_step: TrainConfig.lr_schedule={config.lr_schedule!r} with decay_steps=None decays until "
-            "the run's last step, but the run's length is unknown: pass total_steps=<the run's train steps> "
-            "(train() does), or set TrainConfig.decay_steps.")
+            f"make_train_step: TrainConfig.optimizer.lr_schedule={settings.lr_schedule!r} with decay_steps=None "
+            "decays until the run's last step, but the run's length is unknown: pass total_steps=<the run's train "
+            "steps> (train() does), or set TrainConfig.optimizer.decay_steps.")
     optimizer_steps = total_steps * algorithm.num_iterations * config.num_minibatches
-    return max(1, optimizer_steps - config.warmup_steps)
+    return max(1, optimizer_steps - settings.warmup_steps)
 
 
 class RunOptimizers(NamedTuple):
@@ -198,16 +199,18 @@ class RunOptimizers(NamedTuple):
 
 
 def run_optimizers(algorithm: algorithms.Algorithm, config: TrainConfig, *, decay_steps: int | None) -> RunOptimizers:
-    """The policy's and the critic's :func:`make_optimizer` with ``config``'s settings."""
+    """The policy's and the critic's :func:`make_optimizer` with ``config.optimizer``'s settings."""
+    settings = config.optimizer
+
     def optimizer(learning_rate):
         return make_optimizer(
-            learning_rate=learning_rate, warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm,
-            lr_schedule=config.lr_schedule, decay_steps=decay_steps,
-            end_learning_rate_fraction=config.end_learning_rate_fraction, weight_decay=config.weight_decay,
-            b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+            learning_rate=learning_rate, warmup_steps=settings.warmup_steps, max_grad_norm=settings.max_grad_norm,
+            lr_schedule=settings.lr_schedule, decay_steps=decay_steps,
+            end_learning_rate_fraction=settings.end_learning_rate_fraction, weight_decay=settings.weight_decay,
+            b1=settings.adam_b1, b2=settings.adam_b2, eps=settings.adam_eps)
 
-    return RunOptimizers(policy=None if algorithm.update == "trpo" else optimizer(config.learning_rate),
-                         critic=optimizer(config.critic_learning_rate) if algorithm.needs_critic else None)
+    return RunOptimizers(policy=None if algorithm.update == "trpo" else optimizer(settings.learning_rate),
+                         critic=optimizer(settings.critic_learning_rate) if algorithm.needs_critic else None)
 
 
 def update_is_finite(optimizer: optax.GradientTransformation, grads, opt_state, params) -> jax.Array:

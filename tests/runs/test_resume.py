@@ -142,3 +142,28 @@ def test_a_checkpoint_with_a_reference_the_run_no_longer_keeps_still_restores(tm
         state = run._restore(checkpointer, like)
     assert state.ref_params is None and int(state.step) == 3
     chex.assert_trees_all_equal(state.params, params)
+
+
+@pytest.mark.slow
+def test_a_run_stored_with_flat_train_settings_resumes(tmp_path):
+    """A run directory from before the grouped settings stores ``train.temperature``,
+    ``train.learning_rate``, ... in ``[train]`` itself: it loads to the same config and the
+    same command continues it."""
+    import dataclasses
+
+    tiny = runs.load("tiny")
+    config = dataclasses.replace(tiny, steps=2, save_every=2, warm_start=dataclasses.replace(tiny.warm_start, steps=2),
+                                 train=dataclasses.replace(tiny.train, eval_every=0))
+    run.train_run(config, tmp_path / "run", progress=False, stream=None)
+    path = tmp_path / "run" / run.CONFIG_FILE
+    stored = json.loads(path.read_text())
+    train = stored["train"]
+    stored["train"] = {**{k: v for k, v in train.items() if k not in ("sampling", "optimizer")},
+                       **train["sampling"], **train["optimizer"]}  # the layout before the groups
+    assert "temperature" in stored["train"] and "learning_rate" in stored["train"]
+    path.write_text(json.dumps(stored))
+    assert run.stored_config(tmp_path / "run") == run.absolute_paths(config)
+    continued = run.train_run(dataclasses.replace(config, steps=4), tmp_path / "run", resume=True, progress=False,
+                              stream=None)
+    assert [row["step"] for row in runs.read_metrics(tmp_path / "run")] == [0, 1, 2, 3]
+    assert len(continued.history) == 2 and int(continued.state.step) == 4
