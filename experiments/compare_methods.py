@@ -109,7 +109,7 @@ class CompareConfig:
             raise ValueError(f"{where}: `plot` needs matplotlib (pip install matplotlib); or pass --no-plot.")
         train_config = self.train_config()  # validates the RL settings (learning rate, batch shape)
         for method in self.methods():  # methods these settings cannot run
-            training.check_supported(method, train_config)
+            training.step.check_supported(method, train_config)
 
     def methods(self) -> list[algorithms.Algorithm]:
         """The presets named by ``algorithms``."""

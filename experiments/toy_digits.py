@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from jaxrl_llm import _checks, algorithms, kl, ops, training
+from jaxrl_llm import _checks, algorithms, kl, ops, sampling, training
 from jaxrl_llm.rewards.length import overlong_penalty
 
 NUM_DIGITS = 10
@@ -93,10 +93,12 @@ class ToyConfig:
     def train_config(self) -> training.TrainConfig:
         """The library's settings of the step: the batch, Adam at ``learning_rate`` for the
         policy and the critic, and the reference kept for the ``kl_to_ref`` metric."""
-        return training.TrainConfig(num_prompts=self.num_prompts, group_size=self.group_size,
-                                    max_new_tokens=self.max_new_tokens, learning_rate=self.learning_rate,
-                                    critic_learning_rate=self.learning_rate, warmup_steps=1, seed=self.seed,
-                                    reference_metrics=True)
+        return training.TrainConfig(
+            num_prompts=self.num_prompts, group_size=self.group_size,
+            sampling=sampling.SamplingConfig(max_new_tokens=self.max_new_tokens),
+            optimizer=training.OptimizerConfig(learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate,
+                                               warmup_steps=1),
+            seed=self.seed, reference_metrics=True)
 
 
 # --- Model ----------------------------------------------------------------------------------
@@ -229,7 +231,7 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm):
     step = training.make_train_step(MLPTeacherForcing(), algorithm, config.train_config())
 
     def train_step(state: training.TrainState) -> tuple[training.TrainState, dict[str, jax.Array]]:
-        prompt_key, sample_key = jax.random.split(training.rollout_key(state))
+        prompt_key, sample_key = jax.random.split(training.state.rollout_key(state))
         prompts = jax.random.randint(prompt_key, (num_prompts, 2), 0, NUM_DIGITS)  # [P, 2]
         rows_prompts = jnp.repeat(prompts, group, axis=0)  # [B = P * G, 2], groups adjacent
         rollout = sample(state.params, rows_prompts, sample_key, max_len=length)

@@ -190,7 +190,7 @@ def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(
     state = training.init_state(model, params, algorithm, run)
     shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES["fsdp_tensor"])
     state = jax.device_put(state, shardings)
-    scored, score_metrics = jax.jit(halves.score)(state, jax.device_put(batch, training.batch_shardings(mesh)))
+    scored, score_metrics = jax.jit(halves.score)(state, jax.device_put(batch, training.batch.batch_shardings(mesh)))
     new, metrics = jax.jit(halves.update, out_shardings=(shardings, None))(state, scored)
 
     for name in ("kl_exact", "advantage_std"):

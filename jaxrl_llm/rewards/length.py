@@ -4,7 +4,7 @@ r"""Length shaping: rewards that depend on how many tokens a completion has.
   lengths (jit-able: ``experiments/toy_digits.py`` adds it to its rewards);
 * :func:`soft_overlong_punishment` — the same, as a reward function in TRL's convention
   (see :mod:`jaxrl_llm.rewards.combine`), counting the tokens of ``completion_ids``: the
-  trainer adds it to DAPO's rewards (:func:`jaxrl_llm.training.collect_batch`);
+  trainer adds it to DAPO's rewards (:func:`jaxrl_llm.training.collect.collect_batch`);
 * :func:`length_penalty` — a linear penalty for the tokens beyond a target length.
 
 A completion's length is its number of valid tokens, the final EOS included when it

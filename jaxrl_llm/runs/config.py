@@ -319,7 +319,7 @@ class RunConfig:
             _checks.positive_int(where, field, getattr(self, field))
         _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
         algorithms.get(self.method)  # a preset's name (the error lists them)
-        training.check_supported(self.algorithm, self.train)
+        training.step.check_supported(self.algorithm, self.train)
         sampling = self.train.sampling
         positions = sampling.max_prompt_length + sampling.max_new_tokens
         if self.model.path is None and positions > self.model.max_positions:

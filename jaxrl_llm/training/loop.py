@@ -467,7 +467,7 @@ def train(
       state: continue from this state instead of a fresh one (it is donated: its
         buffers are reused by the first update; its reference is not).
       ref_params: the frozen reference (default: ``params``; only for runs that use one:
-        :func:`jaxrl_llm.training.uses_reference`). Used as it is, never copied or donated.
+        :func:`jaxrl_llm.training.state.uses_reference`). Used as it is, never copied or donated.
       rollout: the :class:`~jaxrl_llm.sampling.RolloutBackend` that samples completions
         (default: the built-in KV-cache sampler with the task's stop ids and
         ``config.sampling``). The evaluation of ``config.eval_every`` uses the built-in sampler.

@@ -65,7 +65,7 @@ class DecoderTeacherForcing:
         return models.output_kernel(self.model, params, as_stored=True)
 
     def _options(self) -> dict:
-        return dict(chunk_size=self.config.chunk_size, temperature=self.config.temperature)
+        return dict(chunk_size=self.config.chunk_size, temperature=self.config.sampling.temperature)
 
     def logprobs(self, states: jax.Array, head: jax.Array, rows: Rows, *, with_entropy: bool = False):
         """:func:`jaxrl_llm.ops.chunked_token_logprobs` of the completion tokens."""

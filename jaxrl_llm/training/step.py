@@ -279,7 +279,7 @@ def make_train_step(model: models.Model | TeacherForcing, algorithm: algorithms.
     :class:`~jaxrl_llm.training.losses.TeacherForcing` (the toy experiment's MLP).
 
     ``total_steps``: the run's train steps (rollout batches), counted from step 0 (a
-    resumed run counts those before it). A decaying ``config.lr_schedule`` with
+    resumed run counts those before it). A decaying ``config.optimizer.lr_schedule`` with
     ``decay_steps=None`` ends its decay at the last optimizer step of the last of them,
     and raises ValueError without it.
     """

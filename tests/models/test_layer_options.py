@@ -417,7 +417,7 @@ def test_with_options_keeps_the_params_as_they_are():
     module = optioned.module(params)  # the modules read the options from the graph definition
     assert module.config == optioned.config and module.layers[0].self_attn.config == optioned.config
     assert jax.tree.structure(models.abstract(optioned.config)[1]) == jax.tree.structure(params)
-    training.check_params(optioned, params)
+    training.state.check_params(optioned, params)
     assert models.with_options(model) is model
     # Equal options, an equal (static, hashable) Model: jitted functions do not retrace.
     again = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")

@@ -59,7 +59,7 @@ def test_bfloat16_params_take_steps_smaller_than_their_precision_through_float32
     # 1.0 - 1e-4 rounds back to 1.0 in bfloat16 (its spacing there is 2^-7): without a
     # master copy, 100 such steps would leave the weight at 1.0.
     params = {"w": jnp.ones((), jnp.bfloat16)}
-    optimizer = training.in_float32(optax.sgd(1e-4))
+    optimizer = training.optim.in_float32(optax.sgd(1e-4))
     state = optimizer.init(params)
     step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*optimizer.update({"w": jnp.ones((), jnp.bfloat16)}, s, p)))
     for _ in range(100):

@@ -209,7 +209,7 @@ def test_advantage_metrics_match_numpy_and_stay_finite_for_equal_rewards():
 def test_ppo_critic_starts_at_zero_and_its_value_loss_falls_on_a_batch():
     model, params, score, update, state = _step(algorithms.PPO)
     batch = _batch(model, params, seed=2)._replace(rewards=jnp.linspace(0.0, 1.5, 16))
-    values = training.completion_values(model, state.critic_params, batch.prompt_tokens, batch.prompt_mask,
+    values = training.critic.completion_values(model, state.critic_params, batch.prompt_tokens, batch.prompt_mask,
                                         batch.completion_tokens)
     np.testing.assert_array_equal(values, 0.0)
     losses = []
@@ -333,7 +333,7 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     task = _HalfSolvable()
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id)
     run = dataclasses.replace(RUN, max_refill_rounds=6)
-    collected = training.collect_batch(sampler, params, task, algorithms.DAPO, run, key=jax.random.key(0),
+    collected = training.collect.collect_batch(sampler, params, task, algorithms.DAPO, run, key=jax.random.key(0),
                                        position=0)
     rollouts = collected.rollouts
     rewards = rollouts.rewards.reshape(RUN.num_prompts, RUN.group_size)
@@ -361,7 +361,7 @@ def test_overlong_shaping_enters_the_rewards_the_advantages_and_the_group_metric
     run = dataclasses.replace(RUN, max_new_tokens=10)
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5, dynamic_sampling=False)
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
-    collected = training.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
+    collected = training.collect.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
     expected = reference.overlong_penalty(collected.rollouts.lengths, max_len=10, buffer=4, penalty=0.5)
     assert np.any(expected < 0) and np.any(expected == 0)
     np.testing.assert_allclose(collected.rollouts.rewards, expected, rtol=1e-6)
@@ -391,7 +391,7 @@ def test_dynamic_sampling_reads_the_tasks_rewards_not_the_length_shaping():
     run = dataclasses.replace(RUN, max_new_tokens=10, max_refill_rounds=1)
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5)
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
-    collected = training.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
+    collected = training.collect.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
     shaped = collected.first_round.rollouts.rewards.reshape(RUN.num_prompts, RUN.group_size)
     assert (shaped.max(1) > shaped.min(1)).any()  # the shaping differs within some group...
     assert collected.refill_rounds == 1 and not collected.rollouts.completion_mask.any()  # ...and counts for nothing

@@ -81,7 +81,7 @@ def test_a_method_without_kl_keeps_and_runs_no_reference_unless_a_metric_asks(mo
     model, params = models.init(CONFIG, jax.random.key(0))
     batch = _batch(model, params)
     method = algorithms.DR_GRPO  # beta = 0, on-policy
-    assert not training.uses_reference(method, RUN)
+    assert not training.state.uses_reference(method, RUN)
     assert training.init_state(model, params, method, RUN).ref_params is None
     assert _score_passes(monkeypatch, model, method, RUN, params, batch) == 0
     _, metrics = _one_update(model, params, method, RUN, batch)
@@ -127,11 +127,11 @@ def test_the_update_advances_the_key_baseline_stream_and_learning_rate_itself():
     state = training.init_state(model, params, method, RUN)
     batch = _batch(model, params)._replace(prompts_drawn=jnp.asarray(12, jnp.int32))
     scored, _ = jax.jit(halves.score)(state, batch)
-    first_key = np.asarray(jax.random.key_data(training.rollout_key(state)))
+    first_key = np.asarray(jax.random.key_data(training.state.rollout_key(state)))
     new, metrics = jax.jit(halves.update)(state, scored)
     assert int(new.prompts_drawn) == 12 and int(new.step) == 1
     np.testing.assert_allclose(float(new.baseline.mean), float(jnp.mean(batch.rewards)), rtol=1e-6)  # first batch
-    assert not np.array_equal(np.asarray(jax.random.key_data(training.rollout_key(new))), first_key)
+    assert not np.array_equal(np.asarray(jax.random.key_data(training.state.rollout_key(new))), first_key)
     schedule = training.optim.learning_rate_schedule(learning_rate=RUN.learning_rate, warmup_steps=RUN.warmup_steps)
     np.testing.assert_allclose(float(metrics["learning_rate"]), float(schedule(0)), rtol=1e-6)
     again, _ = jax.jit(halves.update)(new, jax.jit(halves.score)(new, batch)[0])
