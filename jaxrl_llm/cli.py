@@ -247,7 +247,8 @@ def user_traceback(error: BaseException | None) -> list[str]:
     function = next((getattr(e, "function", None) for e in chain if getattr(e, "function", None)), None)
     code = getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
     if code is not None and not build.is_library_file(code.co_filename):
-        return [f"  {rewards.reward_name(function)} is defined in {code.co_filename}, line {code.co_firstlineno}."]
+        name = rewards.combine.reward_name(function)
+        return [f"  {name} is defined in {code.co_filename}, line {code.co_firstlineno}."]
     return []
 
 

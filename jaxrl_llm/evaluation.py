@@ -18,7 +18,7 @@ and record its results as ``eval_*`` metrics (:func:`as_metrics`).
 ``None`` ("does not apply") for a completion leaves it unsolved. The default, the task's
 first reward function with threshold 1, fits the usual 0/1 correctness reward listed
 first; a task whose correctness is another function names it (by index or by its logged
-name, :func:`jaxrl_llm.rewards.reward_names`).
+name, :func:`jaxrl_llm.rewards.combine.reward_names`).
 
 **pass@k** is the unbiased estimator of Chen et al. (2021), :func:`pass_at_k`, averaged
 over the split's examples: with ``n`` samples per example of which ``c`` are solved,
@@ -121,7 +121,7 @@ def pass_at_k_values(num_samples: int) -> tuple[int, ...]:
 
 def _correct_name(task: tasks.Task, correct_reward: int | str) -> str:
     """The logged name of the reward function that decides whether a completion is solved."""
-    names = rewards.reward_names(task.reward_fns)
+    names = rewards.combine.reward_names(task.reward_fns)
     allowed = (f"an index in [0, {len(names)}) into the task's reward functions or one of their names "
                f"{names}")
     if isinstance(correct_reward, str):
@@ -195,13 +195,13 @@ def evaluate(
       sampling_fields: fields of a ``SamplingConfig`` by name, replacing those of
         ``sampling`` (``max_new_tokens=256``); without ``sampling`` the budget,
         ``max_new_tokens``, must be among them.
-      split: one of :data:`jaxrl_llm.tasks.SPLITS`; it must be finite and non-empty.
+      split: one of :data:`jaxrl_llm.tasks.base.SPLITS`; it must be finite and non-empty.
       num_samples: ``n >= 0`` samples per prompt for the sampled metrics; 0: greedy only.
       batch_size: ``P >= 1`` prompts per rollout call (``P n`` sequences when sampling).
       prompt_bucket, on_reward_error: as in :func:`jaxrl_llm.rollouts.rollout_and_score`
         (and :class:`jaxrl_llm.training.TrainConfig`).
       correct_reward: the reward function that decides "solved": an index into
-        ``task.reward_fns`` or its logged name (:func:`jaxrl_llm.rewards.reward_names`).
+        ``task.reward_fns`` or its logged name (:func:`jaxrl_llm.rewards.combine.reward_names`).
       threshold: a completion is solved when that function returns at least this.
       seed: seeds the sampling keys, and is passed to ``task.examples``.
       progress: show a ``tqdm`` bar of the examples done.
@@ -284,11 +284,11 @@ def _check_arguments(task: tasks.Task, *, split: str, num_samples: int, batch_si
     """Raises ValueError naming the first of ``evaluate``'s arguments that is out of range."""
     fn = "evaluate"
     tasks.check_task(task)
-    _checks.one_of(fn, "split", split, tasks.SPLITS)
+    _checks.one_of(fn, "split", split, tasks.base.SPLITS)
     _checks.nonnegative_int(fn, "num_samples", num_samples)
     for name, value in (("batch_size", batch_size), ("prompt_bucket", prompt_bucket)):
         _checks.positive_int(fn, name, value)
-    _checks.one_of(fn, "on_reward_error", on_reward_error, rewards.ON_ERROR)
+    _checks.one_of(fn, "on_reward_error", on_reward_error, rewards.combine.ON_ERROR)
     _checks.finite_number(fn, "threshold", threshold)
     _checks.nonnegative_int(fn, "seed", seed)
     if not isinstance(progress, bool):

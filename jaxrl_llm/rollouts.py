@@ -223,7 +223,7 @@ def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **argume
             raise failure
         raise rewards.RewardFunctionError("A reward function failed on another process of the run (its log has "
                                           "the error); stopping every process.")
-    names = rewards.reward_names(reward_fns)
+    names = rewards.combine.reward_names(reward_fns)
 
     def everyone(values):  # [b] here -> [B] from every process's block
         whole = np.zeros(num_rows, np.float32)

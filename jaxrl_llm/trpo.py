@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax.tree_utils as otu
 
-from jaxrl_llm import _checks, ops
+from jaxrl_llm import _checks
+from jaxrl_llm.ops.trees import all_finite
 
 PyTree = Any
 MatVec = Callable[[PyTree], PyTree]
@@ -210,7 +211,7 @@ def natural_gradient_step(
         kl_value = kl_fn(new_params)
         improvement = loss_old - surrogate_fn(new_params)
         ok = (kl_value <= max_kl) & (improvement > 0) & jnp.isfinite(kl_value) & jnp.isfinite(improvement) & (
-            ops.all_finite(new_params))
+            all_finite(new_params))
         return scale, kl_value, improvement, ok & (full_scale > 0)
 
     # Carry (k, accepted, scale, kl, improvement): try k = 0, shrink while rejected.

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import algorithms, cli, models, runs, training
+from jaxrl_llm.runs.config import from_dict
 from jaxrl_llm.tasks import DigitSumTask
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -245,7 +246,7 @@ def _examples(language: str) -> list:
 
 @pytest.mark.parametrize("block", _examples("toml"))
 def test_the_toml_example_is_a_run_config(block):
-    config = runs.from_dict(tomllib.loads(block.code), where=f"{block.page}, {block.name}")
+    config = from_dict(tomllib.loads(block.code), where=f"{block.page}, {block.name}")
     assert isinstance(config, runs.RunConfig)
 
 

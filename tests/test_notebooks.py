@@ -41,7 +41,7 @@ def test_notebook_is_committed_executed(path):
 def test_the_config_file_in_03_is_the_run_it_trains():
     """03 shows its run as a TOML file for `jaxrl-llm train`; that file loads to the RunConfig its code trains."""
     from jaxrl_llm import runs, training
-    from jaxrl_llm.runs.config import differences
+    from jaxrl_llm.runs.config import differences, from_dict
 
     notebook = nbformat.read(NOTEBOOK_DIR / "03_your_own_data.ipynb", as_version=4)
     markdown = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "markdown")
@@ -52,7 +52,7 @@ def test_the_config_file_in_03_is_the_run_it_trains():
     exec(source, namespace)
     # The file's [train] starts from RunConfig's default TrainConfig, the code's from TrainConfig's: they differ
     # in the critic's learning rate, which GRPO (no critic) never reads.
-    assert not differences(runs.from_dict(tomllib.loads(toml)), namespace["config"],
+    assert not differences(from_dict(tomllib.loads(toml)), namespace["config"],
                            ignore=("train.critic_learning_rate",))
 
 

@@ -111,7 +111,7 @@ class ModelConfig:
     """Compute dtype of matmuls and activations (norms, softmax and RoPE run in float32)."""
     scan_layers: bool = False
     """Run the decoder layers as one ``jax.lax.scan`` in every pass: teacher-forced ones,
-    both passes of :func:`jaxrl_llm.models.group_completion_hidden_states`, the prefill and
+    both passes of :func:`jaxrl_llm.models.functional.group_completion_hidden_states`, the prefill and
     each decoding step. The program holds one layer, not ``L``, so tracing and lowering
     stop growing with depth, and so does compiling where XLA compiles each layer's code
     anew (GPU, TPU). The params keep one leaf per layer; the scan stacks them inside the

@@ -10,27 +10,32 @@ can be passed as they are or with options bound by ``functools.partial``:
 * :mod:`~jaxrl_llm.rewards.length`: :func:`soft_overlong_punishment` (DAPO), :func:`length_penalty`;
 * :mod:`~jaxrl_llm.rewards.code`: :func:`code_execution` in :mod:`~jaxrl_llm.rewards.sandbox`;
 * :mod:`~jaxrl_llm.rewards.reward_model`: :class:`RewardModel`, a learned scalar reward.
+
+The package exports what a user calls; the library's own helpers stay in their modules
+(``rewards.combine.reward_names``, the names metrics are logged under;
+``rewards.combine.completion_text``, ``rewards.reward_model.score_tokens``, ...).
 """
 
 from jaxrl_llm.rewards import extraction, sandbox
 from jaxrl_llm.rewards.code import code_execution, extract_code
-from jaxrl_llm.rewards.combine import (
-    ARGUMENTS,
-    ON_ERROR,
-    RewardFunctionError,
-    RewardResult,
-    completion_text,
-    compute_rewards,
-    reward_name,
-    reward_names,
-)
+from jaxrl_llm.rewards.combine import RewardFunctionError, RewardResult, compute_rewards
 from jaxrl_llm.rewards.length import length_penalty, overlong_penalty, soft_overlong_punishment
-from jaxrl_llm.rewards.reward_model import RewardModel, score_tokens
+from jaxrl_llm.rewards.reward_model import RewardModel
 from jaxrl_llm.rewards.text import exact_match, format_reward, math_equivalence
 
 __all__ = [
-    "ARGUMENTS", "ON_ERROR", "RewardFunctionError", "RewardModel", "RewardResult", "code_execution", "completion_text", "compute_rewards",
-    "exact_match", "extract_code", "extraction",
-    "format_reward", "length_penalty", "math_equivalence", "overlong_penalty", "reward_name", "reward_names",
-    "sandbox", "score_tokens", "soft_overlong_punishment",
+    "RewardFunctionError",
+    "RewardModel",
+    "RewardResult",
+    "code_execution",
+    "compute_rewards",
+    "exact_match",
+    "extract_code",
+    "extraction",
+    "format_reward",
+    "length_penalty",
+    "math_equivalence",
+    "overlong_penalty",
+    "sandbox",
+    "soft_overlong_punishment",
 ]

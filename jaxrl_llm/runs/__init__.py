@@ -1,9 +1,14 @@
 """Runs: the settings of a run (:class:`RunConfig`), the run directory it trains in
 (:func:`train_run`: checkpoints, exact resume, records), and its evaluation and export.
-The ``jaxrl-llm`` command line (:mod:`jaxrl_llm.cli`) is a thin layer over these."""
+The ``jaxrl-llm`` command line (:mod:`jaxrl_llm.cli`) is a thin layer over these.
 
-from jaxrl_llm.runs.config import (MeshSpec, ModelSpec, OptimizerConfig, RunConfig, SamplingConfig, TaskSpec,
-                                   WarmStartConfig, from_dict, load, to_dict)
+The package exports what a user calls; the library's own helpers stay in their modules
+(``runs.config.from_dict`` / ``runs.config.to_dict``, a config as plain data;
+``runs.run.stored_config``, ...). A run's sampling and optimizer settings are
+:class:`jaxrl_llm.sampling.SamplingConfig` and :class:`jaxrl_llm.training.OptimizerConfig`.
+"""
+
+from jaxrl_llm.runs.config import MeshSpec, ModelSpec, RunConfig, TaskSpec, WarmStartConfig, load
 from jaxrl_llm.runs.records import RunRecorder, read_metrics, read_samples
 from jaxrl_llm.runs.run import (
     RunDirectoryError,
@@ -12,12 +17,24 @@ from jaxrl_llm.runs.run import (
     evaluate_run,
     export_run,
     restore_policy,
-    stored_config,
     train_run,
 )
 
 __all__ = [
-    "MeshSpec", "ModelSpec", "OptimizerConfig", "RunConfig", "RunDirectoryError", "RunRecorder", "RunResult",
-    "SamplingConfig", "TaskSpec", "WarmStartConfig", "evaluate_model", "evaluate_run", "export_run", "from_dict",
-    "load", "read_metrics", "read_samples", "restore_policy", "stored_config", "to_dict", "train_run",
+    "MeshSpec",
+    "ModelSpec",
+    "RunConfig",
+    "RunDirectoryError",
+    "RunRecorder",
+    "RunResult",
+    "TaskSpec",
+    "WarmStartConfig",
+    "evaluate_model",
+    "evaluate_run",
+    "export_run",
+    "load",
+    "read_metrics",
+    "read_samples",
+    "restore_policy",
+    "train_run",
 ]

@@ -6,7 +6,7 @@ procedural generator or a live environment.
 
 .. code-block:: python
 
-    batch = tasks.draw(task, "train", seed=0, start=0, count=8)
+    batch = tasks.base.draw(task, "train", seed=0, start=0, count=8)
     batch.tokens   # [P, S] int32, left-padded
     batch.prompts  # [P] what reward functions receive as ``prompts``
     batch.columns  # {"answer": [P values], ...}: the other columns of the examples

@@ -32,7 +32,7 @@ and the task turns it into what the trainer needs:
 
     task = from_jsonl("train.jsonl", tokenizer=tokenizer, prompt="question",
                       reward_fns=[rewards.text.exact_match], test_fraction=0.1)
-    batch = tasks.draw(task, "train", seed=0, start=0, count=8)   # a PromptBatch
+    batch = tasks.base.draw(task, "train", seed=0, start=0, count=8)   # a PromptBatch
 """
 
 from __future__ import annotations

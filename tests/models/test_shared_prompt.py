@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models, ops
+from jaxrl_llm.models.functional import group_completion_hidden_states
 from tests.models.test_cache import CONFIGS
 
 PROMPTS, GROUP, PROMPT_LEN, COMPLETION_LEN = 3, 3, 5, 4
@@ -140,8 +141,7 @@ def grouped_logprob_grad(model, params, prompts, prompt_mask, completion, comple
                          share_prompts):
     """``(states, gradient of sum(w * log pi))`` through ``group_completion_hidden_states``."""
     def objective(p):
-        states = models.group_completion_hidden_states(model, p, prompts, prompt_mask, completion,
-                                                       share_prompts=share_prompts)
+        states = group_completion_hidden_states(model, p, prompts, prompt_mask, completion, share_prompts=share_prompts)
         logp = ops.chunked_token_logprobs(states, models.output_kernel(model, p), completion)
         return jnp.sum(jnp.where(completion_mask, weights * logp, 0.0)), states
     return jax.grad(objective, has_aux=True)(params)
@@ -173,6 +173,6 @@ def test_prompts_carried_once_refuse_a_batch_that_is_not_groups_of_them():
     model, params = models.init(CONFIGS["llama-gqa"], jax.random.key(0))
     prompts, prompt_mask = jnp.ones((3, 4), jnp.int32), jnp.ones((3, 4), bool)
     with pytest.raises(ValueError, match=r"the 8 completions must be a multiple of the 3 prompts"):
-        models.group_completion_hidden_states(model, params, prompts, prompt_mask, jnp.ones((8, 2), jnp.int32))
+        group_completion_hidden_states(model, params, prompts, prompt_mask, jnp.ones((8, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"`completion_tokens` must hold token ids in \[0, 61\)"):
-        models.group_completion_hidden_states(model, params, prompts, prompt_mask, jnp.full((6, 2), 61, jnp.int32))
+        group_completion_hidden_states(model, params, prompts, prompt_mask, jnp.full((6, 2), 61, jnp.int32))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import rewards
+from jaxrl_llm.rewards.combine import ON_ERROR, completion_text, reward_names
 
 PROMPTS = ["1+1=", "2+2=", "3+3="]
 COMPLETIONS = ["2", "5", "6"]
@@ -66,7 +67,7 @@ def test_exact_rationals_are_numbers():
 
 def test_names_come_through_partials_and_repeated_names_are_numbered():
     exact = functools.partial(rewards.exact_match, extract="last_number")
-    assert rewards.reward_names([exact, accuracy, accuracy]) == ["exact_match", "accuracy", "accuracy_2"]
+    assert reward_names([exact, accuracy, accuracy]) == ["exact_match", "accuracy", "accuracy_2"]
     assert list(_compute([accuracy, accuracy]).values) == ["accuracy", "accuracy_2"]
 
 
@@ -80,10 +81,10 @@ def test_arrays_numpy_numbers_and_bools_are_numbers():
 
 def test_conversational_completions_are_read_as_trl_passes_them():
     messages = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
-    assert [rewards.completion_text(m) for m in messages] == COMPLETIONS
+    assert [completion_text(m) for m in messages] == COMPLETIONS
     assert rewards.exact_match(completions=messages, answer=COLUMNS["answer"]) == [1.0, 0.0, 1.0]
     with pytest.raises(TypeError, match="a str or a list of chat messages"):
-        rewards.completion_text({"content": "2"})
+        completion_text({"content": "2"})
 
 
 @pytest.mark.parametrize("returned, message", [
@@ -103,7 +104,7 @@ def test_a_function_that_returns_garbage_is_named_with_the_row(returned, message
     def bad(**kwargs):
         return returned
 
-    for on_error in rewards.ON_ERROR:  # garbage is a bug in the function: never scored 0
+    for on_error in ON_ERROR:  # garbage is a bug in the function: never scored 0
         with pytest.raises(rewards.RewardFunctionError, match=message):
             _compute([accuracy, bad], on_error=on_error)
 

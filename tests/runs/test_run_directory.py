@@ -12,6 +12,7 @@ import pytest
 
 from jaxrl_llm import cli, rewards, runs, training
 from jaxrl_llm.runs import records, run
+from jaxrl_llm.runs.config import to_dict
 
 
 def _fake_run(directory, *, steps=True):
@@ -19,7 +20,7 @@ def _fake_run(directory, *, steps=True):
     completed step or not."""
     directory.mkdir(parents=True)
     (directory / run.MARKER_FILE).write_text("")
-    (directory / run.CONFIG_FILE).write_text(json.dumps(runs.to_dict(runs.load("tiny"))))
+    (directory / run.CONFIG_FILE).write_text(json.dumps(to_dict(runs.load("tiny"))))
     (directory / run.CHECKPOINTS).mkdir()
     if steps:
         (directory / records.METRICS_FILE).write_text('{"step": 0, "reward": 0.5}\n')
@@ -155,7 +156,7 @@ def test_a_users_error_reading_a_file_in_a_reward_function_is_not_a_disk_failure
 def test_a_directory_with_a_run_config_but_not_a_runs_checkpoints_is_not_replaced(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
-    (project / run.CONFIG_FILE).write_text(json.dumps(runs.to_dict(runs.load("tiny"))))  # a run's config, copied
+    (project / run.CONFIG_FILE).write_text(json.dumps(to_dict(runs.load("tiny"))))  # a run's config, copied
     (project / run.CHECKPOINTS / "checkpoint-500").mkdir(parents=True)  # a Hugging Face Trainer's
     with pytest.raises(run.RunDirectoryError, match="is not a run directory"):
         run.check_run_directory(runs.load("tiny"), project, overwrite=True)

@@ -2,22 +2,23 @@
 
 import numpy as np
 
-from jaxrl_llm import rewards, tasks
+from jaxrl_llm import rewards
 from jaxrl_llm.tasks import DigitSumTask
+from jaxrl_llm.tasks.base import draw
 
 
 def test_prompts_are_well_formed_and_answers_correct():
     task = DigitSumTask()
-    batch = tasks.draw(task, "train", seed=0, start=5, count=20)
+    batch = draw(task, "train", seed=0, start=5, count=20)
     assert batch.tokens.shape == (20, 4) and batch.mask.all()
     for row, text, answer in zip(batch.tokens, batch.prompts, batch.columns["answer"], strict=True):
         assert task.tokenizer.decode(row) == text
         a, b = int(text[0]), int(text[2])
         assert text[1] == "+" and text[3] == "=" and answer == (a + b) % 10
     # Addressable: the same positions give the same examples, another seed other ones.
-    again = tasks.draw(task, "train", seed=0, start=10, count=5)
+    again = draw(task, "train", seed=0, start=10, count=5)
     np.testing.assert_array_equal(again.tokens, batch.tokens[5:10])
-    assert tasks.draw(task, "train", seed=1, start=5, count=20).prompts != batch.prompts
+    assert draw(task, "train", seed=1, start=5, count=20).prompts != batch.prompts
 
 
 def test_the_test_split_is_every_sum_once():
