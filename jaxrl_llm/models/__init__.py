@@ -11,9 +11,13 @@
     model = models.with_options(model, scan_layers=True, remat="dots")
 
 ``model`` is static (config and graph definition); ``params`` is an immutable pytree.
+
+The package exports what a user calls; the library's own helpers stay in their modules
+(``models.functional.group_completion_hidden_states``, the train step's shared-prompt pass;
+``models.config.EXECUTION_OPTIONS``, ...).
 """
 
-from jaxrl_llm.models.config import ARCHITECTURES, EXECUTION_OPTIONS, ModelConfig, RopeConfig
+from jaxrl_llm.models.config import ModelConfig, RopeConfig
 from jaxrl_llm.models.decoder import KVCache
 from jaxrl_llm.models.functional import (
     Model,
@@ -23,14 +27,12 @@ from jaxrl_llm.models.functional import (
     completion_logprobs,
     decode_step,
     forward,
-    group_completion_hidden_states,
     hidden_states,
     init,
     init_cache,
     logits_from_hidden,
     output_kernel,
     prefill,
-    rows_share_group_prompt,
     with_options,
 )
 from jaxrl_llm.models.hf import from_pretrained, save_pretrained
@@ -38,9 +40,26 @@ from jaxrl_llm.models.tokenizer import load_tokenizer, save_tokenizer
 from jaxrl_llm.sharding import logical_axes  # the names the params carry: the sharding rules' keys
 
 __all__ = [
-    "ARCHITECTURES", "EXECUTION_OPTIONS", "KVCache", "Model", "ModelConfig", "Params", "RopeConfig", "abstract",
-    "completion_hidden_states", "completion_logprobs", "decode_step", "forward", "from_pretrained",
-    "group_completion_hidden_states", "hidden_states", "init", "init_cache", "load_tokenizer", "logical_axes",
-    "logits_from_hidden", "output_kernel", "prefill", "rows_share_group_prompt", "save_pretrained", "save_tokenizer",
+    "KVCache",
+    "Model",
+    "ModelConfig",
+    "Params",
+    "RopeConfig",
+    "abstract",
+    "completion_hidden_states",
+    "completion_logprobs",
+    "decode_step",
+    "forward",
+    "from_pretrained",
+    "hidden_states",
+    "init",
+    "init_cache",
+    "load_tokenizer",
+    "logical_axes",
+    "logits_from_hidden",
+    "output_kernel",
+    "prefill",
+    "save_pretrained",
+    "save_tokenizer",
     "with_options",
 ]

@@ -2,7 +2,7 @@ r"""Gradient accumulation: one optimizer step's gradients from several forward a
 passes, equal to the whole minibatch's.
 
 A loss aggregated over a minibatch divides by a normaliser that spans it
-(:func:`jaxrl_llm.ops.aggregation_count`: tokens, sequences, ...). Micro-batch :math:`j`'s
+(:func:`jaxrl_llm.ops.aggregation.aggregation_count`: tokens, sequences, ...). Micro-batch :math:`j`'s
 loss :math:`L_j` divides by its own count :math:`n_j`, so the minibatch's loss is
 
 .. math::
@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import ops
 from jaxrl_llm.objectives import Metrics
+from jaxrl_llm.ops.aggregation import aggregation_count
 
 LossMetricsGrads = tuple[jax.Array, Metrics, object]
 """One objective's ``(loss, metrics, grads)``."""
@@ -32,8 +32,7 @@ LOSS_METRICS = ("loss", "policy_loss")
 
 def _share(part_mask: jax.Array, whole_mask: jax.Array, mode: str) -> jax.Array:
     """``[]``: the part's share of the whole's normaliser under aggregation ``mode``."""
-    return ops.aggregation_count(part_mask, mode=mode) / jnp.maximum(
-        ops.aggregation_count(whole_mask, mode=mode), 1.0)
+    return aggregation_count(part_mask, mode=mode) / jnp.maximum(aggregation_count(whole_mask, mode=mode), 1.0)
 
 
 def combine_metrics(metrics: Metrics, loss_weights: jax.Array, token_weights: jax.Array) -> Metrics:

@@ -74,8 +74,8 @@ def collect_batch(
     informative = np.zeros(0, bool)  # [groups so far]
     max_rounds = 1 + (config.max_refill_rounds if algorithm.dynamic_sampling else 0)
     for round_index in range(max_rounds):
-        batch = tasks.draw(task, "train", seed=config.seed, start=position + round_index * num_prompts,
-                           count=num_prompts)
+        batch = tasks.base.draw(task, "train", seed=config.seed, start=position + round_index * num_prompts,
+                                count=num_prompts)
         scored = rollout_and_score(
             backend, params, task, batch, jax.random.fold_in(key, round_index), num_samples=group,
             max_new_tokens=settings.max_new_tokens, max_prompt_length=settings.max_prompt_length,

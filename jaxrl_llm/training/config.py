@@ -181,7 +181,7 @@ class TrainConfig:
     share_prompts: bool = True
     """Teacher-forced passes over whole groups (reference and old log-probs, critic values,
     the update's (micro-)batches when they hold whole groups, TRPO's) run each prompt once
-    for its ``G`` completions (:func:`jaxrl_llm.models.group_completion_hidden_states`):
+    for its ``G`` completions (:func:`jaxrl_llm.models.functional.group_completion_hidden_states`):
     the same numbers, with a fraction ``(1 - 1/G) S / (S + N)`` of the token positions
     fewer. Shuffled minibatches mix groups and always run every row in full."""
     micro_batch_size: int | None = None

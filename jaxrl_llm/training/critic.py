@@ -52,10 +52,11 @@ def completion_values(
       critic_params: from :func:`init_critic`.
       prompt_tokens: ``[P, S]`` left-padded prompts; prompt_mask: ``[P, S]``.
       completion_tokens: ``[B, N]``, ``G = B / P`` per prompt, adjacent (see
-        :func:`jaxrl_llm.models.group_completion_hidden_states`, which ``share_prompts``
+        :func:`jaxrl_llm.models.functional.group_completion_hidden_states`, which ``share_prompts``
         is passed to).
     """
-    hidden = models.group_completion_hidden_states(model, critic_params["backbone"], prompt_tokens, prompt_mask,
-                                                   completion_tokens, share_prompts=share_prompts)  # [B, N, E]
+    hidden = models.functional.group_completion_hidden_states(
+        model, critic_params["backbone"], prompt_tokens, prompt_mask, completion_tokens,
+        share_prompts=share_prompts)  # [B, N, E]
     head = critic_params["head"]
     return hidden.astype(jnp.float32) @ head["kernel"] + head["bias"]

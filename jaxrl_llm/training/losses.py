@@ -4,7 +4,7 @@ A train step reads its policy through :class:`TeacherForcing`: the states before
 completion token, the output head, log-probs and per-token KLs from them, and the critic's
 values. :class:`DecoderTeacherForcing` is the language model's: the hidden states before
 each completion token (each prompt run once for its group when ``TrainConfig.share_prompts``,
-:func:`jaxrl_llm.models.group_completion_hidden_states`), then log-probs chunked over the
+:func:`jaxrl_llm.models.functional.group_completion_hidden_states`), then log-probs chunked over the
 tokens from the output projection as stored (a tied embedding stays ``[V, E]``). Another
 policy (``experiments/toy_digits.py``'s MLP) brings its own and trains with the same step.
 
@@ -57,8 +57,9 @@ class DecoderTeacherForcing:
 
     def states(self, params: models.Params, rows: Rows) -> jax.Array:
         """``[b, N, E]`` hidden states before each completion token (each prompt once if shared)."""
-        return models.group_completion_hidden_states(self.model, params, rows.prompt_tokens, rows.prompt_mask,
-                                                     rows.completion_tokens, share_prompts=self.config.share_prompts)
+        return models.functional.group_completion_hidden_states(
+            self.model, params, rows.prompt_tokens, rows.prompt_mask, rows.completion_tokens,
+            share_prompts=self.config.share_prompts)
 
     def head(self, params: models.Params) -> jax.Array:
         """The output projection as stored: a tied embedding stays ``[V, E]`` (no transposed copy)."""

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm import _checks, algorithms, ops
+from jaxrl_llm import _checks, algorithms
+from jaxrl_llm.ops.trees import all_finite
 from jaxrl_llm.training.config import LR_SCHEDULES, TrainConfig
 
 
@@ -222,7 +223,7 @@ def update_is_finite(optimizer: optax.GradientTransformation, grads, opt_state, 
     rate of inf, optimizer arithmetic that overflows or divides 0 by 0).
     """
     updates, _ = optimizer.update(grads, opt_state, params)
-    return ops.all_finite(optax.apply_updates(params, updates))
+    return all_finite(optax.apply_updates(params, updates))
 
 
 def apply_update_if(ok: jax.Array, optimizer: optax.GradientTransformation, grads, opt_state, params):

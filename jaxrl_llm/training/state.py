@@ -39,7 +39,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # [] int32: train steps (rollout batches) done
     skipped_updates: jax.Array  # [] int32: non-finite minibatch updates skipped in all
     consecutive_skips: jax.Array  # [] int32: train steps in a row with a skipped update
-    prompts_drawn: jax.Array  # [] int32: positions of the task's train stream consumed (tasks.draw)
+    prompts_drawn: jax.Array  # [] int32: positions of the task's train stream consumed (tasks.base.draw)
 
 
 def uses_reference(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:

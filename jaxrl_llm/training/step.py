@@ -25,7 +25,7 @@ update, so the first minibatch's ratios are exactly 1 too).
 **Shared prompts.** With ``TrainConfig.share_prompts``, every teacher-forced pass over
 whole groups (``score``'s, the update's when its (micro-)batches hold whole groups,
 TRPO's) runs each prompt once for its ``G`` completions
-(:func:`jaxrl_llm.models.group_completion_hidden_states`). Shuffled minibatches mix
+(:func:`jaxrl_llm.models.functional.group_completion_hidden_states`). Shuffled minibatches mix
 groups: each of their rows runs its own prompt.
 
 **Gradient accumulation.** With ``TrainConfig.micro_batch_size``, each optimizer step's

@@ -399,7 +399,7 @@ def test_options_are_not_architecture_hugging_face_never_sees_them():
     optioned = dataclasses.replace(config, scan_layers=True, remat="dots", attention="dot_product_attention")
     assert optioned.to_hf().to_dict() == config.to_hf().to_dict()
     assert models.ModelConfig.from_hf(optioned.to_hf()) == config  # options back at their defaults
-    assert set(models.EXECUTION_OPTIONS) == {"scan_layers", "remat", "attention"}
+    assert set(models.config.EXECUTION_OPTIONS) == {"scan_layers", "remat", "attention"}
     # Configs are static jit arguments: equal options, equal hashes; other options, another config.
     again = dataclasses.replace(config, scan_layers=True, remat="dots", attention="dot_product_attention")
     assert again == optioned and hash(again) == hash(optioned)

@@ -16,7 +16,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_llm import algorithms, models, ops, rewards, training, trpo
+from jaxrl_llm import algorithms, models, rewards, training, trpo
+from jaxrl_llm.ops.trees import all_finite
 from jaxrl_llm.tasks import DigitSumTask
 
 TASK = DigitSumTask()
@@ -388,7 +389,7 @@ def test_a_state_from_another_method_or_model_is_refused_by_name_before_any_comp
 
 
 def test_all_finite_is_exact_for_large_values_and_ignores_integers():
-    assert bool(ops.all_finite({"a": jnp.full(3, 3e38), "b": jnp.arange(3)}))  # a norm would overflow
-    assert not bool(ops.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
-    assert not bool(ops.all_finite([jnp.array([jnp.nan], jnp.bfloat16)]))
-    assert bool(ops.all_finite({}))
+    assert bool(all_finite({"a": jnp.full(3, 3e38), "b": jnp.arange(3)}))  # a norm would overflow
+    assert not bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+    assert not bool(all_finite([jnp.array([jnp.nan], jnp.bfloat16)]))
+    assert bool(all_finite({}))

@@ -91,9 +91,9 @@ def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monk
 
     # Count the decoder passes each half traces: score runs the reference only.
     passes = []
-    real = models.group_completion_hidden_states
+    real = models.functional.group_completion_hidden_states
     counting = lambda *a, **k: passes.append(1) or real(*a, **k)  # noqa: E731
-    monkeypatch.setattr(models, "group_completion_hidden_states", counting)  # what the train step calls
+    monkeypatch.setattr(models.functional, "group_completion_hidden_states", counting)  # what the train step calls
     for mu, expected_score_passes in ((1, 1), (2, 2)):
         passes.clear()
         method = dataclasses.replace(algorithms.GRPO, num_iterations=mu)

@@ -69,11 +69,12 @@ def test_micro_batches_must_divide_the_minibatch_and_trpo_takes_none():
 def _score_passes(monkeypatch, model, algorithm, run, params, batch) -> int:
     """Decoder passes ``score`` traces."""
     passes = []
-    real = models.group_completion_hidden_states
-    monkeypatch.setattr(models, "group_completion_hidden_states", lambda *a, **k: passes.append(1) or real(*a, **k))
+    real = models.functional.group_completion_hidden_states
+    counting = lambda *a, **k: passes.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(models.functional, "group_completion_hidden_states", counting)
     halves = training.make_train_step(model, algorithm, run)
     jax.eval_shape(halves.score, training.init_state(model, params, algorithm, run), batch)
-    monkeypatch.setattr(models, "group_completion_hidden_states", real)
+    monkeypatch.setattr(models.functional, "group_completion_hidden_states", real)
     return len(passes)
 
 
