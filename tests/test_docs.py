@@ -333,9 +333,14 @@ def test_every_name_of_ours_in_the_trl_table_exists():
     checked = 0
     for row in rows:
         for token in re.findall(r"`([^`]+)`", row[1]):
-            prefix = re.match(r"(train|algorithm|task|model)\.(\w+)", token)
+            prefix = re.match(r"(train|algorithm|task|model)\.([\w.]+)", token)
             if prefix:
-                assert prefix.group(2) in {f.name for f in dataclasses.fields(fields[prefix.group(1)])}, token
+                kind = fields[prefix.group(1)]
+                for name in prefix.group(2).split("."):  # train.sampling.temperature: a group's field
+                    assert dataclasses.is_dataclass(kind), token
+                    field = {f.name: f for f in dataclasses.fields(kind)}.get(name)
+                    assert field is not None, token
+                    kind = type(field.default)
             elif re.fullmatch(r"[a-z_]+", token):
                 assert token in names, f"{token!r} is not a field of RunConfig"
             elif token.startswith("--"):
