@@ -7,7 +7,7 @@ INSTALLED := $(VENV)/.installed
 TRL_VENV := .venv-trl
 TUNIX_VENV := .venv-tunix
 
-.PHONY: install run test bench bench-trl bench-tunix lock clean
+.PHONY: install run test lint bench bench-trl bench-tunix lock clean
 
 install: $(INSTALLED)
 
@@ -20,8 +20,13 @@ $(INSTALLED): pyproject.toml constraints.txt
 run: $(INSTALLED)
 	$(BIN)/jaxrl-llm train --config default --run-dir runs/default $(RUN_FLAGS)
 
-test: $(INSTALLED)
+# Lint and format check (ruff, configured in pyproject.toml), then the suite.
+test: $(INSTALLED) lint
 	$(BIN)/python -m pytest -n 2 -q
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Every benchmark's table, then the side-by-side run against TRL and Tunix (each in its own
 # venv below), which writes benchmarks/results/side_by_side.{md,json} and scaling.png.

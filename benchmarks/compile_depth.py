@@ -31,29 +31,44 @@ from jaxrl_llm import models, sampling
 PROGRAMS = ("sampler", "logprobs", "loss+grad")
 
 
-def lowered(program: str, model: models.Model, params, *, prompts: int, group_size: int, prompt_len: int,
-            completion_len: int):
+def lowered(
+    program: str, model: models.Model, params, *, prompts: int, group_size: int, prompt_len: int, completion_len: int
+):
     """``program`` of ``model`` lowered for ``params`` (abstract or not)."""
     rows = prompts * group_size
-    tokens, mask, advantages = batch(model.config, rows=rows, prompt_len=prompt_len, completion_len=completion_len,
-                                     group_size=group_size)
+    tokens, mask, advantages = batch(
+        model.config, rows=rows, prompt_len=prompt_len, completion_len=completion_len, group_size=group_size
+    )
     if program == "sampler":
         # sampling.sample traced under jit: its jitted rollout program, inlined.
         def rollout(params, prompt_tokens, prompt_mask, key):
-            return sampling.sample(model, params, prompt_tokens, prompt_mask, key, num_samples=group_size,
-                                   max_new_tokens=completion_len, eos_ids=(0,), pad_id=0, bucket=1)
+            return sampling.sample(
+                model,
+                params,
+                prompt_tokens,
+                prompt_mask,
+                key,
+                num_samples=group_size,
+                max_new_tokens=completion_len,
+                eos_ids=(0,),
+                pad_id=0,
+                bucket=1,
+            )
 
-        return jax.jit(rollout).lower(params, tokens[::group_size, :prompt_len], mask[::group_size, :prompt_len],
-                                      jax.random.key(0))
+        return jax.jit(rollout).lower(
+            params, tokens[::group_size, :prompt_len], mask[::group_size, :prompt_len], jax.random.key(0)
+        )
     if program == "logprobs":
+
         def logprobs(params, tokens, mask):
             return models.completion_logprobs(model, params, tokens, mask, completion_len, group_size=group_size)
 
         return jax.jit(logprobs).lower(params, tokens, mask)
 
     def loss(params, tokens, mask, advantages):
-        return grpo_like_loss(model, params, tokens, mask, advantages, completion_len=completion_len,
-                              group_size=group_size)
+        return grpo_like_loss(
+            model, params, tokens, mask, advantages, completion_len=completion_len, group_size=group_size
+        )
 
     return jax.jit(jax.value_and_grad(loss)).lower(params, tokens, mask, advantages)
 
@@ -67,8 +82,9 @@ def measure(program: str, model: models.Model, params, *, repeats: int, **shapes
         lowering = lowered(program, model, params, **shapes)
         lowered_at = time.perf_counter()
         lowering.compile()
-        row = dict(lower=min(row["lower"], lowered_at - start),
-                   compile=min(row["compile"], time.perf_counter() - lowered_at))
+        row = dict(
+            lower=min(row["lower"], lowered_at - start), compile=min(row["compile"], time.perf_counter() - lowered_at)
+        )
     return row
 
 
@@ -87,15 +103,20 @@ def main(argv=None) -> dict[tuple[str, int, bool], dict[str, float]]:
     programs = args.programs.split(",")
     if unknown := set(programs) - set(PROGRAMS):
         parser.error(f"unknown programs {sorted(unknown)}; choose from {', '.join(PROGRAMS)}")
-    shapes = dict(prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
-                  completion_len=args.completion_len)
+    shapes = dict(
+        prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len, completion_len=args.completion_len
+    )
 
     c = qwen25_05b(tiny=args.tiny)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {c.architecture}, d_model {c.hidden_size}, "
-          f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, MLP {c.intermediate_size}, vocab {c.vocab_size}, "
-          f"float32, abstract params")
-    print(f"{args.prompts} prompts x {args.group_size} completions, {args.prompt_len} + {args.completion_len} "
-          f"tokens; seconds to lower / compile (least of {args.repeats})\n")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; {c.architecture}, d_model {c.hidden_size}, "
+        f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, MLP {c.intermediate_size}, vocab {c.vocab_size}, "
+        f"float32, abstract params"
+    )
+    print(
+        f"{args.prompts} prompts x {args.group_size} completions, {args.prompt_len} + {args.completion_len} "
+        f"tokens; seconds to lower / compile (least of {args.repeats})\n"
+    )
     print("| program | layers | unrolled: lower | compile | scan: lower | compile |")
     print("|---" * 6 + "|")
     results = {}
@@ -105,8 +126,9 @@ def main(argv=None) -> dict[tuple[str, int, bool], dict[str, float]]:
                 model, params = models.abstract(qwen25_05b(depth, tiny=args.tiny))
                 cells = []
                 for scan in (False, True):
-                    row = measure(program, models.with_options(model, scan_layers=scan), params, repeats=args.repeats,
-                                  **shapes)
+                    row = measure(
+                        program, models.with_options(model, scan_layers=scan), params, repeats=args.repeats, **shapes
+                    )
                     results[program, depth, scan] = row
                     cells += [f"{row['lower']:.2f}", f"{row['compile']:.2f}"]
                 print(f"| {program} | {depth} | {' | '.join(cells)} |", flush=True)

@@ -60,7 +60,9 @@ def main(argv=None) -> None:
     print(header.replace("preset", "op"))
     print("-" * len(header))
     for label, fn in (("forward", fwd), ("forward+backward", grad_fn)):
-        seconds = median_seconds(fn, logits, ids, repeats=5) if label == "forward" else median_seconds(fn, logits, repeats=5)
+        seconds = (
+            median_seconds(fn, logits, ids, repeats=5) if label == "forward" else median_seconds(fn, logits, repeats=5)
+        )
         print(f"{label:<20} {seconds * 1e3:>10.2f} {b * length / seconds / 1e6:>10.2f}")
 
     # From hidden states: full logits vs chunks of 256 tokens, forward + backward.

@@ -69,8 +69,7 @@ def grpo_loss(logprobs_fn, hidden, kernel, tokens, advantages) -> jax.Array:
 
 def programs(*, chunk_size: int) -> dict[str, object]:
     """Name -> the log-probs function of each way."""
-    return {"naive": naive_logprobs,
-            "chunked": lambda h, w, t: chunked_logprobs(h, w, t, chunk_size=chunk_size)}
+    return {"naive": naive_logprobs, "chunked": lambda h, w, t: chunked_logprobs(h, w, t, chunk_size=chunk_size)}
 
 
 def loss_and_grad(logprobs_fn):
@@ -82,18 +81,24 @@ def inputs(*, tokens: int, vocab: int, hidden: int, seed: int = 0):
     """Random hidden states ``[T, E]``, a kernel ``[E, V]`` with unit-scale logits, ids ``[T]``
     and advantages ``[T]``."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(keys[0], (tokens, hidden), jnp.float32),
-            jax.random.normal(keys[1], (hidden, vocab), jnp.float32) / np.sqrt(hidden),
-            jax.random.randint(keys[2], (tokens,), 0, vocab),
-            jax.random.normal(keys[3], (tokens,), jnp.float32))
+    return (
+        jax.random.normal(keys[0], (tokens, hidden), jnp.float32),
+        jax.random.normal(keys[1], (hidden, vocab), jnp.float32) / np.sqrt(hidden),
+        jax.random.randint(keys[2], (tokens,), 0, vocab),
+        jax.random.normal(keys[3], (tokens,), jnp.float32),
+    )
 
 
 def memory(fn, *args) -> dict[str, int]:
     """Bytes of the compiled ``fn(*args)`` (arrays or ``ShapeDtypeStruct``s): XLA's
     temporaries, arguments, outputs, aliased, and the peak those make."""
     stats = jax.jit(fn).lower(*args).compile().memory_analysis()
-    parts = {"temp": stats.temp_size_in_bytes, "arguments": stats.argument_size_in_bytes,
-             "outputs": stats.output_size_in_bytes, "alias": stats.alias_size_in_bytes}
+    parts = {
+        "temp": stats.temp_size_in_bytes,
+        "arguments": stats.argument_size_in_bytes,
+        "outputs": stats.output_size_in_bytes,
+        "alias": stats.alias_size_in_bytes,
+    }
     parts["peak"] = parts["temp"] + parts["arguments"] + parts["outputs"] - parts["alias"]
     return parts
 
@@ -113,14 +118,17 @@ def check(*, tokens: int, vocab: int, hidden: int, chunk_size: int) -> dict[str,
     logp = {name: jax.jit(fn)(*args[:3]) for name, fn in ways.items()}
     value = {name: jax.jit(loss_and_grad(fn))(*args) for name, fn in ways.items()}
     # (The loss's value is -mean(A) either way: exp(logp - sg(logp)) = 1.)
-    outputs = {"log-probs": (logp["chunked"], logp["naive"]),
-               "dL/dh": (value["chunked"][1][0], value["naive"][1][0]),
-               "dL/dW": (value["chunked"][1][1], value["naive"][1][1])}
+    outputs = {
+        "log-probs": (logp["chunked"], logp["naive"]),
+        "dL/dh": (value["chunked"][1][0], value["naive"][1][0]),
+        "dL/dW": (value["chunked"][1][1], value["naive"][1][1]),
+    }
     errors = {}
     for name, (got, want) in outputs.items():
         want = np.asarray(want)
-        np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL * float(np.max(np.abs(want))),
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got), want, rtol=RTOL, atol=ATOL * float(np.max(np.abs(want))), err_msg=name
+        )
         errors[name] = max_error(got, want)
     return errors
 
@@ -131,8 +139,12 @@ def main(argv=None) -> dict[str, dict[str, int]]:
     parser.add_argument("--vocab", type=int, default=151936, help="V (default 151936, Qwen2.5's)")
     parser.add_argument("--hidden", type=int, default=896, help="E (default 896, Qwen2.5-0.5B's)")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (the library's default 256)")
-    parser.add_argument("--check-tokens", type=int, default=1024,
-                        help="run both programs at this many tokens and compare them (0: skip)")
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=1024,
+        help="run both programs at this many tokens and compare them (0: skip)",
+    )
     args = parser.parse_args(argv)
     for name in ("tokens", "vocab", "hidden", "chunk_size"):
         if getattr(args, name) < 1:
@@ -141,26 +153,38 @@ def main(argv=None) -> dict[str, dict[str, int]]:
         parser.error("--check-tokens must be >= 0")
 
     t, v, e = args.tokens, args.vocab, args.hidden
-    abstract = (jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((e, v), jnp.float32),
-                jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.float32))
+    abstract = (
+        jax.ShapeDtypeStruct((t, e), jnp.float32),
+        jax.ShapeDtypeStruct((e, v), jnp.float32),
+        jax.ShapeDtypeStruct((t,), jnp.int32),
+        jax.ShapeDtypeStruct((t,), jnp.float32),
+    )
     results = {name: memory(loss_and_grad(fn), *abstract) for name, fn in programs(chunk_size=args.chunk_size).items()}
 
     gib = 2.0**30
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}: GRPO loss + gradient w.r.t. hidden [T, E] and "
-          f"output kernel [E, V], float32, T = {t}, V = {v}, E = {e}; XLA memory_analysis() of the compiled "
-          f"programs (nothing allocated)")
-    print(f"[T, V] float32 logits alone: {t * v * 4 / gib:.2f} GiB; one chunk of them: "
-          f"{min(args.chunk_size, t) * v * 4 / gib:.3f} GiB")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}: GRPO loss + gradient w.r.t. hidden [T, E] and "
+        f"output kernel [E, V], float32, T = {t}, V = {v}, E = {e}; XLA memory_analysis() of the compiled "
+        f"programs (nothing allocated)"
+    )
+    print(
+        f"[T, V] float32 logits alone: {t * v * 4 / gib:.2f} GiB; one chunk of them: "
+        f"{min(args.chunk_size, t) * v * 4 / gib:.3f} GiB"
+    )
     print()
     print("| program | temp GiB | arguments GiB | outputs GiB | peak GiB | of naive |")
     print("|---|---:|---:|---:|---:|---:|")
     naive_peak = results["naive"]["peak"]
-    labels = {"naive": "naive: [T, V] float32 logits, log_softmax, gather",
-              "chunked": f"chunked: ops.chunked_token_logprobs, chunk {args.chunk_size}"}
+    labels = {
+        "naive": "naive: [T, V] float32 logits, log_softmax, gather",
+        "chunked": f"chunked: ops.chunked_token_logprobs, chunk {args.chunk_size}",
+    }
     for name in ("naive", "chunked"):
         parts = results[name]
-        print(f"| {labels[name]} | {parts['temp'] / gib:.3f} | {parts['arguments'] / gib:.3f} | "
-              f"{parts['outputs'] / gib:.3f} | {parts['peak'] / gib:.3f} | {parts['peak'] / naive_peak:.1%} |")
+        print(
+            f"| {labels[name]} | {parts['temp'] / gib:.3f} | {parts['arguments'] / gib:.3f} | "
+            f"{parts['outputs'] / gib:.3f} | {parts['peak'] / gib:.3f} | {parts['peak'] / naive_peak:.1%} |"
+        )
     share = results["chunked"]["peak"] / naive_peak
     print()
     print(f"target: chunked peak <= {TARGET:.0%} of naive: {share:.1%}, {'met' if share <= TARGET else 'NOT met'}")
@@ -168,9 +192,11 @@ def main(argv=None) -> dict[str, dict[str, int]]:
     if args.check_tokens:
         errors = check(tokens=args.check_tokens, vocab=v, hidden=e, chunk_size=args.chunk_size)
         print()
-        print(f"numerical check, both programs run at T = {args.check_tokens} (V = {v}, E = {e}; the naive "
-              f"program at T = {t} would need its {naive_peak / gib:.1f} GiB): chunked - naive within "
-              f"rtol {RTOL:g} + atol {ATOL:g} x max|naive|")
+        print(
+            f"numerical check, both programs run at T = {args.check_tokens} (V = {v}, E = {e}; the naive "
+            f"program at T = {t} would need its {naive_peak / gib:.1f} GiB): chunked - naive within "
+            f"rtol {RTOL:g} + atol {ATOL:g} x max|naive|"
+        )
         print()
         print("| output | max abs error | relative to max abs |")
         print("|---|---:|---:|")

@@ -25,20 +25,36 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_seconds
 import torch
 import transformers
+from timing import median_seconds
 
 from jaxrl_llm import models, sampling
 
 transformers.logging.disable_progress_bar()  # "Loading weights" bars would break the table
 
 CONFIGS = {
-    "tiny": models.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
-                               num_kv_heads=2, head_dim=16, max_position_embeddings=2048),
+    "tiny": models.ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+    ),
     # The training benchmark's model: 4 layers, d_model 256, 4 heads of 64, MLP 1024, vocab 512.
-    "train-bench": models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4,
-                                      num_heads=4, num_kv_heads=4, head_dim=64, max_position_embeddings=2048),
+    "train-bench": models.ModelConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+        max_position_embeddings=2048,
+    ),
 }
 
 
@@ -51,21 +67,29 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}"
+    )
     batch = args.prompts * args.group
-    print(f"batch {args.prompts} prompts x {args.group} = {batch}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, float32, temperature 1")
+    print(
+        f"batch {args.prompts} prompts x {args.group} = {batch}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, float32, temperature 1"
+    )
     header = f"{'model':<12} {'sampler':<34} {'median s':>9} {'tokens/s':>10} {'vs generate':>12}"
     print(header)
     print("-" * len(header))
     for name, config in CONFIGS.items():
         ours_s, scanned_s, theirs_s = compare(config, args)
         tokens_out = batch * args.new_tokens
-        for sampler, seconds in (("jaxrl_llm.sampling.sample", ours_s), ("jaxrl_llm, scan_layers", scanned_s),
-                                 ("transformers generate", theirs_s)):
-            print(f"{name:<12} {sampler:<34} {seconds:>9.4f} {tokens_out / seconds:>10.0f} "
-                  f"{theirs_s / seconds:>11.2f}x")
+        for sampler, seconds in (
+            ("jaxrl_llm.sampling.sample", ours_s),
+            ("jaxrl_llm, scan_layers", scanned_s),
+            ("transformers generate", theirs_s),
+        ):
+            print(
+                f"{name:<12} {sampler:<34} {seconds:>9.4f} {tokens_out / seconds:>10.0f} {theirs_s / seconds:>11.2f}x"
+            )
 
 
 def compare(config: models.ModelConfig, args) -> tuple[float, float, float]:
@@ -84,8 +108,17 @@ def compare(config: models.ModelConfig, args) -> tuple[float, float, float]:
     keys = iter(jax.random.split(jax.random.key(1), 2 * (args.repeats + 1)))
 
     def ours(model=model):
-        rollout = sampling.sample(model, params, jnp.asarray(prompts), jnp.asarray(mask), next(keys),
-                                  num_samples=args.group, max_new_tokens=args.new_tokens, eos_ids=(eos,), pad_id=0)
+        rollout = sampling.sample(
+            model,
+            params,
+            jnp.asarray(prompts),
+            jnp.asarray(mask),
+            next(keys),
+            num_samples=args.group,
+            max_new_tokens=args.new_tokens,
+            eos_ids=(eos,),
+            pad_id=0,
+        )
         jax.block_until_ready(rollout)
         assert int(rollout.lengths.max()) == args.new_tokens  # the loop ran every step
 
@@ -94,9 +127,18 @@ def compare(config: models.ModelConfig, args) -> tuple[float, float, float]:
 
     def theirs():
         with torch.no_grad():
-            out = hf_model.generate(input_ids=hf_inputs, attention_mask=hf_mask, do_sample=True, temperature=1.0,
-                                    top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, eos_token_id=eos,
-                                    pad_token_id=0, use_cache=True)
+            out = hf_model.generate(
+                input_ids=hf_inputs,
+                attention_mask=hf_mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.new_tokens,
+                eos_token_id=eos,
+                pad_token_id=0,
+                use_cache=True,
+            )
         assert out.shape == (batch, args.prompt_len + args.new_tokens)
 
     scanned = functools.partial(ours, model=models.with_options(model, scan_layers=True))

@@ -63,10 +63,16 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 LIBRARIES = {  # name -> (script, interpreter, how to build its environment)
     "jaxrl_llm": ("train_step.py", pathlib.Path(sys.executable), "make install"),
-    "trl": ("trl_grpo_step.py", ROOT / os.environ.get("TRL_VENV", ".venv-trl") / "bin" / "python",
-            "make .venv-trl/.installed"),
-    "tunix": ("tunix_grpo_step.py", ROOT / os.environ.get("TUNIX_VENV", ".venv-tunix") / "bin" / "python",
-              "make .venv-tunix/.installed"),
+    "trl": (
+        "trl_grpo_step.py",
+        ROOT / os.environ.get("TRL_VENV", ".venv-trl") / "bin" / "python",
+        "make .venv-trl/.installed",
+    ),
+    "tunix": (
+        "tunix_grpo_step.py",
+        ROOT / os.environ.get("TUNIX_VENV", ".venv-tunix") / "bin" / "python",
+        "make .venv-tunix/.installed",
+    ),
 }
 SHAPES = ("tiny", "qwen05b")  # train_step.SHAPES (and the peers' scripts)
 JAX_LIBRARIES = ("jaxrl_llm", "tunix")
@@ -104,10 +110,14 @@ def measure(library: str, flags: list[str], *, repeats: int) -> dict:
     for phase, timing in cold["phases"].items():  # pool the timed steps of both
         timing["all_s"] += warm["phases"][phase]["all_s"]
         timing["median_s"], timing["min_s"] = float(np.median(timing["all_s"])), min(timing["all_s"])
-    cold.update(repeats=len(cold["phases"]["step"]["all_s"]),
-                step_median_s=cold["phases"]["step"]["median_s"], step_min_s=cold["phases"]["step"]["min_s"],
-                warm_first_step_s=warm["first_step_s"], warm_to_first_step_s=warm["to_first_step_s"],
-                peak_rss_gb=max(cold["peak_rss_gb"], warm["peak_rss_gb"]))
+    cold.update(
+        repeats=len(cold["phases"]["step"]["all_s"]),
+        step_median_s=cold["phases"]["step"]["median_s"],
+        step_min_s=cold["phases"]["step"]["min_s"],
+        warm_first_step_s=warm["first_step_s"],
+        warm_to_first_step_s=warm["to_first_step_s"],
+        peak_rss_gb=max(cold["peak_rss_gb"], warm["peak_rss_gb"]),
+    )
     return cold
 
 
@@ -140,17 +150,26 @@ def machine() -> dict:
 
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     peak, peak_shape = matmul_peak_flops(qwen25_05b(), 768)
-    return {"cpu": cpu, "avx512": "avx512f" in flags.split(), "cores": os.cpu_count(), "memory_gb": memory_gb,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "matmul_peak_flops": peak, "matmul_peak_shape": peak_shape, "read_bandwidth_bytes_per_s": read_bandwidth()}
+    return {
+        "cpu": cpu,
+        "avx512": "avx512f" in flags.split(),
+        "cores": os.cpu_count(),
+        "memory_gb": memory_gb,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "matmul_peak_flops": peak,
+        "matmul_peak_shape": peak_shape,
+        "read_bandwidth_bytes_per_s": read_bandwidth(),
+    }
 
 
 def measure_machine() -> dict:
     """:func:`machine` in a process of its own: its gigabyte arrays would otherwise count
     in every later process's peak RSS (Linux carries ``ru_maxrss`` across ``fork`` and
     ``exec``)."""
-    done = subprocess.run([sys.executable, str(HERE / "side_by_side.py"), "--machine"], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "side_by_side.py"), "--machine"], capture_output=True, text=True, check=True
+    )
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -165,43 +184,63 @@ def derived(result: dict, peak: float, bandwidth: float) -> dict:
     from grpo_step import step_flops
 
     config = model_config(result["shape"], result["layers"])
-    flops = step_flops(config, prompts=result["prompts"], group=result["group"], prompt_len=result["prompt_len"],
-                       new_tokens=result["new_tokens"])
+    flops = step_flops(
+        config,
+        prompts=result["prompts"],
+        group=result["group"],
+        prompt_len=result["prompt_len"],
+        new_tokens=result["new_tokens"],
+    )
     streamed = result["params"] - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
     weight_bytes = 4 * streamed  # float32; an untied input embedding is only gathered from
     decode_steps = result.get("decode_steps", result["new_tokens"] - 1)  # the prefill draws the first token
     rollout_s, update_s = result["phases"]["rollout"]["median_s"], result["phases"]["update"]["median_s"]
-    return {"update_model_flops": flops["update"], "update_mfu": flops["update"] / (update_s * peak),
-            "step_flop_floor_s": sum(flops.values()) / peak,
-            "decode_weight_stream_bytes_per_s": weight_bytes * decode_steps / rollout_s,
-            "decode_bandwidth_share": weight_bytes * decode_steps / rollout_s / bandwidth}
+    return {
+        "update_model_flops": flops["update"],
+        "update_mfu": flops["update"] / (update_s * peak),
+        "step_flop_floor_s": sum(flops.values()) / peak,
+        "decode_weight_stream_bytes_per_s": weight_bytes * decode_steps / rollout_s,
+        "decode_bandwidth_share": weight_bytes * decode_steps / rollout_s / bandwidth,
+    }
 
 
 def markdown(report: dict) -> str:
     m = report["machine"]
-    lines = [f"# Side by side: GRPO step, {report['date']}", "",
-             f"Machine: {m['cpu']} ({m['cores']} cores{', AVX-512' if m['avx512'] else ''}), "
-             f"{m['memory_gb']:.0f} GB, {m['platform']}; float32 matmul peak "
-             f"{m['matmul_peak_flops'] / 1e9:.0f} GFLOP/s ({m['matmul_peak_shape']}), memory read "
-             f"{m['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s. Versions: "
-             + "; ".join(f"{lib}: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-                         for lib, versions in report["versions"].items()) + ".", ""]
+    lines = [
+        f"# Side by side: GRPO step, {report['date']}",
+        "",
+        f"Machine: {m['cpu']} ({m['cores']} cores{', AVX-512' if m['avx512'] else ''}), "
+        f"{m['memory_gb']:.0f} GB, {m['platform']}; float32 matmul peak "
+        f"{m['matmul_peak_flops'] / 1e9:.0f} GFLOP/s ({m['matmul_peak_shape']}), memory read "
+        f"{m['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s. Versions: "
+        + "; ".join(
+            f"{lib}: " + ", ".join(f"{k} {v}" for k, v in versions.items())
+            for lib, versions in report["versions"].items()
+        )
+        + ".",
+        "",
+    ]
     for shape, results in report["shapes"].items():
         first = next(iter(results.values()))
-        lines += [f"## {shape}: {first['prompts']} prompts x {first['group']} completions, prompt "
-                  f"{first['prompt_len']}, completion {first['new_tokens']}, {first['layers']} layers, "
-                  f"{first['params'] / 1e6:.1f}M params", "",
-                  "| library | step (median) | rollout / log-probs / update | x jaxrl_llm | first step (cold) | "
-                  "from start (cold / warm) | peak RSS | update MFU | decode weight stream |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {shape}: {first['prompts']} prompts x {first['group']} completions, prompt "
+            f"{first['prompt_len']}, completion {first['new_tokens']}, {first['layers']} layers, "
+            f"{first['params'] / 1e6:.1f}M params",
+            "",
+            "| library | step (median) | rollout / log-probs / update | x jaxrl_llm | first step (cold) | "
+            "from start (cold / warm) | peak RSS | update MFU | decode weight stream |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         ours = results.get("jaxrl_llm", {}).get("step_median_s")
         for library, r in results.items():
             split = " / ".join(f"{r['phases'][p]['median_s']:.2f}" for p in PHASES)
             ratio = f"{r['step_median_s'] / ours:.2f}x" if ours else "-"
             warm = f" / {r['warm_to_first_step_s']:.1f} s" if "warm_to_first_step_s" in r else ""
-            lines.append(f"| {library} | {r['step_median_s']:.3f} s | {split} | {ratio} | {r['first_step_s']:.1f} s "
-                         f"| {r['to_first_step_s']:.1f} s{warm} | {r['peak_rss_gb']:.2f} GB | "
-                         f"{r['update_mfu']:.0%} | {r['decode_bandwidth_share']:.0%} of bandwidth |")
+            lines.append(
+                f"| {library} | {r['step_median_s']:.3f} s | {split} | {ratio} | {r['first_step_s']:.1f} s "
+                f"| {r['to_first_step_s']:.1f} s{warm} | {r['peak_rss_gb']:.2f} GB | "
+                f"{r['update_mfu']:.0%} | {r['decode_bandwidth_share']:.0%} of bandwidth |"
+            )
         lines.append("")
     if report.get("scaling"):
         lines += scaling_markdown(report["scaling"])
@@ -212,12 +251,23 @@ def scaling_markdown(scaling: dict) -> list[str]:
     lines = [f"## Scaling at qwen05b's width, {scaling['layers']} layers (step median, s)", ""]
     for axis, values in SCALING.items():
         libraries = list(scaling["results"])
-        lines += [f"| {axis} | " + " | ".join(libraries) + " | " + " | ".join(
-            f"{peer} / jaxrl_llm" for peer in libraries[1:]) + " |", "|---" * (2 * len(libraries)) + "|"]
+        lines += [
+            f"| {axis} | "
+            + " | ".join(libraries)
+            + " | "
+            + " | ".join(f"{peer} / jaxrl_llm" for peer in libraries[1:])
+            + " |",
+            "|---" * (2 * len(libraries)) + "|",
+        ]
         for value in values:
             times = [scaling["results"][lib][axis][str(value)]["step_median_s"] for lib in libraries]
-            lines.append(f"| {value} | " + " | ".join(f"{t:.3f}" for t in times) + " | "
-                         + " | ".join(f"{t / times[0]:.2f}x" for t in times[1:]) + " |")
+            lines.append(
+                f"| {value} | "
+                + " | ".join(f"{t:.3f}" for t in times)
+                + " | "
+                + " | ".join(f"{t / times[0]:.2f}x" for t in times[1:])
+                + " |"
+            )
         lines.append("")
     return lines
 
@@ -272,8 +322,12 @@ def main(argv=None) -> dict:
     if missing := [f"{lib}: {LIBRARIES[lib][2]}" for lib in needed if not LIBRARIES[lib][1].exists()]:
         parser.error("missing environments; build them first: " + "; ".join(missing))
 
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": measure_machine(), "versions": {}, "shapes": {}}
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": measure_machine(),
+        "versions": {},
+        "shapes": {},
+    }
     for shape in shapes:
         report["shapes"][shape] = {}
         for library in libraries:
@@ -286,8 +340,14 @@ def main(argv=None) -> dict:
             results[library] = {axis: {} for axis in SCALING}
             for axis, values in SCALING.items():
                 for value in values:
-                    flags = ["--shape", "qwen05b", "--layers", str(args.scaling_layers),
-                             f"--{axis.replace('_', '-')}", str(value)]
+                    flags = [
+                        "--shape",
+                        "qwen05b",
+                        "--layers",
+                        str(args.scaling_layers),
+                        f"--{axis.replace('_', '-')}",
+                        str(value),
+                    ]
                     results[library][axis][str(value)] = run_script(library, [*flags, "--repeats", "2"], None)
         report["scaling"] = {"layers": args.scaling_layers, "results": results}
 
@@ -308,6 +368,7 @@ def write(report: dict, out: pathlib.Path) -> dict:
         plot_scaling(report["scaling"], out / "scaling.png")
     print(markdown(report))
     return report
+
 
 if __name__ == "__main__":
     main()

@@ -39,9 +39,19 @@ import jax.numpy as jnp
 from jaxrl_llm import algorithms, models, sharding, training
 
 QWEN2_5_0_5B = models.ModelConfig(
-    architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-    num_kv_heads=2, head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6,
-    rope=models.RopeConfig(theta=1e6), tie_word_embeddings=True, attention_bias=True,
+    architecture="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope=models.RopeConfig(theta=1e6),
+    tie_word_embeddings=True,
+    attention_bias=True,
 )
 """Qwen2.5-0.5B's shapes (random weights: only shapes and dtypes are used)."""
 MESHES = ((8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2))  # data x fsdp x tensor
@@ -55,8 +65,11 @@ def layouts(meshes: Iterable[tuple[int, int, int]] = MESHES) -> list[tuple[tuple
     rows = []
     for shape in meshes:
         _, fsdp, tensor = shape
-        presets = ["data_parallel"] if fsdp == tensor == 1 else (["fsdp"] if fsdp > 1 else []) + (
-            ["fsdp_tensor"] if tensor > 1 else [])
+        presets = (
+            ["data_parallel"]
+            if fsdp == tensor == 1
+            else (["fsdp"] if fsdp > 1 else []) + (["fsdp_tensor"] if tensor > 1 else [])
+        )
         rows += [(shape, preset) for preset in presets]
     return rows
 
@@ -68,8 +81,13 @@ def abstract_state(config: models.ModelConfig, algorithm: algorithms.Algorithm, 
 
 
 def _group(field: str) -> str:
-    return {"params": "params", "opt_state": "optimizer", "ref_params": "reference", "critic_params": "critic",
-            "critic_opt_state": "critic"}.get(field, "other")
+    return {
+        "params": "params",
+        "opt_state": "optimizer",
+        "ref_params": "reference",
+        "critic_params": "critic",
+        "critic_opt_state": "critic",
+    }.get(field, "other")
 
 
 def bytes_per_device(state, shardings) -> dict[jax.Device, dict[str, int]]:
@@ -95,8 +113,12 @@ def largest(totals: dict[jax.Device, dict[str, int]]) -> dict[str, int]:
     return {**totals[device], "total": sum(totals[device].values())}
 
 
-def table(config: models.ModelConfig, algorithm: algorithms.Algorithm, run: training.TrainConfig,
-          meshes: Iterable[tuple[int, int, int]] = MESHES) -> list[tuple[str, str, dict[str, int]]]:
+def table(
+    config: models.ModelConfig,
+    algorithm: algorithms.Algorithm,
+    run: training.TrainConfig,
+    meshes: Iterable[tuple[int, int, int]] = MESHES,
+) -> list[tuple[str, str, dict[str, int]]]:
     """``(mesh, preset, largest device's bytes)`` rows: one device first, then each layout.
     The meshes are built over the CPU devices (only their count matters: nothing is placed)."""
     _, state = abstract_state(config, algorithm, run)
@@ -113,8 +135,12 @@ def table(config: models.ModelConfig, algorithm: algorithms.Algorithm, run: trai
 
 def main(argv=None) -> dict[str, list]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="the params' dtype (bfloat16: AdamW keeps float32 master copies)")
+    parser.add_argument(
+        "--param-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the params' dtype (bfloat16: AdamW keeps float32 master copies)",
+    )
     parser.add_argument("--algorithms", default="grpo,ppo", help="comma-separated presets, e.g. grpo,ppo")
     parser.add_argument("--tiny", action="store_true", help="the default ModelConfig's small model (a smoke run)")
     args = parser.parse_args(argv)
@@ -127,11 +153,16 @@ def main(argv=None) -> dict[str, list]:
     _, params = models.abstract(config)
     count = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
 
-    label = "default ModelConfig" if args.tiny else "Qwen2.5-0.5B-shaped (qwen2, 24 layers, hidden 896, 14/2 heads " \
-                                                   "of 64, MLP 4864, vocab 151936, tied)"
-    print(f"train state per device: {label}, {count / 1e6:.1f}M params in {args.param_dtype}, AdamW"
-          f"{' with float32 master copies' if dtype != jnp.float32 else ''}; the largest device's bytes, from each "
-          f"leaf's sharding.shard_shape (nothing allocated)")
+    label = (
+        "default ModelConfig"
+        if args.tiny
+        else "Qwen2.5-0.5B-shaped (qwen2, 24 layers, hidden 896, 14/2 heads of 64, MLP 4864, vocab 151936, tied)"
+    )
+    print(
+        f"train state per device: {label}, {count / 1e6:.1f}M params in {args.param_dtype}, AdamW"
+        f"{' with float32 master copies' if dtype != jnp.float32 else ''}; the largest device's bytes, from each "
+        f"leaf's sharding.shard_shape (nothing allocated)"
+    )
     results = {}
     for name in args.algorithms.split(","):
         algorithm = algorithms.get(name.strip())
@@ -142,8 +173,10 @@ def main(argv=None) -> dict[str, list]:
         print()
         print(f"{algorithm.name.upper()}" + (" (with its critic)" if algorithm.needs_critic else ""))
         print()
-        print(f"| mesh (data x fsdp x tensor) | rules | params | optimizer | reference | critic + its optimizer | "
-              f"other | total {unit} | of one device | ideal |")
+        print(
+            f"| mesh (data x fsdp x tensor) | rules | params | optimizer | reference | critic + its optimizer | "
+            f"other | total {unit} | of one device | ideal |"
+        )
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for mesh_name, preset, parts in rows:
             if mesh_name == "1 device":
@@ -151,8 +184,11 @@ def main(argv=None) -> dict[str, list]:
             else:
                 _, fsdp, tensor = map(int, mesh_name.split("x"))
                 ideal = {"data_parallel": 1, "fsdp": fsdp, "fsdp_tensor": fsdp * tensor}[preset]
-            print(f"| {mesh_name} | {preset} | " + " | ".join(f"{parts[g] / scale:.3f}" for g in GROUPS)
-                  + f" | {parts['total'] / scale:.3f} | {parts['total'] / single:.4f} | {1 / ideal:.4f} |")
+            print(
+                f"| {mesh_name} | {preset} | "
+                + " | ".join(f"{parts[g] / scale:.3f}" for g in GROUPS)
+                + f" | {parts['total'] / scale:.3f} | {parts['total'] / single:.4f} | {1 / ideal:.4f} |"
+            )
     return results
 
 

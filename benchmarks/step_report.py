@@ -65,15 +65,28 @@ def finish(results: dict, steps: list[dict[str, float]], *, warmup: int, phases:
     for phase in phases:
         times = [step[phase] for step in timed]
         label = "  reference" if phase == "reference" else phase  # a part of logprobs
-        print(f"{label:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
-              f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}")
-        results["phases"][phase] = {"median_s": statistics.median(times), "min_s": min(times),
-                                    "first_s": first[phase], "all_s": times}
+        print(
+            f"{label:<12} {statistics.median(times):>9.4f} {min(times):>8.4f} "
+            f"{statistics.median(times) / step_s:>6.0%} {first[phase]:>9.3f}"
+        )
+        results["phases"][phase] = {
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "first_s": first[phase],
+            "all_s": times,
+        }
     peak = peak_rss_gb()
-    print(f"first step (compilation included) {first['step']:.2f} s, {first['since_start']:.2f} s from the "
-          f"process's start; peak RSS {peak:.2f} GB")
-    results.update(first_step_s=first["step"], to_first_step_s=first["since_start"], step_median_s=step_s,
-                   step_min_s=min(step["step"] for step in timed), peak_rss_gb=peak)
+    print(
+        f"first step (compilation included) {first['step']:.2f} s, {first['since_start']:.2f} s from the "
+        f"process's start; peak RSS {peak:.2f} GB"
+    )
+    results.update(
+        first_step_s=first["step"],
+        to_first_step_s=first["since_start"],
+        step_median_s=step_s,
+        step_min_s=min(step["step"] for step in timed),
+        peak_rss_gb=peak,
+    )
     print(json.dumps(results))
     sys.stdout.flush()
     return results

@@ -50,11 +50,12 @@ import statistics  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import step_report  # noqa: E402
 import transformers  # noqa: E402
 from grpo_step import CONFIG as TINY_CONFIG  # noqa: E402
 from layer_scan import qwen25_05b  # noqa: E402
-import step_report  # noqa: E402
-from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer, pre_tokenizers  # noqa: E402
+from tokenizers import models as tokenizer_models  # noqa: E402
 
 from jaxrl_llm import algorithms, models, sampling, tasks, training  # noqa: E402
 from jaxrl_llm.training.config import OptimizerConfig  # noqa: E402
@@ -104,11 +105,17 @@ class WordParityTask:
         return None
 
     def examples(self, split: str, indices: np.ndarray, *, seed: int) -> tasks.PromptBatch:
-        ids = np.stack([np.random.default_rng([seed, int(i)]).integers(1, self.vocab_size - 1, self.prompt_len)
-                        for i in indices]).astype(np.int32)  # [P, S]
+        ids = np.stack(
+            [np.random.default_rng([seed, int(i)]).integers(1, self.vocab_size - 1, self.prompt_len) for i in indices]
+        ).astype(np.int32)  # [P, S]
         prompts = [" ".join(f"w{t}" for t in row) for row in ids]
-        return tasks.PromptBatch(tokens=ids, mask=np.ones(ids.shape, bool), prompts=prompts, columns={},
-                                 indices=np.asarray(indices, np.int64))
+        return tasks.PromptBatch(
+            tokens=ids,
+            mask=np.ones(ids.shape, bool),
+            prompts=prompts,
+            columns={},
+            indices=np.asarray(indices, np.int64),
+        )
 
 
 def main(argv=None) -> dict:
@@ -120,9 +127,11 @@ def main(argv=None) -> dict:
 
     model, params = models.init(config, jax.random.key(0))
     run = training.TrainConfig(
-        num_prompts=prompts, group_size=group,
+        num_prompts=prompts,
+        group_size=group,
         sampling=sampling.SamplingConfig(max_new_tokens=new_tokens, max_prompt_length=prompt_len),
-        optimizer=OptimizerConfig(learning_rate=1e-6))
+        optimizer=OptimizerConfig(learning_rate=1e-6),
+    )
     task = WordParityTask(vocab_size=config.vocab_size, prompt_len=prompt_len)
     first_step_done = []
 
@@ -130,8 +139,9 @@ def main(argv=None) -> dict:
         if not first_step_done:
             first_step_done.append(time.perf_counter())
 
-    _, history = training.train(model, params, algorithms.GRPO, run, steps=WARMUP + args.repeats, task=task,
-                                callback=on_step)
+    _, history = training.train(
+        model, params, algorithms.GRPO, run, steps=WARMUP + args.repeats, task=task, callback=on_step
+    )
     for row in history:  # the peers' phases: rollout with rewards, log-probs, and the rest of the step
         row["rollout"] = row["rollout_seconds"] + row["reward_seconds"]
         row["logprobs"], row["step"] = row["logprob_seconds"], row["step_seconds"]
@@ -140,18 +150,34 @@ def main(argv=None) -> dict:
     params_count = sum(x.size for x in jax.tree.leaves(params))
 
     lib = step_report.versions("jax", "jaxlib", "flax", "optax")
-    print(f"jaxrl_llm on jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} device(s), "
-          f"{os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; {config.architecture} "
-          f"{params_count / 1e6:.1f}M params, float32, training.train defaults")
-    print(f"GRPO step through training.train ({args.shape}): {prompts} prompts x {group} completions, prompt "
-          f"{prompt_len}, completion {new_tokens}; {config.num_layers} layers, d_model {config.hidden_size}, vocab "
-          f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
-    results = {"library": "jaxrl_llm", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
-               "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_layers,
-               "params": params_count, "repeats": args.repeats, "warmup": WARMUP, "devices": jax.device_count(),
-               "cpu_count": os.cpu_count(),
-               "completion_length": statistics.mean(row["completion_length"] for row in history)}
+    print(
+        f"jaxrl_llm on jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} device(s), "
+        f"{os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; {config.architecture} "
+        f"{params_count / 1e6:.1f}M params, float32, training.train defaults"
+    )
+    print(
+        f"GRPO step through training.train ({args.shape}): {prompts} prompts x {group} completions, prompt "
+        f"{prompt_len}, completion {new_tokens}; {config.num_layers} layers, d_model {config.hidden_size}, vocab "
+        f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up"
+    )
+    results = {
+        "library": "jaxrl_llm",
+        "shape": args.shape,
+        "versions": lib,
+        "prompts": prompts,
+        "group": group,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "layers": config.num_layers,
+        "params": params_count,
+        "repeats": args.repeats,
+        "warmup": WARMUP,
+        "devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "completion_length": statistics.mean(row["completion_length"] for row in history),
+    }
     return step_report.finish(results, history, warmup=WARMUP, phases=PHASES)
+
 
 if __name__ == "__main__":
     main()

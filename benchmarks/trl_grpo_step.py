@@ -62,25 +62,60 @@ import transformers  # noqa: E402
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,  # noqa: E402
-                          Qwen2ForCausalLM, TrainerCallback)
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    TrainerCallback,
+)
 from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 SHAPES = {
     "tiny": dict(
-        model=LlamaForCausalLM, prompts=8, group=4, prompt_len=16, new_tokens=32,
+        model=LlamaForCausalLM,
+        prompts=8,
+        group=4,
+        prompt_len=16,
+        new_tokens=32,
         config=lambda: LlamaConfig(
-            vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=None, eos_token_id=511),
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=64,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=511,
+        ),
     ),
     "qwen05b": dict(
-        model=Qwen2ForCausalLM, prompts=2, group=4, prompt_len=32, new_tokens=64,
+        model=Qwen2ForCausalLM,
+        prompts=2,
+        group=4,
+        prompt_len=32,
+        new_tokens=64,
         config=lambda: Qwen2Config(
-            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-            tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=151935),
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=151935,
+        ),
     ),
 }
 WARMUP = 2  # optimizer steps not counted (allocator and thread-pool warm-up)
@@ -96,8 +131,12 @@ def make_tokenizer(config) -> PreTrainedTokenizerFast:
     vocab = {word(i): i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=word(config.pad_token_id)))  # no unknown words occur
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=word(config.pad_token_id),
-                                   eos_token=word(config.eos_token_id), padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=word(config.pad_token_id),
+        eos_token=word(config.eos_token_id),
+        padding_side="left",
+    )
 
 
 def make_dataset(config, rows: int, prompt_len: int) -> Dataset:
@@ -163,8 +202,10 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # TRL reads transformers' deprecated names
     torch.manual_seed(0)
     tokenizer = make_tokenizer(config)
-    assert all(len(ids) == prompt_len
-               for ids in tokenizer(list(make_dataset(config, prompts, prompt_len)["prompt"]))["input_ids"])
+    assert all(
+        len(ids) == prompt_len
+        for ids in tokenizer(list(make_dataset(config, prompts, prompt_len)["prompt"]))["input_ids"]
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         # TRL builds the reference model from the policy's path (config._name_or_path), so
@@ -173,15 +214,34 @@ def main(argv=None) -> None:
         shape["model"](config).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         trl_config = GRPOConfig(
-            output_dir=os.path.join(tmp, "out"), max_steps=WARMUP + args.repeats, seed=0, use_cpu=True,
-            per_device_train_batch_size=prompts * group, gradient_accumulation_steps=1, num_generations=group,
-            max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0,
-            beta=0.04, num_iterations=1, use_vllm=False, activation_checkpointing=False, bf16=False, fp16=False,
-            report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
+            output_dir=os.path.join(tmp, "out"),
+            max_steps=WARMUP + args.repeats,
+            seed=0,
+            use_cpu=True,
+            per_device_train_batch_size=prompts * group,
+            gradient_accumulation_steps=1,
+            num_generations=group,
+            max_completion_length=new_tokens,
+            generation_kwargs={"min_new_tokens": new_tokens},
+            temperature=1.0,
+            beta=0.04,
+            num_iterations=1,
+            use_vllm=False,
+            activation_checkpointing=False,
+            bf16=False,
+            fp16=False,
+            report_to="none",
+            logging_strategy="no",
+            save_strategy="no",
+            disable_tqdm=True,
         )
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=make_parity_reward(new_tokens), args=trl_config,
-                              train_dataset=make_dataset(config, prompts * (WARMUP + args.repeats), prompt_len),
-                              processing_class=tokenizer)
+        trainer = GRPOTrainer(
+            model=model_dir,
+            reward_funcs=make_parity_reward(new_tokens),
+            args=trl_config,
+            train_dataset=make_dataset(config, prompts * (WARMUP + args.repeats), prompt_len),
+            processing_class=tokenizer,
+        )
         trainer.remove_callback(PrinterCallback)  # the end-of-training metrics dict
         trainer.remove_callback(ProgressCallback)
         timer = StepTimer()
@@ -189,8 +249,12 @@ def main(argv=None) -> None:
         timer.wrap(trainer, "_generate", "rollout")
         timer.wrap(trainer, "_calculate_rewards", "rollout")
         timer.wrap(trainer, "_generate_and_score_completions", "scoring")
-        timer.wrap(trainer, "_get_per_token_logps_and_entropies", "reference",
-                   when=lambda model, *args, **kwargs: model is trainer.ref_model)
+        timer.wrap(
+            trainer,
+            "_get_per_token_logps_and_entropies",
+            "reference",
+            when=lambda model, *args, **kwargs: model is trainer.ref_model,
+        )
         assert trainer.ref_model is not None and not trainer.args.activation_checkpointing
         trainer.train()
 
@@ -200,18 +264,34 @@ def main(argv=None) -> None:
         step["update"] = step["step"] - step["scoring"]
 
     model = trainer.model
-    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), trl {trl.__version__}, "
-          f"transformers {transformers.__version__}; {model.dtype}, attention {model.config._attn_implementation}, "
-          f"optimizer {type(trainer.optimizer.optimizer).__name__}")
-    print(f"TRL GRPOTrainer step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
-          f"completion {new_tokens}; {config.num_hidden_layers} layers, d_model {config.hidden_size}, vocab "
-          f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), trl {trl.__version__}, "
+        f"transformers {transformers.__version__}; {model.dtype}, attention {model.config._attn_implementation}, "
+        f"optimizer {type(trainer.optimizer.optimizer).__name__}"
+    )
+    print(
+        f"TRL GRPOTrainer step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
+        f"completion {new_tokens}; {config.num_hidden_layers} layers, d_model {config.hidden_size}, vocab "
+        f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up"
+    )
     lib = step_report.versions("trl", "torch", "transformers", "accelerate")
-    results = {"library": "trl", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
-               "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_hidden_layers,
-               "params": sum(p.numel() for p in model.parameters()), "repeats": args.repeats, "warmup": WARMUP,
-               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    results = {
+        "library": "trl",
+        "shape": args.shape,
+        "versions": lib,
+        "prompts": prompts,
+        "group": group,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "layers": config.num_hidden_layers,
+        "params": sum(p.numel() for p in model.parameters()),
+        "repeats": args.repeats,
+        "warmup": WARMUP,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
     step_report.finish(results, timer.steps, warmup=WARMUP, phases=PHASES)
+
 
 if __name__ == "__main__":
     main()

@@ -123,13 +123,30 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 
 SHAPES = {
     "tiny": dict(
-        model="llama3", prompts=8, group=4, prompt_len=16, new_tokens=32,
+        model="llama3",
+        prompts=8,
+        group=4,
+        prompt_len=16,
+        new_tokens=32,
         config=lambda: llama3_lib.ModelConfig(
-            num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=1024, num_heads=4, head_dim=64,
-            num_kv_heads=4, rope_theta=500_000, norm_eps=1e-5, weight_tying=False),
+            num_layers=4,
+            vocab_size=512,
+            embed_dim=256,
+            hidden_dim=1024,
+            num_heads=4,
+            head_dim=64,
+            num_kv_heads=4,
+            rope_theta=500_000,
+            norm_eps=1e-5,
+            weight_tying=False,
+        ),
     ),
     "qwen05b": dict(
-        model="qwen2", prompts=2, group=4, prompt_len=32, new_tokens=64,
+        model="qwen2",
+        prompts=2,
+        group=4,
+        prompt_len=32,
+        new_tokens=64,
         config=lambda: qwen2_lib.ModelConfig.qwen2p5_0p5b(),  # float32 params and compute by default
     ),
 }
@@ -249,22 +266,34 @@ def main(argv=None) -> None:
     params = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
 
     rollout_config = base_rollout.RolloutConfig(
-        max_tokens_to_generate=new_tokens, max_prompt_length=prompt_len, kv_cache_size=prompt_len + new_tokens,
-        temperature=1.0, top_p=1.0, top_k=None, seed=jax.random.PRNGKey(0),
+        max_tokens_to_generate=new_tokens,
+        max_prompt_length=prompt_len,
+        kv_cache_size=prompt_len + new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=None,
+        seed=jax.random.PRNGKey(0),
         eos_tokens=[config.vocab_size],  # an id the model cannot sample: no completion stops early
     )
     cluster_config = rl_cluster_lib.ClusterConfig(
-        role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-                                               rl_cluster_lib.Role.ROLLOUT)},
-        rollout_engine="vanilla", offload_to_cpu=False,
+        role_to_mesh={
+            role: mesh
+            for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+        },
+        rollout_engine="vanilla",
+        offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=optax.adamw(1e-6), eval_every_n_steps=10**9, max_steps=steps,
-            mini_batch_size=prompts, train_micro_batch_size=prompts,
+            actor_optimizer=optax.adamw(1e-6),
+            eval_every_n_steps=10**9,
+            max_steps=steps,
+            mini_batch_size=prompts,
+            train_micro_batch_size=prompts,
         ),
         rollout_config=rollout_config,
     )
-    cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=tokenizer,
-                                       cluster_config=cluster_config)
+    cluster = rl_cluster_lib.RLCluster(
+        actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
+    )
     learner = grpo_learner.GRPOLearner(
         rl_cluster=cluster,
         algo_config=grpo_learner.GRPOConfig(num_generations=group, num_iterations=1, beta=0.04),
@@ -292,17 +321,34 @@ def main(argv=None) -> None:
         step["update"] = step["step"] - step["scoring"]
 
     lib = step_report.versions("google-tunix", "jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "qwix")
-    print(f"google-tunix {lib['google-tunix']}, jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} "
-          f"device(s), {os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; "
-          f"{model_class.__name__} {params / 1e6:.1f}M params, float32, optimizer adamw, rollout engine vanilla")
-    print(f"Tunix GRPOLearner step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
-          f"completion {new_tokens}; {config.num_layers} layers, d_model {config.embed_dim}, vocab "
-          f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up")
-    results = {"library": "tunix", "shape": args.shape, "versions": lib, "prompts": prompts, "group": group,
-               "prompt_len": prompt_len, "new_tokens": new_tokens, "layers": config.num_layers, "params": params,
-               "repeats": args.repeats, "warmup": WARMUP, "devices": jax.device_count(), "cpu_count": os.cpu_count(),
-               "decode_steps": new_tokens}  # the while_loop fills the buffer: the prefill and N decode steps
+    print(
+        f"google-tunix {lib['google-tunix']}, jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} "
+        f"device(s), {os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; "
+        f"{model_class.__name__} {params / 1e6:.1f}M params, float32, optimizer adamw, rollout engine vanilla"
+    )
+    print(
+        f"Tunix GRPOLearner step ({args.shape}): {prompts} prompts x {group} completions, prompt {prompt_len}, "
+        f"completion {new_tokens}; {config.num_layers} layers, d_model {config.embed_dim}, vocab "
+        f"{config.vocab_size}; {args.repeats} steps after {WARMUP} warm-up"
+    )
+    results = {
+        "library": "tunix",
+        "shape": args.shape,
+        "versions": lib,
+        "prompts": prompts,
+        "group": group,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "layers": config.num_layers,
+        "params": params,
+        "repeats": args.repeats,
+        "warmup": WARMUP,
+        "devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "decode_steps": new_tokens,
+    }  # the while_loop fills the buffer: the prefill and N decode steps
     step_report.finish(results, timer.steps, warmup=WARMUP, phases=PHASES)
+
 
 if __name__ == "__main__":
     main()

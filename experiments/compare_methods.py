@@ -40,8 +40,8 @@ import tyro
 
 from jaxrl_llm import _checks, algorithms, evaluation, host, models, training
 from jaxrl_llm.sampling import SamplingConfig
-from jaxrl_llm.training.config import OptimizerConfig
 from jaxrl_llm.tasks import DigitSumTask
+from jaxrl_llm.training.config import OptimizerConfig
 
 PROMPT_WIDTH = 8
 """Prompt positions in training: ``"a+b="`` left-padded to ``train``'s 8-token bucket."""
@@ -92,8 +92,15 @@ class CompareConfig:
             object.__setattr__(self, "algorithms", algorithms.preset_names(self.algorithms))
         except ValueError as error:
             raise ValueError(f"{where}: `algorithms`: {error}") from None
-        for field in ("hidden_size", "num_layers", "sft_steps", "rl_steps", "num_prompts", "group_size",
-                      "max_new_tokens"):
+        for field in (
+            "hidden_size",
+            "num_layers",
+            "sft_steps",
+            "rl_steps",
+            "num_prompts",
+            "group_size",
+            "max_new_tokens",
+        ):
             _checks.positive_int(where, field, getattr(self, field))
         if self.hidden_size % 4:
             raise ValueError(f"{where}: `hidden_size` must be a multiple of the 4 heads; got {self.hidden_size}.")
@@ -118,34 +125,60 @@ class CompareConfig:
     def train_config(self) -> training.TrainConfig:
         """The settings of each method's RL run."""
         return training.TrainConfig(
-            num_prompts=self.num_prompts, group_size=self.group_size,
+            num_prompts=self.num_prompts,
+            group_size=self.group_size,
             sampling=SamplingConfig(max_new_tokens=self.max_new_tokens),
             optimizer=OptimizerConfig(learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate),
-            seed=self.seed, exact_kl=True)  # every method's KL to its start, those without a KL term too
+            seed=self.seed,
+            exact_kl=True,
+        )  # every method's KL to its start, those without a KL term too
 
 
 def warm_started_model(config: CompareConfig, task: DigitSumTask) -> tuple[models.Model, models.Params, list[float]]:
     """A random decoder fine-tuned on ``sft_steps`` batches of solved examples."""
     model_config = models.ModelConfig(
-        vocab_size=len(task.tokenizer), hidden_size=config.hidden_size, intermediate_size=4 * config.hidden_size,
-        num_layers=config.num_layers, num_heads=4, num_kv_heads=2, head_dim=config.hidden_size // 4,
+        vocab_size=len(task.tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=4 * config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=config.hidden_size // 4,
         max_position_embeddings=max(32, PROMPT_WIDTH + config.max_new_tokens),
-        bos_token_id=task.tokenizer.bos_token_id, eos_token_ids=(task.eos_id,),
-        pad_token_id=task.pad_id)
+        bos_token_id=task.tokenizer.bos_token_id,
+        eos_token_ids=(task.eos_id,),
+        pad_token_id=task.pad_id,
+    )
     model, params = models.init(model_config, jax.random.key(config.seed))
-    demonstrations = task.demonstrations(np.random.default_rng(config.seed), 4096, config.max_new_tokens,
-                                         label_noise=config.sft_label_noise)
+    demonstrations = task.demonstrations(
+        np.random.default_rng(config.seed), 4096, config.max_new_tokens, label_noise=config.sft_label_noise
+    )
     params, losses = training.supervised_finetune(
-        model, params, *demonstrations, steps=config.sft_steps, batch_size=64, learning_rate=config.sft_learning_rate,
-        seed=config.seed, stop=lambda step, p: greedy_accuracy(model, p, task) >= config.sft_accuracy)
+        model,
+        params,
+        *demonstrations,
+        steps=config.sft_steps,
+        batch_size=64,
+        learning_rate=config.sft_learning_rate,
+        seed=config.seed,
+        stop=lambda step, p: greedy_accuracy(model, p, task) >= config.sft_accuracy,
+    )
     return model, params, losses
 
 
 def greedy_accuracy(model: models.Model, params: models.Params, task: DigitSumTask) -> float:
     """Fraction of all 100 prompts (the task's test split) answered exactly by greedy
     decoding: the digit, then EOS (the ``stops`` reward, 0.5, is earned by exactly these)."""
-    return evaluation.evaluate(model, params, task, sampling=SamplingConfig(max_new_tokens=2), batch_size=100,
-                               correct_reward="stops", threshold=0.5, progress=False)["greedy_accuracy"]
+    return evaluation.evaluate(
+        model,
+        params,
+        task,
+        sampling=SamplingConfig(max_new_tokens=2),
+        batch_size=100,
+        correct_reward="stops",
+        threshold=0.5,
+        progress=False,
+    )["greedy_accuracy"]
 
 
 def expected_reward(model: models.Model, params: models.Params, task: DigitSumTask) -> float:
@@ -171,8 +204,13 @@ def _all_solved_examples(task: DigitSumTask) -> tuple[np.ndarray, np.ndarray]:
     return tokens, attention_mask.astype(bool)
 
 
-def run(config: CompareConfig, algorithm: algorithms.Algorithm, model: models.Model, params: models.Params,
-        task: DigitSumTask) -> dict[str, Any]:
+def run(
+    config: CompareConfig,
+    algorithm: algorithms.Algorithm,
+    model: models.Model,
+    params: models.Params,
+    task: DigitSumTask,
+) -> dict[str, Any]:
     """Trains one method from the warm start; returns its curve and summary numbers."""
     started = time.perf_counter()
     state, history = training.train(model, params, algorithm, config.train_config(), steps=config.rl_steps, task=task)
@@ -195,22 +233,38 @@ def run(config: CompareConfig, algorithm: algorithms.Algorithm, model: models.Mo
 
 def summary(result: dict[str, Any], accuracy_start: float) -> dict[str, Any]:
     """One method's row of the table (JSON-ready), with its training reward per step."""
-    numbers = ("reward_start", "reward_end", "expected_reward_start", "expected_reward_end", "accuracy_end",
-               "kl_exact", "seconds")
-    return {"algorithm": result["algorithm"], "accuracy_start": float(accuracy_start),
-            **{key: float(result[key]) for key in numbers},
-            "rewards": [float(h["reward"]) for h in result["history"]]}
+    numbers = (
+        "reward_start",
+        "reward_end",
+        "expected_reward_start",
+        "expected_reward_end",
+        "accuracy_end",
+        "kl_exact",
+        "seconds",
+    )
+    return {
+        "algorithm": result["algorithm"],
+        "accuracy_start": float(accuracy_start),
+        **{key: float(result[key]) for key in numbers},
+        "rewards": [float(h["reward"]) for h in result["history"]],
+    }
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows of :func:`summary` as a Markdown table, padded to line up in a terminal too."""
-    header = ("method", f"reward first {WINDOW}", f"reward last {WINDOW}", "E[reward]", "greedy acc", "KL(ref)",
-              "time")
+    header = ("method", f"reward first {WINDOW}", f"reward last {WINDOW}", "E[reward]", "greedy acc", "KL(ref)", "time")
     cells = [header] + [
-        (r["algorithm"], f"{r['reward_start']:.3f}", f"{r['reward_end']:.3f}",
-         f"{r['expected_reward_start']:.3f} -> {r['expected_reward_end']:.3f}",
-         f"{r['accuracy_start']:.2f} -> {r['accuracy_end']:.2f}", f"{r['kl_exact']:.3f}", f"{r['seconds']:.1f}s")
-        for r in rows]
+        (
+            r["algorithm"],
+            f"{r['reward_start']:.3f}",
+            f"{r['reward_end']:.3f}",
+            f"{r['expected_reward_start']:.3f} -> {r['expected_reward_end']:.3f}",
+            f"{r['accuracy_start']:.2f} -> {r['accuracy_end']:.2f}",
+            f"{r['kl_exact']:.3f}",
+            f"{r['seconds']:.1f}s",
+        )
+        for r in rows
+    ]
     widths = [max(len(row[j]) for row in cells) for j in range(len(header))]
 
     def line(row):
@@ -244,8 +298,14 @@ def plot_rewards(rows: Sequence[dict[str, Any]], path: pathlib.Path, *, title: s
     colors = matplotlib.colormaps["tab20"](np.arange(0, 20, 2)).tolist() + [[0.0, 0.0, 0.0, 1.0]]
     for i, row in enumerate(rows):
         steps = np.arange(1, len(row["rewards"]) + 1)
-        ax.plot(steps, moving_average(row["rewards"], WINDOW), color=colors[i % len(colors)],
-                linestyle="-" if i < len(colors) else "--", linewidth=1.6, label=row["algorithm"])
+        ax.plot(
+            steps,
+            moving_average(row["rewards"], WINDOW),
+            color=colors[i % len(colors)],
+            linestyle="-" if i < len(colors) else "--",
+            linewidth=1.6,
+            label=row["algorithm"],
+        )
     ax.set(title=title, xlabel="RL step", ylabel=f"training reward, moving average over {WINDOW} steps (max 1.5)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", ncols=2, fontsize="small")
@@ -253,21 +313,32 @@ def plot_rewards(rows: Sequence[dict[str, Any]], path: pathlib.Path, *, title: s
     return figure
 
 
-def write_results(out_dir: pathlib.Path, config: CompareConfig, warm_start: dict[str, Any],
-                  rows: Sequence[dict[str, Any]], interrupted: str | None) -> list[pathlib.Path]:
+def write_results(
+    out_dir: pathlib.Path,
+    config: CompareConfig,
+    warm_start: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    interrupted: str | None,
+) -> list[pathlib.Path]:
     """``results.md``, ``results.json`` and (with ``config.plot``) ``rewards.png``; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = f"P={config.num_prompts} prompts x G={config.group_size} completions, {config.rl_steps} steps"
     table = format_table(rows)
-    markdown = (f"# compare_methods\n\nWarm start: {warm_start['steps']} SFT steps, greedy accuracy "
-                f"{warm_start['greedy_accuracy']:.2f}, expected reward {warm_start['expected_reward']:.3f}. "
-                f"RL: {settings} per method, seed {config.seed}.\n\n{table}\n")
+    markdown = (
+        f"# compare_methods\n\nWarm start: {warm_start['steps']} SFT steps, greedy accuracy "
+        f"{warm_start['greedy_accuracy']:.2f}, expected reward {warm_start['expected_reward']:.3f}. "
+        f"RL: {settings} per method, seed {config.seed}.\n\n{table}\n"
+    )
     if interrupted:
         markdown += f"\n{interrupted}\n"
     paths = [out_dir / "results.md", out_dir / "results.json"]
     paths[0].write_text(markdown)
-    document = {"config": {**dataclasses.asdict(config), "out_dir": str(config.out_dir)},
-                "warm_start": warm_start, "methods": list(rows), "interrupted": interrupted}
+    document = {
+        "config": {**dataclasses.asdict(config), "out_dir": str(config.out_dir)},
+        "warm_start": warm_start,
+        "methods": list(rows),
+        "interrupted": interrupted,
+    }
     paths[1].write_text(json.dumps(document, indent=1) + "\n")
     if config.plot and rows:
         paths.append(out_dir / "rewards.png")
@@ -287,11 +358,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     started = time.perf_counter()
     model, params, losses = warm_started_model(config, task)
     accuracy = greedy_accuracy(model, params, task)
-    warm_start = {"steps": len(losses), "loss_start": float(losses[0]), "loss_end": float(np.mean(losses[-20:])),
-                  "greedy_accuracy": float(accuracy), "expected_reward": expected_reward(model, params, task),
-                  "seconds": time.perf_counter() - started}
-    print(f"SFT warm start: {len(losses)} steps, loss {warm_start['loss_start']:.2f} -> {warm_start['loss_end']:.2f}, "
-          f"greedy accuracy {accuracy:.2f} ({warm_start['seconds']:.1f}s)")
+    warm_start = {
+        "steps": len(losses),
+        "loss_start": float(losses[0]),
+        "loss_end": float(np.mean(losses[-20:])),
+        "greedy_accuracy": float(accuracy),
+        "expected_reward": expected_reward(model, params, task),
+        "seconds": time.perf_counter() - started,
+    }
+    print(
+        f"SFT warm start: {len(losses)} steps, loss {warm_start['loss_start']:.2f} -> {warm_start['loss_end']:.2f}, "
+        f"greedy accuracy {accuracy:.2f} ({warm_start['seconds']:.1f}s)"
+    )
     print(f"RL: P={config.num_prompts} prompts x G={config.group_size} completions, {config.rl_steps} steps per method")
     results, interrupted = [], None
     for method in config.methods():
@@ -301,8 +379,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             interrupted = f"Interrupted: {method.name} after {len(stop.history)} of {config.rl_steps} steps."
             break
         r = results[-1]
-        print(f"  {r['algorithm']:<20} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f}  ({r['seconds']:.1f}s)",
-              flush=True)
+        print(
+            f"  {r['algorithm']:<20} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f}  ({r['seconds']:.1f}s)",
+            flush=True,
+        )
     rows = [summary(r, accuracy) for r in results]
     print()
     if interrupted:

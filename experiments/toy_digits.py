@@ -94,11 +94,15 @@ class ToyConfig:
         """The library's settings of the step: the batch, Adam at ``learning_rate`` for the
         policy and the critic, and the reference kept for the ``kl_to_ref`` metric."""
         return training.TrainConfig(
-            num_prompts=self.num_prompts, group_size=self.group_size,
+            num_prompts=self.num_prompts,
+            group_size=self.group_size,
             sampling=sampling.SamplingConfig(max_new_tokens=self.max_new_tokens),
-            optimizer=training.OptimizerConfig(learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate,
-                                               warmup_steps=1),
-            seed=self.seed, reference_metrics=True)
+            optimizer=training.OptimizerConfig(
+                learning_rate=self.learning_rate, critic_learning_rate=self.learning_rate, warmup_steps=1
+            ),
+            seed=self.seed,
+            reference_metrics=True,
+        )
 
 
 # --- Model ----------------------------------------------------------------------------------
@@ -167,8 +171,7 @@ class MLPTeacherForcing:
         logp = ops.token_logprobs(logits, rows.completion_tokens)
         return (logp, ops.entropy(logits)) if with_entropy else logp
 
-    def categorical_kl(self, states: jax.Array, head: Params, other_states: jax.Array,
-                       other_head: Params) -> jax.Array:
+    def categorical_kl(self, states: jax.Array, head: Params, other_states: jax.Array, other_head: Params) -> jax.Array:
         return kl.categorical(output(states, head), output(other_states, other_head))
 
     def values(self, critic_params: Params, rows) -> jax.Array:
@@ -247,11 +250,18 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm):
             informative = jnp.repeat(jnp.max(grouped, 1) > jnp.min(grouped, 1), group)  # [B]
             mask = mask & informative[:, None]
         if algorithm.overlong_buffer:
-            rewards = rewards + overlong_penalty(rollout.lengths, max_len=length, buffer=algorithm.overlong_buffer,
-                                                 penalty=algorithm.overlong_penalty)
-        batch = training.Batch(prompt_tokens=prompts, prompt_mask=jnp.ones(prompts.shape, bool),
-                               completion_tokens=rollout.tokens, completion_mask=mask, sampling_logp=rollout.logp,
-                               rewards=rewards, prompts_drawn=jnp.asarray(num_prompts, jnp.int32))
+            rewards = rewards + overlong_penalty(
+                rollout.lengths, max_len=length, buffer=algorithm.overlong_buffer, penalty=algorithm.overlong_penalty
+            )
+        batch = training.Batch(
+            prompt_tokens=prompts,
+            prompt_mask=jnp.ones(prompts.shape, bool),
+            completion_tokens=rollout.tokens,
+            completion_mask=mask,
+            sampling_logp=rollout.logp,
+            rewards=rewards,
+            prompts_drawn=jnp.asarray(num_prompts, jnp.int32),
+        )
         scored, score_metrics = step.score(state, batch)
         state, metrics = step.update(state, scored)
         policy = MLPTeacherForcing()
@@ -290,8 +300,10 @@ def train(config: ToyConfig, algorithm: algorithms.Algorithm) -> dict[str, Any]:
     """Trains one method; returns its reward curve and final numbers."""
     fitted = training.fit_overlong_buffer(algorithm, config.max_new_tokens)  # DAPO's 20% of its budget
     if fitted.overlong_buffer != algorithm.overlong_buffer:
-        print(f"  ({algorithm.name}: overlong_buffer {algorithm.overlong_buffer} -> {fitted.overlong_buffer} tokens "
-              f"for a {config.max_new_tokens}-token budget)")
+        print(
+            f"  ({algorithm.name}: overlong_buffer {algorithm.overlong_buffer} -> {fitted.overlong_buffer} tokens "
+            f"for a {config.max_new_tokens}-token budget)"
+        )
         algorithm = fitted
     state = init_state(config, algorithm)
     step_fn = jax.jit(make_train_step(config, algorithm), donate_argnums=0)
@@ -340,14 +352,18 @@ def parse(argv: Sequence[str] | None = None) -> ToyConfig:
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     config = parse(argv)
-    print(f"toy digits: P={config.num_prompts} prompts x G={config.group_size} completions, "
-          f"{config.steps} steps per method, seed {config.seed}")
+    print(
+        f"toy digits: P={config.num_prompts} prompts x G={config.group_size} completions, "
+        f"{config.steps} steps per method, seed {config.seed}"
+    )
     results = []
     for method in config.methods():
         results.append(train(config, method))
         r = results[-1]
-        print(f"  {r['algorithm']:<20} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f}  ({r['seconds']:.1f}s)",
-              flush=True)
+        print(
+            f"  {r['algorithm']:<20} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f}  ({r['seconds']:.1f}s)",
+            flush=True,
+        )
     print()
     print(format_table(results))
     return results

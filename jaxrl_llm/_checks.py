@@ -48,10 +48,7 @@ def rank(fn: str, name: str, x: jax.Array, ndim: int, layout: str) -> None:
 def same_shape(fn: str, name: str, x: jax.Array, ref_name: str, ref: jax.Array) -> None:
     """Requires ``x.shape == ref.shape``."""
     if x.shape != ref.shape:
-        raise ValueError(
-            f"{fn}: `{name}` must have the shape of `{ref_name}`, {_fmt(ref.shape)}; "
-            f"got {_fmt(x.shape)}."
-        )
+        raise ValueError(f"{fn}: `{name}` must have the shape of `{ref_name}`, {_fmt(ref.shape)}; got {_fmt(x.shape)}.")
 
 
 def host_values(x: object) -> np.ndarray | None:
@@ -114,8 +111,9 @@ def token_ids(fn: str, name: str, x: object, vocab_size: int) -> None:
         return
     bad = host[(host < 0) | (host >= vocab_size)]
     if bad.size:
-        raise ValueError(f"{fn}: `{name}` must hold token ids in [0, {vocab_size}) (the vocabulary); "
-                         f"got {_listed(bad)}.")
+        raise ValueError(
+            f"{fn}: `{name}` must hold token ids in [0, {vocab_size}) (the vocabulary); got {_listed(bad)}."
+        )
 
 
 def left_padded(fn: str, name: str, x: jax.Array) -> None:
@@ -131,7 +129,7 @@ def left_padded(fn: str, name: str, x: jax.Array) -> None:
         raise ValueError(
             f"{fn}: `{name}` row {row} has padding at position {column + 1}, after a real token: prompts must be "
             f"left-padded, padding first and then the prompt (with a Hugging Face tokenizer, set "
-            f"`tokenizer.padding_side = \"left\"`)."
+            f'`tokenizer.padding_side = "left"`).'
         )
 
 

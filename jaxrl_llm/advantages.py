@@ -91,8 +91,7 @@ def baseline(rewards: jax.Array, b: jax.Array | float) -> jax.Array:
     b = jnp.asarray(b, dtype=jnp.float32)
     if b.ndim and b.shape != rewards.shape:
         raise ValueError(
-            f"{fn}: `b` must be a scalar or have the shape of `rewards`, {list(rewards.shape)}; "
-            f"got {list(b.shape)}."
+            f"{fn}: `b` must be a scalar or have the shape of `rewards`, {list(rewards.shape)}; got {list(b.shape)}."
         )
     return rewards - b
 
@@ -318,10 +317,12 @@ def reinforce_plus_plus(
     mask = _checks.mask(fn, mask, "mask", mask)  # [B, T] bool
     _checks.rank(fn, "mask", mask, 2, "[B, T]")
     if mask.shape[0] != rewards.shape[0]:
-        raise ValueError(f"{fn}: `mask` must have one row per reward, [B, T] with B = {rewards.shape[0]}; got "
-                         f"{list(mask.shape)}.")
-    penalty = jnp.zeros(mask.shape, jnp.float32) if kl_penalty is None else _checks.floating(fn, "kl_penalty",
-                                                                                           kl_penalty)
+        raise ValueError(
+            f"{fn}: `mask` must have one row per reward, [B, T] with B = {rewards.shape[0]}; got {list(mask.shape)}."
+        )
+    penalty = (
+        jnp.zeros(mask.shape, jnp.float32) if kl_penalty is None else _checks.floating(fn, "kl_penalty", kl_penalty)
+    )
     _checks.same_shape(fn, "kl_penalty", penalty, "mask", mask)
     rewards_per_token = token_rewards(rewards, mask, kl_penalty=penalty)  # [B, T]
     if of_returns:  # verl: every token carries its sequence's penalised return, less its group's mean

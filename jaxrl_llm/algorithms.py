@@ -32,7 +32,9 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, advantages as adv_lib, kl as kl_lib, objectives
+from jaxrl_llm import _checks, objectives
+from jaxrl_llm import advantages as adv_lib
+from jaxrl_llm import kl as kl_lib
 from jaxrl_llm.ops import aggregation
 
 AdvantageEstimator = Literal[
@@ -182,8 +184,20 @@ class Algorithm:
         one_of("kl_estimator", kl_lib.KL_ESTIMATORS)
         where = f"Algorithm {self.name!r}"
         optional = ("eps_low", "eps_high", "dual_clip", "value_clip", "baseline_decay", "kl_clamp")  # None: off
-        for field in ("advantage_eps", "gamma", "lam", "kl_coef", "kl_reward_coef", "entropy_coef", "max_kl",
-                      "cg_damping", "backtrack_coef", "overlong_penalty", "log_ratio_cap", *optional):
+        for field in (
+            "advantage_eps",
+            "gamma",
+            "lam",
+            "kl_coef",
+            "kl_reward_coef",
+            "entropy_coef",
+            "max_kl",
+            "cg_damping",
+            "backtrack_coef",
+            "overlong_penalty",
+            "log_ratio_cap",
+            *optional,
+        ):
             if not (field in optional and getattr(self, field) is None):
                 _checks.finite_number(where, field, getattr(self, field))
         for field in ("advantage_eps", "kl_coef", "kl_reward_coef", "entropy_coef", "cg_damping", "overlong_penalty"):
@@ -234,8 +248,11 @@ class Algorithm:
     def compares_within_groups(self) -> bool:
         """Whether the method compares each completion with the others of its prompt's group
         (group baselines, dynamic sampling): it needs ``G >= 2`` completions per prompt."""
-        return (self.advantage in ("rloo", "grpo") or (self.advantage == "reinforce_pp" and self.subtract_group_mean)
-                or self.dynamic_sampling)
+        return (
+            self.advantage in ("rloo", "grpo")
+            or (self.advantage == "reinforce_pp" and self.subtract_group_mean)
+            or self.dynamic_sampling
+        )
 
     @property
     def needs_old_logp(self) -> bool:
@@ -264,8 +281,9 @@ class Algorithm:
         Everything else (the objective, its clip ranges, the coefficients) stays as set.
         """
         if library not in PEER_LIBRARIES:
-            raise ValueError(f"Algorithm.matching: `library` must be one of {', '.join(map(repr, PEER_LIBRARIES))}; "
-                             f"got {library!r}.")
+            raise ValueError(
+                f"Algorithm.matching: `library` must be one of {', '.join(map(repr, PEER_LIBRARIES))}; got {library!r}."
+            )
         whitens = self.advantage in ("gae", "reinforce_pp")
         pp = self.advantage == "reinforce_pp"
         if library == "trl":
@@ -273,16 +291,23 @@ class Algorithm:
         elif library == "verl":
             surrogate = self.objective == "ppo_clip" and self.update == "optax"
             token_surrogate = surrogate and self.ratio_level == "token"
-            changes = dict(std_ddof=1, advantage_eps=1e-8 if pp else 1e-6, eps_placement="variance",
-                           group_mean_of="sequence_return",
-                           agg="token-sum-norm" if self.agg == "seq-mean-token-sum-norm" else self.agg,
-                           kl_clamp=10.0 if self.kl_estimator == "k3" else self.kl_clamp,
-                           dual_clip=VERL_DUAL_CLIP if token_surrogate and self.dual_clip is None else self.dual_clip,
-                           log_ratio_cap=VERL_GSPO_LOG_RATIO_CAP if self.ratio_level == "sequence"
-                           else self.log_ratio_cap)
+            changes = dict(
+                std_ddof=1,
+                advantage_eps=1e-8 if pp else 1e-6,
+                eps_placement="variance",
+                group_mean_of="sequence_return",
+                agg="token-sum-norm" if self.agg == "seq-mean-token-sum-norm" else self.agg,
+                kl_clamp=10.0 if self.kl_estimator == "k3" else self.kl_clamp,
+                dual_clip=VERL_DUAL_CLIP if token_surrogate and self.dual_clip is None else self.dual_clip,
+                log_ratio_cap=VERL_GSPO_LOG_RATIO_CAP if self.ratio_level == "sequence" else self.log_ratio_cap,
+            )
         else:
-            changes = dict(std_ddof=0 if whitens else 1, advantage_eps=1e-8 if pp else 1e-9,
-                           eps_placement="variance_floor", kl_clamp=10.0)
+            changes = dict(
+                std_ddof=0 if whitens else 1,
+                advantage_eps=1e-8 if pp else 1e-9,
+                eps_placement="variance_floor",
+                kl_clamp=10.0,
+            )
         return dataclasses.replace(self, **changes)
 
 
@@ -388,29 +413,39 @@ def compute_advantages(
     _checks.rank("compute_advantages", "mask", mask, 2, "[B, N]")
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 1 or rewards.shape[0] != mask.shape[0]:
-        raise ValueError(f"compute_advantages: `rewards` must have shape [B] with B = {mask.shape[0]} (the mask's "
-                         f"rows); got {list(rewards.shape)}.")
+        raise ValueError(
+            f"compute_advantages: `rewards` must have shape [B] with B = {mask.shape[0]} (the mask's "
+            f"rows); got {list(rewards.shape)}."
+        )
     if mask.shape[0] % group_size:
-        raise ValueError(f"compute_advantages: the batch B = {mask.shape[0]} must be a multiple of "
-                         f"group_size={group_size}.")
+        raise ValueError(
+            f"compute_advantages: the batch B = {mask.shape[0]} must be a multiple of group_size={group_size}."
+        )
     penalty = jnp.zeros(mask.shape, jnp.float32)  # [B, N]: c * k1 per token
     if a.kl_reward_coef > 0:
         if logp is None or ref_logp is None:
-            raise ValueError(f"Algorithm {a.name!r} has kl_reward_coef={a.kl_reward_coef} > 0: pass `logp` and "
-                             "`ref_logp`.")
+            raise ValueError(
+                f"Algorithm {a.name!r} has kl_reward_coef={a.kl_reward_coef} > 0: pass `logp` and `ref_logp`."
+            )
         penalty = jnp.where(mask, a.kl_reward_coef * kl_lib.k1(logp, ref_logp), 0.0)
     if a.advantage == "gae":
         if values is None:
             raise ValueError(f"Algorithm {a.name!r} uses GAE: pass the critic's `values`.")
         token_rewards = adv_lib.token_rewards(rewards, mask, kl_penalty=penalty)  # [B, N]
         advantages, returns = adv_lib.gae(token_rewards, values, mask, gamma=a.gamma, lam=a.lam)
-        return (aggregation.whiten(advantages, mask, ddof=a.std_ddof, eps_placement=a.eps_placement), returns,
-                baseline)
+        return (aggregation.whiten(advantages, mask, ddof=a.std_ddof, eps_placement=a.eps_placement), returns, baseline)
     if a.advantage == "reinforce_pp":
         advantages = adv_lib.reinforce_plus_plus(
-            rewards.reshape(-1, group_size), mask, kl_penalty=penalty, gamma=a.gamma, eps=a.advantage_eps,
-            subtract_group_mean=a.subtract_group_mean, group_mean_of=a.group_mean_of, ddof=a.std_ddof,
-            eps_placement=a.eps_placement)
+            rewards.reshape(-1, group_size),
+            mask,
+            kl_penalty=penalty,
+            gamma=a.gamma,
+            eps=a.advantage_eps,
+            subtract_group_mean=a.subtract_group_mean,
+            group_mean_of=a.group_mean_of,
+            ddof=a.std_ddof,
+            eps_placement=a.eps_placement,
+        )
         return advantages, None, baseline
     sequence_rewards = rewards - jnp.sum(penalty, axis=1)
     advantages, baseline = sequence_advantages(a, sequence_rewards.reshape(-1, group_size), baseline)
@@ -457,18 +492,28 @@ def policy_loss(
         loss, metrics = objectives.policy_gradient(logp, advantages, mask, old_logp=old_logp, **common)
     elif a.objective == "ppo_clip":
         loss, metrics = objectives.ppo_clip(
-            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
-            ratio_level=a.ratio_level, log_ratio_cap=a.log_ratio_cap, **common
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            eps_low=a.eps_low,
+            eps_high=a.eps_high,
+            dual_clip=a.dual_clip,
+            ratio_level=a.ratio_level,
+            log_ratio_cap=a.log_ratio_cap,
+            **common,
         )
     else:  # cispo
-        loss, metrics = objectives.cispo(logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high,
-                                         **common)
+        loss, metrics = objectives.cispo(
+            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, **common
+        )
 
     if a.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"Algorithm {a.name!r} has kl_coef={a.kl_coef} > 0: pass `ref_logp`.")
     if ref_logp is not None:
-        penalty, kl_metrics = objectives.kl_penalty(logp, ref_logp, mask, coef=a.kl_coef, estimator=a.kl_estimator,
-                                                    clamp=a.kl_clamp, **common)
+        penalty, kl_metrics = objectives.kl_penalty(
+            logp, ref_logp, mask, coef=a.kl_coef, estimator=a.kl_estimator, clamp=a.kl_clamp, **common
+        )
         loss = loss + penalty
         metrics.update(kl_metrics)
     if a.entropy_coef > 0 or entropy is not None:
@@ -496,15 +541,28 @@ RLOO = Algorithm(name="rloo", advantage="rloo", objective="policy_gradient", agg
 :math:`-\\frac1G\\sum_i A_i \\sum_t \\log\\pi_\\theta`."""
 
 PPO = Algorithm(
-    name="ppo", advantage="gae", objective="ppo_clip", agg="token-mean", gamma=1.0, lam=0.95,
-    kl_reward_coef=0.05, value_clip=0.2, num_iterations=2,
+    name="ppo",
+    advantage="gae",
+    objective="ppo_clip",
+    agg="token-mean",
+    gamma=1.0,
+    lam=0.95,
+    kl_reward_coef=0.05,
+    value_clip=0.2,
+    num_iterations=2,
 )
 """PPO (Schulman et al., 2017) with a critic: GAE on per-token rewards that include a k1 KL penalty to the
 reference (Ouyang et al., 2022), clipped policy and value losses."""
 
 TRPO = Algorithm(
-    name="trpo", advantage="rloo", objective="ppo_clip", eps_low=None, eps_high=None, agg="token-mean",
-    update="trpo", max_kl=0.01,
+    name="trpo",
+    advantage="rloo",
+    objective="ppo_clip",
+    eps_low=None,
+    eps_high=None,
+    agg="token-mean",
+    update="trpo",
+    max_kl=0.01,
 )
 """TRPO (Schulman et al., 2015): maximise :math:`\\mathbb{E}[\\rho A]` (the unclipped surrogate) subject to
 :math:`D_{KL}(\\pi_{old}\\|\\pi_\\theta) \\le \\delta`. Advantages are leave-one-out (our
@@ -520,8 +578,15 @@ DR_GRPO = Algorithm(
 """Dr. GRPO (Liu et al., 2025): no std division, constant normaliser (no length bias), no KL."""
 
 DAPO = Algorithm(
-    name="dapo", advantage="grpo", objective="ppo_clip", eps_low=0.2, eps_high=0.28, agg="token-mean",
-    dynamic_sampling=True, overlong_buffer=4096, overlong_penalty=1.0,
+    name="dapo",
+    advantage="grpo",
+    objective="ppo_clip",
+    eps_low=0.2,
+    eps_high=0.28,
+    agg="token-mean",
+    dynamic_sampling=True,
+    overlong_buffer=4096,
+    overlong_penalty=1.0,
 )
 """DAPO (Yu et al., 2025): clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, soft overlong
 punishment over the last 4096 tokens (the paper's, for a 20480-token budget), no KL.
@@ -529,7 +594,12 @@ Scale ``overlong_buffer`` with the generation budget (``dataclasses.replace``); 
 turns one longer than the budget into a fifth of it (:func:`jaxrl_llm.training.fit_overlong_buffer`)."""
 
 GSPO = Algorithm(
-    name="gspo", advantage="grpo", objective="ppo_clip", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4,
+    name="gspo",
+    advantage="grpo",
+    objective="ppo_clip",
+    ratio_level="sequence",
+    eps_low=3e-4,
+    eps_high=4e-4,
     agg="seq-mean-token-mean",
 )
 """GSPO (Zheng et al., 2025): sequence-level, length-normalised ratio with GSPO's clip range (3e-4 / 4e-4)."""
@@ -570,7 +640,25 @@ def preset_names(entries: Sequence[str]) -> tuple[str, ...]:
 
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "Algorithm", "CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "OBJECTIVE_ALIASES", "PG",
-    "POLICY_OBJECTIVES", "PPO", "PRESETS", "REINFORCE_BASELINE", "REINFORCE_PP", "RLOO", "TRPO", "UPDATE_RULES",
-    "compute_advantages", "get", "policy_loss", "sequence_advantages",
+    "ADVANTAGE_ESTIMATORS",
+    "Algorithm",
+    "CISPO",
+    "DAPO",
+    "DR_GRPO",
+    "GRPO",
+    "GSPO",
+    "OBJECTIVE_ALIASES",
+    "PG",
+    "POLICY_OBJECTIVES",
+    "PPO",
+    "PRESETS",
+    "REINFORCE_BASELINE",
+    "REINFORCE_PP",
+    "RLOO",
+    "TRPO",
+    "UPDATE_RULES",
+    "compute_advantages",
+    "get",
+    "policy_loss",
+    "sequence_advantages",
 ]

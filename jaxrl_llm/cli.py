@@ -36,7 +36,8 @@ from collections.abc import Sequence
 import tyro
 
 from jaxrl_llm import algorithms, distributed, host, rewards, training
-from jaxrl_llm.runs import build, config as run_config, run
+from jaxrl_llm.runs import build, run
+from jaxrl_llm.runs import config as run_config
 from jaxrl_llm.training.config import GROUPED_FIELDS
 
 PROG = "jaxrl-llm"
@@ -68,8 +69,14 @@ def _settings(base: run_config.RunConfig, argv: Sequence[str], prog: str) -> run
     argv = _grouped_flags(argv)
 
     def parse(start: run_config.RunConfig) -> run_config.RunConfig:
-        return tyro.cli(run_config.RunConfig, default=start, args=list(argv), prog=prog, config=_TYRO,
-                        description="Settings of the run (any field of RunConfig):")
+        return tyro.cli(
+            run_config.RunConfig,
+            default=start,
+            args=list(argv),
+            prog=prog,
+            config=_TYRO,
+            description="Settings of the run (any field of RunConfig):",
+        )
 
     flags = [arg.replace("_", "-") for arg in argv if arg.startswith("--")]  # tyro takes either spelling
     if base.warm_start == run_config.DEMO_WARM_START and any(flag.startswith("--warm-start.") for flag in flags):
@@ -78,8 +85,9 @@ def _settings(base: run_config.RunConfig, argv: Sequence[str], prog: str) -> run
     return parse(base)
 
 
-def _base_config(config: str | None, method: str | None, stored: run_config.RunConfig | None,
-                 conventions: str | None = None) -> run_config.RunConfig:
+def _base_config(
+    config: str | None, method: str | None, stored: run_config.RunConfig | None, conventions: str | None = None
+) -> run_config.RunConfig:
     """The config flags apply to: ``--config``'s file, else the run directory's, else the
     default; ``--method`` (a fresh preset) and ``--conventions`` (a peer's numerics) before
     them."""
@@ -100,8 +108,7 @@ def _base_config(config: str | None, method: str | None, stored: run_config.RunC
 
 
 def _command_parser(name: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"{PROG} {name}", description=description, add_help=False,
-                                   allow_abbrev=False)
+    return argparse.ArgumentParser(prog=f"{PROG} {name}", description=description, add_help=False, allow_abbrev=False)
 
 
 def _help(parser: argparse.ArgumentParser, settings: bool) -> None:
@@ -114,23 +121,37 @@ def _help(parser: argparse.ArgumentParser, settings: bool) -> None:
 
 def _train_parser() -> argparse.ArgumentParser:
     parser = _command_parser("train", "Train a policy, or continue a run, in a run directory.")
-    parser.add_argument("--config", help="a named config (experiments/configs/NAME.toml) or a .toml/.json file "
-                                         "(default: the run directory's config, else the embedded default)")
+    parser.add_argument(
+        "--config",
+        help="a named config (experiments/configs/NAME.toml) or a .toml/.json file "
+        "(default: the run directory's config, else the embedded default)",
+    )
     parser.add_argument("--run-dir", required=True, help="the run's directory: config, records, checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir (an error if none)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the run in --run-dir (only a run directory's own files are deleted)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in --run-dir (only a run directory's own files are deleted)",
+    )
     parser.add_argument("--method", help=f"the preset: {', '.join(algorithms.PRESETS)}")
-    parser.add_argument("--conventions", choices=algorithms.PEER_LIBRARIES,
-                        help="the peer's numerics for the method (Algorithm.matching; docs/methods.md, \"Matching TRL, "
-                             "verl and OpenRLHF\"); --algorithm.* flags apply after it")
-    parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                        help="the progress bar (auto: on a terminal)")
+    parser.add_argument(
+        "--conventions",
+        choices=algorithms.PEER_LIBRARIES,
+        help="the peer's numerics for the method (Algorithm.matching; docs/methods.md, \"Matching TRL, "
+        'verl and OpenRLHF"); --algorithm.* flags apply after it',
+    )
+    parser.add_argument(
+        "--progress", choices=("auto", "on", "off"), default="auto", help="the progress bar (auto: on a terminal)"
+    )
     group = parser.add_argument_group(
-        "several processes (GPU nodes, TPU pod slices; every process runs the same command)")
-    group.add_argument("--distributed", action="store_true",
-                       help="connect to the run's other processes (jax.distributed), what SLURM, Open MPI and TPU "
-                            "pods tell JAX through their environment; the options below imply it")
+        "several processes (GPU nodes, TPU pod slices; every process runs the same command)"
+    )
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="connect to the run's other processes (jax.distributed), what SLURM, Open MPI and TPU "
+        "pods tell JAX through their environment; the options below imply it",
+    )
     group.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
     group.add_argument("--num-processes", type=int, metavar="N", help="the run's processes")
     group.add_argument("--process-id", type=int, metavar="I", help="this process's index, from 0")
@@ -140,14 +161,18 @@ def _train_parser() -> argparse.ArgumentParser:
 
 def _connect(args: argparse.Namespace) -> None:
     """``jax.distributed`` from the multi-process options, before JAX starts."""
-    given = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
-             "process_id": args.process_id}
+    given = {
+        "coordinator_address": args.coordinator_address,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
     if args.local_device_ids is not None:
         try:
             given["local_device_ids"] = [int(i) for i in args.local_device_ids.split(",")]
         except ValueError:
-            raise UsageError(f"--local-device-ids must be comma-separated integers; got "
-                             f"{args.local_device_ids!r}.") from None
+            raise UsageError(
+                f"--local-device-ids must be comma-separated integers; got {args.local_device_ids!r}."
+            ) from None
     if args.distributed or any(value is not None for value in given.values()):
         distributed.initialize(**given)
 
@@ -179,8 +204,13 @@ def train(argv: Sequence[str]) -> int:
             run.train_run(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, progress=progress)
     except (UsageError, ValueError, FileNotFoundError) as error:
         if (reason := run.storage_failure(error)) is not None:
-            return _report(f"{parser.prog}: error: could not use {args.run_dir}: {reason}.", error, args.run_dir,
-                           checkpoint=run.latest_checkpoint(args.run_dir), storage=True)
+            return _report(
+                f"{parser.prog}: error: could not use {args.run_dir}: {reason}.",
+                error,
+                args.run_dir,
+                checkpoint=run.latest_checkpoint(args.run_dir),
+                storage=True,
+            )
         # Bad settings, found before any compute; an error importing the user's reward module
         # shows the frames of their code.
         parser.exit(2, "\n".join([f"{parser.prog}: error: {error}", *user_traceback(error.__cause__)]) + "\n")
@@ -193,15 +223,28 @@ def train(argv: Sequence[str]) -> int:
     except training.RunStopped as stopped:
         cause = stopped.__cause__ or stopped
         reason = run.storage_failure(cause)
-        message = (f"{_without_api_hint(stopped).partition(': ')[0]}: could not write the run's files: {reason}."
-                   if reason else _without_api_hint(stopped))
-        return _report(f"{parser.prog}: error: {message}", cause, args.run_dir,
-                       checkpoint=getattr(stopped, "checkpoint_step", None), storage=reason is not None)
+        message = (
+            f"{_without_api_hint(stopped).partition(': ')[0]}: could not write the run's files: {reason}."
+            if reason
+            else _without_api_hint(stopped)
+        )
+        return _report(
+            f"{parser.prog}: error: {message}",
+            cause,
+            args.run_dir,
+            checkpoint=getattr(stopped, "checkpoint_step", None),
+            storage=reason is not None,
+        )
     except (rewards.RewardFunctionError, OSError) as error:  # outside a train step: the warm start's evaluation
         reason = run.storage_failure(error)
         message = f"could not write the run's files: {reason}." if reason else error
-        return _report(f"{parser.prog}: error: {message}", error, args.run_dir,
-                       checkpoint=run.latest_checkpoint(args.run_dir), storage=reason is not None)
+        return _report(
+            f"{parser.prog}: error: {message}",
+            error,
+            args.run_dir,
+            checkpoint=run.latest_checkpoint(args.run_dir),
+            storage=reason is not None,
+        )
     return 0
 
 
@@ -211,16 +254,19 @@ def _without_api_hint(stopped: BaseException) -> str:
     return message + "." if hint else message
 
 
-def _report(message: str, error: BaseException, run_dir: str | None, *, checkpoint: int | None = None,
-            storage: bool = False) -> int:
+def _report(
+    message: str, error: BaseException, run_dir: str | None, *, checkpoint: int | None = None, storage: bool = False
+) -> int:
     """Prints a failure for a person: ``message``, the traceback of their own code in
     ``error`` (:func:`user_traceback`) and, for a run, how to go on; returns the exit
     status, 1."""
     lines = [message, *([] if storage else user_traceback(error))]
     fix = "free space (or make it writable)" if storage else "fix the cause"
     if run_dir is not None and checkpoint is not None:
-        lines.append(f"The checkpoint of step {checkpoint} in {run_dir} is intact; {fix} and continue with: "
-                     f"{PROG} train --run-dir {run_dir} --resume")
+        lines.append(
+            f"The checkpoint of step {checkpoint} in {run_dir} is intact; {fix} and continue with: "
+            f"{PROG} train --run-dir {run_dir} --resume"
+        )
     elif run_dir is not None:
         lines.append(f"No checkpoint was saved; {fix} and run the same command again.")
     print("\n".join(lines), file=sys.stderr)
@@ -238,12 +284,17 @@ def user_traceback(error: BaseException | None) -> list[str]:
         chain.append(error)
         error = error.__cause__ or error.__context__
     for exception in reversed(chain):  # the innermost (the user's own exception) first
-        frames = [frame for frame in traceback.extract_tb(exception.__traceback__)
-                  if not frame.filename.startswith("<") and not build.is_library_file(frame.filename)]
+        frames = [
+            frame
+            for frame in traceback.extract_tb(exception.__traceback__)
+            if not frame.filename.startswith("<") and not build.is_library_file(frame.filename)
+        ]
         if frames:
-            return ["Traceback of your code (most recent call last):",
-                    *"".join(traceback.format_list(frames)).rstrip("\n").split("\n"),
-                    *traceback.format_exception_only(exception)[-1].rstrip("\n").split("\n")]
+            return [
+                "Traceback of your code (most recent call last):",
+                *"".join(traceback.format_list(frames)).rstrip("\n").split("\n"),
+                *traceback.format_exception_only(exception)[-1].rstrip("\n").split("\n"),
+            ]
     function = next((getattr(e, "function", None) for e in chain if getattr(e, "function", None)), None)
     code = getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
     if code is not None and not build.is_library_file(code.co_filename):
@@ -257,10 +308,12 @@ def _storage_noise_muted():
     """While a run writes its files: the errors orbax's writer threads log for a file
     system that is full or read-only are dropped (the run reports the failure itself, in
     one line), and so, from then on, are Python's "Exception ignored" reports of them at exit."""
+
     def noise(record: logging.LogRecord) -> bool:
         text = record.getMessage() + ("".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
-        return not any(marker in text for marker in (*run.STORAGE_TEXTS.values(), "RESOURCE_EXHAUSTED",
-                                                     "PERMISSION_DENIED"))
+        return not any(
+            marker in text for marker in (*run.STORAGE_TEXTS.values(), "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
+        )
 
     global _UNRAISABLE_HOOK
     if _UNRAISABLE_HOOK is None:  # once per process: the reports come at exit, after the run
@@ -289,8 +342,11 @@ def _unraisable(report) -> None:
 
 
 def evaluate(argv: Sequence[str]) -> int:
-    parser = _command_parser("eval", "Greedy accuracy, mean reward and pass@k on a task's test split, of a run's "
-                                     "checkpoint or of a Hugging Face model directory.")
+    parser = _command_parser(
+        "eval",
+        "Greedy accuracy, mean reward and pass@k on a task's test split, of a run's "
+        "checkpoint or of a Hugging Face model directory.",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run-dir", help="a run directory: its task and a checkpoint")
     source.add_argument("--model", help="a Hugging Face model directory (the task from --config and flags)")
@@ -306,8 +362,9 @@ def evaluate(argv: Sequence[str]) -> int:
             raise UsageError(f"--num-samples must be >= 0; got {args.num_samples}.")
         if args.run_dir is not None:
             if rest or args.config:
-                raise UsageError(f"with --run-dir the run's own settings are used; unexpected: "
-                                 f"{' '.join(rest) or '--config'}.")
+                raise UsageError(
+                    f"with --run-dir the run's own settings are used; unexpected: {' '.join(rest) or '--config'}."
+                )
             if args.step is not None and args.step < 1:
                 raise UsageError(f"--step must be a checkpoint's step (>= 1); got {args.step}.")
             try:
@@ -319,8 +376,11 @@ def evaluate(argv: Sequence[str]) -> int:
             if args.step is not None:
                 raise UsageError("--step selects a run's checkpoint; it needs --run-dir.")
             base = run_config.load(args.config) if args.config else run_config.RunConfig()
-            config = run.absolute_paths(_settings(dataclasses.replace(base, model=dataclasses.replace(
-                base.model, path=args.model)), rest, parser.prog))
+            config = run.absolute_paths(
+                _settings(
+                    dataclasses.replace(base, model=dataclasses.replace(base.model, path=args.model)), rest, parser.prog
+                )
+            )
             try:
                 tokenizer = build.tokenizer(config.model)
                 task = build.task(config.task, tokenizer, checkpoint=config.model.path)
@@ -344,8 +404,11 @@ def evaluate(argv: Sequence[str]) -> int:
 
 
 def export(argv: Sequence[str]) -> int:
-    parser = _command_parser("export", "Write a run's policy as a Hugging Face directory (weights, config, "
-                                       "tokenizer, generation config) that transformers loads.")
+    parser = _command_parser(
+        "export",
+        "Write a run's policy as a Hugging Face directory (weights, config, "
+        "tokenizer, generation config) that transformers loads.",
+    )
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--out", required=True, help="the directory to write")
     parser.add_argument("--step", type=int, help="the checkpoint (default: the latest)")
@@ -389,8 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         usage = f"usage: {PROG} {{{','.join(COMMANDS)}}} ... ({PROG} COMMAND --help for its options)"
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"{usage}\n{PROG}: error: unknown command {argv[0]!r}; the commands are "
-                  f"{', '.join(COMMANDS)}.", file=sys.stderr)
+            print(
+                f"{usage}\n{PROG}: error: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)}.",
+                file=sys.stderr,
+            )
             return 2
         print(usage)
         return 0 if argv else 2

@@ -103,12 +103,15 @@ def enable(directory: str | os.PathLike | None = None) -> str | None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
-        warnings.warn(f"compilation_cache.enable: cannot create {directory!r} ({error}); compiling without a "
-                      f"persistent cache.", stacklevel=2)
+        warnings.warn(
+            f"compilation_cache.enable: cannot create {directory!r} ({error}); compiling without a persistent cache.",
+            stacklevel=2,
+        )
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
     if _replaced_min_compile_time is None and (
-            jax.config.jax_persistent_cache_min_compile_time_secs == _JAX_DEFAULT_MIN_COMPILE_TIME_SECS):
+        jax.config.jax_persistent_cache_min_compile_time_secs == _JAX_DEFAULT_MIN_COMPILE_TIME_SECS
+    ):
         _replaced_min_compile_time = jax.config.jax_persistent_cache_min_compile_time_secs
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_SECS)
     _jax_cache.reset_cache()  # JAX keeps the first directory it opened otherwise

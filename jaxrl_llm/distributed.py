@@ -57,9 +57,14 @@ ROW_AXES = (sharding.DATA, sharding.FSDP)
 _settings: dict[str, Any] | None = None  # what initialize() connected with
 
 
-def initialize(*, coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
-               timeout_s: int = 300) -> tuple[int, int]:
+def initialize(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    timeout_s: int = 300,
+) -> tuple[int, int]:
     """Connects this process to the others of the run (``jax.distributed.initialize``);
     returns ``(process_index, process_count)``.
 
@@ -87,30 +92,47 @@ def initialize(*, coordinator_address: str | None = None, num_processes: int | N
     JAX started its backends, raise RuntimeError.
     """
     global _settings
-    settings = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
-                    local_device_ids=None if local_device_ids is None else tuple(local_device_ids))
+    settings = dict(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=None if local_device_ids is None else tuple(local_device_ids),
+    )
     if jax.distributed.is_initialized():
         given = {name: value for name, value in settings.items() if value is not None}
         if _settings is not None and any(_settings[name] != value for name, value in given.items()):
-            raise RuntimeError(f"distributed.initialize: already connected with {_settings}; called again with "
-                               f"{given}. Initialise once per process.")
+            raise RuntimeError(
+                f"distributed.initialize: already connected with {_settings}; called again with "
+                f"{given}. Initialise once per process."
+            )
         return jax.process_index(), jax.process_count()
     if jax.config.jax_cpu_collectives_implementation is None:
         # Without it, a CPU computation over several processes' devices fails.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                   process_id=process_id, local_device_ids=local_device_ids,
-                                   initialization_timeout=timeout_s)
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=timeout_s,
+        )
     except ValueError as error:  # a value neither given nor found in the environment
         raise ValueError(
             f"distributed.initialize: {error} No cluster was detected (SLURM, Open MPI, Cloud TPU, Kubernetes): "
             "give coordinator_address='host:port' of process 0 (or set JAX_COORDINATOR_ADDRESS), num_processes "
-            "and process_id.") from error
+            "and process_id."
+        ) from error
     _settings = settings
     index, count = jax.process_index(), jax.process_count()
-    logger.info("JAX process %d of %d: %d local devices of %d (%s).", index, count, jax.local_device_count(),
-                jax.device_count(), jax.devices()[0].platform)
+    logger.info(
+        "JAX process %d of %d: %d local devices of %d (%s).",
+        index,
+        count,
+        jax.local_device_count(),
+        jax.device_count(),
+        jax.devices()[0].platform,
+    )
     return index, count
 
 
@@ -149,10 +171,13 @@ def local_rows(mesh: Mesh, num_rows: int, *, spec: PartitionSpec | None = None) 
     shard = _sharding(mesh, spec)
     splits = int(np.prod([mesh.shape[axis] for axis in _axes(shard.spec[0] if shard.spec else None)]))
     if num_rows % splits:
-        raise ValueError(f"local_rows: {num_rows} rows cannot be split evenly over {splits} devices "
-                         f"({shard.spec}); use a multiple of {splits}.")
-    starts = sorted({index[0].indices(num_rows)[:2]
-                     for index in shard.addressable_devices_indices_map((num_rows,)).values()})
+        raise ValueError(
+            f"local_rows: {num_rows} rows cannot be split evenly over {splits} devices "
+            f"({shard.spec}); use a multiple of {splits}."
+        )
+    starts = sorted(
+        {index[0].indices(num_rows)[:2] for index in shard.addressable_devices_indices_map((num_rows,)).values()}
+    )
     return np.concatenate([np.arange(start, stop) for start, stop in starts])
 
 
@@ -176,8 +201,10 @@ def global_array(local, mesh: Mesh, spec=None):
     if spec is None or isinstance(spec, PartitionSpec):
         shard = _sharding(mesh, spec)
         return jax.tree.map(lambda leaf: _from_process(leaf, shard), local)
+
     def one(leaf_spec, leaf):
         return None if leaf is None else _from_process(leaf, _sharding(mesh, leaf_spec))
+
     return jax.tree.map(one, spec, local, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
 
 
@@ -234,8 +261,9 @@ def _local(x) -> np.ndarray:
     block = next(iter(shards.values())).data.shape
     out = np.empty(tuple(len(s) * b for s, b in zip(starts, block)), dtype=x.dtype)
     for bounds, shard in shards.items():
-        where = tuple(slice(s.index(start) * b, (s.index(start) + 1) * b)
-                      for s, (start, _), b in zip(starts, bounds, block))
+        where = tuple(
+            slice(s.index(start) * b, (s.index(start) + 1) * b) for s, (start, _), b in zip(starts, bounds, block)
+        )
         out[where] = np.asarray(shard.data)
     return out
 
@@ -246,13 +274,17 @@ def replicated_to_host(tree):
 
     Raises ValueError for an array split over devices: use :func:`to_local` for this
     process's rows, :func:`gather` for the whole value."""
+
     def one(x):
         if not isinstance(x, jax.Array):
             return np.asarray(x)
         if not x.is_fully_replicated:
-            raise ValueError(f"replicated_to_host: an array {x.shape} split by {x.sharding} is not whole on this "
-                             "process; use distributed.to_local for its rows or distributed.gather for all of it.")
+            raise ValueError(
+                f"replicated_to_host: an array {x.shape} split by {x.sharding} is not whole on this "
+                "process; use distributed.to_local for its rows or distributed.gather for all of it."
+            )
         return np.asarray(x.addressable_data(0))
+
     return jax.tree.map(one, tree)
 
 

@@ -76,14 +76,17 @@ def pass_at_k(num_samples: int | np.ndarray, num_correct: int | np.ndarray, k: i
     for name, value in (("num_samples", num_samples), ("num_correct", num_correct)):
         array = np.asarray(value)
         if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"{fn}: `{name}` must be an integer or an integer array; got {value!r} "
-                             f"(dtype {array.dtype}).")
+            raise ValueError(
+                f"{fn}: `{name}` must be an integer or an integer array; got {value!r} (dtype {array.dtype})."
+            )
         arrays.append(array.astype(np.int64))
     try:
         n, c = np.broadcast_arrays(*arrays)
     except ValueError:
-        raise ValueError(f"{fn}: `num_samples` {list(arrays[0].shape)} and `num_correct` {list(arrays[1].shape)} "
-                         f"must have broadcastable shapes.") from None
+        raise ValueError(
+            f"{fn}: `num_samples` {list(arrays[0].shape)} and `num_correct` {list(arrays[1].shape)} "
+            f"must have broadcastable shapes."
+        ) from None
 
     def first(bad: np.ndarray) -> str:
         where = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))  # () for scalars
@@ -95,8 +98,9 @@ def pass_at_k(num_samples: int | np.ndarray, num_correct: int | np.ndarray, k: i
     if (bad := (c < 0) | (c > n)).any():
         raise ValueError(f"{fn}: `num_correct` must be in [0, num_samples]; got {first(bad)}.")
     if (bad := k > n).any():
-        raise ValueError(f"{fn}: `k` must be <= num_samples (k of the n samples are drawn); got k = {k} with "
-                         f"{first(bad)}.")
+        raise ValueError(
+            f"{fn}: `k` must be <= num_samples (k of the n samples are drawn); got k = {k} with {first(bad)}."
+        )
     if n.size == 0:
         return np.zeros(n.shape, np.float64)
     # The estimate depends on (n, c) alone: compute it once per distinct pair (at most n + 1
@@ -122,14 +126,16 @@ def pass_at_k_values(num_samples: int) -> tuple[int, ...]:
 def _correct_name(task: tasks.Task, correct_reward: int | str) -> str:
     """The logged name of the reward function that decides whether a completion is solved."""
     names = rewards.combine.reward_names(task.reward_fns)
-    allowed = (f"an index in [0, {len(names)}) into the task's reward functions or one of their names "
-               f"{names}")
+    allowed = f"an index in [0, {len(names)}) into the task's reward functions or one of their names {names}"
     if isinstance(correct_reward, str):
         if correct_reward not in names:
             raise ValueError(f"evaluate: `correct_reward` must be {allowed}; got {correct_reward!r}.")
         return correct_reward
-    if not isinstance(correct_reward, numbers.Integral) or isinstance(correct_reward, bool) or not (
-            0 <= correct_reward < len(names)):
+    if (
+        not isinstance(correct_reward, numbers.Integral)
+        or isinstance(correct_reward, bool)
+        or not (0 <= correct_reward < len(names))
+    ):
         raise ValueError(f"evaluate: `correct_reward` must be {allowed}; got {correct_reward!r}.")
     return names[int(correct_reward)]
 
@@ -232,19 +238,34 @@ def evaluate(
         :func:`jaxrl_llm.rewards.compute_rewards`).
     """
     sampling = _sampling_of(sampling, sampling_fields)
-    _check_arguments(task, split=split, num_samples=num_samples, batch_size=batch_size, prompt_bucket=prompt_bucket,
-                     threshold=threshold, seed=seed, on_reward_error=on_reward_error, progress=progress)
+    _check_arguments(
+        task,
+        split=split,
+        num_samples=num_samples,
+        batch_size=batch_size,
+        prompt_bucket=prompt_bucket,
+        threshold=threshold,
+        seed=seed,
+        on_reward_error=on_reward_error,
+        progress=progress,
+    )
     correct = _correct_name(task, correct_reward)
     size = _split_size(task, split)
     greedy_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=None, top_p=None, min_p=None)
-    backends = [(Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=greedy_sampling,
-                         mesh=mesh), 1)]
+    backends = [
+        (Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=greedy_sampling, mesh=mesh), 1)
+    ]
     if num_samples:
-        backends.append((Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=sampling,
-                                 mesh=mesh), num_samples))
-    settings = dict(max_new_tokens=sampling.max_new_tokens, max_prompt_length=sampling.max_prompt_length,
-                    prompt_truncation=sampling.prompt_truncation, prompt_bucket=prompt_bucket,
-                    on_reward_error=on_reward_error)
+        backends.append(
+            (Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=sampling, mesh=mesh), num_samples)
+        )
+    settings = dict(
+        max_new_tokens=sampling.max_new_tokens,
+        max_prompt_length=sampling.max_prompt_length,
+        prompt_truncation=sampling.prompt_truncation,
+        prompt_bucket=prompt_bucket,
+        on_reward_error=on_reward_error,
+    )
     key = jax.random.key(seed)
     tally = _Tally(correct=correct, threshold=threshold)
     show = progress and distributed.is_main_process()
@@ -253,13 +274,15 @@ def evaluate(
             batch = _examples(task, split, np.arange(start, min(start + batch_size, size), dtype=np.int64), seed=seed)
             batch_key = jax.random.fold_in(key, number)
             for index, (backend, samples) in enumerate(backends):  # greedy (key 0), then sampled (key 1)
-                scored = rollouts.rollout_and_score(backend, params, task, batch, jax.random.fold_in(batch_key, index),
-                                                    num_samples=samples, **settings)
+                scored = rollouts.rollout_and_score(
+                    backend, params, task, batch, jax.random.fold_in(batch_key, index), num_samples=samples, **settings
+                )
                 tally.add(scored, samples=samples, sampled=index > 0)
             bar.update(len(batch))
             bar.set_postfix(greedy_accuracy=f"{tally.greedy_solved / (start + len(batch)):.3f}")
-    return tally.metrics(size, num_samples=num_samples, truncation=sampling.prompt_truncation,
-                         on_reward_error=on_reward_error)
+    return tally.metrics(
+        size, num_samples=num_samples, truncation=sampling.prompt_truncation, on_reward_error=on_reward_error
+    )
 
 
 def _sampling_of(sampling: SamplingConfig | None, fields: dict[str, Any]) -> SamplingConfig:
@@ -267,20 +290,34 @@ def _sampling_of(sampling: SamplingConfig | None, fields: dict[str, Any]) -> Sam
     known = {field.name for field in dataclasses.fields(SamplingConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise TypeError(f"evaluate: unexpected keyword {', '.join(map(repr, unknown))}; besides its own arguments it "
-                        f"takes SamplingConfig's fields ({', '.join(sorted(known))}).")
+        raise TypeError(
+            f"evaluate: unexpected keyword {', '.join(map(repr, unknown))}; besides its own arguments it "
+            f"takes SamplingConfig's fields ({', '.join(sorted(known))})."
+        )
     if sampling is None:
         if "max_new_tokens" not in fields:
-            raise TypeError("evaluate: give the completion budget, `max_new_tokens=` (or a whole "
-                            "`sampling=SamplingConfig(max_new_tokens=...)`).")
+            raise TypeError(
+                "evaluate: give the completion budget, `max_new_tokens=` (or a whole "
+                "`sampling=SamplingConfig(max_new_tokens=...)`)."
+            )
         return SamplingConfig(**fields)
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"evaluate: `sampling` must be a SamplingConfig; got {sampling!r}.")
     return dataclasses.replace(sampling, **fields)
 
 
-def _check_arguments(task: tasks.Task, *, split: str, num_samples: int, batch_size: int, prompt_bucket: int,
-                     threshold: float, seed: int, on_reward_error: str, progress: bool) -> None:
+def _check_arguments(
+    task: tasks.Task,
+    *,
+    split: str,
+    num_samples: int,
+    batch_size: int,
+    prompt_bucket: int,
+    threshold: float,
+    seed: int,
+    on_reward_error: str,
+    progress: bool,
+) -> None:
     """Raises ValueError naming the first of ``evaluate``'s arguments that is out of range."""
     fn = "evaluate"
     tasks.check_task(task)
@@ -299,11 +336,17 @@ def _split_size(task: tasks.Task, split: str) -> int:
     """``M``, the examples of ``split``; raises ValueError for an unbounded or empty split."""
     size = task.split_size(split)
     if size is None:
-        raise ValueError(f"evaluate: the {split!r} split of {type(task).__name__} is unbounded (procedural); "
-                         f"evaluation walks a finite split. Evaluate on a finite split (e.g. 'test').")
+        raise ValueError(
+            f"evaluate: the {split!r} split of {type(task).__name__} is unbounded (procedural); "
+            f"evaluation walks a finite split. Evaluate on a finite split (e.g. 'test')."
+        )
     if size < 1:
-        hint = (" Give the task a test split: pass `test_records=` or `test_fraction=` when building it "
-                "(jaxrl_llm.tasks.text.from_records, from_jsonl, from_dataset)." if split == "test" else "")
+        hint = (
+            " Give the task a test split: pass `test_records=` or `test_fraction=` when building it "
+            "(jaxrl_llm.tasks.text.from_records, from_jsonl, from_dataset)."
+            if split == "test"
+            else ""
+        )
         raise ValueError(f"evaluate: the {split!r} split of {type(task).__name__} has no examples.{hint}")
     return size
 
@@ -345,8 +388,11 @@ class _Tally:
 
     def metrics(self, size: int, *, num_samples: int, truncation: str, on_reward_error: str) -> dict[str, float]:
         """The split's metrics (see :func:`evaluate`'s Returns)."""
-        metrics = {"examples": float(size), "greedy_accuracy": self.greedy_solved / size,
-                   "greedy_reward": self.greedy_reward / size}
+        metrics = {
+            "examples": float(size),
+            "greedy_accuracy": self.greedy_solved / size,
+            "greedy_reward": self.greedy_reward / size,
+        }
         if num_samples:
             counts = np.concatenate(self.solved_counts)  # [M]
             metrics["reward"] = self.sample_reward / (size * num_samples)

@@ -92,7 +92,8 @@ def k2(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 
 
 def k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
-    r"""Low-variance unbiased estimator :math:`e^{r} - r - 1`, :math:`r = \log\frac{\pi_{\text{ref}}(a)}{\pi_\theta(a)}`.
+    r"""Low-variance unbiased estimator :math:`e^{r} - r - 1`,
+    :math:`r = \log\frac{\pi_{\text{ref}}(a)}{\pi_\theta(a)}`.
 
     This is the KL term of GRPO (Shao et al., 2024, eq. 4). It is computed as
     ``expm1(r) - r``, which keeps full precision when the policies are close, with
@@ -126,8 +127,9 @@ def absolute(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {"k1": k1, "k2": k2, "k3": k3, "abs": absolute}
 
 
-def estimate(logp: jax.Array, ref_logp: jax.Array, *, estimator: KLEstimator = "k3",
-             clamp: float | None = None) -> jax.Array:
+def estimate(
+    logp: jax.Array, ref_logp: jax.Array, *, estimator: KLEstimator = "k3", clamp: float | None = None
+) -> jax.Array:
     """Per-token KL estimate by name: one of :data:`KL_ESTIMATORS`, clamped to
     ``[-clamp, clamp]`` when ``clamp`` is given (> 0; zero gradient where it binds).
     Shapes ``[B, T]``."""

@@ -39,7 +39,8 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, kl as kl_lib
+from jaxrl_llm import _checks
+from jaxrl_llm import kl as kl_lib
 from jaxrl_llm.ops import aggregation
 from jaxrl_llm.ops.aggregation import AggregationMode
 
@@ -143,8 +144,10 @@ def policy_gradient(
     loss = aggregation.aggregate(-inputs.advantages * inputs.logp, inputs.mask, mode=agg, max_len=max_len)
     metrics = {"policy_loss": loss, "logp_mean": inputs.mean(jax.lax.stop_gradient(inputs.logp))}
     if old_logp is not None:
-        metrics.update(_ratio_metrics(inputs, _ratio(jax.lax.stop_gradient(inputs.logp - inputs.old_logp))),
-                       clip_fraction=jnp.zeros((), jnp.float32))
+        metrics.update(
+            _ratio_metrics(inputs, _ratio(jax.lax.stop_gradient(inputs.logp - inputs.old_logp))),
+            clip_fraction=jnp.zeros((), jnp.float32),
+        )
     return loss, metrics
 
 

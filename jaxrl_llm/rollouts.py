@@ -43,8 +43,9 @@ def prompt_width(length: int, *, bucket: int, max_length: int) -> int:
     return min(width, max(max_length, length))
 
 
-def fit_prompts(batch: tasks.PromptBatch, *, max_length: int, truncation: str = "error", bucket: int = 8,
-                pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
+def fit_prompts(
+    batch: tasks.PromptBatch, *, max_length: int, truncation: str = "error", bucket: int = 8, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """``batch``'s prompts left-padded (or left-truncated) to their bucket's width.
 
     Returns:
@@ -66,7 +67,8 @@ def fit_prompts(batch: tasks.PromptBatch, *, max_length: int, truncation: str = 
                 f"Prompt of example {int(batch.indices[row])} has {int(lengths[row])} tokens, more than "
                 f"max_prompt_length={max_length} ({int(too_long.sum())} of {len(batch)} prompts in this batch are). "
                 f"Raise max_prompt_length, shorten the prompts, or set prompt_truncation='left' to drop their "
-                f"first tokens.")
+                f"first tokens."
+            )
         tokens, mask = tokens[:, -max_length:], mask[:, -max_length:]  # left-padded: the ends are the prompts'
     width = prompt_width(int(mask.sum(axis=1).max()), bucket=bucket, max_length=max_length)
     extra = width - tokens.shape[1]
@@ -78,8 +80,9 @@ def fit_prompts(batch: tasks.PromptBatch, *, max_length: int, truncation: str = 
     return tokens.astype(np.int32), mask.astype(bool), int(too_long.sum())
 
 
-def decode_completions(tokenizer, completion_tokens: np.ndarray, lengths: np.ndarray, *,
-                       eos_ids: Sequence[int]) -> tuple[list[str], list[list[int]]]:
+def decode_completions(
+    tokenizer, completion_tokens: np.ndarray, lengths: np.ndarray, *, eos_ids: Sequence[int]
+) -> tuple[list[str], list[list[int]]]:
     """``(completions, completion_ids)``: each row's text without its final stop id, and
     its valid ids (the stop id kept). ``completion_tokens`` ``[B, N]``, ``lengths`` ``[B]``."""
     ids = [row[:length].tolist() for row, length in zip(completion_tokens, lengths, strict=True)]
@@ -108,8 +111,11 @@ class Rollouts:
         """Prompts ``groups`` ``[g]`` with their completions, in that order."""
         group = len(self.rewards) // len(self.prompt_tokens)
         rows = (np.asarray(groups)[:, None] * group + np.arange(group)).reshape(-1)
-        return Rollouts(prompt_tokens=self.prompt_tokens[groups], prompt_mask=self.prompt_mask[groups],
-                        **{name: getattr(self, name)[rows] for name in self._ROW_FIELDS})
+        return Rollouts(
+            prompt_tokens=self.prompt_tokens[groups],
+            prompt_mask=self.prompt_mask[groups],
+            **{name: getattr(self, name)[rows] for name in self._ROW_FIELDS},
+        )
 
     @staticmethod
     def concatenate(parts: list[Rollouts], pad_id: int) -> Rollouts:
@@ -157,27 +163,33 @@ def rollout_and_score(
     ``shaping``, when given, is a reward function (TRL's convention) whose values are
     added to the task's rewards but not logged among them: DAPO's overlong punishment.
     """
-    tokens, mask, truncated_prompts = fit_prompts(batch, max_length=max_prompt_length, truncation=prompt_truncation,
-                                                  bucket=prompt_bucket, pad_id=task.pad_id)
+    tokens, mask, truncated_prompts = fit_prompts(
+        batch, max_length=max_prompt_length, truncation=prompt_truncation, bucket=prompt_bucket, pad_id=task.pad_id
+    )
     rollout = backend(params, tokens, mask, key, num_samples=num_samples, max_new_tokens=max_new_tokens)
     n = rollout.completion_mask.shape[1]
     # Only the completions come to the host (every process's: they are small), the prompts
     # are here already, once each.
-    host = distributed.gather(rollout._replace(tokens=rollout.tokens[:, -n:],
-                                               attention_mask=rollout.attention_mask[:, -n:]))
+    host = distributed.gather(
+        rollout._replace(tokens=rollout.tokens[:, -n:], attention_mask=rollout.attention_mask[:, -n:])
+    )
     if task.stop_strings:
-        host = sampling.stop_at_strings(host, tokenizer=task.tokenizer, stop_strings=task.stop_strings,
-                                        pad_id=task.pad_id)
+        host = sampling.stop_at_strings(
+            host, tokenizer=task.tokenizer, stop_strings=task.stop_strings, pad_id=task.pad_id
+        )
     started = time.perf_counter()
     texts, completion_ids = decode_completions(task.tokenizer, host.tokens, host.lengths, eos_ids=task.eos_ids)
     completions = texts
     if any(not isinstance(p, str) for p in batch.prompts):  # TRL's conversational format: messages in, messages out
         completions = [[{"role": "assistant", "content": text}] for text in texts]
     arguments = dict(
-        prompts=[copy.deepcopy(p) for p in batch.prompts for _ in range(num_samples)], completions=completions,
+        prompts=[copy.deepcopy(p) for p in batch.prompts for _ in range(num_samples)],
+        completions=completions,
         completion_ids=completion_ids,
-        columns={name: [copy.deepcopy(v) for v in values for _ in range(num_samples)]  # a function may mutate its
-                 for name, values in batch.columns.items()},
+        columns={
+            name: [copy.deepcopy(v) for v in values for _ in range(num_samples)]  # a function may mutate its
+            for name, values in batch.columns.items()
+        },
     )
     result = rewards_by_process(task.reward_fns, task.reward_weights, on_error=on_reward_error, **arguments)
     total = result.total
@@ -186,10 +198,21 @@ def rollout_and_score(
     reward_seconds = time.perf_counter() - started
     return ScoredRound(
         prompts=list(batch.prompts),
-        rollouts=Rollouts(prompt_tokens=tokens, prompt_mask=mask, completion_tokens=host.tokens,
-                          completion_mask=host.completion_mask, logprobs=host.logprobs, lengths=host.lengths,
-                          truncated=host.truncated, rewards=total),
-        result=result, completions=texts, truncated_prompts=truncated_prompts, reward_seconds=reward_seconds)
+        rollouts=Rollouts(
+            prompt_tokens=tokens,
+            prompt_mask=mask,
+            completion_tokens=host.tokens,
+            completion_mask=host.completion_mask,
+            logprobs=host.logprobs,
+            lengths=host.lengths,
+            truncated=host.truncated,
+            rewards=total,
+        ),
+        result=result,
+        completions=texts,
+        truncated_prompts=truncated_prompts,
+        reward_seconds=reward_seconds,
+    )
 
 
 def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **arguments) -> rewards.RewardResult:
@@ -209,20 +232,25 @@ def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **argume
     def mine(values):
         return [values[row] for row in rows]
 
-    local = dict(prompts=mine(arguments["prompts"]), completions=mine(arguments["completions"]),
-                 completion_ids=mine(arguments["completion_ids"]),
-                 columns={name: mine(values) for name, values in arguments["columns"].items()})
+    local = dict(
+        prompts=mine(arguments["prompts"]),
+        completions=mine(arguments["completions"]),
+        completion_ids=mine(arguments["completion_ids"]),
+        columns={name: mine(values) for name, values in arguments["columns"].items()},
+    )
     failure = None
     try:
-        result = rewards.compute_rewards(reward_fns, weights, on_error=on_error,
-                                         first_row=int(rows[0]) if len(rows) else 0, **local)
+        result = rewards.compute_rewards(
+            reward_fns, weights, on_error=on_error, first_row=int(rows[0]) if len(rows) else 0, **local
+        )
     except Exception as error:  # noqa: BLE001 (raised again below, on every process)
         failure, result = error, None
     if distributed.process_sum(np.int32(failure is not None)):
         if failure is not None:
             raise failure
-        raise rewards.RewardFunctionError("A reward function failed on another process of the run (its log has "
-                                          "the error); stopping every process.")
+        raise rewards.RewardFunctionError(
+            "A reward function failed on another process of the run (its log has the error); stopping every process."
+        )
     names = rewards.combine.reward_names(reward_fns)
 
     def everyone(values):  # [b] here -> [B] from every process's block
@@ -230,9 +258,15 @@ def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **argume
         whole[rows] = values
         return whole
 
-    totals = distributed.process_sum({"total": everyone(result.total),
-                                      **{name: everyone(result.values[name]) for name in names},
-                                      **{f"errors/{name}": np.int32(result.errors.get(name, 0)) for name in names}})
-    return rewards.RewardResult(total=totals["total"], values={name: totals[name] for name in names},
-                                errors={name: int(totals[f"errors/{name}"]) for name in names
-                                        if totals[f"errors/{name}"]})
+    totals = distributed.process_sum(
+        {
+            "total": everyone(result.total),
+            **{name: everyone(result.values[name]) for name in names},
+            **{f"errors/{name}": np.int32(result.errors.get(name, 0)) for name in names},
+        }
+    )
+    return rewards.RewardResult(
+        total=totals["total"],
+        values={name: totals[name] for name in names},
+        errors={name: int(totals[f"errors/{name}"]) for name in names if totals[f"errors/{name}"]},
+    )

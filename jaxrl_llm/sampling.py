@@ -125,7 +125,7 @@ class Rollout(NamedTuple):
     @property
     def completion_tokens(self) -> jax.Array:
         """``[B, N]`` the completion part of ``tokens``."""
-        return self.tokens[:, -self.completion_mask.shape[1]:]
+        return self.tokens[:, -self.completion_mask.shape[1] :]
 
 
 class RolloutBackend(Protocol):
@@ -134,8 +134,14 @@ class RolloutBackend(Protocol):
     the backend; a call gives the policy's params, the prompts and a key."""
 
     def __call__(
-        self, params: models.Params, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-        num_samples: int, max_new_tokens: int,
+        self,
+        params: models.Params,
+        prompt_tokens: jax.Array,
+        prompt_mask: jax.Array,
+        key: jax.Array,
+        *,
+        num_samples: int,
+        max_new_tokens: int,
     ) -> Rollout: ...
 
 
@@ -174,8 +180,9 @@ def _probability(fn: str, name: str, value: object, *, closed: str) -> None:
     _checks.in_range(fn, name, value, 0.0, 1.0, closed=closed)
 
 
-def _check_settings(fn: str, *, temperature: float, top_k: int | None, top_p: float | None,
-                    min_p: float | None) -> None:
+def _check_settings(
+    fn: str, *, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None
+) -> None:
     """:func:`sample`'s sampling settings (traced ``top_p`` and ``min_p`` pass unchecked)."""
     _checks.nonnegative(fn, "temperature", temperature)
     if top_k is not None:
@@ -271,8 +278,9 @@ def sample(
     if host_mask is not None:
         real = host_mask.astype(bool).any(axis=1)  # [P]
         if not real.all():
-            raise ValueError(f"{fn}: every prompt needs at least one real token; prompt {int(np.argmin(real))} "
-                             f"has none.")
+            raise ValueError(
+                f"{fn}: every prompt needs at least one real token; prompt {int(np.argmin(real))} has none."
+            )
         _checks.left_padded(fn, "prompt_mask", host_mask)
     length = prompt_tokens.shape[1]
     limit = model.config.max_position_embeddings
@@ -286,8 +294,9 @@ def sample(
     if mesh is not None:
         split = _row_split(mesh, num_prompts=prompt_tokens.shape[0], num_samples=num_samples)
         # `distributed.put`: over several processes each holds the same prompts, params and key.
-        prompt_tokens, prompt_mask = distributed.put((prompt_tokens, prompt_mask),
-                                                     jax.sharding.NamedSharding(mesh, split.prompts))
+        prompt_tokens, prompt_mask = distributed.put(
+            (prompt_tokens, prompt_mask), jax.sharding.NamedSharding(mesh, split.prompts)
+        )
         key = distributed.put(key, sharding.replicated(mesh))
         if mesh.shape.get(sharding.TENSOR, 1) > 1:  # tensor-parallel: heads, MLP and vocabulary stay split
             params = distributed.put(params, sharding.param_shardings(params, mesh, sharding.TENSOR_PARALLEL))
@@ -303,16 +312,31 @@ def sample(
         prompt_tokens = jnp.pad(prompt_tokens.astype(jnp.int32), padding, constant_values=pad_id)
         prompt_mask = jnp.pad(prompt_mask, padding)
     rollout = _generate(
-        model, params, prompt_tokens, prompt_mask, key, jnp.asarray(max_new_tokens, jnp.int32),
+        model,
+        params,
+        prompt_tokens,
+        prompt_mask,
+        key,
+        jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
         jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
-        num_samples=num_samples, slots=slots, top_k=None if greedy else top_k,
-        use_top_p=top_p is not None and not greedy, use_min_p=min_p is not None and not greedy, greedy=greedy,
-        eos_ids=eos_ids, pad_id=int(pad_id), mesh=mesh, split=split,
+        num_samples=num_samples,
+        slots=slots,
+        top_k=None if greedy else top_k,
+        use_top_p=top_p is not None and not greedy,
+        use_min_p=min_p is not None and not greedy,
+        greedy=greedy,
+        eos_ids=eos_ids,
+        pad_id=int(pad_id),
+        mesh=mesh,
+        split=split,
     )
-    return rollout if (length, max_new_tokens) == (padded_length, slots) else _trim(
-        rollout, prompt_len=length, max_new_tokens=max_new_tokens)
+    return (
+        rollout
+        if (length, max_new_tokens) == (padded_length, slots)
+        else _trim(rollout, prompt_len=length, max_new_tokens=max_new_tokens)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("prompt_len", "max_new_tokens"))
@@ -324,14 +348,22 @@ def _trim(rollout: Rollout, *, prompt_len: int, max_new_tokens: int) -> Rollout:
     prompt_start = rollout.tokens.shape[1] - slots - prompt_len
     keep = slice(prompt_start, rollout.tokens.shape[1] - slots + max_new_tokens)
     return rollout._replace(
-        tokens=rollout.tokens[:, keep], attention_mask=rollout.attention_mask[:, keep],
-        **{name: getattr(rollout, name)[:, :max_new_tokens]
-           for name in ("completion_mask", "logprobs", "sampling_logprobs")},
+        tokens=rollout.tokens[:, keep],
+        attention_mask=rollout.attention_mask[:, keep],
+        **{
+            name: getattr(rollout, name)[:, :max_new_tokens]
+            for name in ("completion_mask", "logprobs", "sampling_logprobs")
+        },
     )
 
 
-def filter_logits(logits: jax.Array, *, top_k: int | None = None, top_p: jax.Array | float | None = None,
-                  min_p: jax.Array | float | None = None) -> jax.Array:
+def filter_logits(
+    logits: jax.Array,
+    *,
+    top_k: int | None = None,
+    top_p: jax.Array | float | None = None,
+    min_p: jax.Array | float | None = None,
+) -> jax.Array:
     r"""Sets logits outside the top-k, top-p and min-p sets to ``-inf``. ``[B, V] -> [B, V]``.
 
     Applied in this order, each to what the previous one kept (transformers' order; the
@@ -442,11 +474,22 @@ def _row_split(mesh: jax.sharding.Mesh, *, num_prompts: int, num_samples: int) -
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_samples", "slots", "top_k", "use_top_p", "use_min_p", "greedy", "eos_ids", "pad_id", "mesh",
-                     "split"),
+    static_argnames=(
+        "num_samples",
+        "slots",
+        "top_k",
+        "use_top_p",
+        "use_min_p",
+        "greedy",
+        "eos_ids",
+        "pad_id",
+        "mesh",
+        "split",
+    ),
 )
-def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top_p, min_p, *, mesh, split,
-              **settings) -> Rollout:
+def _generate(
+    model, params, tokens, mask, key, max_new_tokens, temperature, top_p, min_p, *, mesh, split, **settings
+) -> Rollout:
     """The whole rollout in bucket-sized buffers (``S'`` prompt columns, ``slots``
     completion columns); with a ``mesh``, each device runs :func:`_decode` on its rows
     (``shard_map``: its own loop and stopping test, no communication), or, when the mesh
@@ -461,14 +504,37 @@ def _generate(model, params, tokens, mask, key, max_new_tokens, temperature, top
     if mesh is not None and mesh.shape.get(sharding.TENSOR, 1) == 1:
         whole = sharding.WHOLE
         by_row = jax.sharding.PartitionSpec(None, *split.rows)  # uniforms [slots, B]
-        decode = jax.shard_map(functools.partial(decode, row_blocks=split.row_blocks), mesh=mesh,
-                               in_specs=(whole, split.prompts, split.prompts, by_row, whole, whole, whole, whole),
-                               out_specs=split.rows, check_vma=False)  # no collectives inside
+        decode = jax.shard_map(
+            functools.partial(decode, row_blocks=split.row_blocks),
+            mesh=mesh,
+            in_specs=(whole, split.prompts, split.prompts, by_row, whole, whole, whole, whole),
+            out_specs=split.rows,
+            check_vma=False,
+        )  # no collectives inside
     return decode(params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, min_p)
 
 
-def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, top_p, min_p, *, num_samples, slots,
-            top_k, use_top_p, use_min_p, greedy, eos_ids, pad_id, row_blocks: int = 1) -> Rollout:
+def _decode(
+    model,
+    params,
+    tokens,
+    mask,
+    uniforms,
+    max_new_tokens,
+    temperature,
+    top_p,
+    min_p,
+    *,
+    num_samples,
+    slots,
+    top_k,
+    use_top_p,
+    use_min_p,
+    greedy,
+    eos_ids,
+    pad_id,
+    row_blocks: int = 1,
+) -> Rollout:
     """The ``P`` distinct prompts ``[P, S']`` prefilled, the cache and next-token logits
     copied to the ``B = P * G`` rows, then a ``while_loop`` of sample -> record -> decode
     step, and the last token's sample -> record. ``uniforms`` ``[slots, B]`` drive the draws.
@@ -517,8 +583,9 @@ def _decode(model, params, tokens, mask, uniforms, max_new_tokens, temperature, 
         else:
             uniform = jax.lax.dynamic_index_in_dim(uniforms, state.step, keepdims=False)  # [B]
             if truncated:
-                filtered = filter_logits(scaled, top_k=top_k, top_p=top_p if use_top_p else None,
-                                         min_p=min_p if use_min_p else None)
+                filtered = filter_logits(
+                    scaled, top_k=top_k, top_p=top_p if use_top_p else None, min_p=min_p if use_min_p else None
+                )
                 weights = jnp.exp(filtered - top[:, None])  # 0 outside the kept set; the top token is kept
             token = draw(uniform, weights)
         logp = _logprob_of(scaled, top, log_total, token)
@@ -591,19 +658,37 @@ class Sampler:
     def __call__(self, params, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens) -> Rollout:
         sampling = self.sampling
         return sample(
-            self.model, params, prompt_tokens, prompt_mask, key, num_samples=num_samples,
-            max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p, min_p=sampling.min_p, eos_ids=self.eos_ids, pad_id=self.pad_id, bucket=self.bucket,
+            self.model,
+            params,
+            prompt_tokens,
+            prompt_mask,
+            key,
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            bucket=self.bucket,
             mesh=self.mesh,
         )
 
 
-def recompute_logprobs(model: models.Model, params: models.Params, rollout: Rollout, *,
-                       temperature: float = 1.0) -> jax.Array:
+def recompute_logprobs(
+    model: models.Model, params: models.Params, rollout: Rollout, *, temperature: float = 1.0
+) -> jax.Array:
     """``[B, N]`` log pi_T of the completion tokens by a teacher-forced pass, 0 where
     masked: the trainer's view of :attr:`Rollout.logprobs` (greedy rollouts: ``T = 1``)."""
-    logp = models.completion_logprobs(model, params, rollout.tokens, rollout.attention_mask,
-                                      rollout.completion_mask.shape[1], temperature=temperature or 1.0)
+    logp = models.completion_logprobs(
+        model,
+        params,
+        rollout.tokens,
+        rollout.attention_mask,
+        rollout.completion_mask.shape[1],
+        temperature=temperature or 1.0,
+    )
     return jnp.where(rollout.completion_mask, logp, 0.0)
 
 
@@ -620,8 +705,10 @@ def _stop_tuple(fn: str, stop_strings: str | Sequence[str]) -> tuple[str, ...]:
     if bad := [s for s in stops if not isinstance(s, str)]:
         raise TypeError(f"{fn}: `stop_strings` must hold strings; got {bad[0]!r} in {stops!r}.")
     if "" in stops:
-        raise ValueError(f"{fn}: `stop_strings` must be non-empty strings (an empty one would stop every "
-                         f"completion at its first token); got {stops!r}.")
+        raise ValueError(
+            f"{fn}: `stop_strings` must be non-empty strings (an empty one would stop every "
+            f"completion at its first token); got {stops!r}."
+        )
     return stops
 
 
@@ -673,18 +760,24 @@ def stop_at_strings(rollout: Rollout, *, tokenizer, stop_strings: str | Sequence
     if not isinstance(rollout, Rollout):
         raise TypeError(f"{fn}: `rollout` must be a sampling.Rollout; got {type(rollout).__name__}.")
     if not callable(getattr(tokenizer, "decode", None)):
-        raise TypeError(f"{fn}: `tokenizer` must have a `decode(ids, skip_special_tokens=True)` method (a Hugging "
-                        f"Face tokenizer); got {type(tokenizer).__name__}.")
+        raise TypeError(
+            f"{fn}: `tokenizer` must have a `decode(ids, skip_special_tokens=True)` method (a Hugging "
+            f"Face tokenizer); got {type(tokenizer).__name__}."
+        )
     if not isinstance(pad_id, numbers.Integral) or isinstance(pad_id, bool):
         raise TypeError(f"{fn}: `pad_id` must be an integer token id; got {pad_id!r}.")
     out = Rollout(*(np.array(x) for x in jax.device_get(tuple(rollout))))  # host copies, written below
     batch, slots = out.completion_mask.shape
     if out.tokens.ndim != 2 or out.tokens.shape[0] != batch or out.tokens.shape[1] < slots:
-        raise ValueError(f"{fn}: `rollout.tokens` must have shape [B, S + N] = [{batch}, S + {slots}] to match "
-                         f"`completion_mask` [B, N]; got {list(out.tokens.shape)}.")
+        raise ValueError(
+            f"{fn}: `rollout.tokens` must have shape [B, S + N] = [{batch}, S + {slots}] to match "
+            f"`completion_mask` [B, N]; got {list(out.tokens.shape)}."
+        )
     if out.lengths.shape != (batch,) or ((out.lengths < 0) | (out.lengths > slots)).any():
-        raise ValueError(f"{fn}: `rollout.lengths` must have shape [{batch}] with values in [0, {slots}]; got "
-                         f"shape {list(out.lengths.shape)}, values {_checks._listed(out.lengths)}.")
+        raise ValueError(
+            f"{fn}: `rollout.lengths` must have shape [{batch}] with values in [0, {slots}]; got "
+            f"shape {list(out.lengths.shape)}, values {_checks._listed(out.lengths)}."
+        )
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)

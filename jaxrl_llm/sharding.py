@@ -39,7 +39,6 @@ suits decode steps' small matmuls better than splitting each of them over the co
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import Any
 
 import jax
@@ -80,8 +79,14 @@ WHOLE = PartitionSpec()
 """Not split: a full copy on every device."""
 
 
-def make_mesh(num_devices: int | None = None, *, fsdp: int | None = None, tensor: int | None = None,
-              data: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    num_devices: int | None = None,
+    *,
+    fsdp: int | None = None,
+    tensor: int | None = None,
+    data: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
     """A mesh over the first devices of ``devices`` (default: all of ``jax.devices()``).
 
     ``make_mesh(k)`` (or ``make_mesh()``: every device) is a 1-D ``("data",)`` mesh of
@@ -95,25 +100,34 @@ def make_mesh(num_devices: int | None = None, *, fsdp: int | None = None, tensor
     def size(name, value, default):
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= len(devices):
-            hint = (" On a CPU, JAX_NUM_CPU_DEVICES=k (before JAX starts) splits it into k devices."
-                    if devices[0].platform == "cpu" else "")
-            raise ValueError(f"make_mesh: `{name}` must be an integer in [1, {len(devices)}] (the devices "
-                             f"available); got {value!r}.{hint}")
+            hint = (
+                " On a CPU, JAX_NUM_CPU_DEVICES=k (before JAX starts) splits it into k devices."
+                if devices[0].platform == "cpu"
+                else ""
+            )
+            raise ValueError(
+                f"make_mesh: `{name}` must be an integer in [1, {len(devices)}] (the devices "
+                f"available); got {value!r}.{hint}"
+            )
         return value
 
     if fsdp is None and tensor is None and data is None:
         count = size("num_devices", num_devices, len(devices))
         return jax.make_mesh((count,), (DATA,), axis_types=(AxisType.Auto,), devices=devices[:count])
     if num_devices is not None:
-        raise ValueError("make_mesh: pass `num_devices` for a 1-D data mesh, or the axis sizes (data, fsdp, "
-                         "tensor), not both.")
+        raise ValueError(
+            "make_mesh: pass `num_devices` for a 1-D data mesh, or the axis sizes (data, fsdp, tensor), not both."
+        )
     fsdp, tensor = size("fsdp", fsdp, 1), size("tensor", tensor, 1)
     data = size("data", data, max(len(devices) // (fsdp * tensor), 1))
     if data * fsdp * tensor > len(devices):
-        raise ValueError(f"make_mesh: data x fsdp x tensor = {data} x {fsdp} x {tensor} = {data * fsdp * tensor} "
-                         f"devices; {len(devices)} are available.")
-    return jax.make_mesh((data, fsdp, tensor), AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices[:data * fsdp * tensor])
+        raise ValueError(
+            f"make_mesh: data x fsdp x tensor = {data} x {fsdp} x {tensor} = {data * fsdp * tensor} "
+            f"devices; {len(devices)} are available."
+        )
+    return jax.make_mesh(
+        (data, fsdp, tensor), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[: data * fsdp * tensor]
+    )
 
 
 def spec_for(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> PartitionSpec:
@@ -149,8 +163,12 @@ def param_shardings(params, mesh: Mesh, rules: Rules):
     """The ``NamedSharding`` of each parameter of a model's params (arrays or
     ``jax.ShapeDtypeStruct``), by its logical axis names (:func:`logical_axes`) and ``rules``."""
     logical = logical_axes(params)
-    return jax.tree.map(lambda names, leaf: NamedSharding(mesh, spec_for(names, leaf.shape, mesh, rules)),
-                        logical, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        lambda names, leaf: NamedSharding(mesh, spec_for(names, leaf.shape, mesh, rules)),
+        logical,
+        params,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def state_shardings(state, mesh: Mesh, rules: Rules, *, optimizer, critic_optimizer=None):
@@ -168,21 +186,33 @@ def state_shardings(state, mesh: Mesh, rules: Rules, *, optimizer, critic_optimi
             return jax.tree.map(lambda _: whole, opt_state)
         flat_shardings = dict(zip(_paths(params), jax.tree.leaves(shardings)))
         return optax.tree_utils.tree_map_params(
-            transform, lambda leaf, path: None if leaf is None else flat_shardings[path], opt_state,
+            transform,
+            lambda leaf, path: None if leaf is None else flat_shardings[path],
+            opt_state,
             _path_tree(params),
-            transform_non_params=lambda _: whole, is_leaf=lambda x: x is None)
+            transform_non_params=lambda _: whole,
+            is_leaf=lambda x: x is None,
+        )
 
     critic = critic_opt = None
     if state.critic_params is not None:
-        critic = {"backbone": param_shardings(state.critic_params["backbone"], mesh, rules),
-                  "head": jax.tree.map(lambda _: whole, state.critic_params["head"])}
+        critic = {
+            "backbone": param_shardings(state.critic_params["backbone"], mesh, rules),
+            "head": jax.tree.map(lambda _: whole, state.critic_params["head"]),
+        }
         critic_opt = optimizer_state(state.critic_opt_state, state.critic_params, critic, critic_optimizer)
-    rest = {name: jax.tree.map(lambda _: whole, getattr(state, name))
-            for name in ("baseline", "key", "step", "skipped_updates", "consecutive_skips", "prompts_drawn")}
+    rest = {
+        name: jax.tree.map(lambda _: whole, getattr(state, name))
+        for name in ("baseline", "key", "step", "skipped_updates", "consecutive_skips", "prompts_drawn")
+    }
     return state._replace(
-        params=policy, ref_params=param_shardings(state.ref_params, mesh, rules),
+        params=policy,
+        ref_params=param_shardings(state.ref_params, mesh, rules),
         opt_state=optimizer_state(state.opt_state, state.params, policy, optimizer),
-        critic_params=critic, critic_opt_state=critic_opt, **rest)
+        critic_params=critic,
+        critic_opt_state=critic_opt,
+        **rest,
+    )
 
 
 def _paths(tree) -> list[str]:

@@ -66,8 +66,12 @@ def _conjugate_gradient(matvec: MatVec, b: PyTree, *, iters: int, tol: float) ->
         return otu.tree_cast(matvec(v), jnp.float32)
 
     init = CGState(
-        x=otu.tree_zeros_like(b), r=b, p=b, r_dot_r=otu.tree_vdot(b, b),
-        iteration=jnp.zeros((), jnp.int32), stalled=jnp.zeros((), bool),
+        x=otu.tree_zeros_like(b),
+        r=b,
+        p=b,
+        r_dot_r=otu.tree_vdot(b, b),
+        iteration=jnp.zeros((), jnp.int32),
+        stalled=jnp.zeros((), bool),
     )
 
     def keep_going(state: CGState) -> jax.Array:
@@ -210,8 +214,13 @@ def natural_gradient_step(
         new_params = _step(params, scale, direction)
         kl_value = kl_fn(new_params)
         improvement = loss_old - surrogate_fn(new_params)
-        ok = (kl_value <= max_kl) & (improvement > 0) & jnp.isfinite(kl_value) & jnp.isfinite(improvement) & (
-            all_finite(new_params))
+        ok = (
+            (kl_value <= max_kl)
+            & (improvement > 0)
+            & jnp.isfinite(kl_value)
+            & jnp.isfinite(improvement)
+            & (all_finite(new_params))
+        )
         return scale, kl_value, improvement, ok & (full_scale > 0)
 
     # Carry (k, accepted, scale, kl, improvement): try k = 0, shrink while rejected.
@@ -229,9 +238,7 @@ def natural_gradient_step(
     k, accepted, scale, kl_value, improvement = jax.lax.while_loop(
         rejected_and_budget_left, shrink, (first, accepted, scale, kl_value, improvement)
     )
-    new_params = jax.tree.map(
-        lambda new, old: jnp.where(accepted, new, old), _step(params, scale, direction), params
-    )
+    new_params = jax.tree.map(lambda new, old: jnp.where(accepted, new, old), _step(params, scale, direction), params)
     info = {
         "accepted": accepted,
         "backtracks": jnp.where(accepted, k, max_backtracks + 1),

@@ -31,16 +31,25 @@ MESHES = {  # name: (data, fsdp, tensor), sharding rules (the CLI's two-process 
 def model_config():
     from jaxrl_llm import models
 
-    return models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4,
-                              num_kv_heads=2, head_dim=4, max_position_embeddings=S + N)
+    return models.ModelConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        max_position_embeddings=S + N,
+    )
 
 
 def train_config():
     from jaxrl_llm import training
 
     # Two minibatches: score recomputes the old log-probs and update shuffles with the state's key.
-    return training.TrainConfig(num_prompts=P, group_size=G, max_new_tokens=N, minibatch_size=B // 2,
-                                learning_rate=1e-2, warmup_steps=1)
+    return training.TrainConfig(
+        num_prompts=P, group_size=G, max_new_tokens=N, minibatch_size=B // 2, learning_rate=1e-2, warmup_steps=1
+    )
 
 
 def synthetic_batch(vocab_size: int):
@@ -62,10 +71,18 @@ def synthetic_batch(vocab_size: int):
         completion_mask=completion_mask,
         sampling_logp=np.where(completion_mask, -rng.uniform(0.5, 3.0, (B, N)), 0.0).astype(np.float32),  # [B, N]
         rewards=rng.uniform(0.0, 1.0, B).astype(np.float32),  # [B]
-        prompts_drawn=np.int32(P))
+        prompts_drawn=np.int32(P),
+    )
     prompts, rows = PartitionSpec("data"), PartitionSpec(("data", "fsdp"))
-    specs = training.Batch(prompt_tokens=prompts, prompt_mask=prompts, completion_tokens=rows, completion_mask=rows,
-                           sampling_logp=rows, rewards=rows, prompts_drawn=PartitionSpec())
+    specs = training.Batch(
+        prompt_tokens=prompts,
+        prompt_mask=prompts,
+        completion_tokens=rows,
+        completion_mask=rows,
+        sampling_logp=rows,
+        rewards=rows,
+        prompts_drawn=PartitionSpec(),
+    )
     return batch, specs
 
 
@@ -91,8 +108,13 @@ def run_steps(mesh_shape, rules_name: str):
     update = jax.jit(halves.update, out_shardings=(shardings, None), donate_argnums=0)
 
     batch, specs = synthetic_batch(model.config.vocab_size)
-    mine = jax.tree.map(lambda leaf, spec: leaf if spec == PartitionSpec() else leaf[
-        distributed.local_rows(mesh, leaf.shape[0], spec=spec)], batch, specs)  # this process's prompts and rows
+    mine = jax.tree.map(
+        lambda leaf, spec: (
+            leaf if spec == PartitionSpec() else leaf[distributed.local_rows(mesh, leaf.shape[0], spec=spec)]
+        ),
+        batch,
+        specs,
+    )  # this process's prompts and rows
     placed = distributed.global_array(mine, mesh, specs)
     rows = distributed.local_rows(mesh, B)
     local, history = {}, []
@@ -165,11 +187,13 @@ def main(argv=None) -> int:
     from jaxrl_llm import distributed, training
 
     address = f"localhost:{args.port}"
-    index, count = distributed.initialize(coordinator_address=address, num_processes=args.num_processes,
-                                          process_id=args.process_id, timeout_s=60)
+    index, count = distributed.initialize(
+        coordinator_address=address, num_processes=args.num_processes, process_id=args.process_id, timeout_s=60
+    )
     assert (index, count) == (args.process_id, args.num_processes)
-    assert distributed.initialize(coordinator_address=address, num_processes=args.num_processes,
-                                  process_id=args.process_id) == (index, count)  # a second call: the same
+    assert distributed.initialize(
+        coordinator_address=address, num_processes=args.num_processes, process_id=args.process_id
+    ) == (index, count)  # a second call: the same
     try:
         distributed.initialize(coordinator_address=address, num_processes=args.num_processes + 1)
         raise AssertionError("initialize accepted other settings")
@@ -185,8 +209,13 @@ def main(argv=None) -> int:
         state, rows, local, history = run_steps(mesh_shape, rules_name)
         saved[f"{name}/rows"] = rows
         saved.update({f"{name}/{key}": value for key, value in local.items()})
-        saved.update({f"{name}/metric/{step}/{key}": value for step, metrics in enumerate(history)
-                      for key, value in metrics.items()})
+        saved.update(
+            {
+                f"{name}/metric/{step}/{key}": value
+                for step, metrics in enumerate(history)
+                for key, value in metrics.items()
+            }
+        )
         params = distributed.gather(state.params)
         if distributed.is_main_process():
             np.savez(os.path.join(args.out, f"params_{name}.npz"), **flat_params(params))

@@ -170,10 +170,12 @@ def finite_difference_grad(f, x: np.ndarray, h: float = 1e-6) -> np.ndarray:
 
 def overlong_penalty(lengths, *, max_len: int, buffer: int, penalty: float) -> np.ndarray:
     """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13), one length at a time."""
+
     def one(length):
         if length <= max_len - buffer:
             return 0.0
         return ((max_len - buffer) - length) / buffer * penalty if length <= max_len else -penalty
+
     return np.array([one(int(length)) for length in lengths])
 
 
@@ -229,8 +231,9 @@ def whiten(values, mask, eps=1e-8, ddof=0, eps_placement="std") -> np.ndarray:
     valid = [float(x) for x, keep in zip(values.ravel(), mask.ravel()) if keep]
     mean = sum(valid) / len(valid)
     var = sum((x - mean) ** 2 for x in valid) / (len(valid) - ddof) if len(valid) > ddof else 0.0
-    scale = {"std": math.sqrt(var) + eps, "variance": math.sqrt(var + eps),
-             "variance_floor": math.sqrt(max(var, eps))}[eps_placement]
+    scale = {"std": math.sqrt(var) + eps, "variance": math.sqrt(var + eps), "variance_floor": math.sqrt(max(var, eps))}[
+        eps_placement
+    ]
     out = np.zeros_like(values)
     out[mask] = [(x - mean) / scale for x in valid]
     return out

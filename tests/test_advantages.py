@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from jaxrl_llm import advantages
@@ -53,7 +54,9 @@ def test_spec_baseline_example():
 def test_sample_std_convention_of_trl_verl_tunix():
     rewards = jnp.array([[1.0, 1.0, 0.0, 0.0]])
     sample_std = np.std([1, 1, 0, 0], ddof=1)
-    np.testing.assert_allclose(advantages.grpo(rewards, eps=0.0, ddof=1), [[0.5, 0.5, -0.5, -0.5]] / sample_std, rtol=1e-6)
+    np.testing.assert_allclose(
+        advantages.grpo(rewards, eps=0.0, ddof=1), [[0.5, 0.5, -0.5, -0.5]] / sample_std, rtol=1e-6
+    )
 
 
 # --- Loop references -------------------------------------------------------------------
@@ -150,8 +153,11 @@ def test_reinforce_plus_plus_whitens_returns_to_go_over_the_batch_tokens(subtrac
     lengths[5] = 0  # a padding row: left out of the statistics
     mask = np.arange(5)[None, :] < lengths[:, None]  # [B, T]
     penalty = rng.normal(0.0, 0.1, size=(12, 5)).astype(np.float32)
-    adv = jax.jit(lambda r, m, k: advantages.reinforce_plus_plus(
-        r, m, kl_penalty=k, gamma=gamma, eps=0.0, subtract_group_mean=subtract_group_mean))(rewards, mask, penalty)
+    adv = jax.jit(
+        lambda r, m, k: advantages.reinforce_plus_plus(
+            r, m, kl_penalty=k, gamma=gamma, eps=0.0, subtract_group_mean=subtract_group_mean
+        )
+    )(rewards, mask, penalty)
     scores = rewards.astype(np.float64)
     if subtract_group_mean:
         scores = scores - scores.mean(axis=1, keepdims=True)
@@ -184,7 +190,8 @@ def test_reinforce_plus_plus_of_equal_rewards_is_zero():
     np.testing.assert_array_equal(advantages.reinforce_plus_plus(jnp.full(5, 1.8471311), mask), np.zeros((5, 3)))
     np.testing.assert_array_equal(
         advantages.reinforce_plus_plus(jnp.full((2, 3), 1.8471311), np.ones((6, 3), bool), subtract_group_mean=True),
-        0.0)
+        0.0,
+    )
 
 
 @pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 1.0), (0.99, 0.0), (1.0, 1.0)])
@@ -240,8 +247,12 @@ def test_zero_eps_with_constant_groups_gives_zero_not_nan():
 
 def test_a_nan_reward_propagates_instead_of_becoming_a_zero_advantage():
     rewards = jnp.array([[1.0, jnp.nan, 0.0], [1.0, 1.0, 1.0]])
-    for adv in (advantages.rloo(rewards), advantages.grpo(rewards), advantages.grpo(rewards, scale="none"),
-                advantages.reinforce_plus_plus(rewards, np.ones((6, 2), bool)).reshape(2, 3, 2)):
+    for adv in (
+        advantages.rloo(rewards),
+        advantages.grpo(rewards),
+        advantages.grpo(rewards, scale="none"),
+        advantages.reinforce_plus_plus(rewards, np.ones((6, 2), bool)).reshape(2, 3, 2),
+    ):
         assert np.isnan(np.asarray(adv)[0]).all()
 
 
@@ -254,17 +265,34 @@ def test_reinforce_plus_plus_baseline_takes_verls_group_mean_of_the_penalised_se
     penalty = rng.normal(0.0, 0.2, size=(12, 6)).astype(np.float32)
 
     def verl_form(kl_penalty, gamma=1.0):
-        return np.asarray(advantages.reinforce_plus_plus(
-            rewards, mask, kl_penalty=kl_penalty, gamma=gamma, eps=1e-8, subtract_group_mean=True,
-            group_mean_of="sequence_return", ddof=1, eps_placement="variance"))
+        return np.asarray(
+            advantages.reinforce_plus_plus(
+                rewards,
+                mask,
+                kl_penalty=kl_penalty,
+                gamma=gamma,
+                eps=1e-8,
+                subtract_group_mean=True,
+                group_mean_of="sequence_return",
+                ddof=1,
+                eps_placement="variance",
+            )
+        )
 
     # verl's formula itself: tests/test_peer_conventions.py. Here: no return to go (gamma unused), every valid
     # token of a row carries one value, and without a penalty the two forms agree.
     np.testing.assert_allclose(verl_form(penalty, gamma=0.5), verl_form(penalty))
     for row, length in zip(verl_form(penalty), lengths):
         np.testing.assert_array_equal(row[:length], row[0])
-    openrlhf = functools.partial(advantages.reinforce_plus_plus, rewards, mask, eps=1e-8, subtract_group_mean=True,
-                                 ddof=1, eps_placement="variance")
+    openrlhf = functools.partial(
+        advantages.reinforce_plus_plus,
+        rewards,
+        mask,
+        eps=1e-8,
+        subtract_group_mean=True,
+        ddof=1,
+        eps_placement="variance",
+    )
     # The forms differ on an empty row even then (verl's sum of its token rewards is 0, not R).
     assert np.abs(verl_form(None) - np.asarray(openrlhf())).max() > 1e-2
     mask[6, 0] = True

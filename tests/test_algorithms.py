@@ -15,7 +15,17 @@ from tests.test_objectives import make_batch
 
 def test_all_eleven_presets_exist_and_are_frozen():
     assert set(algorithms.PRESETS) == {
-        "pg", "reinforce-baseline", "rloo", "ppo", "trpo", "grpo", "dr-grpo", "dapo", "gspo", "cispo", "reinforce++"
+        "pg",
+        "reinforce-baseline",
+        "rloo",
+        "ppo",
+        "trpo",
+        "grpo",
+        "dr-grpo",
+        "dapo",
+        "gspo",
+        "cispo",
+        "reinforce++",
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         algorithms.GRPO.kl_coef = 0.0
@@ -29,8 +39,10 @@ def test_all_eleven_presets_exist_and_are_frozen():
         (dict(kl_coef=-1.0), "`kl_coef` must be a finite number >= 0; got -1.0"),
         (dict(num_iterations=0), "`num_iterations` must be an integer >= 1; got 0"),
         (dict(objective="cispo", dual_clip=3.0), "`dual_clip` applies to objective='ppo_clip' only"),
-        (dict(objective="cispo", ratio_level="sequence"),
-         r"`ratio_level='sequence'` \(GSPO\) needs objective='ppo_clip'"),
+        (
+            dict(objective="cispo", ratio_level="sequence"),
+            r"`ratio_level='sequence'` \(GSPO\) needs objective='ppo_clip'",
+        ),
         (dict(objective="clipped"), "`objective` must be one of 'policy_gradient', 'ppo_clip', 'cispo'; got 'clipped'"),
         (dict(log_ratio_cap=0.0), r"`log_ratio_cap` must be in \(0, 20.0\]; got 0.0"),
         (dict(log_ratio_cap=25.0), r"`log_ratio_cap` must be in \(0, 20.0\]; got 25.0"),
@@ -93,8 +105,9 @@ def test_running_baseline_uses_the_mean_from_before_the_batch():
 
 
 def test_a_batch_with_a_non_finite_reward_leaves_the_running_baseline_unchanged():
-    state = algorithms.sequence_advantages(algorithms.REINFORCE_BASELINE, jnp.array([[1.0, 3.0]]),
-                                           advantages.running_mean_init())[1]
+    state = algorithms.sequence_advantages(
+        algorithms.REINFORCE_BASELINE, jnp.array([[1.0, 3.0]]), advantages.running_mean_init()
+    )[1]
     for bad in (jnp.nan, jnp.inf):
         adv, after = algorithms.sequence_advantages(algorithms.REINFORCE_BASELINE, jnp.array([[bad, 0.0]]), state)
         assert not np.isfinite(adv[0])  # the update will skip this batch
@@ -112,8 +125,20 @@ def test_policy_loss_of_grpo_with_beta_is_deepseekmaths_objective(preset, agg):
     loss, metrics = algorithms.policy_loss(
         method, b["logp"], b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], max_len=6
     )
-    expected = reference.grpo(b["logp"], b["old_logp"], b["advantages"], b["mask"], b["ref_logp"], 0.04, "k2",
-                              method.eps_low, method.eps_high or method.eps_low, method.ratio_level, agg, 6)
+    expected = reference.grpo(
+        b["logp"],
+        b["old_logp"],
+        b["advantages"],
+        b["mask"],
+        b["ref_logp"],
+        0.04,
+        "k2",
+        method.eps_low,
+        method.eps_high or method.eps_low,
+        method.ratio_level,
+        agg,
+        6,
+    )
     np.testing.assert_allclose(loss, expected, rtol=2e-5, atol=1e-7)
     estimates = np.vectorize(lambda a, r: reference.kl_estimate(float(a), float(r), "k2"))(b["logp"], b["ref_logp"])
     np.testing.assert_allclose(metrics["kl_k2"], estimates[b["mask"] > 0].mean(), rtol=1e-5)
@@ -156,8 +181,9 @@ def test_old_objective_names_become_the_current_one():
     for preset in (algorithms.GRPO, algorithms.DR_GRPO, algorithms.DAPO, algorithms.GSPO):
         assert preset.objective == "ppo_clip"
         assert dataclasses.replace(preset, objective="grpo") == preset
-    old = algorithms.Algorithm(name="old-gspo", advantage="grpo", objective="grpo", ratio_level="sequence",
-                               agg="seq-mean-token-mean")
+    old = algorithms.Algorithm(
+        name="old-gspo", advantage="grpo", objective="grpo", ratio_level="sequence", agg="seq-mean-token-mean"
+    )
     assert old.objective == "ppo_clip" and old.ratio_level == "sequence"
     assert dataclasses.replace(algorithms.PPO, objective="ppo_clip") == algorithms.PPO
 
@@ -171,8 +197,9 @@ def test_old_objective_names_become_the_current_one():
 def test_the_old_objective_name_is_accepted_on_the_command_line(tmp_path):
     from jaxrl_llm import cli
 
-    _, config = cli.parse_train(["--run-dir", str(tmp_path / "run"), "--method", "dapo",
-                                 "--algorithm.objective", "grpo"])
+    _, config = cli.parse_train(
+        ["--run-dir", str(tmp_path / "run"), "--method", "dapo", "--algorithm.objective", "grpo"]
+    )
     assert config.algorithm == algorithms.DAPO
 
 
@@ -194,12 +221,14 @@ WHITENING = [(0, "std"), (1, "variance"), (0, "variance_floor")]
 def test_compute_advantages_ppo_is_whitened_gae_on_kl_penalised_token_rewards(ddof, eps_placement):
     rewards, mask, logp, ref_logp, values = _kl_reward_batch()
     method = dataclasses.replace(algorithms.PPO, std_ddof=ddof, eps_placement=eps_placement)
-    adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp,
-                                                    values=values)
+    adv, returns, _ = algorithms.compute_advantages(
+        method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp, values=values
+    )
     token_rewards = reference.kl_penalised_token_rewards(rewards, mask, logp, ref_logp, method.kl_reward_coef)
     expected_adv, expected_returns = reference.gae(token_rewards, values, mask, method.gamma, method.lam)
-    np.testing.assert_allclose(adv, reference.whiten(expected_adv, mask, ddof=ddof, eps_placement=eps_placement),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        adv, reference.whiten(expected_adv, mask, ddof=ddof, eps_placement=eps_placement), rtol=1e-4, atol=1e-5
+    )
     np.testing.assert_allclose(returns, expected_returns, rtol=1e-5, atol=1e-5)
 
 
@@ -207,22 +236,30 @@ def test_compute_advantages_ppo_is_whitened_gae_on_kl_penalised_token_rewards(dd
 @pytest.mark.parametrize("subtract_group_mean", [False, True])
 def test_compute_advantages_reinforce_pp_is_the_whitened_return_to_go(subtract_group_mean, ddof, eps_placement):
     rewards, mask, logp, ref_logp, _ = _kl_reward_batch(seed=1)
-    method = dataclasses.replace(algorithms.REINFORCE_PP, subtract_group_mean=subtract_group_mean, std_ddof=ddof,
-                                 eps_placement=eps_placement)
+    method = dataclasses.replace(
+        algorithms.REINFORCE_PP, subtract_group_mean=subtract_group_mean, std_ddof=ddof, eps_placement=eps_placement
+    )
     adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp)
     scores = rewards.astype(np.float64).reshape(3, 4)
     if subtract_group_mean:
         scores = scores - scores.mean(1, keepdims=True)
     token_rewards = reference.kl_penalised_token_rewards(scores.ravel(), mask, logp, ref_logp, method.kl_reward_coef)
-    expected = reference.whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask, eps=method.advantage_eps,
-                                ddof=ddof, eps_placement=eps_placement)
+    expected = reference.whiten(
+        reference.returns_to_go(token_rewards, mask, 1.0),
+        mask,
+        eps=method.advantage_eps,
+        ddof=ddof,
+        eps_placement=eps_placement,
+    )
     assert returns is None and adv.shape == mask.shape
     np.testing.assert_allclose(adv, expected, rtol=1e-4, atol=1e-5)
     # One estimator for every coefficient: no jump when it leaves 0.
-    at_zero, _, _ = algorithms.compute_advantages(dataclasses.replace(method, kl_reward_coef=0.0), rewards, mask,
-                                                  group_size=4, logp=logp, ref_logp=ref_logp)
-    near_zero, _, _ = algorithms.compute_advantages(dataclasses.replace(method, kl_reward_coef=1e-9), rewards, mask,
-                                                    group_size=4, logp=logp, ref_logp=ref_logp)
+    at_zero, _, _ = algorithms.compute_advantages(
+        dataclasses.replace(method, kl_reward_coef=0.0), rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp
+    )
+    near_zero, _, _ = algorithms.compute_advantages(
+        dataclasses.replace(method, kl_reward_coef=1e-9), rewards, mask, group_size=4, logp=logp, ref_logp=ref_logp
+    )
     np.testing.assert_allclose(near_zero, at_zero, atol=1e-6)
 
 

@@ -49,8 +49,9 @@ def rollout_flops(model, params, *, prompts: int, cache_sizes: list[int]) -> flo
     its cache size (attention scores and values), so XLA counts the smallest and the
     largest, and a middle size checks the line."""
     prompt = jnp.ones((prompts, bench.PROMPT_LEN), jnp.int32)
-    flops = xla_flops(lambda p: models.prefill(model, p, prompt, cache_size=cache_sizes[0], last_logits_only=True),
-                      params)
+    flops = xla_flops(
+        lambda p: models.prefill(model, p, prompt, cache_size=cache_sizes[0], last_logits_only=True), params
+    )
 
     def decode_flops(size: int) -> float:
         cache = models.init_cache(model, BATCH, size)._replace(index=jnp.asarray(size - 1, jnp.int32))
@@ -70,11 +71,11 @@ def test_teacher_forced_counts_match_xla(model_and_params):
     model, params = model_and_params
     counted, executed = bench.step_flops(bench.CONFIG), bench.step_flops(bench.CONFIG, executed=True)
     assert counted["logprobs"] == pytest.approx(teacher_forced_flops(model, params, group_size=1), rel=0.02)
-    assert executed["logprobs"] == pytest.approx(
-        teacher_forced_flops(model, params, group_size=bench.GROUP), rel=0.02)
+    assert executed["logprobs"] == pytest.approx(teacher_forced_flops(model, params, group_size=bench.GROUP), rel=0.02)
     # The update is forward + backward: 3x the forward's matmuls.
     assert counted["update"] == pytest.approx(
-        teacher_forced_flops(model, params, group_size=1, backward=True), rel=0.03)
+        teacher_forced_flops(model, params, group_size=1, backward=True), rel=0.03
+    )
     # Without shared prompts the teacher-forced passes execute the model count.
     assert bench.step_flops(bench.CONFIG, executed=True, share_prompts=False)["logprobs"] == counted["logprobs"]
 
@@ -83,8 +84,9 @@ def test_rollout_counts_match_xla(model_and_params):
     model, params = model_and_params
     decode_steps = bench.NEW_TOKENS - 1
     # Model count: every sequence's prompt, each decode step attending to the positions so far.
-    counted = rollout_flops(model, params, prompts=BATCH,
-                            cache_sizes=[bench.PROMPT_LEN + t for t in range(decode_steps + 1)])
+    counted = rollout_flops(
+        model, params, prompts=BATCH, cache_sizes=[bench.PROMPT_LEN + t for t in range(decode_steps + 1)]
+    )
     assert bench.step_flops(bench.CONFIG)["rollout"] == pytest.approx(counted, rel=0.02)
     # Executed: each prompt prefilled once, every step attending to all cache slots.
     executed = rollout_flops(model, params, prompts=bench.PROMPTS, cache_sizes=[TOTAL] * (decode_steps + 1))
@@ -97,13 +99,16 @@ def test_rollout_counts_match_xla(model_and_params):
 def test_loss_memory_prints_both_programs_and_they_agree(capsys):
     import loss_memory
 
-    results = loss_memory.main(["--tokens", "512", "--vocab", "2048", "--hidden", "32", "--chunk-size", "64",
-                                "--check-tokens", "96"])
+    results = loss_memory.main(
+        ["--tokens", "512", "--vocab", "2048", "--hidden", "32", "--chunk-size", "64", "--check-tokens", "96"]
+    )
     out = capsys.readouterr().out
     assert "| naive: [T, V] float32 logits" in out and "| chunked: ops.chunked_token_logprobs, chunk 64 |" in out
     assert "| dL/dW |" in out  # the numerical check ran (it raises beyond its tolerance)
-    assert all(parts["peak"] == parts["temp"] + parts["arguments"] + parts["outputs"] - parts["alias"]
-               for parts in results.values())
+    assert all(
+        parts["peak"] == parts["temp"] + parts["arguments"] + parts["outputs"] - parts["alias"]
+        for parts in results.values()
+    )
     assert results["chunked"]["temp"] < results["naive"]["temp"] / 2
 
 
@@ -122,8 +127,23 @@ def test_state_memory_prints_each_layout_and_fsdp_holds_an_eighth(capsys):
 def test_layer_scan_prints_every_variant_with_the_same_gradients(capsys):
     import layer_scan
 
-    results = layer_scan.main(["--tiny", "--layers", "2", "--rows", "4", "--prompt-len", "4", "--completion-len", "4",
-                               "--group-size", "2", "--repeats", "1"])
+    results = layer_scan.main(
+        [
+            "--tiny",
+            "--layers",
+            "2",
+            "--rows",
+            "4",
+            "--prompt-len",
+            "4",
+            "--completion-len",
+            "4",
+            "--group-size",
+            "2",
+            "--repeats",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert "| unrolled | no remat |" in out and "| scan | remat full |" in out
     assert set(results) == {"unrolled", "scan", "unrolled, remat full", "scan, remat full"}
@@ -134,8 +154,23 @@ def test_compile_depth_prints_the_programs_asked_for_unrolled_and_scanned(capsys
     import compile_depth
 
     # loss+grad is layer_scan.py's program, compiled unrolled and scanned by the test above.
-    results = compile_depth.main(["--tiny", "--depths", "2", "--programs", "sampler,logprobs", "--prompts", "2",
-                                  "--group-size", "2", "--prompt-len", "4", "--completion-len", "4"])
+    results = compile_depth.main(
+        [
+            "--tiny",
+            "--depths",
+            "2",
+            "--programs",
+            "sampler,logprobs",
+            "--prompts",
+            "2",
+            "--group-size",
+            "2",
+            "--prompt-len",
+            "4",
+            "--completion-len",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert "| sampler | 2 |" in out and "| logprobs | 2 |" in out and "loss+grad" not in out
     assert set(results) == {(p, 2, s) for p in ("sampler", "logprobs") for s in (False, True)}
@@ -153,8 +188,9 @@ def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives
 
     tasks.check_task(train_step.WordParityTask(vocab_size=512, prompt_len=16))
     assert set(side_by_side.SHAPES) == set(train_step.SHAPES)
-    result = train_step.main(["--shape", "tiny", "--layers", "1", "--group-size", "2", "--new-tokens", "3",
-                              "--repeats", "2"])
+    result = train_step.main(
+        ["--shape", "tiny", "--layers", "1", "--group-size", "2", "--new-tokens", "3", "--repeats", "2"]
+    )
     assert capsys.readouterr().out.splitlines()[-1] == json.dumps(result)  # what side_by_side.py reads
     assert (result["layers"], result["group"], result["new_tokens"], result["prompts"]) == (1, 2, 3, 8)
     phases = result["phases"]
@@ -171,15 +207,27 @@ def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives
     assert not config.tie_word_embeddings  # decoding gathers 8 rows of the input embedding, not all of it
     streamed = weights - 4 * config.vocab_size * config.hidden_size
     assert derived["decode_bandwidth_share"] == pytest.approx(
-        streamed * 2 / phases["rollout"]["median_s"] / bandwidth)  # 2 decode steps after the prefill's token
+        streamed * 2 / phases["rollout"]["median_s"] / bandwidth
+    )  # 2 decode steps after the prefill's token
 
     result.update(derived)
-    machine = {"cpu": "a CPU", "avx512": False, "cores": 2, "memory_gb": 24.0, "platform": "Linux",
-               "matmul_peak_flops": peak, "matmul_peak_shape": "[8, 8] @ [8, 8]",
-               "read_bandwidth_bytes_per_s": bandwidth}
+    machine = {
+        "cpu": "a CPU",
+        "avx512": False,
+        "cores": 2,
+        "memory_gb": 24.0,
+        "platform": "Linux",
+        "matmul_peak_flops": peak,
+        "matmul_peak_shape": "[8, 8] @ [8, 8]",
+        "read_bandwidth_bytes_per_s": bandwidth,
+    }
     peer = dict(result, library="peer", step_median_s=2 * result["step_median_s"])
-    report = {"date": "2026-12-04T00:00:00+00:00", "machine": machine, "versions": {"jaxrl_llm": result["versions"]},
-              "shapes": {"tiny": {"jaxrl_llm": result, "peer": peer}}}
+    report = {
+        "date": "2026-12-04T00:00:00+00:00",
+        "machine": machine,
+        "versions": {"jaxrl_llm": result["versions"]},
+        "shapes": {"tiny": {"jaxrl_llm": result, "peer": peer}},
+    }
     table = side_by_side.markdown(report)
     assert "2026-12-04" in table and "a CPU (2 cores)" in table and "100 GFLOP/s" in table
     rows = [line for line in table.splitlines() if line.startswith("| jaxrl_llm") or line.startswith("| peer")]

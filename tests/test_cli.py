@@ -13,9 +13,9 @@ import pytest
 import transformers
 
 from jaxrl_llm import algorithms, cli, runs, training
-from jaxrl_llm.training import loop
 from jaxrl_llm.runs import config as run_config
 from jaxrl_llm.runs import records, run
+from jaxrl_llm.training import loop
 
 
 def parse(*argv, run_dir="unused-run-dir"):
@@ -23,9 +23,23 @@ def parse(*argv, run_dir="unused-run-dir"):
 
 
 def test_flags_parse_booleans_optionals_literals_tuples_and_nested_fields():
-    config = parse("--train.share-prompts", "False", "--train.minibatch-size", "16", "--train.top_p", "0.9",
-                   "--model.param-dtype", "bfloat16", "--task.operators", "+", "-", "--steps", "7",
-                   "--algorithm.eps-high", "0.3")
+    config = parse(
+        "--train.share-prompts",
+        "False",
+        "--train.minibatch-size",
+        "16",
+        "--train.top_p",
+        "0.9",
+        "--model.param-dtype",
+        "bfloat16",
+        "--task.operators",
+        "+",
+        "-",
+        "--steps",
+        "7",
+        "--algorithm.eps-high",
+        "0.3",
+    )
     assert config.train.share_prompts is False and config.train.minibatch_size == 16 and config.train.top_p == 0.9
     assert config.model.param_dtype == "bfloat16" and config.task.operators == ("+", "-") and config.steps == 7
     assert config.algorithm.eps_high == 0.3 and config.algorithm.advantage == "grpo"
@@ -35,14 +49,29 @@ def test_flags_parse_booleans_optionals_literals_tuples_and_nested_fields():
 
 
 def test_grouped_train_settings_take_their_group_flags_and_their_flat_ones():
-    grouped = parse("--train.sampling.temperature", "0.7", "--train.sampling.max-new-tokens", "2",
-                    "--train.optimizer.learning-rate", "1e-5", "--train.optimizer.lr_schedule", "cosine")
-    flat = parse("--train.temperature", "0.7", "--train.max_new_tokens=2", "--train.learning-rate", "1e-5",
-                 "--train.lr-schedule=cosine")
+    grouped = parse(
+        "--train.sampling.temperature",
+        "0.7",
+        "--train.sampling.max-new-tokens",
+        "2",
+        "--train.optimizer.learning-rate",
+        "1e-5",
+        "--train.optimizer.lr_schedule",
+        "cosine",
+    )
+    flat = parse(
+        "--train.temperature",
+        "0.7",
+        "--train.max_new_tokens=2",
+        "--train.learning-rate",
+        "1e-5",
+        "--train.lr-schedule=cosine",
+    )
     assert grouped == flat
     assert grouped.train.sampling == training.config.SamplingConfig(temperature=0.7, max_new_tokens=2)
-    assert grouped.train.optimizer == dataclasses.replace(runs.RunConfig().train.optimizer, learning_rate=1e-5,
-                                                          lr_schedule="cosine")
+    assert grouped.train.optimizer == dataclasses.replace(
+        runs.RunConfig().train.optimizer, learning_rate=1e-5, lr_schedule="cosine"
+    )
     assert (flat.train.temperature, flat.train.learning_rate) == (0.7, 1e-5)  # the flat names read them too
 
 
@@ -56,22 +85,29 @@ def test_method_picks_the_preset_and_config_files_override_it(tmp_path):
     assert config.train.group_size == runs.RunConfig().train.group_size  # the run's default, not TrainConfig()'s
     # --method replaces the file's preset; the file's [algorithm] table applies to it.
     assert parse("--config", str(path), "--method", "reinforce++").algorithm == dataclasses.replace(
-        algorithms.REINFORCE_PP, kl_reward_coef=0.05)
+        algorithms.REINFORCE_PP, kl_reward_coef=0.05
+    )
 
 
 def test_conventions_give_the_method_a_peers_numerics_and_explicit_fields_win(tmp_path):
     assert parse("--method", "dr-grpo", "--conventions", "verl").algorithm == algorithms.DR_GRPO.matching("verl")
     assert parse("--conventions", "trl", "--algorithm.advantage-eps", "0.01").algorithm == dataclasses.replace(
-        algorithms.GRPO.matching("trl"), advantage_eps=0.01)
+        algorithms.GRPO.matching("trl"), advantage_eps=0.01
+    )
     path = tmp_path / "run.toml"
     path.write_text('method = "ppo"\nconventions = "openrlhf"\n[algorithm]\nkl_clamp = 5.0\n')
-    assert parse("--config", str(path)).algorithm == dataclasses.replace(algorithms.PPO.matching("openrlhf"),
-                                                                         kl_clamp=5.0)
+    assert parse("--config", str(path)).algorithm == dataclasses.replace(
+        algorithms.PPO.matching("openrlhf"), kl_clamp=5.0
+    )
     assert parse("--config", str(path), "--conventions", "verl").algorithm == dataclasses.replace(
-        algorithms.PPO.matching("verl"), kl_clamp=5.0)
+        algorithms.PPO.matching("verl"), kl_clamp=5.0
+    )
     path.write_text('conventions = "tunix"\n')
-    with pytest.raises(cli.UsageError, match=r"conventions: Algorithm.matching: `library` must be one of 'trl', "
-                                             r"'verl', 'openrlhf'; got 'tunix'"):
+    with pytest.raises(
+        cli.UsageError,
+        match=r"conventions: Algorithm.matching: `library` must be one of 'trl', "
+        r"'verl', 'openrlhf'; got 'tunix'",
+    ):
         parse("--config", str(path))
     with pytest.raises(SystemExit) as exit_info:
         parse("--conventions", "tunix")
@@ -86,27 +122,40 @@ def test_the_default_config_file_is_the_embedded_default_and_every_named_config_
     assert tiny.model.path is None and tiny.task.name == "arithmetic" and tiny.steps < 10
 
 
-@pytest.mark.parametrize("flags", [("--method", "ppo", "--train.top-k", "5", "--task.operators", "+", "*"),
-                                   ("--algorithm.eps-high", "0.3", "--algorithm.kl-coef", "0.5")])  # the default method
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--method", "ppo", "--train.top-k", "5", "--task.operators", "+", "*"),
+        ("--algorithm.eps-high", "0.3", "--algorithm.kl-coef", "0.5"),
+    ],
+)  # the default method
 def test_a_stored_config_loads_back_to_the_same_run_config(flags):
     config = parse(*flags)
     assert run_config.from_dict(json.loads(json.dumps(run_config.to_dict(config)))) == config
     assert run_config.from_dict({"algorithm": {"eps_high": 0.3}}).algorithm.eps_high == 0.3
 
 
-@pytest.mark.parametrize("content, message", [
-    ("tensorboard = \"no\"", "config.tensorboard must be true or false; got 'no'"),
-    ("[task]\nrewards = \"exact_match\"", "config.task.rewards must be a list"),
-    ("[train]\nseed = true", "config.train.seed must be an integer; got True"),
-    ("[model]\nparam_dtype = \"fp16\"", "must be one of 'float32', 'bfloat16'; got 'fp16'"),
-    ("[task]\noperators = [\"+\", 2]", "config.task.operators[1] must be a string; got 2"),
-    ("steps = 0", "`steps` must be an integer >= 1"),
-    ("[train]\ntemperature = 0.5\n[train.sampling]\ntemperature = 0.4",
-     "config.train: `temperature` is given twice, as config.train.temperature and config.train.sampling.temperature"),
-    ("[train.optimizer]\nlearning_rat = 1e-5", "config.train.optimizer: unknown key 'learning_rat' (did you mean "
-                                               "'learning_rate'?)"),
-    ("[train.sampling]\ntemperature = 0.0", "TrainConfig: `sampling.temperature` must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('tensorboard = "no"', "config.tensorboard must be true or false; got 'no'"),
+        ('[task]\nrewards = "exact_match"', "config.task.rewards must be a list"),
+        ("[train]\nseed = true", "config.train.seed must be an integer; got True"),
+        ('[model]\nparam_dtype = "fp16"', "must be one of 'float32', 'bfloat16'; got 'fp16'"),
+        ('[task]\noperators = ["+", 2]', "config.task.operators[1] must be a string; got 2"),
+        ("steps = 0", "`steps` must be an integer >= 1"),
+        (
+            "[train]\ntemperature = 0.5\n[train.sampling]\ntemperature = 0.4",
+            "config.train: `temperature` is given twice, as config.train.temperature and "
+            "config.train.sampling.temperature",
+        ),
+        (
+            "[train.optimizer]\nlearning_rat = 1e-5",
+            "config.train.optimizer: unknown key 'learning_rat' (did you mean 'learning_rate'?)",
+        ),
+        ("[train.sampling]\ntemperature = 0.0", "TrainConfig: `sampling.temperature` must be a finite number > 0"),
+    ],
+)
 def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(content)
@@ -114,27 +163,29 @@ def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_
         run_config.from_dict(tomllib.loads(path.read_text()))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--bogus", "1"], "Unrecognized options: --bogus"),
-    (["--train.share-prompts", "maybe"], "True"),
-    (["--algorithm.eps-low", "-0.1"], "eps_low"),
-    (["--train.group-size", "1"], "group_size >= 2"),
-    (["--method", "rloo", "--train.group-size", "1"], "group_size >= 2"),
-    (["--train.minibatch-size", "5"], "must divide the batch"),
-    (["--train.num-prompts", "0"], "num_prompts"),
-    (["--method", "grpo++"], "Unknown algorithm 'grpo++'; known: pg, "),
-    (["--config", "no-such-config"], "no config named 'no-such-config'"),
-    (["--model.path", "/no/such/model"], "is not a directory"),
-    (["--task.name", "jsonl"], "set task.path"),
-    (["--task.rewards", "exact_matc"], "unknown reward 'exact_matc'; the built-in ones are exact_match"),
-    (["--train.max-new-tokens", "100000"], "= 100512 positions, more than the built-in model takes"),
-    (["--train.seed", "-1"], "seed"),
-    (["--train.sampling.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
-    (["--train.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
-    (["--train.optimizer.adam-b1", "1"], "OptimizerConfig: `adam_b1` must be in [0.0, 1.0); got 1.0"),
-])
-def test_bad_settings_exit_with_status_2_and_a_message_before_any_compute(argv, message, tmp_path, capsys,
-                                                                       monkeypatch):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bogus", "1"], "Unrecognized options: --bogus"),
+        (["--train.share-prompts", "maybe"], "True"),
+        (["--algorithm.eps-low", "-0.1"], "eps_low"),
+        (["--train.group-size", "1"], "group_size >= 2"),
+        (["--method", "rloo", "--train.group-size", "1"], "group_size >= 2"),
+        (["--train.minibatch-size", "5"], "must divide the batch"),
+        (["--train.num-prompts", "0"], "num_prompts"),
+        (["--method", "grpo++"], "Unknown algorithm 'grpo++'; known: pg, "),
+        (["--config", "no-such-config"], "no config named 'no-such-config'"),
+        (["--model.path", "/no/such/model"], "is not a directory"),
+        (["--task.name", "jsonl"], "set task.path"),
+        (["--task.rewards", "exact_matc"], "unknown reward 'exact_matc'; the built-in ones are exact_match"),
+        (["--train.max-new-tokens", "100000"], "= 100512 positions, more than the built-in model takes"),
+        (["--train.seed", "-1"], "seed"),
+        (["--train.sampling.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
+        (["--train.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
+        (["--train.optimizer.adam-b1", "1"], "OptimizerConfig: `adam_b1` must be in [0.0, 1.0); got 1.0"),
+    ],
+)
+def test_bad_settings_exit_with_status_2_and_a_message_before_any_compute(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(run.build, "model", lambda *a, **k: pytest.fail("compute started"))
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--run-dir", str(tmp_path / "run"), *argv])
@@ -237,7 +288,8 @@ def test_eval_and_export_of_a_run(finished_run, tmp_path, capsys):
         assert saved["step"] == step and saved["eval_examples"] == 8  # the tiny task's 8 held-out expressions
         during_training = runs.read_metrics(run_dir)[step - 1]
         assert {k: v for k, v in saved.items() if k.startswith("eval_") and k != "eval_seconds"} == {
-            k: v for k, v in during_training.items() if k.startswith("eval_") and k != "eval_seconds"}
+            k: v for k, v in during_training.items() if k.startswith("eval_") and k != "eval_seconds"
+        }
     assert cli.main(["eval", "--run-dir", str(run_dir), "--num-samples", "4"]) == 0
     assert json.loads((run_dir / "eval" / "step-5.json").read_text())["eval_pass@4"] >= 0
 
@@ -252,10 +304,15 @@ def test_eval_and_export_of_a_run(finished_run, tmp_path, capsys):
     tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
     generation = transformers.GenerationConfig.from_pretrained(out_dir)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "Solve 1 + 2"}], tokenize=False,
-                                         add_generation_prompt=True) == "u:Solve 1 + 2\na:"
-    assert tokenizer.eos_token_id in ([generation.eos_token_id] if isinstance(generation.eos_token_id, int)
-                                      else generation.eos_token_id)
+    assert (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Solve 1 + 2"}], tokenize=False, add_generation_prompt=True
+        )
+        == "u:Solve 1 + 2\na:"
+    )
+    assert tokenizer.eos_token_id in (
+        [generation.eos_token_id] if isinstance(generation.eos_token_id, int) else generation.eos_token_id
+    )
     assert model.config.vocab_size == len(tokenizer)
 
     with pytest.raises(SystemExit) as exit_:
@@ -268,12 +325,17 @@ def test_eval_of_an_exported_model_directory_matches_the_runs_evaluation(finishe
     run_dir = finished_run[0]
     assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "policy")]) == 0
     assert cli.main(["eval", "--run-dir", str(run_dir), "--out", str(tmp_path / "run.json")]) == 0
-    assert cli.main(["eval", "--model", str(tmp_path / "policy"), "--config", "tiny",
-                     "--out", str(tmp_path / "model.json")]) == 0
+    assert (
+        cli.main(
+            ["eval", "--model", str(tmp_path / "policy"), "--config", "tiny", "--out", str(tmp_path / "model.json")]
+        )
+        == 0
+    )
     from_run = json.loads((tmp_path / "run.json").read_text())
     from_model = json.loads((tmp_path / "model.json").read_text())
     assert {k: v for k, v in from_model.items() if k != "eval_seconds"} == {
-        k: v for k, v in from_run.items() if k not in ("step", "eval_seconds")}
+        k: v for k, v in from_run.items() if k not in ("step", "eval_seconds")
+    }
     with pytest.raises(SystemExit) as exit_:
         cli.main(["eval", "--model", str(tmp_path / "missing")])
     assert exit_.value.code == 2 and "is not a directory" in capsys.readouterr().err

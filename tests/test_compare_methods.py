@@ -31,16 +31,19 @@ def test_the_flags_parse_to_the_config(tmp_path):
     assert config.algorithms == ("grpo", "rloo", "ppo") and config.plot and config.out_dir == out_dir
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--rl-steps", "0"], "`rl_steps` must be an integer >= 1; got 0"),
-    (["--rl-steps", "two"], "--rl-steps"),
-    (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
-    (["--group-size", "1", "--algorithms", "grpo"], "Algorithm 'grpo' compares each completion"),
-    (["--algorithms", "grpo2"], "Unknown algorithm 'grpo2'"),
-    (["--algorithms", ","], "`algorithms`: No method named"),
-    (["--sft-accuracy", "1.5"], r"`sft_accuracy` must be in \[0.0, 1.0\]; got 1.5"),
-    (["--out-dir", __file__], "`out_dir` must be a directory"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rl-steps", "0"], "`rl_steps` must be an integer >= 1; got 0"),
+        (["--rl-steps", "two"], "--rl-steps"),
+        (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
+        (["--group-size", "1", "--algorithms", "grpo"], "Algorithm 'grpo' compares each completion"),
+        (["--algorithms", "grpo2"], "Unknown algorithm 'grpo2'"),
+        (["--algorithms", ","], "`algorithms`: No method named"),
+        (["--sft-accuracy", "1.5"], r"`sft_accuracy` must be in \[0.0, 1.0\]; got 1.5"),
+        (["--out-dir", __file__], "`out_dir` must be a directory"),
+    ],
+)
 def test_bad_settings_exit_with_status_2_before_any_compute(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(compare_methods, "warm_started_model", lambda *a: pytest.fail("the warm start ran"))
     with pytest.raises(SystemExit) as exit_:
@@ -80,7 +83,9 @@ def test_the_main_job_interrupted_writes_the_methods_done_and_exits_130(tmp_path
         compare_methods.main([*SMALL, "--algorithms", "pg,grpo,ppo", "--out-dir", str(tmp_path), "--no-plot"])
     out = capsys.readouterr().out
     assert exit_.value.code == 130
-    assert "Interrupted: grpo after 1 of 2 steps." in out and "\n| pg " in out and "ppo" not in out.split("Interrupted")[1]
+    assert (
+        "Interrupted: grpo after 1 of 2 steps." in out and "\n| pg " in out and "ppo" not in out.split("Interrupted")[1]
+    )
     written = json.loads((tmp_path / "results.json").read_text())
     assert [row["algorithm"] for row in written["methods"]] == ["pg"]
     assert written["interrupted"] == "Interrupted: grpo after 1 of 2 steps."
@@ -88,8 +93,10 @@ def test_the_main_job_interrupted_writes_the_methods_done_and_exits_130(tmp_path
 
 
 def test_the_plot_has_one_smoothed_curve_per_method(tmp_path):
-    rows = [{"algorithm": name, "rewards": list(np.linspace(0.2, 1.2, 12) + 0.01 * i)}
-            for i, name in enumerate(algorithms.PRESETS)]
+    rows = [
+        {"algorithm": name, "rewards": list(np.linspace(0.2, 1.2, 12) + 0.01 * i)}
+        for i, name in enumerate(algorithms.PRESETS)
+    ]
     figure = compare_methods.plot_rewards(rows, tmp_path / "rewards.png", title="test")
     (ax,) = figure.axes
     lines = ax.get_lines()
@@ -102,6 +109,6 @@ def test_the_plot_has_one_smoothed_curve_per_method(tmp_path):
 
 def test_moving_average_is_the_trailing_mean():
     x = np.array([1.0, 3.0, 2.0, 8.0, 0.0, 5.0])
-    expected = [np.mean(x[max(0, i - 2):i + 1]) for i in range(len(x))]
+    expected = [np.mean(x[max(0, i - 2) : i + 1]) for i in range(len(x))]
     np.testing.assert_allclose(compare_methods.moving_average(x, 3), expected)
     np.testing.assert_allclose(compare_methods.moving_average(x, 1), x)

@@ -37,8 +37,9 @@ def _start(cache: str, *args: str, compile_first: bool = False) -> subprocess.Po
     """CHILD in this environment without JAX's cache settings, with ``JAXRL_LLM_COMPILATION_CACHE=cache``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
     env.update({compilation_cache.ENV: cache, "JAX_PLATFORMS": "cpu", "COMPILE_FIRST": "1" if compile_first else ""})
-    return subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _result(process: subprocess.Popen) -> dict:
@@ -80,8 +81,9 @@ def test_the_default_directory_follows_the_environment(monkeypatch, tmp_path):
         assert compilation_cache.default_directory() is None
 
 
-@pytest.mark.skipif(bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")),
-                    reason="this process has a cache directory of its own")
+@pytest.mark.skipif(
+    bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")), reason="this process has a cache directory of its own"
+)
 def test_enable_is_idempotent_and_disable_undoes_it(monkeypatch, tmp_path):
     suites = jax.config.jax_compilation_cache_dir  # the test session's cache (conftest): set aside, then back
     compilation_cache.disable()

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- One process: every helper is a plain conversion ---------------------------------------
 
+
 def test_a_multi_process_run_without_a_mesh_over_every_device_or_with_its_own_backend_is_refused(monkeypatch):
     from jaxrl_llm import training
 
@@ -47,8 +48,9 @@ def test_one_process_holds_every_row_and_the_helpers_convert_plainly():
 
     x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     tree = {"rows": x, "count": np.int32(5), "none": None}
-    placed = distributed.global_array(tree, mesh, {"rows": PartitionSpec(("data", "fsdp")), "count": PartitionSpec(),
-                                                   "none": None})
+    placed = distributed.global_array(
+        tree, mesh, {"rows": PartitionSpec(("data", "fsdp")), "count": PartitionSpec(), "none": None}
+    )
     assert placed["none"] is None and placed["count"].sharding.is_fully_replicated
     assert placed["rows"].sharding.spec == PartitionSpec(("data", "fsdp"))
     assert [s.data.shape for s in placed["rows"].addressable_shards] == [(2, 3)] * 8
@@ -76,6 +78,7 @@ def test_initialize_after_jax_started_says_so():
 
 # --- Two processes ------------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -91,9 +94,23 @@ def _start_workers(tmp_path, count: int = 2):
     workers = []
     for i in range(count):
         log = open(tmp_path / f"process_{i}.log", "w+")
-        command = [sys.executable, "-m", "tests.distributed_worker", "--process-id", str(i), "--num-processes",
-                   str(count), "--port", str(port), "--devices", "4", "--out", str(out), "--checkpoints",
-                   str(checkpoints)]
+        command = [
+            sys.executable,
+            "-m",
+            "tests.distributed_worker",
+            "--process-id",
+            str(i),
+            "--num-processes",
+            str(count),
+            "--port",
+            str(port),
+            "--devices",
+            "4",
+            "--out",
+            str(out),
+            "--checkpoints",
+            str(checkpoints),
+        ]
         workers.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     return workers, out
 
@@ -161,12 +178,22 @@ def test_two_processes_train_like_one_process_on_as_many_devices(tmp_path):
             # Process i's devices are the mesh's data slice i: the batch's i-th half.
             np.testing.assert_array_equal(rows, np.arange(i * worker.B // 2, (i + 1) * worker.B // 2))
             for field in ("advantages", "old_logp"):
-                np.testing.assert_allclose(saved[f"{name}/{field}"], local[field][rows], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{name} {field} of process {i}")
+                np.testing.assert_allclose(
+                    saved[f"{name}/{field}"],
+                    local[field][rows],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    err_msg=f"{name} {field} of process {i}",
+                )
             for step, metrics in enumerate(history):
                 for key, value in metrics.items():
-                    np.testing.assert_allclose(saved[f"{name}/metric/{step}/{key}"], value, rtol=1e-5, atol=1e-6,
-                                               err_msg=f"{name} step {step} {key} of process {i}")
+                    np.testing.assert_allclose(
+                        saved[f"{name}/metric/{step}/{key}"],
+                        value,
+                        rtol=1e-5,
+                        atol=1e-6,
+                        err_msg=f"{name} step {step} {key} of process {i}",
+                    )
             assert saved[f"{name}/restored"]
 
 
@@ -181,15 +208,44 @@ def test_the_cli_trains_over_two_processes_like_one_and_only_process_0_writes(tm
     from jaxrl_llm import cli
     from jaxrl_llm.runs import run as runs
 
-    flags = ["--config", "tiny", "--steps", "2", "--save-every", "1", "--mesh.fsdp", "4", "--train.num-prompts", "4",
-             "--train.eval-every", "2", "--tensorboard", "False", "--progress", "off"]
+    flags = [
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--mesh.fsdp",
+        "4",
+        "--train.num-prompts",
+        "4",
+        "--train.eval-every",
+        "2",
+        "--tensorboard",
+        "False",
+        "--progress",
+        "off",
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": ROOT}
     port = _free_port()
     workers = []
     for i in range(2):
         log = open(tmp_path / f"cli_{i}.log", "w+")
-        command = [sys.executable, "-m", "jaxrl_llm", "train", *flags, "--run-dir", str(tmp_path / "two"),
-                   "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)]
+        command = [
+            sys.executable,
+            "-m",
+            "jaxrl_llm",
+            "train",
+            *flags,
+            "--run-dir",
+            str(tmp_path / "two"),
+            "--coordinator-address",
+            f"localhost:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+        ]
         workers.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     try:
         args, config = cli.parse_train([*flags, "--run-dir", str(tmp_path / "one")])

@@ -59,7 +59,7 @@ def blocks(page: str) -> list[Block]:
             language = line[3:].strip()
             end = lines.index("```", i + 1)
             marker = MARKER.fullmatch(lines[i - 1]) if i else None
-            found.append(Block(page, marker and marker.group(1), language, "\n".join(lines[i + 1:end]), i + 1))
+            found.append(Block(page, marker and marker.group(1), language, "\n".join(lines[i + 1 : end]), i + 1))
             i = end
         i += 1
     return found
@@ -94,8 +94,13 @@ def _core(tmp_path) -> dict:
     tokens = jnp.asarray(rng.integers(0, V, (P * G, T)))
     logp = jnp.asarray(np.log(rng.dirichlet(np.ones(V), (P * G, T))), jnp.float32)
     old = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-    batch = _Batch(tokens, old, jnp.asarray(rng.integers(0, 2, (P, G)), jnp.float32),
-                   jnp.asarray(rng.integers(0, 2, (P * G, T)), bool).at[:, 0].set(True), old - 0.1)
+    batch = _Batch(
+        tokens,
+        old,
+        jnp.asarray(rng.integers(0, 2, (P, G)), jnp.float32),
+        jnp.asarray(rng.integers(0, 2, (P * G, T)), bool).at[:, 0].set(True),
+        old - 0.1,
+    )
     return dict(apply=lambda params, tokens: params["embed"][tokens], params=params, batch=batch)
 
 
@@ -151,8 +156,17 @@ def _policy() -> tuple:
 def _rollout(tmp_path) -> dict:
     task, model, params = _policy()
     prompts = task.prompts(np.random.default_rng(0), 3)
-    return dict(model=model, params=params, prompt_tokens=prompts.tokens, prompt_mask=prompts.mask,
-                key=jax.random.key(1), G=4, N=5, eos_id=task.eos_id, pad_id=task.pad_id)
+    return dict(
+        model=model,
+        params=params,
+        prompt_tokens=prompts.tokens,
+        prompt_mask=prompts.mask,
+        key=jax.random.key(1),
+        G=4,
+        N=5,
+        eos_id=task.eos_id,
+        pad_id=task.pad_id,
+    )
 
 
 def _rollout_check(namespace: dict, code: str):
@@ -170,8 +184,12 @@ def _train_check(namespace: dict, code: str):
 
 def _mesh(tmp_path) -> dict:
     task, model, params = _policy()
-    return dict(model=model, params=params, task=task, config=training.TrainConfig(num_prompts=4, group_size=2,
-                                                                                   max_new_tokens=2))
+    return dict(
+        model=model,
+        params=params,
+        task=task,
+        config=training.TrainConfig(num_prompts=4, group_size=2, max_new_tokens=2),
+    )
 
 
 def _mesh_check(namespace: dict, code: str):
@@ -203,8 +221,10 @@ ELSEWHERE = {
 
 
 def _python_examples() -> list:
-    return [pytest.param(page, name, marks=[pytest.mark.slow] if (page, name) in SLOW else [], id=f"{page}:{name}")
-            for page, name in GIVEN]
+    return [
+        pytest.param(page, name, marks=[pytest.mark.slow] if (page, name) in SLOW else [], id=f"{page}:{name}")
+        for page, name in GIVEN
+    ]
 
 
 @pytest.mark.parametrize("page, name", _python_examples())
@@ -233,12 +253,14 @@ def test_every_code_block_is_output_or_an_example_that_a_test_runs():
             assert block.name, f"{where}: a {block.language} block without an <!-- example: NAME --> marker"
             if block.language == "python":
                 assert ((page, block.name) in GIVEN) != ((page, block.name) in ELSEWHERE), (
-                    f"{where}: the Python example {block.name!r} is run by no test (or by two)")
+                    f"{where}: the Python example {block.name!r} is run by no test (or by two)"
+                )
     for page, name in [*GIVEN, *ELSEWHERE]:
         example(page, name)  # each exists, once
 
 
 # --- TOML and bash ------------------------------------------------------------------------
+
 
 def _examples(language: str) -> list:
     return [pytest.param(b, id=f"{b.page}:{b.name}") for page in PAGES for b in blocks(page) if b.language == language]
@@ -269,7 +291,7 @@ def _check_command(line: str, capsys):
     if "experiments/compare_methods.py" in words:
         from experiments import compare_methods
 
-        args = words[words.index("experiments/compare_methods.py") + 1:]
+        args = words[words.index("experiments/compare_methods.py") + 1 :]
         if args == ["--help"]:
             with pytest.raises(SystemExit) as exit_:
                 compare_methods.parse(args)
@@ -279,7 +301,7 @@ def _check_command(line: str, capsys):
         return
     programs = [i for i, w in enumerate(words) if w.endswith("jaxrl-llm")]
     assert programs, f"{line}: names no command the docs test knows (make, jaxrl-llm, compare_methods.py)"
-    command, *argv = words[programs[0] + 1:]
+    command, *argv = words[programs[0] + 1 :]
     if command == "train":
         args, config = cli.parse_train(argv)
         assert isinstance(config, runs.RunConfig) and args.run_dir
@@ -319,13 +341,16 @@ def test_make_run_is_the_command_the_readme_names():
 
 # --- The README's table of TRL's names -----------------------------------------------------
 
+
 def test_every_name_of_ours_in_the_trl_table_exists():
     text = (ROOT / "README.md").read_text()
     table = text.split("## From TRL's `GRPOConfig`", 1)[1].split("\n## ", 1)[0]
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
     assert len(rows) > 30
     fields = {
-        "train": training.TrainConfig, "algorithm": algorithms.Algorithm, "task": runs.TaskSpec,
+        "train": training.TrainConfig,
+        "algorithm": algorithms.Algorithm,
+        "task": runs.TaskSpec,
         "model": runs.ModelSpec,
     }
     names = {f.name for f in dataclasses.fields(runs.RunConfig)}
@@ -352,6 +377,7 @@ def test_every_name_of_ours_in_the_trl_table_exists():
 
 
 # --- Links ---------------------------------------------------------------------------------
+
 
 def _anchor(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""

@@ -66,17 +66,20 @@ def test_pass_at_k_is_vectorized_over_problems():
     np.testing.assert_allclose(pass_at_k(n, c, 1), expected, atol=1e-12)
 
 
-@pytest.mark.parametrize(("n", "c", "k", "match"), [
-    (3, 1, 4, r"`k` must be <= num_samples.*k = 4 with n = 3"),
-    (np.array([4, 2]), np.array([1, 1]), 3, r"k = 3 with n = 2, c = 1 at problem 1\.$"),
-    (3, 0, 0, r"`k` must be an integer >= 1"),
-    (3, 4, 1, r"`num_correct` must be in \[0, num_samples\]"),
-    (3, -1, 1, r"`num_correct` must be in \[0, num_samples\]"),
-    (np.ones((2, 2), np.int64), np.array([[0, 1], [2, 1]]), 1, r"n = 1, c = 2 at problem \(1, 0\)"),
-    (0, 0, 1, r"`num_samples` must be >= 1"),
-    (3.0, 1, 1, r"`num_samples` must be an integer"),
-    (np.array([3, 3]), np.array([1, 1, 1]), 1, r"broadcastable"),
-])
+@pytest.mark.parametrize(
+    ("n", "c", "k", "match"),
+    [
+        (3, 1, 4, r"`k` must be <= num_samples.*k = 4 with n = 3"),
+        (np.array([4, 2]), np.array([1, 1]), 3, r"k = 3 with n = 2, c = 1 at problem 1\.$"),
+        (3, 0, 0, r"`k` must be an integer >= 1"),
+        (3, 4, 1, r"`num_correct` must be in \[0, num_samples\]"),
+        (3, -1, 1, r"`num_correct` must be in \[0, num_samples\]"),
+        (np.ones((2, 2), np.int64), np.array([[0, 1], [2, 1]]), 1, r"n = 1, c = 2 at problem \(1, 0\)"),
+        (0, 0, 1, r"`num_samples` must be >= 1"),
+        (3.0, 1, 1, r"`num_samples` must be an integer"),
+        (np.array([3, 3]), np.array([1, 1, 1]), 1, r"broadcastable"),
+    ],
+)
 def test_pass_at_k_rejects_bad_arguments(n, c, k, match):
     with pytest.raises(ValueError, match=match):
         pass_at_k(n, c, k)
@@ -112,6 +115,7 @@ class AlwaysRight(DigitSumTask):
     def reward_fns(self):
         def always(*, completions, **kwargs):
             return [1.0] * len(completions)
+
         return (always,)
 
     @property
@@ -137,8 +141,16 @@ class NoTestSplit(DigitSumTask):
 def policy():
     """A tiny random decoder; its weights scaled up so that its greedy answers vary with the prompt."""
     task = DigitSumTask()
-    config = models.ModelConfig(vocab_size=len(task.tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
-                                num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+    config = models.ModelConfig(
+        vocab_size=len(task.tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
     model, params = models.init(config, jax.random.key(0))
     return model, jax.tree.map(lambda x: 4 * x, params)
 
@@ -150,8 +162,18 @@ def independent_greedy(policy):
     task = DigitSumTask()
     texts = [f"{a}+{b}=" for a in range(10) for b in range(10)]  # example i = 10 a + b
     ids = np.array([task.tokenizer.convert_tokens_to_ids(list(text)) for text in texts], np.int32)  # [100, 4]
-    rollout = sampling.sample(model, params, ids, np.ones_like(ids, bool), jax.random.key(1), num_samples=1,
-                              max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, eos_ids=task.eos_ids, pad_id=task.pad_id)
+    rollout = sampling.sample(
+        model,
+        params,
+        ids,
+        np.ones_like(ids, bool),
+        jax.random.key(1),
+        num_samples=1,
+        max_new_tokens=MAX_NEW_TOKENS,
+        temperature=0.0,
+        eos_ids=task.eos_ids,
+        pad_id=task.pad_id,
+    )
     answers = np.array([(a + b) % 10 for a in range(10) for b in range(10)])
     return np.asarray(rollout.completion_tokens), np.asarray(rollout.lengths), answers
 
@@ -160,8 +182,9 @@ def test_greedy_accuracy_and_pass_at_k_match_independent_computations(policy, in
     model, params = policy
     task = RecordingDigits()
     n = 4
-    metrics = evaluate(model, params, task, num_samples=n, max_new_tokens=MAX_NEW_TOKENS, batch_size=32,
-                       progress=False)  # 32 does not divide 100: batches of 32, 32, 32, 4
+    metrics = evaluate(
+        model, params, task, num_samples=n, max_new_tokens=MAX_NEW_TOKENS, batch_size=32, progress=False
+    )  # 32 does not divide 100: batches of 32, 32, 32, 4
     assert set(metrics) == {"examples", "greedy_accuracy", "greedy_reward", "reward", "pass@1", "pass@2", "pass@4"}
     assert all(isinstance(v, float) for v in metrics.values())
     assert metrics["examples"] == 100
@@ -192,8 +215,9 @@ def test_greedy_accuracy_and_pass_at_k_match_independent_computations(policy, in
     # The same seed, the same numbers; the sampled ones depend on it.
     again = evaluate(model, params, DigitSumTask(), num_samples=n, max_new_tokens=MAX_NEW_TOKENS, progress=False)
     assert again == metrics
-    other = evaluate(model, params, DigitSumTask(), num_samples=n, max_new_tokens=MAX_NEW_TOKENS, progress=False,
-                     seed=1)
+    other = evaluate(
+        model, params, DigitSumTask(), num_samples=n, max_new_tokens=MAX_NEW_TOKENS, progress=False, seed=1
+    )
     assert other["greedy_accuracy"] == metrics["greedy_accuracy"] and other["pass@1"] != metrics["pass@1"]
 
 
@@ -225,30 +249,50 @@ def test_correct_reward_and_threshold_define_solved(policy, independent_greedy):
     tokens, lengths, answers = independent_greedy
     digit_ids = np.array(task.tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))
     stopped = (tokens[:, 0] == digit_ids[answers]) & (lengths == 2) & (tokens[:, 1] == task.eos_id)
-    by_name = evaluate(model, params, task, max_new_tokens=MAX_NEW_TOKENS, correct_reward="stops", threshold=0.5,
-                       progress=False)
-    by_index = evaluate(model, params, task, max_new_tokens=MAX_NEW_TOKENS, correct_reward=1, threshold=0.5,
-                        progress=False)
+    by_name = evaluate(
+        model, params, task, max_new_tokens=MAX_NEW_TOKENS, correct_reward="stops", threshold=0.5, progress=False
+    )
+    by_index = evaluate(
+        model, params, task, max_new_tokens=MAX_NEW_TOKENS, correct_reward=1, threshold=0.5, progress=False
+    )
     assert by_name == by_index
     assert by_name["greedy_accuracy"] == pytest.approx(stopped.mean(), abs=1e-12)
     assert set(by_name) == {"examples", "greedy_accuracy", "greedy_reward"}  # no sampling: greedy only
     # "stops" gives at most 0.5: never solved at threshold 1.
-    assert evaluate(model, params, task, max_new_tokens=MAX_NEW_TOKENS, correct_reward="stops",
-                    progress=False)["greedy_accuracy"] == 0.0
+    assert (
+        evaluate(model, params, task, max_new_tokens=MAX_NEW_TOKENS, correct_reward="stops", progress=False)[
+            "greedy_accuracy"
+        ]
+        == 0.0
+    )
 
 
 def test_an_always_correct_model_scores_one(policy):
     model, params = policy
     metrics = evaluate(model, params, AlwaysRight(), num_samples=4, max_new_tokens=MAX_NEW_TOKENS, progress=False)
-    assert metrics == {"examples": 100.0, "greedy_accuracy": 1.0, "greedy_reward": 1.0, "reward": 1.0,
-                       "pass@1": 1.0, "pass@2": 1.0, "pass@4": 1.0}
+    assert metrics == {
+        "examples": 100.0,
+        "greedy_accuracy": 1.0,
+        "greedy_reward": 1.0,
+        "reward": 1.0,
+        "pass@1": 1.0,
+        "pass@2": 1.0,
+        "pass@4": 1.0,
+    }
 
 
 def test_truncation_settings_reach_the_sampler(policy):
     """min_p = 1 keeps only the most likely token: the samples are the greedy completion."""
     model, params = policy
-    metrics = evaluate(model, params, DigitSumTask(), sampling=sampling.SamplingConfig(
-        max_new_tokens=MAX_NEW_TOKENS, min_p=1.0), num_samples=2, batch_size=100, progress=False)
+    metrics = evaluate(
+        model,
+        params,
+        DigitSumTask(),
+        sampling=sampling.SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, min_p=1.0),
+        num_samples=2,
+        batch_size=100,
+        progress=False,
+    )
     greedy = evaluate(model, params, DigitSumTask(), max_new_tokens=MAX_NEW_TOKENS, progress=False)
     assert metrics["greedy_accuracy"] == greedy["greedy_accuracy"]  # batch size changes nothing greedy
     assert metrics["pass@1"] == metrics["pass@2"] == pytest.approx(greedy["greedy_accuracy"], abs=1e-12)
@@ -258,17 +302,33 @@ def test_truncation_settings_reach_the_sampler(policy):
 def test_the_sampling_settings_come_whole_or_as_fields_that_replace_its_own(policy):
     model, params = policy
     settings = dict(num_samples=2, batch_size=50, progress=False)
-    whole = evaluate(model, params, DigitSumTask(), sampling=sampling.SamplingConfig(
-        max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, top_k=3), **settings)
-    fields = evaluate(model, params, DigitSumTask(), max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, top_k=3,
-                      **settings)
-    replaced = evaluate(model, params, DigitSumTask(), sampling=sampling.SamplingConfig(max_new_tokens=1, top_k=3),
-                        max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, **settings)
+    whole = evaluate(
+        model,
+        params,
+        DigitSumTask(),
+        sampling=sampling.SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, top_k=3),
+        **settings,
+    )
+    fields = evaluate(
+        model, params, DigitSumTask(), max_new_tokens=MAX_NEW_TOKENS, temperature=0.7, top_k=3, **settings
+    )
+    replaced = evaluate(
+        model,
+        params,
+        DigitSumTask(),
+        sampling=sampling.SamplingConfig(max_new_tokens=1, top_k=3),
+        max_new_tokens=MAX_NEW_TOKENS,
+        temperature=0.7,
+        **settings,
+    )
     assert whole == fields == replaced
     with pytest.raises(TypeError, match=r"evaluate: give the completion budget, `max_new_tokens=`"):
         evaluate(model, params, DigitSumTask(), temperature=0.7, progress=False)
-    with pytest.raises(TypeError, match=r"evaluate: unexpected keyword 'temprature'; .* SamplingConfig's fields "
-                                        r"\(max_new_tokens, .*temperature"):
+    with pytest.raises(
+        TypeError,
+        match=r"evaluate: unexpected keyword 'temprature'; .* SamplingConfig's fields "
+        r"\(max_new_tokens, .*temperature",
+    ):
         evaluate(model, params, DigitSumTask(), max_new_tokens=MAX_NEW_TOKENS, temprature=0.7, progress=False)
     with pytest.raises(TypeError, match="evaluate: `sampling` must be a SamplingConfig"):
         evaluate(model, params, DigitSumTask(), sampling=dict(max_new_tokens=MAX_NEW_TOKENS), progress=False)
@@ -282,22 +342,25 @@ def test_progress_bar_counts_examples(policy, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize(("task", "settings", "match"), [
-    (DigitSumTask(), dict(split="train"), r"'train' split of DigitSumTask is unbounded"),
-    (NoTestSplit(), dict(), r"'test' split of NoTestSplit has no examples.*test_records=.*test_fraction="),
-    (DigitSumTask(), dict(split="valid"), r"`split` must be one of 'train', 'test'"),
-    (DigitSumTask(), dict(correct_reward="accuracy"), r"one of their names \['correct', 'stops'\]; got 'accuracy'"),
-    (DigitSumTask(), dict(correct_reward=2), r"an index in \[0, 2\).*got 2"),
-    (DigitSumTask(), dict(correct_reward=True), r"`correct_reward` must be"),
-    (DigitSumTask(), dict(num_samples=-1), r"`num_samples` must be an integer >= 0"),
-    (DigitSumTask(), dict(batch_size=0), r"`batch_size` must be an integer >= 1"),
-    (DigitSumTask(), dict(temperature=-1.0), r"`temperature` must be a finite number >= 0"),
-    (DigitSumTask(), dict(prompt_truncation="right"), r"`prompt_truncation` must be one of 'error', 'left'"),
-    (DigitSumTask(), dict(on_reward_error="skip"), r"`on_reward_error` must be one of 'raise', 'zero'"),
-    (DigitSumTask(), dict(threshold=float("nan")), r"`threshold` must be a finite number"),
-    (DigitSumTask(), dict(num_samples=2, top_p=0.0), r"`top_p` must be in \(0.0, 1.0\]"),
-    (DigitSumTask(), dict(max_prompt_length=2), r"more than max_prompt_length=2"),
-])
+@pytest.mark.parametrize(
+    ("task", "settings", "match"),
+    [
+        (DigitSumTask(), dict(split="train"), r"'train' split of DigitSumTask is unbounded"),
+        (NoTestSplit(), dict(), r"'test' split of NoTestSplit has no examples.*test_records=.*test_fraction="),
+        (DigitSumTask(), dict(split="valid"), r"`split` must be one of 'train', 'test'"),
+        (DigitSumTask(), dict(correct_reward="accuracy"), r"one of their names \['correct', 'stops'\]; got 'accuracy'"),
+        (DigitSumTask(), dict(correct_reward=2), r"an index in \[0, 2\).*got 2"),
+        (DigitSumTask(), dict(correct_reward=True), r"`correct_reward` must be"),
+        (DigitSumTask(), dict(num_samples=-1), r"`num_samples` must be an integer >= 0"),
+        (DigitSumTask(), dict(batch_size=0), r"`batch_size` must be an integer >= 1"),
+        (DigitSumTask(), dict(temperature=-1.0), r"`temperature` must be a finite number >= 0"),
+        (DigitSumTask(), dict(prompt_truncation="right"), r"`prompt_truncation` must be one of 'error', 'left'"),
+        (DigitSumTask(), dict(on_reward_error="skip"), r"`on_reward_error` must be one of 'raise', 'zero'"),
+        (DigitSumTask(), dict(threshold=float("nan")), r"`threshold` must be a finite number"),
+        (DigitSumTask(), dict(num_samples=2, top_p=0.0), r"`top_p` must be in \(0.0, 1.0\]"),
+        (DigitSumTask(), dict(max_prompt_length=2), r"more than max_prompt_length=2"),
+    ],
+)
 def test_evaluate_rejects_bad_arguments(policy, task, settings, match):
     model, params = policy
     with pytest.raises(ValueError, match=match):

@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxrl_llm import kl
 from tests import reference
@@ -149,8 +150,9 @@ def test_a_clamped_k3_is_verls_low_var_kl_with_no_gradient_where_the_clamp_binds
     value, grad = jax.value_and_grad(lambda lp: kl.estimate(lp, ref_logp, estimator="k3", clamp=10.0).sum())(logp)
     r = np.asarray(ref_logp - logp, np.float64)[0]
     unclamped = np.exp(r) - r - 1
-    np.testing.assert_allclose(kl.estimate(logp, ref_logp, estimator="k3", clamp=10.0)[0], np.minimum(unclamped, 10),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        kl.estimate(logp, ref_logp, estimator="k3", clamp=10.0)[0], np.minimum(unclamped, 10), rtol=1e-5
+    )
     assert unclamped[3] > 10 and unclamped[4] > 10 and unclamped[2] < 10
     np.testing.assert_allclose(grad[0, :3], 1 - np.exp(r[:3]), rtol=1e-5)  # d k3 / d logp = 1 - e^r
     np.testing.assert_array_equal(grad[0, 3:], 0.0)

@@ -44,10 +44,12 @@ def test_under_jit_a_numeric_mask_selects_like_the_bool_mask(name, dtype, one):
     numeric = np.where(VALID & (np.arange(T)[None, :] % 2 == 0), one, VALID).astype(dtype)  # mixes 1 and `one`
     jitted = jax.jit(CALLERS[name])
     expected = jitted(VALID)
-    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6),
-                 jitted(numeric), expected)
-    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6),
-                 CALLERS[name](VALID), expected)
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6), jitted(numeric), expected
+    )
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6), CALLERS[name](VALID), expected
+    )
 
 
 def test_a_negative_mask_entry_cannot_put_the_mean_ratio_above_the_max():

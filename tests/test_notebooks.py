@@ -18,13 +18,20 @@ MAX_BYTES = 1_000_000
 
 
 def errors_of(notebook) -> list[str]:
-    return [f"{o['ename']}: {o['evalue']}" for cell in notebook.cells for o in cell.get("outputs", [])
-            if o.get("output_type") == "error"]
+    return [
+        f"{o['ename']}: {o['evalue']}"
+        for cell in notebook.cells
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
 
 
 def test_there_are_notebooks():
     assert [p.name for p in NOTEBOOKS][:3] == [
-        "01_core_methods.ipynb", "02_training_a_language_model.ipynb", "03_your_own_data.ipynb"]
+        "01_core_methods.ipynb",
+        "02_training_a_language_model.ipynb",
+        "03_your_own_data.ipynb",
+    ]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -46,14 +53,16 @@ def test_the_config_file_in_03_is_the_run_it_trains():
     notebook = nbformat.read(NOTEBOOK_DIR / "03_your_own_data.ipynb", as_version=4)
     markdown = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "markdown")
     (toml,) = re.findall(r"```toml\n(.*?)```", markdown, flags=re.S)
-    (source,) = [cell.source for cell in notebook.cells if cell.cell_type == "code"
-                 and cell.source.startswith("config = runs.RunConfig(")]
+    (source,) = [
+        cell.source
+        for cell in notebook.cells
+        if cell.cell_type == "code" and cell.source.startswith("config = runs.RunConfig(")
+    ]
     namespace = {"runs": runs, "training": training}
     exec(source, namespace)
     # The file's [train] starts from RunConfig's default TrainConfig, the code's from TrainConfig's: they differ
     # in the critic's learning rate, which GRPO (no critic) never reads.
-    assert not differences(from_dict(tomllib.loads(toml)), namespace["config"],
-                           ignore=("train.critic_learning_rate",))
+    assert not differences(from_dict(tomllib.loads(toml)), namespace["config"], ignore=("train.critic_learning_rate",))
 
 
 @pytest.mark.slow
@@ -62,7 +71,8 @@ def test_notebook_executes(path, tmp_path):
     notebook = nbformat.read(path, as_version=4)  # a copy in memory: the committed file is not rewritten
     # From notebooks/, the working directory Jupyter gives a notebook there; temporary files
     # (03's project directory) go under tmp_path.
-    client = NotebookClient(notebook, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client = NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK_DIR)}}
+    )
     client.execute(env={**os.environ, "TMPDIR": str(tmp_path)})
     assert not errors_of(notebook)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxrl_llm import objectives, ops
 from tests import reference
@@ -32,17 +33,19 @@ def make_batch(seed, *, per_token_advantages=False, ratio_noise=0.3):
     lengths = rng.integers(1, T + 1, size=B)
     mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float64)
     mask[2] = 0.0
-    return {k: v.astype(np.float32) for k, v in dict(
-        logp=logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, mask=mask).items()}
+    return {
+        k: v.astype(np.float32)
+        for k, v in dict(logp=logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, mask=mask).items()
+    }
 
 
-def surrogate_with_kl(logp, old_logp, advantages, mask, *, ref_logp, beta, kl="k3", agg="seq-mean-token-mean",
-                      max_len=None, **surrogate):
+def surrogate_with_kl(
+    logp, old_logp, advantages, mask, *, ref_logp, beta, kl="k3", agg="seq-mean-token-mean", max_len=None, **surrogate
+):
     """GRPO's loss as the library composes it: the clipped surrogate plus the KL penalty,
     aggregated alike (what :func:`jaxrl_llm.algorithms.policy_loss` does)."""
     loss, metrics = objectives.ppo_clip(logp, old_logp, advantages, mask, agg=agg, max_len=max_len, **surrogate)
-    penalty, kl_metrics = objectives.kl_penalty(logp, ref_logp, mask, coef=beta, estimator=kl, agg=agg,
-                                                max_len=max_len)
+    penalty, kl_metrics = objectives.kl_penalty(logp, ref_logp, mask, coef=beta, estimator=kl, agg=agg, max_len=max_len)
     return loss + penalty, {**metrics, **kl_metrics}
 
 
@@ -78,8 +81,11 @@ def test_policy_gradient_reports_the_ratio_to_the_sampling_policy_without_using_
     np.testing.assert_array_equal(with_old, plain)
     np.testing.assert_array_equal(with_old_grad, plain_grad)
     ratio = np.exp(b["logp"] - b["old_logp"])[b["mask"] > 0]
-    np.testing.assert_allclose([metrics["ratio_min"], metrics["ratio_mean"], metrics["ratio_max"]],
-                               [ratio.min(), ratio.mean(), ratio.max()], rtol=1e-5)
+    np.testing.assert_allclose(
+        [metrics["ratio_min"], metrics["ratio_mean"], metrics["ratio_max"]],
+        [ratio.min(), ratio.mean(), ratio.max()],
+        rtol=1e-5,
+    )
     np.testing.assert_allclose(metrics["approx_kl"], np.mean(ratio - 1 - np.log(ratio)), rtol=1e-4)
     assert metrics["clip_fraction"] == 0
 
@@ -104,8 +110,11 @@ def test_ppo_clip(agg, eps_high, dual_clip):
     high = 1 + (0.2 if eps_high is None else eps_high)
     np.testing.assert_allclose(metrics["clip_fraction_low"], np.mean((ratio < 0.8) & (adv < 0)), rtol=1e-6)
     np.testing.assert_allclose(metrics["clip_fraction_high"], np.mean((ratio > high) & (adv > 0)), rtol=1e-6)
-    np.testing.assert_allclose([metrics["ratio_min"], metrics["ratio_mean"], metrics["ratio_max"]],
-                               [ratio.min(), ratio.mean(), ratio.max()], rtol=1e-5)
+    np.testing.assert_allclose(
+        [metrics["ratio_min"], metrics["ratio_mean"], metrics["ratio_max"]],
+        [ratio.min(), ratio.mean(), ratio.max()],
+        rtol=1e-5,
+    )
     np.testing.assert_allclose(metrics["approx_kl"], np.mean(ratio - 1 - np.log(ratio)), rtol=1e-4)
 
 
@@ -130,8 +139,18 @@ def test_grpo_and_gspo_are_the_clipped_surrogate_plus_the_kl_penalty(agg, level,
     high = eps_low if eps_high is None else eps_high
     metrics = assert_matches_reference(
         lambda lp: surrogate_with_kl(
-            lp, b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], beta=beta, kl=kl,
-            eps_low=eps_low, eps_high=eps_high, ratio_level=level, agg=agg, max_len=7,
+            lp,
+            b["old_logp"],
+            b["advantages"],
+            b["mask"],
+            ref_logp=b["ref_logp"],
+            beta=beta,
+            kl=kl,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            ratio_level=level,
+            agg=agg,
+            max_len=7,
         ),
         lambda lp: reference.grpo(
             lp, b["old_logp"], b["advantages"], b["mask"], b["ref_logp"], beta, kl, eps_low, high, level, agg, 7
@@ -170,7 +189,8 @@ def test_cispo_keeps_a_gradient_on_every_token_where_ppo_clips():
     mask = np.ones((B, T), np.float32)
     adv = np.abs(b["advantages"]) + 0.1  # all positive: PPO zeroes the gradient of ratio > 1.2
     cispo_grad = jax.grad(lambda lp: objectives.cispo(lp, b["old_logp"], adv, mask, eps_low=None, eps_high=0.2)[0])(
-        b["logp"])
+        b["logp"]
+    )
     ppo_grad = jax.grad(lambda lp: objectives.ppo_clip(lp, b["old_logp"], adv, mask)[0])(b["logp"])
     clipped = np.exp(b["logp"] - b["old_logp"]) > 1.2
     assert clipped.any()
@@ -262,14 +282,17 @@ RATIO_OBJECTIVES = {
     "grpo": functools.partial(objectives.ppo_clip, eps_low=0.2),
     "grpo_kl": None,  # needs ref_logp; built in the test
     "gspo": functools.partial(objectives.ppo_clip, ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
-    "gspo_dual_clip": functools.partial(objectives.ppo_clip, ratio_level="sequence", dual_clip=3.0,
-                                        log_ratio_cap=10.0),
+    "gspo_dual_clip": functools.partial(objectives.ppo_clip, ratio_level="sequence", dual_clip=3.0, log_ratio_cap=10.0),
     "cispo": functools.partial(objectives.cispo, eps_low=None, eps_high=0.28),
 }
 
 
-@given(seed=st.integers(0, 2**31 - 1), agg=st.sampled_from(MODES), name=st.sampled_from(sorted(RATIO_OBJECTIVES)),
-       per_token=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    agg=st.sampled_from(MODES),
+    name=st.sampled_from(sorted(RATIO_OBJECTIVES)),
+    per_token=st.booleans(),
+)
 def test_at_ratio_one_the_gradient_is_the_policy_gradient(seed, agg, name, per_token):
     """At logp == old_logp (mu = 1, first step) every clipped/weighted objective has the
     policy-gradient gradient with the same aggregation; GRPO's k3 KL adds nothing when
@@ -288,14 +311,18 @@ def test_at_ratio_one_the_gradient_is_the_policy_gradient(seed, agg, name, per_t
 
 ALL_OBJECTIVES = {
     "policy_gradient": lambda b, lp, agg: objectives.policy_gradient(lp, b["advantages"], b["mask"], agg=agg),
-    "ppo_clip": lambda b, lp, agg: objectives.ppo_clip(lp, b["old_logp"], b["advantages"], b["mask"], agg=agg,
-                                                       dual_clip=2.0),
+    "ppo_clip": lambda b, lp, agg: objectives.ppo_clip(
+        lp, b["old_logp"], b["advantages"], b["mask"], agg=agg, dual_clip=2.0
+    ),
     "grpo": lambda b, lp, agg: surrogate_with_kl(
-        lp, b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], beta=0.1, agg=agg),
-    "gspo": lambda b, lp, agg: objectives.ppo_clip(lp, b["old_logp"], b["advantages"], b["mask"],
-                                                   ratio_level="sequence", agg=agg),
-    "cispo": lambda b, lp, agg: objectives.cispo(lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2,
-                                                 eps_high=0.2, agg=agg),
+        lp, b["old_logp"], b["advantages"], b["mask"], ref_logp=b["ref_logp"], beta=0.1, agg=agg
+    ),
+    "gspo": lambda b, lp, agg: objectives.ppo_clip(
+        lp, b["old_logp"], b["advantages"], b["mask"], ratio_level="sequence", agg=agg
+    ),
+    "cispo": lambda b, lp, agg: objectives.cispo(
+        lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2, eps_high=0.2, agg=agg
+    ),
 }
 
 
@@ -314,7 +341,8 @@ def test_fully_masked_sequence_contributes_nothing(name, agg):
     padded["old_logp"][~keep] = np.nan
     loss, grad = jax.value_and_grad(lambda lp: ALL_OBJECTIVES[name](padded, lp, agg)[0])(padded["logp"])
     trimmed_loss, trimmed_grad = jax.value_and_grad(lambda lp: ALL_OBJECTIVES[name](trimmed, lp, agg)[0])(
-        trimmed["logp"])
+        trimmed["logp"]
+    )
     assert np.isfinite(loss) and np.all(np.isfinite(grad))
     np.testing.assert_allclose(loss, trimmed_loss, rtol=1e-5)
     np.testing.assert_allclose(grad[keep], trimmed_grad, rtol=1e-5, atol=1e-7)
@@ -339,8 +367,9 @@ def test_old_and_reference_log_probs_and_advantages_get_no_gradient():
 
 def test_errors_name_the_argument_and_expected_shape():
     b = make_batch(10)
-    with pytest.raises(ValueError,
-                       match=r"`advantages` must have shape \[B\] = \[4\].*or \[B, T\] = \[4, 5\].*got \[3\]"):
+    with pytest.raises(
+        ValueError, match=r"`advantages` must have shape \[B\] = \[4\].*or \[B, T\] = \[4, 5\].*got \[3\]"
+    ):
         objectives.ppo_clip(b["logp"], b["old_logp"], np.zeros(3, np.float32), b["mask"])
     with pytest.raises(ValueError, match=r"`old_logp` must have the shape of `logp`, \[4, 5\]; got \[4, 4\]"):
         objectives.ppo_clip(b["logp"], b["old_logp"][:, :4], b["advantages"], b["mask"])
@@ -383,16 +412,18 @@ def test_extreme_log_ratios_give_finite_loss_and_gradient(name, advantage):
     assert all(np.isfinite(v) for v in metrics.values())
 
 
-def clipped_surrogate_loop(logp, old_logp, advantages, mask, *, eps_low, eps_high, dual_clip, level, cap, agg,
-                           max_len=None):
+def clipped_surrogate_loop(
+    logp, old_logp, advantages, mask, *, eps_low, eps_high, dual_clip, level, cap, agg, max_len=None
+):
     """float64 loop: r = exp of the token's log-ratio (``level="token"``) or of its sequence's
     mean log-ratio, clamped to [-20, cap]; -min(r A, clip(r) A), and for A < 0 at most -c A."""
     logp, old_logp, mask = (np.asarray(x, np.float64) for x in (logp, old_logp, mask))
     adv = reference.per_token(advantages, logp.shape)
     per = np.zeros_like(logp)
     for i in range(logp.shape[0]):
-        seq_log_ratio = (sum((logp[i, t] - old_logp[i, t]) * mask[i, t] for t in range(logp.shape[1]))
-                         / max(mask[i].sum(), 1.0))
+        seq_log_ratio = sum((logp[i, t] - old_logp[i, t]) * mask[i, t] for t in range(logp.shape[1])) / max(
+            mask[i].sum(), 1.0
+        )
         for t in range(logp.shape[1]):
             log_ratio = logp[i, t] - old_logp[i, t] if level == "token" else seq_log_ratio
             rho = math.exp(min(max(log_ratio, -20.0), cap))
@@ -414,12 +445,31 @@ def test_dual_clip_at_the_sequence_level_bounds_the_sequence_ratio(agg):
     b["old_logp"][0] = b["logp"][0] - np.log(5.0)  # s = 5 > c = 3
     b["old_logp"][1] = b["logp"][1] - np.log(2.0)  # 1.2 < s = 2 < 3
     b["advantages"][:2] = [-1.0, -0.5]
-    loss_fn = functools.partial(objectives.ppo_clip, old_logp=b["old_logp"], advantages=b["advantages"],
-                                mask=b["mask"], ratio_level="sequence", dual_clip=3.0, agg=agg, max_len=7)
+    loss_fn = functools.partial(
+        objectives.ppo_clip,
+        old_logp=b["old_logp"],
+        advantages=b["advantages"],
+        mask=b["mask"],
+        ratio_level="sequence",
+        dual_clip=3.0,
+        agg=agg,
+        max_len=7,
+    )
     metrics = assert_matches_reference(
         loss_fn,
-        lambda lp: clipped_surrogate_loop(lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2, eps_high=0.2,
-                                          dual_clip=3.0, level="sequence", cap=20.0, agg=agg, max_len=7),
+        lambda lp: clipped_surrogate_loop(
+            lp,
+            b["old_logp"],
+            b["advantages"],
+            b["mask"],
+            eps_low=0.2,
+            eps_high=0.2,
+            dual_clip=3.0,
+            level="sequence",
+            cap=20.0,
+            agg=agg,
+            max_len=7,
+        ),
         b["logp"],
     )
     _, grad = jax.value_and_grad(lambda lp: loss_fn(lp)[0])(b["logp"])
@@ -443,18 +493,33 @@ def test_log_ratio_cap_binds_past_it(level, agg):
     b["advantages"][0] = -1.0
     results = {}
     for cap in (10.0, objectives.LOG_RATIO_LIMIT):
+
         def loss_fn(lp, cap=cap):
-            return objectives.ppo_clip(lp, b["old_logp"], b["advantages"], b["mask"], ratio_level=level,
-                                       log_ratio_cap=cap, agg=agg)
+            return objectives.ppo_clip(
+                lp, b["old_logp"], b["advantages"], b["mask"], ratio_level=level, log_ratio_cap=cap, agg=agg
+            )
 
         def reference_loss(lp, cap=cap):
-            return clipped_surrogate_loop(lp, b["old_logp"], b["advantages"], b["mask"], eps_low=0.2, eps_high=0.2,
-                                          dual_clip=None, level=level, cap=cap, agg=agg)
+            return clipped_surrogate_loop(
+                lp,
+                b["old_logp"],
+                b["advantages"],
+                b["mask"],
+                eps_low=0.2,
+                eps_high=0.2,
+                dual_clip=None,
+                level=level,
+                cap=cap,
+                agg=agg,
+            )
 
         # The loss is ~1e4 here: a step of 1e-4 keeps the difference quotient's rounding small.
-        metrics = assert_matches_reference(loss_fn, reference_loss, b["logp"],
-                                           reference_grad=reference.finite_difference_grad(reference_loss, b["logp"],
-                                                                                           h=1e-4))
+        metrics = assert_matches_reference(
+            loss_fn,
+            reference_loss,
+            b["logp"],
+            reference_grad=reference.finite_difference_grad(reference_loss, b["logp"], h=1e-4),
+        )
         np.testing.assert_allclose(metrics["ratio_max"], np.exp(min(cap, 12.0)), rtol=1e-5)
         results[cap] = jax.value_and_grad(lambda lp, f=loss_fn: f(lp)[0])(b["logp"])
     (capped, capped_grad), (default, default_grad) = results[10.0], results[objectives.LOG_RATIO_LIMIT]
@@ -479,8 +544,9 @@ def test_kl_penalty_is_the_aggregated_clamped_estimate_and_reports_the_unclamped
         return 0.3 * reference.aggregate(per_token, mask, agg, max_len=7)
 
     def loss_fn(lp):
-        return objectives.kl_penalty(lp, b["ref_logp"], b["mask"], coef=0.3, estimator=estimator, clamp=clamp,
-                                     agg=agg, max_len=7)
+        return objectives.kl_penalty(
+            lp, b["ref_logp"], b["mask"], coef=0.3, estimator=estimator, clamp=clamp, agg=agg, max_len=7
+        )
 
     (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(b["logp"], jnp.float32))
     np.testing.assert_allclose(loss, loop_loss(logp), rtol=1e-5, atol=1e-7)
@@ -490,8 +556,9 @@ def test_kl_penalty_is_the_aggregated_clamped_estimate_and_reports_the_unclamped
         bumped[i, t] += step
         lowered = logp.copy()
         lowered[i, t] -= step
-        np.testing.assert_allclose(grad[i, t], (loop_loss(bumped) - loop_loss(lowered)) / (2 * step),
-                                   rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(
+            grad[i, t], (loop_loss(bumped) - loop_loss(lowered)) / (2 * step), rtol=1e-3, atol=1e-5
+        )
     np.testing.assert_array_equal(np.asarray(grad)[mask == 0], 0.0)
     unclamped = np.vectorize(lambda a, r: reference.kl_estimate(float(a), float(r), estimator))(logp, ref_logp)
     assert set(metrics) == {f"kl_{estimator}"}
@@ -507,8 +574,8 @@ def test_a_kl_penalty_of_coefficient_zero_is_reported_only():
     b = make_batch(6)
     ref_logp = jnp.asarray(b["ref_logp"]).at[0, 0].set(jnp.inf)
     (loss, metrics), grad = jax.value_and_grad(
-        lambda lp: objectives.kl_penalty(lp, ref_logp, b["mask"], coef=0.0, estimator="k1"), has_aux=True)(
-        jnp.asarray(b["logp"]))
+        lambda lp: objectives.kl_penalty(lp, ref_logp, b["mask"], coef=0.0, estimator="k1"), has_aux=True
+    )(jnp.asarray(b["logp"]))
     assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0)
     assert not np.isfinite(metrics["kl_k1"])
 

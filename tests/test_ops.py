@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxrl_llm import kl, ops
 from tests import reference
@@ -35,7 +36,9 @@ def test_token_logprobs_upcasts_bfloat16_logits():
     logits = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.bfloat16)
     tokens = jnp.asarray(rng.integers(0, 7, size=(2, 3)))
     got = ops.token_logprobs(logits, tokens)
-    expected = np.take_along_axis(reference.log_softmax(np.asarray(logits, np.float64)), np.asarray(tokens)[..., None], -1)[..., 0]
+    expected = np.take_along_axis(
+        reference.log_softmax(np.asarray(logits, np.float64)), np.asarray(tokens)[..., None], -1
+    )[..., 0]
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, expected, atol=1e-5)
 
@@ -149,9 +152,17 @@ def test_shape_and_dtype_errors_name_the_argument():
         ops.aggregate(jnp.zeros((2, 3)), jnp.ones((2, 3)), mode="seq-mean-token-sum-norm", max_len=0)
 
 
-@pytest.mark.parametrize("ddof, eps_placement, eps", [(0, "std", 1e-8), (1, "std", 1e-4), (1, "variance", 1e-8),
-                                                      (0, "variance", 0.5), (0, "variance_floor", 1e-8),
-                                                      (0, "variance_floor", 50.0)])
+@pytest.mark.parametrize(
+    "ddof, eps_placement, eps",
+    [
+        (0, "std", 1e-8),
+        (1, "std", 1e-4),
+        (1, "variance", 1e-8),
+        (0, "variance", 0.5),
+        (0, "variance_floor", 1e-8),
+        (0, "variance_floor", 50.0),
+    ],
+)
 def test_whiten_conventions_match_a_loop_over_the_valid_entries(ddof, eps_placement, eps):
     """Population or sample variance; eps on the std, on the variance (verl) or a floor
     under it (OpenRLHF: 50 is above this batch's variance, so the floor binds)."""
@@ -187,8 +198,9 @@ def test_whiten_ignores_nan_padding_and_eps_zero_constant_input():
 
 
 # 3 rows: chunks of 1, 5 (T = 13 padded to 15) and all 13 positions.
-@pytest.mark.parametrize("chunk_size, temperature, transposed", [(4, 1.0, False), (15, 0.7, False), (64, 1.3, False),
-                                                                 (15, 0.7, True)])
+@pytest.mark.parametrize(
+    "chunk_size, temperature, transposed", [(4, 1.0, False), (15, 0.7, False), (64, 1.3, False), (15, 0.7, True)]
+)
 def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, temperature, transposed):
     """Also with the kernel given as ``[V, E]`` (a tied embedding as stored)."""
     rng = np.random.default_rng(8)
@@ -202,8 +214,15 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size, te
         return ops.token_logprobs(logits, tokens), ops.entropy(logits)
 
     def chunked(h, w):
-        return ops.chunked_token_logprobs(h, w.T if transposed else w, tokens, chunk_size=chunk_size,
-                                          temperature=temperature, with_entropy=True, transposed_kernel=transposed)
+        return ops.chunked_token_logprobs(
+            h,
+            w.T if transposed else w,
+            tokens,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            with_entropy=True,
+            transposed_kernel=transposed,
+        )
 
     for got, expected in zip(jax.jit(chunked)(hidden, kernel), full(hidden, kernel), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
@@ -240,11 +259,13 @@ def test_chunked_logprobs_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"`output_kernel` must have shape \[E, V\] with E = 8"):
         ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"`output_kernel` must have shape \[V, E\] with E = 8"):
-        ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((8, 5)), jnp.zeros((1, 2), jnp.int32),
-                                   transposed_kernel=True)
+        ops.chunked_token_logprobs(
+            jnp.zeros((1, 2, 8)), jnp.zeros((8, 5)), jnp.zeros((1, 2), jnp.int32), transposed_kernel=True
+        )
     with pytest.raises(ValueError, match=r"`tokens` must hold token ids in \[0, 5\)"):
-        ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((5, 8)), jnp.full((1, 2), 6, jnp.int32),
-                                   transposed_kernel=True)
+        ops.chunked_token_logprobs(
+            jnp.zeros((1, 2, 8)), jnp.zeros((5, 8)), jnp.full((1, 2), 6, jnp.int32), transposed_kernel=True
+        )
     with pytest.raises(ValueError, match=r"`chunk_size` must be an integer >= 1"):
         ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((8, 5)), jnp.zeros((1, 2), jnp.int32), chunk_size=0)
 
@@ -273,8 +294,9 @@ def test_chunked_categorical_kl_gradient_equals_the_unchunked_one():
         return jnp.sum(weights * ops.chunked_categorical_kl(hidden_p, kernel_p, hq, wq, chunk_size=4))
 
     def chunked_transposed(hq, wq):  # both kernels given [V, E]
-        return jnp.sum(weights * ops.chunked_categorical_kl(hidden_p, kernel_p.T, hq, wq.T, chunk_size=4,
-                                                            transposed_kernels=True))
+        return jnp.sum(
+            weights * ops.chunked_categorical_kl(hidden_p, kernel_p.T, hq, wq.T, chunk_size=4, transposed_kernels=True)
+        )
 
     def full(hq, wq):
         return jnp.sum(weights * kl.categorical(hidden_p @ kernel_p, hq @ wq))
@@ -294,12 +316,18 @@ def test_chunked_categorical_kl_refuses_mismatched_models():
 
 # Masks select tokens, they never weight them: bool, or numbers that are all 0 or 1.
 BAD_MASK_VALUES = [
-    (np.float32, 2.0, r"\[2.0\]"), (np.float32, 0.5, r"\[0.5\]"), (np.float32, -1.0, r"\[-1.0\]"),
-    (np.uint8, 255, r"\[255\]"), (np.int32, -1, r"\[-1\]"), (np.float32, np.nan, r"\[nan\]"),
+    (np.float32, 2.0, r"\[2.0\]"),
+    (np.float32, 0.5, r"\[0.5\]"),
+    (np.float32, -1.0, r"\[-1.0\]"),
+    (np.uint8, 255, r"\[255\]"),
+    (np.int32, -1, r"\[-1\]"),
+    (np.float32, np.nan, r"\[nan\]"),
 ]
 MASKED_OPS = {
     **{mode: lambda v, m, mode=mode: ops.aggregate(v, m, mode=mode) for mode in MODES},
-    "masked_mean": ops.masked_mean, "masked_min": ops.masked_min, "masked_max": ops.masked_max,
+    "masked_mean": ops.masked_mean,
+    "masked_min": ops.masked_min,
+    "masked_max": ops.masked_max,
     "whiten": ops.whiten,
 }
 
@@ -343,8 +371,11 @@ def test_a_negative_mask_entry_cannot_put_the_mean_above_the_max():
 
 EMPTY_OPS = {
     **{f"aggregate {mode}": lambda v, m, mode=mode: ops.aggregate(v, m, mode=mode) for mode in MODES},
-    "masked_mean": ops.masked_mean, "masked_min": ops.masked_min, "masked_max": ops.masked_max,
-    "whiten": ops.whiten, "whiten without mask": lambda v, m: ops.whiten(v),
+    "masked_mean": ops.masked_mean,
+    "masked_min": ops.masked_min,
+    "masked_max": ops.masked_max,
+    "whiten": ops.whiten,
+    "whiten without mask": lambda v, m: ops.whiten(v),
 }
 
 

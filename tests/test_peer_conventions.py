@@ -26,7 +26,7 @@ def _batch(seed=0):
     rng = np.random.default_rng(seed)
     rewards = rng.normal(size=P * G).round(1)
     rewards[1] = rewards[0]  # a tie
-    rewards[G:2 * G] = 0.5  # a group of equal rewards
+    rewards[G : 2 * G] = 0.5  # a group of equal rewards
     lengths = rng.integers(1, T + 1, size=P * G)
     lengths[2 * G + 1] = 0  # an empty row
     lengths[[0, 5]] = T
@@ -38,11 +38,12 @@ def _batch(seed=0):
 
 # --- The peers' formulas, as loops ---------------------------------------------------------
 
+
 def group_normalised(rewards, eps):
     """TRL, verl and OpenRLHF's GRPO: (R - mean) / (sample std + eps) within each group."""
     out = []
     for p in range(P):
-        group = [float(r) for r in rewards[p * G:(p + 1) * G]]
+        group = [float(r) for r in rewards[p * G : (p + 1) * G]]
         mean = sum(group) / G
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (G - 1))
         out += [(r - mean) / (std + eps) for r in group]
@@ -53,7 +54,7 @@ def leave_one_out(rewards):
     """Every peer's RLOO: R_i - the mean of the group's other rewards."""
     out = []
     for p in range(P):
-        group = [float(r) for r in rewards[p * G:(p + 1) * G]]
+        group = [float(r) for r in rewards[p * G : (p + 1) * G]]
         out += [r - (sum(group) - r) / (G - 1) for r in group]
     return np.array(out)
 
@@ -79,7 +80,7 @@ def verl_reinforce_pp_baseline(rewards, mask, logp, ref_logp, coef):
     scores = kl_token_rewards(rewards, mask, logp, ref_logp, coef).sum(axis=1)
     out = np.zeros(mask.shape)
     for i in range(P * G):
-        group = scores[(i // G) * G:(i // G + 1) * G]
+        group = scores[(i // G) * G : (i // G + 1) * G]
         out[i, mask[i]] = scores[i] - group.mean()
     return verl_whiten(out, mask)
 
@@ -87,8 +88,9 @@ def verl_reinforce_pp_baseline(rewards, mask, logp, ref_logp, coef):
 def openrlhf_reinforce_pp_baseline(rewards, mask, logp, ref_logp, coef):
     """OpenRLHF: the group mean of R alone subtracted, then R at the last token less the KL
     at each, returns to go (gamma 1), whitened over the batch's tokens."""
-    centered = np.array([float(r) - rewards[(i // G) * G:(i // G + 1) * G].astype(np.float64).mean()
-                         for i, r in enumerate(rewards)])
+    centered = np.array(
+        [float(r) - rewards[(i // G) * G : (i // G + 1) * G].astype(np.float64).mean() for i, r in enumerate(rewards)]
+    )
     token_rewards = kl_token_rewards(centered, mask, logp, ref_logp, coef)
     return openrlhf_whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask)
 
@@ -98,8 +100,9 @@ def verl_low_var_kl(logp, ref_logp):
     return min(max(math.exp(log_ratio) - log_ratio - 1.0, -10.0), 10.0)
 
 
-def peer_grpo_loss(logp, old_logp, advantages, mask, ref_logp, beta, kl, agg, max_len, *, eps_low=0.2, eps_high=0.2,
-                   clip_ratio_c=None):
+def peer_grpo_loss(
+    logp, old_logp, advantages, mask, ref_logp, beta, kl, agg, max_len, *, eps_low=0.2, eps_high=0.2, clip_ratio_c=None
+):
     """-min(rho A, clip(rho) A) + beta * kl(logp, ref) per token, aggregated: a loop. With
     ``clip_ratio_c``, verl's actor loss (``compute_policy_loss_vanilla``): for A < 0 the
     token's loss is min(-c A, max(-rho A, -clip(rho) A)), its log-ratio clamped to +-20."""
@@ -133,12 +136,13 @@ def verl_gspo_loss(logp, old_logp, advantages, mask, eps_low, eps_high):
 
 # --- Advantages ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("peer, eps", [("trl", 1e-4), ("verl", 1e-6), ("openrlhf", 1e-9)])
 def test_grpo_advantages_match_each_peer(peer, eps):
     rewards, mask, *_ = _batch()
     adv, _, _ = algorithms.compute_advantages(algorithms.GRPO.matching(peer), rewards, mask, group_size=G)
     np.testing.assert_allclose(adv, group_normalised(rewards, eps), rtol=1e-6, atol=1e-6)
-    assert np.all(np.asarray(adv)[G:2 * G] == 0)  # equal rewards: exactly 0
+    assert np.all(np.asarray(adv)[G : 2 * G] == 0)  # equal rewards: exactly 0
 
 
 @pytest.mark.parametrize("peer", PEERS)
@@ -152,8 +156,9 @@ def test_rloo_advantages_match_each_peer(peer):
 def test_ppo_gae_advantages_match_each_peer(peer, whiten):
     rewards, mask, logp, ref_logp, values = _batch(2)
     method = algorithms.PPO.matching(peer)
-    adv, returns, _ = algorithms.compute_advantages(method, rewards, mask, group_size=G, logp=logp,
-                                                    ref_logp=ref_logp, values=values.astype(np.float32))
+    adv, returns, _ = algorithms.compute_advantages(
+        method, rewards, mask, group_size=G, logp=logp, ref_logp=ref_logp, values=values.astype(np.float32)
+    )
     token_rewards = kl_token_rewards(rewards, mask, logp, ref_logp, method.kl_reward_coef)
     expected, expected_returns = reference.gae(token_rewards, values, mask, method.gamma, method.lam)
     np.testing.assert_allclose(adv, whiten(expected, mask), rtol=1e-5, atol=1e-6)
@@ -167,21 +172,25 @@ def test_reinforce_plus_plus_matches_each_peer(peer):
     adv, _, _ = algorithms.compute_advantages(method, rewards, mask, group_size=G, logp=logp, ref_logp=ref_logp)
     token_rewards = kl_token_rewards(rewards, mask, logp, ref_logp, method.kl_reward_coef)
     whiten = verl_whiten if peer == "verl" else openrlhf_whiten
-    np.testing.assert_allclose(adv, whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        adv, whiten(reference.returns_to_go(token_rewards, mask, 1.0), mask), rtol=1e-5, atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("peer, expected", [("verl", verl_reinforce_pp_baseline),
-                                            ("openrlhf", openrlhf_reinforce_pp_baseline)])
+@pytest.mark.parametrize(
+    "peer, expected", [("verl", verl_reinforce_pp_baseline), ("openrlhf", openrlhf_reinforce_pp_baseline)]
+)
 def test_reinforce_plus_plus_baseline_matches_each_peer(peer, expected):
     rewards, mask, logp, ref_logp, _ = _batch(4)
     method = dataclasses.replace(algorithms.REINFORCE_PP, subtract_group_mean=True).matching(peer)
     adv, _, _ = algorithms.compute_advantages(method, rewards, mask, group_size=G, logp=logp, ref_logp=ref_logp)
-    np.testing.assert_allclose(adv, expected(rewards, mask, logp, ref_logp, method.kl_reward_coef),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        adv, expected(rewards, mask, logp, ref_logp, method.kl_reward_coef), rtol=1e-5, atol=1e-6
+    )
 
 
 # --- Losses: values and gradients ----------------------------------------------------------
+
 
 def _loss_batch(seed, *, empty_row=True):
     """Multi-turn masks with gaps, an empty row, and reference log-probs far enough from
@@ -203,19 +212,26 @@ def test_grpo_losses_match_each_peer_in_value_and_gradient(peer, preset):
     """TRL counts an empty row in B (it has none here); verl counts only non-empty ones."""
     logp, old_logp, ref_logp, mask, advantages = _loss_batch(5, empty_row=peer == "verl")
     method = dataclasses.replace(algorithms.get(preset), kl_coef=0.1).matching(peer)
-    kl = {"verl": verl_low_var_kl,  # verl's default KL loss
-          "trl": lambda lp, ref: reference.kl_estimate(lp, ref, "k3")}[peer]
+    kl = {
+        "verl": verl_low_var_kl,  # verl's default KL loss
+        "trl": lambda lp, ref: reference.kl_estimate(lp, ref, "k3"),
+    }[peer]
     agg = method.agg if method.agg != "token-sum-norm" else "verl-seq-mean-token-sum-norm"
     assert (agg == "verl-seq-mean-token-sum-norm") == (peer == "verl" and preset == "dr-grpo")
     assert any(abs(reference.kl_estimate(a, b, "k3")) > 10 for a, b in zip(logp[mask], ref_logp[mask]))
-    f32 = {name: jnp.asarray(x, jnp.float32) for name, x in
-           dict(old_logp=old_logp, ref_logp=ref_logp, advantages=advantages).items()}
+    f32 = {
+        name: jnp.asarray(x, jnp.float32)
+        for name, x in dict(old_logp=old_logp, ref_logp=ref_logp, advantages=advantages).items()
+    }
     assert_matches_reference(
-        lambda lp: algorithms.policy_loss(method, lp, f32["old_logp"], f32["advantages"], mask,
-                                          ref_logp=f32["ref_logp"], max_len=T),
-        lambda lp: peer_grpo_loss(lp, old_logp, advantages, mask, ref_logp, 0.1, kl, agg, T,
-                                  clip_ratio_c=3.0 if peer == "verl" else None),
-        jnp.asarray(logp, jnp.float32))
+        lambda lp: algorithms.policy_loss(
+            method, lp, f32["old_logp"], f32["advantages"], mask, ref_logp=f32["ref_logp"], max_len=T
+        ),
+        lambda lp: peer_grpo_loss(
+            lp, old_logp, advantages, mask, ref_logp, 0.1, kl, agg, T, clip_ratio_c=3.0 if peer == "verl" else None
+        ),
+        jnp.asarray(logp, jnp.float32),
+    )
 
 
 @pytest.mark.parametrize("preset", ["grpo", "dr-grpo", "dapo", "ppo", "reinforce++"])
@@ -233,21 +249,44 @@ def test_verl_applies_its_dual_clip_to_the_token_level_clipped_surrogate(preset)
     assert np.any(mask & (per_token_adv < 0) & (np.exp(logp - old_logp) > 3.0))  # the dual clip binds
     kl_coef = method.kl_coef
     agg = method.agg if method.agg != "token-sum-norm" else "verl-seq-mean-token-sum-norm"
-    f32 = {name: jnp.asarray(x, jnp.float32) for name, x in
-           dict(old_logp=old_logp, ref_logp=ref_logp, advantages=advantages).items()}
+    f32 = {
+        name: jnp.asarray(x, jnp.float32)
+        for name, x in dict(old_logp=old_logp, ref_logp=ref_logp, advantages=advantages).items()
+    }
     ref = f32["ref_logp"] if kl_coef > 0 else None
 
     def verl_loss(lp, clip_ratio_c=3.0):
-        return peer_grpo_loss(lp, old_logp, advantages, mask, ref_logp, kl_coef, verl_low_var_kl, agg, T,
-                              eps_low=method.eps_low, eps_high=method.eps_high or method.eps_low,
-                              clip_ratio_c=clip_ratio_c)
+        return peer_grpo_loss(
+            lp,
+            old_logp,
+            advantages,
+            mask,
+            ref_logp,
+            kl_coef,
+            verl_low_var_kl,
+            agg,
+            T,
+            eps_low=method.eps_low,
+            eps_high=method.eps_high or method.eps_low,
+            clip_ratio_c=clip_ratio_c,
+        )
 
     assert_matches_reference(
-        lambda lp: algorithms.policy_loss(method, lp, f32["old_logp"], f32["advantages"], mask, ref_logp=ref,
-                                          max_len=T),
-        verl_loss, jnp.asarray(logp, jnp.float32))
-    without, _ = algorithms.policy_loss(dataclasses.replace(method, dual_clip=None), jnp.asarray(logp, jnp.float32),
-                                        f32["old_logp"], f32["advantages"], mask, ref_logp=ref, max_len=T)
+        lambda lp: algorithms.policy_loss(
+            method, lp, f32["old_logp"], f32["advantages"], mask, ref_logp=ref, max_len=T
+        ),
+        verl_loss,
+        jnp.asarray(logp, jnp.float32),
+    )
+    without, _ = algorithms.policy_loss(
+        dataclasses.replace(method, dual_clip=None),
+        jnp.asarray(logp, jnp.float32),
+        f32["old_logp"],
+        f32["advantages"],
+        mask,
+        ref_logp=ref,
+        max_len=T,
+    )
     np.testing.assert_allclose(without, verl_loss(logp.astype(np.float32).astype(np.float64), None), rtol=2e-5)
     assert abs(float(without) - verl_loss(logp.astype(np.float32).astype(np.float64))) > 1e-3
 
@@ -270,8 +309,9 @@ def test_verl_caps_gspos_sequence_log_ratio_at_10():
         return verl_gspo_loss(lp, old_logp, advantages, mask, method.eps_low, method.eps_high)
 
     # The loss is ~1e3: a step of 1e-4 keeps the difference quotient's rounding small.
-    assert_matches_reference(loss_fn, verl_loss, x,
-                             reference_grad=reference.finite_difference_grad(verl_loss, np.asarray(x), h=1e-4))
+    assert_matches_reference(
+        loss_fn, verl_loss, x, reference_grad=reference.finite_difference_grad(verl_loss, np.asarray(x), h=1e-4)
+    )
     (capped, _), capped_grad = jax.value_and_grad(loss_fn, has_aux=True)(x)
     (default, _), default_grad = jax.value_and_grad(lambda lp: loss_fn(lp, algorithms.GSPO), has_aux=True)(x)
     np.testing.assert_array_equal(np.asarray(capped_grad)[0], 0.0)
@@ -285,7 +325,12 @@ def test_matching_names_the_peers_and_keeps_the_rest():
     for peer in PEERS:
         matched = algorithms.GSPO.matching(peer)
         assert (matched.name, matched.objective, matched.eps_low, matched.eps_high, matched.ratio_level) == (
-            algorithms.GSPO.name, "ppo_clip", algorithms.GSPO.eps_low, algorithms.GSPO.eps_high, "sequence")
+            algorithms.GSPO.name,
+            "ppo_clip",
+            algorithms.GSPO.eps_low,
+            algorithms.GSPO.eps_high,
+            "sequence",
+        )
     assert algorithms.PPO.matching("trl") == algorithms.PPO  # TRL's matching covers GRPO (and RLOO, ours already)
     # The dual clip and the log-ratio cap: verl's only, where verl's actor has them.
     for name, preset in algorithms.PRESETS.items():

@@ -37,13 +37,19 @@ def test_the_own_data_command_line_example_runs_as_written_in_a_users_directory(
     rng = np.random.default_rng(0)
     with open(project / "data" / "train.jsonl", "w") as file:
         for a, b in rng.integers(0, 10, size=(60, 2)):
-            file.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many apples?",
-                                   "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n")
+            file.write(
+                json.dumps(
+                    {
+                        "question": f"Tom has {a} apples and buys {b} more. How many apples?",
+                        "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+                    }
+                )
+                + "\n"
+            )
     env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     env.pop("PYTHONPATH", None)
     for command in example("README.md", "own-data-cli/commands", "bash").splitlines():
-        done = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     metrics = [json.loads(line) for line in (project / "runs/mine/metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 20 and "reward_correctness" in metrics[-1]

@@ -9,8 +9,16 @@ from scipy import stats
 from jaxrl_llm import models, sampling, sharding, tasks
 
 VOCAB, EOS, PAD = 24, 2, 0
-CONFIG = models.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                            num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+CONFIG = models.ModelConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 
 def peaked_model(scale=30.0, seed=0, eos_bias=0.0):
@@ -50,8 +58,9 @@ def reference_filter(logits, *, top_k=None, top_p=None, min_p=None):
 @pytest.mark.parametrize("new_tokens", [9, 1])  # 1: the only token comes from the prefill's logits
 def test_greedy_equals_stepwise_argmax_of_full_forward_passes(new_tokens):
     model, params = peaked_model()
-    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0),
-                              **kwargs(temperature=0.0, max_new_tokens=new_tokens))
+    rollout = sampling.sample(
+        model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(temperature=0.0, max_new_tokens=new_tokens)
+    )
     # Reference: no cache, re-run the whole sequence for every new token.
     tokens = np.repeat(np.asarray(PROMPTS), 2, axis=0)
     mask = np.repeat(np.asarray(PROMPT_MASK), 2, axis=0).astype(bool)
@@ -66,8 +75,10 @@ def test_greedy_equals_stepwise_argmax_of_full_forward_passes(new_tokens):
     np.testing.assert_array_equal(rollout.tokens, tokens)
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(temperature=0.7), dict(temperature=1.3, top_k=5, top_p=0.8),
-                                      dict(temperature=1.3, min_p=0.05)])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(temperature=0.7), dict(temperature=1.3, top_k=5, top_p=0.8), dict(temperature=1.3, min_p=0.05)],
+)
 def test_logprobs_equal_a_full_forward_recomputation(settings):
     model, params = peaked_model(scale=5.0)
     rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(1), **kwargs(**settings))
@@ -94,37 +105,65 @@ def test_top_k_one_and_vanishing_temperature_are_greedy():
     np.testing.assert_array_equal(np.asarray(min_p1.sampling_logprobs)[np.asarray(min_p1.completion_mask)], 0.0)
 
 
-@pytest.mark.parametrize("top_k, top_p, min_p", [(4, None, None), (None, 0.6, None), (6, 0.9, None), (None, None, 0.2),
-                                                 (6, 0.9, 0.1)])
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p", [(4, None, None), (None, 0.6, None), (6, 0.9, None), (None, None, 0.2), (6, 0.9, 0.1)]
+)
 def test_truncated_sampling_only_draws_from_the_allowed_set(top_k, top_p, min_p):
     model, params = peaked_model(scale=5.0)
-    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(5),
-                              **kwargs(num_samples=8, top_k=top_k, top_p=top_p, min_p=min_p))
+    rollout = sampling.sample(
+        model,
+        params,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.key(5),
+        **kwargs(num_samples=8, top_k=top_k, top_p=top_p, min_p=min_p),
+    )
     logits = models.forward(model, params, rollout.tokens, attention_mask=rollout.attention_mask)
     n = rollout.completion_mask.shape[1]
-    predicting = logits[:, -n - 1:-1].reshape(-1, VOCAB).astype(jnp.float32)
+    predicting = logits[:, -n - 1 : -1].reshape(-1, VOCAB).astype(jnp.float32)
     allowed = np.isfinite(np.asarray(sampling.filter_logits(predicting, top_k=top_k, top_p=top_p, min_p=min_p)))
     chosen = np.asarray(rollout.completion_tokens).reshape(-1)
     valid = np.asarray(rollout.completion_mask).reshape(-1)
     assert allowed[np.arange(len(chosen)), chosen][valid].all()
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, None, None, None), (0.8, 5, None, None),
-                                                              (1.0, None, 0.7, None), (1.0, None, None, 0.55),
-                                                              (0.8, 20, 0.95, 0.5)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, None, None, None),
+        (0.8, 5, None, None),
+        (1.0, None, 0.7, None),
+        (1.0, None, None, 0.55),
+        (0.8, 20, 0.95, 0.5),
+    ],
+)
 def test_empirical_first_token_distribution_matches_the_target(temperature, top_k, top_p, min_p):
     """Chi-square goodness of fit of 6000 first tokens of one prompt, fixed seed."""
     model, params = peaked_model(scale=3.0)
     prompt, mask = PROMPTS[1:2], PROMPT_MASK[1:2]
-    rollout = sampling.sample(model, params, prompt, mask, jax.random.key(6), num_samples=6000, max_new_tokens=1,
-                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eos_ids=(EOS,),
-                              pad_id=PAD)
+    rollout = sampling.sample(
+        model,
+        params,
+        prompt,
+        mask,
+        jax.random.key(6),
+        num_samples=6000,
+        max_new_tokens=1,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        eos_ids=(EOS,),
+        pad_id=PAD,
+    )
     logits = models.forward(model, params, prompt, attention_mask=mask)[:, -1].astype(jnp.float32)
-    target = np.asarray(jax.nn.softmax(sampling.filter_logits(logits / temperature, top_k=top_k, top_p=top_p,
-                                                              min_p=min_p)))[0]
+    target = np.asarray(
+        jax.nn.softmax(sampling.filter_logits(logits / temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    )[0]
     if min_p is not None:  # the NumPy reference of the kept set: the filter does cut, and keeps several
-        np.testing.assert_array_equal(target > 0, reference_filter(np.asarray(logits[0]) / temperature, top_k=top_k,
-                                                                   top_p=top_p, min_p=min_p))
+        np.testing.assert_array_equal(
+            target > 0, reference_filter(np.asarray(logits[0]) / temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        )
         assert 3 <= (target > 0).sum() < VOCAB - 5
     counts = np.bincount(np.asarray(rollout.tokens[:, -1]), minlength=VOCAB)
     support = target > 0
@@ -135,8 +174,9 @@ def test_empirical_first_token_distribution_matches_the_target(temperature, top_
 
 def test_eos_masking_lengths_and_truncation_with_uneven_finishes():
     model, params = peaked_model(scale=3.0, eos_bias=1.5)
-    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(7),
-                              **kwargs(num_samples=6, eos_ids=(EOS, 5)))
+    rollout = sampling.sample(
+        model, params, PROMPTS, PROMPT_MASK, jax.random.key(7), **kwargs(num_samples=6, eos_ids=(EOS, 5))
+    )
     completion = np.asarray(rollout.completion_tokens)
     mask = np.asarray(rollout.completion_mask)
     lengths = np.asarray(rollout.lengths)
@@ -150,8 +190,8 @@ def test_eos_masking_lengths_and_truncation_with_uneven_finishes():
         assert lengths[row] == (hits[0] + 1 if ends_with_eos else 9)
         assert bool(rollout.truncated[row]) == (not ends_with_eos)
         np.testing.assert_array_equal(mask[row], np.arange(9) < lengths[row])
-        assert np.all(completion[row, lengths[row]:] == PAD)
-        assert np.all(np.asarray(rollout.logprobs)[row, lengths[row]:] == 0)
+        assert np.all(completion[row, lengths[row] :] == PAD)
+        assert np.all(np.asarray(rollout.logprobs)[row, lengths[row] :] == 0)
     np.testing.assert_array_equal(rollout.attention_mask[:, -9:], mask)
 
 
@@ -188,8 +228,9 @@ def test_prompts_are_prefilled_once_and_their_copies_sample_like_repeated_prompt
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("devices, settings", [(2, {}), (8, {}), (2, dict(top_k=5, top_p=0.9, min_p=0.05)),
-                                               (4, dict(temperature=0.0))])
+@pytest.mark.parametrize(
+    "devices, settings", [(2, {}), (8, {}), (2, dict(top_k=5, top_p=0.9, min_p=0.05)), (4, dict(temperature=0.0))]
+)
 def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices, settings):
     """Eight prompts over a ``data`` mesh of the test's CPU devices: each device decodes
     its rows, the rollout stays split over them, and it is the single-device rollout."""
@@ -200,9 +241,9 @@ def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices, se
     key = jax.random.key(5)
     expected = sampling.sample(model, params, prompts, prompt_mask, key, **kwargs(num_samples=3, **settings))
     mesh = sharding.make_mesh(devices)
-    got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh,
-                           sampling=sampling.SamplingConfig(**settings))(
-        params, prompts, prompt_mask, key, num_samples=3, max_new_tokens=9)
+    got = sampling.Sampler(
+        model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh, sampling=sampling.SamplingConfig(**settings)
+    )(params, prompts, prompt_mask, key, num_samples=3, max_new_tokens=9)
     assert got.tokens.sharding.is_equivalent_to(sharding.rows(mesh), got.tokens.ndim)
     assert len(got.tokens.addressable_shards) == devices
     for name in ("tokens", "attention_mask", "completion_mask", "lengths", "truncated"):
@@ -211,8 +252,9 @@ def test_a_rollout_split_over_a_mesh_draws_the_single_device_samples(devices, se
     np.testing.assert_allclose(got.sampling_logprobs, expected.sampling_logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)],
-                         ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize(
+    "mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)], ids=lambda shape: "x".join(map(str, shape))
+)
 def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(mesh_shape):
     """On the train step's meshes: rows over ``data x fsdp``; with a ``tensor`` axis the
     params stay split by heads, MLP columns and vocabulary (tensor-parallel decoding).
@@ -224,11 +266,12 @@ def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(
     mesh = sharding.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
     placed = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
     for settings in ({}, dict(temperature=0.0)):
-        expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(6),
-                                   **kwargs(num_samples=2, **settings))
-        got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh,
-                               sampling=sampling.SamplingConfig(**settings))(
-            placed, prompts, prompt_mask, jax.random.key(6), num_samples=2, max_new_tokens=9)
+        expected = sampling.sample(
+            model, params, prompts, prompt_mask, jax.random.key(6), **kwargs(num_samples=2, **settings)
+        )
+        got = sampling.Sampler(
+            model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh, sampling=sampling.SamplingConfig(**settings)
+        )(placed, prompts, prompt_mask, jax.random.key(6), num_samples=2, max_new_tokens=9)
         for name in ("tokens", "completion_mask", "lengths", "truncated"):
             np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=f"{settings} {name}")
         np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
@@ -249,7 +292,8 @@ def test_scanned_layers_decode_over_a_tensor_parallel_mesh_like_one_device():
     placed = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
     expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(3), **kwargs(num_samples=2))
     got = sampling.Sampler(model=scanned, eos_ids=(EOS,), pad_id=PAD, mesh=mesh)(
-        placed, prompts, prompt_mask, jax.random.key(3), num_samples=2, max_new_tokens=9)
+        placed, prompts, prompt_mask, jax.random.key(3), num_samples=2, max_new_tokens=9
+    )
     for name in ("tokens", "completion_mask", "lengths", "truncated"):
         np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
@@ -259,11 +303,15 @@ def ROWS_OVER_DATA_AND_FSDP(mesh):
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec((sharding.DATA, sharding.FSDP)))
 
 
-@pytest.mark.parametrize("mesh_shape, num_prompts, group", [
-    ((1, 8, 1), 4, 2),  # 8 rows: each device prefills the 4 prompts and decodes 1 row
-    ((2, 4, 1), 2, 4),  # a data shard's 1 prompt, its 4 rows over 4 fsdp devices: groups split
-    ((2, 2, 1), 2, 3),  # 3 rows per data shard do not split over 2: both fsdp devices decode them
-], ids=["1x8x1-P4-G2", "2x4x1-P2-G4", "2x2x1-P2-G3"])
+@pytest.mark.parametrize(
+    "mesh_shape, num_prompts, group",
+    [
+        ((1, 8, 1), 4, 2),  # 8 rows: each device prefills the 4 prompts and decodes 1 row
+        ((2, 4, 1), 2, 4),  # a data shard's 1 prompt, its 4 rows over 4 fsdp devices: groups split
+        ((2, 2, 1), 2, 3),  # 3 rows per data shard do not split over 2: both fsdp devices decode them
+    ],
+    ids=["1x8x1-P4-G2", "2x4x1-P2-G4", "2x2x1-P2-G3"],
+)
 def test_rows_split_over_fsdp_when_the_prompts_do_not_are_the_single_device_samples(mesh_shape, num_prompts, group):
     """Fewer prompts than ``data x fsdp`` devices: each ``data`` shard's prompts are
     prefilled on all its ``fsdp`` devices and their rows decoded in blocks, one per
@@ -274,10 +322,10 @@ def test_rows_split_over_fsdp_when_the_prompts_do_not_are_the_single_device_samp
     prompts = jnp.asarray(rng.integers(3, VOCAB, size=(num_prompts, 4)))
     prompt_mask = jnp.asarray(np.arange(4)[None] >= rng.integers(0, 3, size=(num_prompts, 1)))
     mesh = sharding.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
-    expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(8),
-                               **kwargs(num_samples=group))
+    expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(8), **kwargs(num_samples=group))
     got = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD, mesh=mesh)(
-        params, prompts, prompt_mask, jax.random.key(8), num_samples=group, max_new_tokens=9)
+        params, prompts, prompt_mask, jax.random.key(8), num_samples=group, max_new_tokens=9
+    )
     for name in ("tokens", "completion_mask", "lengths", "truncated"):
         np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
@@ -303,7 +351,8 @@ def test_sampling_inside_jit_draws_the_eager_samples():
     model, params = peaked_model(scale=2.0)
     eager = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(3), **kwargs())
     traced = jax.jit(lambda p, t, m, k: sampling.sample(model, p, t, m, k, **kwargs()))(
-        params, PROMPTS, PROMPT_MASK, jax.random.key(3))
+        params, PROMPTS, PROMPT_MASK, jax.random.key(3)
+    )
     np.testing.assert_array_equal(traced.tokens, eager.tokens)
     np.testing.assert_allclose(traced.logprobs, eager.logprobs, atol=1e-5)
 
@@ -313,15 +362,22 @@ def test_lengths_in_one_bucket_share_a_compilation():
     sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(max_new_tokens=9))
     compiled = sampling._generate._cache_size()
     for n, prompt_cut in ((12, 0), (16, 0), (5, 1)):
-        sampling.sample(model, params, PROMPTS[:, prompt_cut:], PROMPT_MASK[:, prompt_cut:], jax.random.key(n),
-                        **kwargs(max_new_tokens=n))
+        sampling.sample(
+            model,
+            params,
+            PROMPTS[:, prompt_cut:],
+            PROMPT_MASK[:, prompt_cut:],
+            jax.random.key(n),
+            **kwargs(max_new_tokens=n),
+        )
     assert sampling._generate._cache_size() == compiled
 
 
 def test_sampler_backend_binds_the_settings():
     model, params = peaked_model()
-    backend: sampling.RolloutBackend = sampling.Sampler(model=model, eos_ids=(EOS,), pad_id=PAD,
-                                                        sampling=sampling.SamplingConfig(temperature=0.0))
+    backend: sampling.RolloutBackend = sampling.Sampler(
+        model=model, eos_ids=(EOS,), pad_id=PAD, sampling=sampling.SamplingConfig(temperature=0.0)
+    )
     rollout = backend(params, PROMPTS, PROMPT_MASK, jax.random.key(0), num_samples=2, max_new_tokens=9)
     expected = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(1), **kwargs(temperature=0.0))
     np.testing.assert_array_equal(rollout.tokens, expected.tokens)
@@ -369,8 +425,12 @@ def test_draw_inverts_the_cdf_of_the_weights(vocab):
     weights[:, : min(vocab - 1, 2 * sampling.cdf_block(vocab))] = 0.0  # whole blocks of zeros
     weights[:, -1] = np.maximum(weights[:, -1], 1e-3)  # every row has some mass
     uniforms = np.concatenate([[0.0, np.nextafter(np.float32(1), np.float32(0))], rng.random(254)]).astype(np.float32)
-    tokens = np.stack([np.asarray(sampling.draw(jnp.asarray(uniforms), jnp.broadcast_to(jnp.asarray(row), (256, vocab))))
-                       for row in weights])  # [4, 256]
+    tokens = np.stack(
+        [
+            np.asarray(sampling.draw(jnp.asarray(uniforms), jnp.broadcast_to(jnp.asarray(row), (256, vocab))))
+            for row in weights
+        ]
+    )  # [4, 256]
     for row, drawn in zip(weights, tokens):
         cdf = np.cumsum(row.astype(np.float64))
         targets = uniforms.astype(np.float64) * cdf[-1]
@@ -391,8 +451,11 @@ def test_right_padded_prompts_are_refused_with_how_to_left_pad():
     texts = ["12+7=", "3+4="]
     tokenizer.padding_side = "right"
     right = tokenizer(texts, padding=True, return_tensors="np")
-    with pytest.raises(ValueError, match=r"`prompt_mask` row 1 has padding at position 4, after a real token: "
-                                         r"prompts must be left-padded.*tokenizer.padding_side = \"left\""):
+    with pytest.raises(
+        ValueError,
+        match=r"`prompt_mask` row 1 has padding at position 4, after a real token: "
+        r"prompts must be left-padded.*tokenizer.padding_side = \"left\"",
+    ):
         sampling.sample(model, params, right["input_ids"], right["attention_mask"], jax.random.key(0), **kwargs())
     hole = np.array([[1, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])  # a pad between real tokens
     with pytest.raises(ValueError, match=r"row 0 has padding at position 1, after a real token"):
@@ -409,8 +472,11 @@ def test_out_of_range_prompt_ids_are_refused_not_clamped(bad):
     prompts = np.array(PROMPTS)
     prompts[1, 2] = bad
     for given in (prompts, jnp.asarray(prompts)):  # host NumPy, or an eager jax.Array
-        with pytest.raises(ValueError, match=rf"sample: `prompt_tokens` must hold token ids in \[0, {VOCAB}\) "
-                                             rf"\(the vocabulary\); got \[{bad}\]"):
+        with pytest.raises(
+            ValueError,
+            match=rf"sample: `prompt_tokens` must hold token ids in \[0, {VOCAB}\) "
+            rf"\(the vocabulary\); got \[{bad}\]",
+        ):
             sampling.sample(model, params, given, PROMPT_MASK, jax.random.key(0), **kwargs())
 
 
@@ -426,10 +492,12 @@ def test_prompt_masks_other_than_0_1_are_refused(dtype, bad):
 @pytest.mark.parametrize("shape", [(0, 4), (3, 0)])
 def test_empty_prompt_batches_are_refused(shape):
     model, params = peaked_model()
-    with pytest.raises(ValueError, match=rf"sample: `prompt_tokens` is empty, shape \[{shape[0]}, {shape[1]}\]: "
-                                         r"need at least one prompt of at least one token"):
-        sampling.sample(model, params, np.zeros(shape, np.int32), np.ones(shape, bool), jax.random.key(0),
-                        **kwargs())
+    with pytest.raises(
+        ValueError,
+        match=rf"sample: `prompt_tokens` is empty, shape \[{shape[0]}, {shape[1]}\]: "
+        r"need at least one prompt of at least one token",
+    ):
+        sampling.sample(model, params, np.zeros(shape, np.int32), np.ones(shape, bool), jax.random.key(0), **kwargs())
 
 
 def test_a_single_eos_id_may_be_an_int():
@@ -458,8 +526,18 @@ def test_eos_ids_that_are_not_ints_are_refused(eos):
 # --- min-p -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("top_k, top_p, min_p", [(None, None, 0.1), (None, None, 0.0), (None, None, 1.0),
-                                                 (10, None, 0.05), (None, 0.8, 0.2), (8, 0.9, 0.1), (None, 0.5, 0.01)])
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [
+        (None, None, 0.1),
+        (None, None, 0.0),
+        (None, None, 1.0),
+        (10, None, 0.05),
+        (None, 0.8, 0.2),
+        (8, 0.9, 0.1),
+        (None, 0.5, 0.01),
+    ],
+)
 def test_filter_logits_matches_numpy_and_the_transformers_processors_in_their_order(top_k, top_p, min_p):
     """Under jit with traced ``top_p`` / ``min_p``, against the float64 reference and against
     transformers' warpers applied as ``generate`` applies them (``_get_logits_processor``:
@@ -469,8 +547,9 @@ def test_filter_logits_matches_numpy_and_the_transformers_processors_in_their_or
 
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((64, 40)) * rng.uniform(0.5, 4.0, size=(64, 1))).astype(np.float32)  # [B, V]
-    filtered = np.asarray(jax.jit(lambda z, p, m: sampling.filter_logits(z, top_k=top_k, top_p=p, min_p=m))(
-        logits, top_p, min_p))
+    filtered = np.asarray(
+        jax.jit(lambda z, p, m: sampling.filter_logits(z, top_k=top_k, top_p=p, min_p=m))(logits, top_p, min_p)
+    )
     kept = np.isfinite(filtered)
     np.testing.assert_array_equal(filtered[kept], logits[kept])
     np.testing.assert_array_equal(kept, reference_filter(logits, top_k=top_k, top_p=top_p, min_p=min_p))
@@ -483,8 +562,11 @@ def test_filter_logits_matches_numpy_and_the_transformers_processors_in_their_or
     np.testing.assert_array_equal(kept, torch.isfinite(scores).numpy())
     assert kept.any(axis=1).all() and (min_p == 0.0 or (~kept).any())
     # Min-p first (vLLM's V1 order) is the same set without top-p, a smaller one with it.
-    min_p_first = np.isfinite(np.asarray(sampling.filter_logits(
-        sampling.filter_logits(jnp.asarray(logits), min_p=min_p), top_k=top_k, top_p=top_p)))
+    min_p_first = np.isfinite(
+        np.asarray(
+            sampling.filter_logits(sampling.filter_logits(jnp.asarray(logits), min_p=min_p), top_k=top_k, top_p=top_p)
+        )
+    )
     assert not (min_p_first & ~kept).any()
     assert np.array_equal(min_p_first, kept) == (top_p is None or min_p == 0.0)
 
@@ -494,13 +576,15 @@ def test_sampling_logprobs_are_under_the_min_p_filtered_distribution(settings):
     """``sampling_logprobs`` = log softmax of the filtered ``logits / T`` at each drawn
     token and ``logprobs`` = log softmax of ``logits / T``, from full forward passes."""
     model, params = peaked_model(scale=3.0)
-    rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(11), **kwargs(num_samples=4,
-                                                                                                 **settings))
+    rollout = sampling.sample(
+        model, params, PROMPTS, PROMPT_MASK, jax.random.key(11), **kwargs(num_samples=4, **settings)
+    )
     n, temperature = rollout.completion_mask.shape[1], settings.get("temperature", 1.0)
     logits = models.forward(model, params, rollout.tokens, attention_mask=rollout.attention_mask)
-    scaled = logits[:, -n - 1:-1].astype(jnp.float32) / temperature  # [B, N, V] predicting each completion token
-    filtered = sampling.filter_logits(scaled.reshape(-1, VOCAB), top_k=settings.get("top_k"),
-                                      top_p=settings.get("top_p"), min_p=settings["min_p"]).reshape(scaled.shape)
+    scaled = logits[:, -n - 1 : -1].astype(jnp.float32) / temperature  # [B, N, V] predicting each completion token
+    filtered = sampling.filter_logits(
+        scaled.reshape(-1, VOCAB), top_k=settings.get("top_k"), top_p=settings.get("top_p"), min_p=settings["min_p"]
+    ).reshape(scaled.shape)
     chosen = np.asarray(rollout.completion_tokens)[..., None]
     valid = np.asarray(rollout.completion_mask)
     expected = np.take_along_axis(np.asarray(jax.nn.log_softmax(filtered)), chosen, axis=-1)[..., 0]
@@ -515,32 +599,40 @@ def test_min_p_is_traced_changing_it_does_not_recompile():
     model, params = peaked_model(scale=3.0)
     first = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(min_p=0.05))
     compiled = sampling._generate._cache_size()
-    rollouts = [sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(min_p=m))
-                for m in (0.0, 0.3, np.float32(0.9), 1.0)]
+    rollouts = [
+        sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(min_p=m))
+        for m in (0.0, 0.3, np.float32(0.9), 1.0)
+    ]
     assert sampling._generate._cache_size() == compiled
     assert not np.array_equal(first.tokens, rollouts[-1].tokens)  # the value reached the sampler
-    traced = jax.jit(lambda p, m: sampling.sample(model, p, PROMPTS, PROMPT_MASK, jax.random.key(0),
-                                                  **kwargs(min_p=m)))(params, 0.3)  # min_p traced by an outer jit
+    traced = jax.jit(
+        lambda p, m: sampling.sample(model, p, PROMPTS, PROMPT_MASK, jax.random.key(0), **kwargs(min_p=m))
+    )(params, 0.3)  # min_p traced by an outer jit
     np.testing.assert_array_equal(traced.tokens, rollouts[1].tokens)
 
 
 def test_sampler_binds_min_p_and_its_settings_are_checked_when_built():
     model, params = peaked_model(scale=3.0)
-    sampler = sampling.Sampler(model=model, eos_ids=EOS, pad_id=PAD,
-                               sampling=sampling.SamplingConfig(top_k=8, min_p=0.2))
+    sampler = sampling.Sampler(
+        model=model, eos_ids=EOS, pad_id=PAD, sampling=sampling.SamplingConfig(top_k=8, min_p=0.2)
+    )
     expected = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(2), **kwargs(top_k=8, min_p=0.2))
     rollout = sampler(params, PROMPTS, PROMPT_MASK, jax.random.key(2), num_samples=2, max_new_tokens=9)
     np.testing.assert_array_equal(rollout.tokens, expected.tokens)
     np.testing.assert_array_equal(rollout.sampling_logprobs, expected.sampling_logprobs)
-    for bad, message in ((dict(min_p=2.0), r"SamplingConfig: `min_p` must be in \[0.0, 1.0\]; got 2.0"),
-                         (dict(top_p=0.0), r"SamplingConfig: `top_p` must be in \(0.0, 1.0\]; got 0.0"),
-                         (dict(top_k=0), "SamplingConfig: `top_k` must be an integer >= 1; got 0"),
-                         (dict(temperature=-1.0), "SamplingConfig: `temperature` must be a finite number >= 0"),
-                         (dict(temperature=float("nan")), "SamplingConfig: `temperature` must be a finite number"),
-                         (dict(max_new_tokens=0), "SamplingConfig: `max_new_tokens` must be an integer >= 1"),
-                         (dict(max_prompt_length=2.5), "SamplingConfig: `max_prompt_length` must be an integer"),
-                         (dict(prompt_truncation="right"),
-                          "SamplingConfig: `prompt_truncation` must be one of 'error', 'left'; got 'right'")):
+    for bad, message in (
+        (dict(min_p=2.0), r"SamplingConfig: `min_p` must be in \[0.0, 1.0\]; got 2.0"),
+        (dict(top_p=0.0), r"SamplingConfig: `top_p` must be in \(0.0, 1.0\]; got 0.0"),
+        (dict(top_k=0), "SamplingConfig: `top_k` must be an integer >= 1; got 0"),
+        (dict(temperature=-1.0), "SamplingConfig: `temperature` must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "SamplingConfig: `temperature` must be a finite number"),
+        (dict(max_new_tokens=0), "SamplingConfig: `max_new_tokens` must be an integer >= 1"),
+        (dict(max_prompt_length=2.5), "SamplingConfig: `max_prompt_length` must be an integer"),
+        (
+            dict(prompt_truncation="right"),
+            "SamplingConfig: `prompt_truncation` must be one of 'error', 'left'; got 'right'",
+        ),
+    ):
         with pytest.raises(ValueError, match=message):
             sampling.SamplingConfig(**bad)
     with pytest.raises(TypeError, match="Sampler: `sampling` must be a SamplingConfig; got"):
@@ -570,8 +662,12 @@ def host_rollout(tokenizer, rows, *, slots, prompt="1=", seed=0):
     return sampling.Rollout(
         tokens=np.concatenate([np.tile(prompt_ids, (len(rows), 1)), completion], axis=1).astype(np.int32),
         attention_mask=np.concatenate([np.ones((len(rows), len(prompt_ids)), bool), mask], axis=1),
-        completion_mask=mask, logprobs=logprobs, sampling_logprobs=logprobs / 2, lengths=lengths,
-        truncated=np.array(truncated))
+        completion_mask=mask,
+        logprobs=logprobs,
+        sampling_logprobs=logprobs / 2,
+        lengths=lengths,
+        truncated=np.array(truncated),
+    )
 
 
 def slow_stop_at_strings(rollout, tokenizer, stop_strings, pad_id):
@@ -580,11 +676,11 @@ def slow_stop_at_strings(rollout, tokenizer, stop_strings, pad_id):
     slots = out["completion_mask"].shape[1]
     start = out["tokens"].shape[1] - slots  # first completion column
     for b in range(len(out["lengths"])):
-        ids = out["tokens"][b, start:start + out["lengths"][b]].tolist()
+        ids = out["tokens"][b, start : start + out["lengths"][b]].tolist()
         for k in range(1, len(ids) + 1):
             if any(stop in tokenizer.decode(ids[:k], skip_special_tokens=True) for stop in stop_strings):
-                out["tokens"][b, start + k:] = pad_id
-                out["attention_mask"][b, start + k:] = False
+                out["tokens"][b, start + k :] = pad_id
+                out["attention_mask"][b, start + k :] = False
                 out["completion_mask"][b, k:] = False
                 out["logprobs"][b, k:] = 0.0
                 out["sampling_logprobs"][b, k:] = 0.0
@@ -628,7 +724,7 @@ def test_stop_at_strings_cuts_after_the_token_that_completes_a_stop_string():
     for row in (0, 4, 5):
         n = got.lengths[row]
         assert (got.completion_tokens[row, n:] == tokenizer.pad_token_id).all()
-        assert not got.completion_mask[row, n:].any() and not got.attention_mask[row, -12 + n:].any()
+        assert not got.completion_mask[row, n:].any() and not got.attention_mask[row, -12 + n :].any()
         assert not got.logprobs[row, n:].any() and not got.sampling_logprobs[row, n:].any()
         np.testing.assert_array_equal(got.logprobs[row, :n], before[3][row, :n])
     for a, b in zip(rollout, before):  # the input is not modified
@@ -641,16 +737,20 @@ def test_stop_at_strings_cuts_after_the_token_that_completes_a_stop_string():
 def byte_level_bpe():
     """A small byte-level BPE (GPT-2 style), trained here: multi-character tokens, and
     characters split over several byte tokens."""
+    import transformers
     from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
     from tokenizers import models as tokenizer_models
-    import transformers
 
     backend = Tokenizer(tokenizer_models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     corpus = ["<answer>42</answer> done", "the answer is 7", "héllo wörld", "answers and questions"] * 20
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=330, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=330, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
 
 
@@ -670,7 +770,7 @@ def test_stop_at_strings_equals_the_slow_reference_on_byte_level_bpe():
     cut = got.lengths < rollout.lengths
     assert 10 < cut.sum() < 50
     # Some stops span tokens (the last kept token alone does not hold one), some end inside one.
-    last = [tokenizer.decode(row[n - 1:n]) for row, n in zip(got.completion_tokens[cut], got.lengths[cut])]
+    last = [tokenizer.decode(row[n - 1 : n]) for row, n in zip(got.completion_tokens[cut], got.lengths[cut])]
     assert any(not any(stop in text for stop in stops) for text in last)
     whole = [tokenizer.decode(row[:n]) for row, n in zip(got.completion_tokens[cut], got.lengths[cut])]
     assert any(not any(text.endswith(stop) for stop in stops) for text in whole)
@@ -681,28 +781,36 @@ def test_stop_at_strings_on_a_sampled_device_rollout_equals_the_slow_reference()
     assert len(tokenizer) == VOCAB and (tokenizer.eos_token_id, tokenizer.pad_token_id) == (EOS, PAD)
     model, params = peaked_model(scale=2.0, eos_bias=1.0)
     rollout = sampling.sample(model, params, PROMPTS, PROMPT_MASK, jax.random.key(3), **kwargs(num_samples=8))
-    texts = tokenizer.batch_decode([row[:n] for row, n in zip(np.asarray(rollout.completion_tokens),
-                                                               np.asarray(rollout.lengths))], skip_special_tokens=True)
-    pairs = [text[i:i + 2] for text in texts for i in range(len(text) - 1)]
+    texts = tokenizer.batch_decode(
+        [row[:n] for row, n in zip(np.asarray(rollout.completion_tokens), np.asarray(rollout.lengths))],
+        skip_special_tokens=True,
+    )
+    pairs = [text[i : i + 2] for text in texts for i in range(len(text) - 1)]
     stops = [max(set(pairs), key=pairs.count), "c"]  # the commonest two-character string, and a character
     got = sampling.stop_at_strings(rollout, tokenizer=tokenizer, stop_strings=stops, pad_id=PAD)  # device arrays
     assert_rollouts_equal(got, slow_stop_at_strings(jax.device_get(rollout), tokenizer, stops, PAD))
     assert 0 < (got.lengths < np.asarray(rollout.lengths)).sum() < len(texts) - 2
 
 
-@pytest.mark.parametrize("changes, error, message", [
-    (dict(stop_strings=""), ValueError, "`stop_strings` must be non-empty strings"),
-    (dict(stop_strings=["a", ""]), ValueError, "`stop_strings` must be non-empty strings"),
-    (dict(stop_strings=[]), ValueError, "`stop_strings` must name at least one stop string; got \\[\\]"),
-    (dict(stop_strings=["a", 7]), TypeError, "`stop_strings` must hold strings; got 7"),
-    (dict(stop_strings=b"</a>"), TypeError, "`stop_strings` must be a string or a sequence of strings"),
-    (dict(stop_strings=None), TypeError, "`stop_strings` must be a string or a sequence of strings; got None"),
-    (dict(tokenizer=None), TypeError, "`tokenizer` must have a `decode\\(ids, skip_special_tokens=True\\)` method"),
-    (dict(pad_id=0.5), TypeError, "`pad_id` must be an integer token id; got 0.5"),
-    (dict(rollout=()), TypeError, "`rollout` must be a sampling.Rollout; got tuple"),
-    (dict(lengths=13), ValueError,
-     r"`rollout.lengths` must have shape \[2\] with values in \[0, 12\]; got shape \[2\], values \[3, 13\]"),
-])
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        (dict(stop_strings=""), ValueError, "`stop_strings` must be non-empty strings"),
+        (dict(stop_strings=["a", ""]), ValueError, "`stop_strings` must be non-empty strings"),
+        (dict(stop_strings=[]), ValueError, "`stop_strings` must name at least one stop string; got \\[\\]"),
+        (dict(stop_strings=["a", 7]), TypeError, "`stop_strings` must hold strings; got 7"),
+        (dict(stop_strings=b"</a>"), TypeError, "`stop_strings` must be a string or a sequence of strings"),
+        (dict(stop_strings=None), TypeError, "`stop_strings` must be a string or a sequence of strings; got None"),
+        (dict(tokenizer=None), TypeError, "`tokenizer` must have a `decode\\(ids, skip_special_tokens=True\\)` method"),
+        (dict(pad_id=0.5), TypeError, "`pad_id` must be an integer token id; got 0.5"),
+        (dict(rollout=()), TypeError, "`rollout` must be a sampling.Rollout; got tuple"),
+        (
+            dict(lengths=13),
+            ValueError,
+            r"`rollout.lengths` must have shape \[2\] with values in \[0, 12\]; got shape \[2\], values \[3, 13\]",
+        ),
+    ],
+)
 def test_stop_at_strings_refuses_bad_arguments(changes, error, message):
     tokenizer = tasks.build_char_tokenizer(tasks.DIGITS_AND_OPERATORS + "abc<>/")
     rollout = host_rollout(tokenizer, [(tokenizer.encode("12</a>"), True, []), ([5], False, [])], slots=12)

@@ -62,16 +62,24 @@ def _expected_spec(name: str, shape, fsdp: int, tensor: int) -> tuple:
     """Megatron's layout written out by parameter name (an independent reference for the
     ``fsdp_tensor`` rules): the model dimension over ``fsdp``, heads / MLP columns /
     vocabulary over ``tensor``, where the sizes divide."""
+
     def f(dim):
         return "fsdp" if fsdp > 1 and shape[dim] % fsdp == 0 else None
 
     def t(dim):
         return "tensor" if tensor > 1 and shape[dim] % tensor == 0 else None
 
-    layouts = {"embed_tokens": lambda: (t(0), f(1)), "lm_head": lambda: (f(0), t(1)),
-               "q_proj": lambda: (f(0), t(1)), "k_proj": lambda: (f(0), t(1)), "v_proj": lambda: (f(0), t(1)),
-               "o_proj": lambda: (t(0), None, f(2)), "gate_proj": lambda: (f(0), t(1)),
-               "up_proj": lambda: (f(0), t(1)), "down_proj": lambda: (t(0), f(1))}
+    layouts = {
+        "embed_tokens": lambda: (t(0), f(1)),
+        "lm_head": lambda: (f(0), t(1)),
+        "q_proj": lambda: (f(0), t(1)),
+        "k_proj": lambda: (f(0), t(1)),
+        "v_proj": lambda: (f(0), t(1)),
+        "o_proj": lambda: (t(0), None, f(2)),
+        "gate_proj": lambda: (f(0), t(1)),
+        "up_proj": lambda: (f(0), t(1)),
+        "down_proj": lambda: (t(0), f(1)),
+    }
     spec = list(layouts[name]()) if name in layouts else []
     while spec and spec[-1] is None:
         spec.pop()
@@ -83,8 +91,16 @@ def _model_and_state(algorithm, param_dtype=None):
 
     from jaxrl_llm import models, training
 
-    config = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4,
-                                num_kv_heads=2, head_dim=4, param_dtype=param_dtype or jnp.float32)
+    config = models.ModelConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        param_dtype=param_dtype or jnp.float32,
+    )
     model, params = models.init(config, jax.random.key(0))
     return model, params, training.init_state(model, params, algorithm, training.TrainConfig())
 
@@ -99,8 +115,10 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
     mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     model, params, state = _model_and_state(algorithms.PPO, jnp.bfloat16)  # a critic and float32 master copies
     policy, critic = optim.run_optimizers(algorithms.PPO, training.TrainConfig(), decay_steps=1)
-    placed = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.RULES["fsdp_tensor"],
-                                                            optimizer=policy, critic_optimizer=critic))
+    placed = jax.device_put(
+        state,
+        sharding.state_shardings(state, mesh, sharding.RULES["fsdp_tensor"], optimizer=policy, critic_optimizer=critic),
+    )
     checked = 0
     for field in ("params", "ref_params", "critic_params", "opt_state", "critic_opt_state"):
         for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(placed, field))[0]:
@@ -114,8 +132,9 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
                 assert leaf.sharding.is_fully_replicated, (field, names, leaf.sharding)
     # params, reference, critic backbone; policy and critic Adam mu, nu and master: 9 per matrix.
     assert checked == 9 * 9
-    for leaf in jax.tree.leaves(placed._replace(params=None, ref_params=None, critic_params=None, opt_state=None,
-                                                critic_opt_state=None)):
+    for leaf in jax.tree.leaves(
+        placed._replace(params=None, ref_params=None, critic_params=None, opt_state=None, critic_opt_state=None)
+    ):
         assert leaf.sharding.is_fully_replicated
 
 
@@ -133,14 +152,15 @@ def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
         total = 0
         for leaf in jax.tree.leaves(tree):
             if leaf.ndim >= 2:
-                total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device) if on_device \
+                total += (
+                    sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+                    if on_device
                     else leaf.nbytes
+                )
         return total
 
     for field in ("params", "opt_state", "ref_params"):
         assert nbytes(getattr(placed, field), True) * 8 == nbytes(getattr(placed, field), False), field
-
-
 
 
 @functools.cache
@@ -154,8 +174,9 @@ def _single_device_step(method: str):
     # 8 prompts: 8 data devices split them. Adam divides by sqrt(v) + eps: a coordinate
     # whose gradient is rounding noise (a token no row holds) would step by about +-lr on
     # that noise; a larger eps keeps the comparison on the arithmetic sharding changes.
-    run = dataclasses.replace(RUN, num_prompts=8, group_size=2, minibatch_size=8 if method == "ppo" else None,
-                              exact_kl=True, adam_eps=1e-4)
+    run = dataclasses.replace(
+        RUN, num_prompts=8, group_size=2, minibatch_size=8 if method == "ppo" else None, exact_kl=True, adam_eps=1e-4
+    )
     model, params = models.init(CONFIG, jax.random.key(0))
     halves = training.make_train_step(model, algorithm, run)
     batch = _batch(model, params, run=run)
@@ -168,14 +189,22 @@ def _single_device_step(method: str):
 # Every mesh at least once: GRPO on 1x8x1 and 2x2x2, PPO on 2x4x1 and 1x4x2, TRPO (the
 # costliest to compile) on 2x2x2, DAPO on 8x1x1 and 1x4x2. (The full 4 x 5 cross passes
 # too; its 20 compilations would take a quarter of CI's budget.)
-STEP_CASES = [("grpo", (1, 8, 1)), ("grpo", (2, 2, 2)), ("ppo", (2, 4, 1)), ("ppo", (1, 4, 2)), ("trpo", (2, 2, 2)),
-              ("dapo", (8, 1, 1)), ("dapo", (1, 4, 2))]
+STEP_CASES = [
+    ("grpo", (1, 8, 1)),
+    ("grpo", (2, 2, 2)),
+    ("ppo", (2, 4, 1)),
+    ("ppo", (1, 4, 2)),
+    ("trpo", (2, 2, 2)),
+    ("dapo", (8, 1, 1)),
+    ("dapo", (1, 4, 2)),
+]
 assert {mesh for _, mesh in STEP_CASES} == set(MESHES)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, mesh_shape", STEP_CASES,
-                         ids=[f"{method}-{'x'.join(map(str, mesh))}" for method, mesh in STEP_CASES])
+@pytest.mark.parametrize(
+    "method, mesh_shape", STEP_CASES, ids=[f"{method}-{'x'.join(map(str, mesh))}" for method, mesh in STEP_CASES]
+)
 def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(method, mesh_shape):
     """The train step's halves, jitted over a state placed by the rules and a batch placed
     by ``batch_shardings`` (XLA partitions the rest), give the single-device step's
@@ -194,11 +223,13 @@ def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(
     new, metrics = jax.jit(halves.update, out_shardings=(shardings, None))(state, scored)
 
     for name in ("kl_exact", "advantage_std"):
-        np.testing.assert_allclose(float(score_metrics[name]), float(expected_score_metrics[name]), rtol=1e-5,
-                                   atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(
+            float(score_metrics[name]), float(expected_score_metrics[name]), rtol=1e-5, atol=1e-7, err_msg=name
+        )
     for name in ("loss", "grad_norm", "kl_k3"):
-        np.testing.assert_allclose(float(metrics[name]), float(expected_metrics[name]), rtol=1e-5, atol=1e-7,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            float(metrics[name]), float(expected_metrics[name]), rtol=1e-5, atol=1e-7, err_msg=name
+        )
     for got, want in zip(jax.tree.leaves(new.params), jax.tree.leaves(expected.params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
     wanted = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
@@ -235,5 +266,12 @@ def test_train_on_a_mesh_runs_the_single_device_run(method, mesh_shape):
     assert tuple(q_proj.sharding.spec) == ("fsdp", "tensor")
     assert len({s.device for s in q_proj.addressable_shards}) == 8
     with pytest.raises(ValueError, match="must be among data, fsdp, tensor"):
-        training.train(model, params, algorithm, RUN, steps=1, task=TASK,
-                       mesh=jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,)))
+        training.train(
+            model,
+            params,
+            algorithm,
+            RUN,
+            steps=1,
+            task=TASK,
+            mesh=jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,)),
+        )

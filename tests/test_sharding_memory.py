@@ -51,13 +51,20 @@ def test_the_count_from_shardings_is_what_a_placed_state_holds_on_each_device(na
 
     layouts = state_memory.layouts()
     assert [(shape, preset) for shape, preset in layouts] == [
-        ((8, 1, 1), "data_parallel"), ((1, 8, 1), "fsdp"), ((2, 4, 1), "fsdp"), ((2, 2, 2), "fsdp"),
-        ((2, 2, 2), "fsdp_tensor"), ((1, 4, 2), "fsdp"), ((1, 4, 2), "fsdp_tensor")]
+        ((8, 1, 1), "data_parallel"),
+        ((1, 8, 1), "fsdp"),
+        ((2, 4, 1), "fsdp"),
+        ((2, 2, 2), "fsdp"),
+        ((2, 2, 2), "fsdp_tensor"),
+        ((1, 4, 2), "fsdp"),
+        ((1, 4, 2), "fsdp_tensor"),
+    ]
     for (data, fsdp, tensor), preset in layouts:
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
         rules = sharding.RULES[preset]
-        counted = state_memory.bytes_per_device(abstract,
-                                                training.state_shardings(abstract, algorithm, RUN, mesh, rules))
+        counted = state_memory.bytes_per_device(
+            abstract, training.state_shardings(abstract, algorithm, RUN, mesh, rules)
+        )
         placed = jax.device_put(state, training.state_shardings(state, algorithm, RUN, mesh, rules))
         assert counted == _placed_bytes(placed), (data, fsdp, tensor, preset)
         assert len(counted) == 8

@@ -41,16 +41,18 @@ def test_the_step_takes_its_advantages_and_loss_from_the_library(name, monkeypat
     Its step must feed `compute_advantages`' output, unchanged, to `policy_loss`."""
     calls = {"compute_advantages": [], "policy_loss": []}
     for fn in calls:
-        def spy(*args, _fn=fn, _original=getattr(algorithms, fn), **kwargs):
+
+        def spy(*args, _fn=fn, _original=getattr(algorithms, fn), **kwargs):  # noqa: B008 (bound per fn)
             out = _original(*args, **kwargs)
             calls[_fn].append((args, kwargs, out))
             return out
+
         monkeypatch.setattr(algorithms, fn, spy)
     config = toy_digits.ToyConfig(num_prompts=2, group_size=2, hidden=8)
     method = training.fit_overlong_buffer(algorithms.get(name), config.max_new_tokens)
     state = toy_digits.init_state(config, method)
     jax.eval_shape(toy_digits.make_train_step(config, method), state)  # traces the whole step
-    (args, _, (advantages, _, _)), = calls["compute_advantages"]
+    ((args, _, (advantages, _, _)),) = calls["compute_advantages"]
     assert args[0] is method
     assert calls["policy_loss"] and all(loss_args[3] is advantages for loss_args, _, _ in calls["policy_loss"])
     expected_shape = (4, config.max_new_tokens) if method.advantage in ("gae", "reinforce_pp") else (4,)
@@ -79,18 +81,23 @@ def test_bad_settings_are_refused():
 
 
 def test_the_flags_parse_to_the_config():
-    assert toy_digits.parse([]) == toy_digits.ToyConfig() and toy_digits.parse([]).algorithms == tuple(algorithms.PRESETS)
+    assert toy_digits.parse([]) == toy_digits.ToyConfig() and toy_digits.parse([]).algorithms == tuple(
+        algorithms.PRESETS
+    )
     for argv in (["--algorithms", "grpo,trpo"], ["--algorithms", "grpo", "trpo"]):
         config = toy_digits.parse([*argv, "--steps", "3"])
         assert config.steps == 3 and [m.name for m in config.methods()] == ["grpo", "trpo"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
-    (["--group-size", "1"], "`group_size` must be >= 2"),
-    (["--algorithms", "grpo2"], "Unknown algorithm 'grpo2'"),
-    (["--steps", "many"], "--steps"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learning-rate", "inf"], "`learning_rate` must be a finite number; got inf"),
+        (["--group-size", "1"], "`group_size` must be >= 2"),
+        (["--algorithms", "grpo2"], "Unknown algorithm 'grpo2'"),
+        (["--steps", "many"], "--steps"),
+    ],
+)
 def test_bad_settings_exit_with_usage_before_any_compute(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(toy_digits, "train", lambda *a: pytest.fail("a method trained"))
     with pytest.raises(SystemExit) as exit_:

@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxrl_llm import kl, objectives, trpo
 
@@ -132,7 +133,12 @@ def test_natural_gradient_step_backtracks_when_the_full_step_overshoots():
     params, surrogate_fn, kl_fn = make_bandit(3, cubic=3.0)
     max_kl, coef = 0.5, 0.5
     new_params, info = trpo.natural_gradient_step(
-        params, surrogate_fn=surrogate_fn, kl_fn=kl_fn, max_kl=max_kl, damping=1e-3, backtrack_coef=coef,
+        params,
+        surrogate_fn=surrogate_fn,
+        kl_fn=kl_fn,
+        max_kl=max_kl,
+        damping=1e-3,
+        backtrack_coef=coef,
         max_backtracks=20,
     )
     backtracks = int(info["backtracks"])

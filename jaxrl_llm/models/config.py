@@ -48,7 +48,9 @@ class RopeConfig:
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"RopeConfig: `rope_type` must be one of {', '.join(map(repr, ROPE_TYPES))}; got {self.rope_type!r}.")
+            raise ValueError(
+                f"RopeConfig: `rope_type` must be one of {', '.join(map(repr, ROPE_TYPES))}; got {self.rope_type!r}."
+            )
         if not self.theta > 0:
             raise ValueError(f"RopeConfig: `theta` must be > 0; got {self.theta}.")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
@@ -146,8 +148,16 @@ class ModelConfig:
 
         if self.architecture not in ARCHITECTURES:
             fail(f"`architecture` must be one of {', '.join(map(repr, ARCHITECTURES))}; got {self.architecture!r}.")
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                      "head_dim", "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             _checks.positive_int("ModelConfig", field, getattr(self, field))
         if self.num_heads % self.num_kv_heads:
             fail(f"`num_heads` ({self.num_heads}) must be a multiple of `num_kv_heads` ({self.num_kv_heads}).")
@@ -156,15 +166,19 @@ class ModelConfig:
         if not self.rms_norm_eps > 0:
             fail(f"`rms_norm_eps` must be > 0; got {self.rms_norm_eps}.")
         if self.qk_norm != (self.architecture == "qwen3"):
-            fail(f"`qk_norm` (RMSNorm on q and k heads) is Qwen3's and only Qwen3's; got qk_norm={self.qk_norm} "
-                 f"for {self.architecture!r}.")
+            fail(
+                f"`qk_norm` (RMSNorm on q and k heads) is Qwen3's and only Qwen3's; got qk_norm={self.qk_norm} "
+                f"for {self.architecture!r}."
+            )
         if self.architecture == "mistral" and self.attention_bias:
             fail("mistral has no attention biases: attention_bias must be False.")
         if self.architecture == "qwen2" and (not self.attention_bias or self.output_bias):
             fail("qwen2 has biases on q/k/v and none on the output: attention_bias=True, output_bias=False.")
         if self.architecture != "qwen2" and self.output_bias != self.attention_bias:
-            fail(f"{self.architecture}'s attention_bias covers q/k/v and the output alike: "
-                 f"output_bias must equal attention_bias ({self.attention_bias}).")
+            fail(
+                f"{self.architecture}'s attention_bias covers q/k/v and the output alike: "
+                f"output_bias must equal attention_bias ({self.attention_bias})."
+            )
         if self.sliding_windows is not None and len(self.sliding_windows) != self.num_layers:
             fail(f"`sliding_windows` needs one entry per layer ({self.num_layers}); got {len(self.sliding_windows)}.")
         for field in ("param_dtype", "dtype"):
@@ -182,8 +196,10 @@ class ModelConfig:
             fail(f"`sliding_windows` entries must be integers >= 1 or None; got {self.sliding_windows}.")
         if windows and self.architecture == "llama":
             fail("llama has no sliding-window attention: `sliding_windows` must be None.")
-        if self.architecture == "mistral" and self.sliding_windows is not None and (
-            len(windows) != self.num_layers or len(set(windows)) != 1
+        if (
+            self.architecture == "mistral"
+            and self.sliding_windows is not None
+            and (len(windows) != self.num_layers or len(set(windows)) != 1)
         ):
             fail(f"mistral uses one window in every layer; got sliding_windows={self.sliding_windows}.")
         if len(set(windows)) > 1:
@@ -203,7 +219,7 @@ class ModelConfig:
     # --- Hugging Face -------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf_config: Any, *, param_dtype: Any = jnp.float32, dtype: Any | None = None) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any, *, param_dtype: Any = jnp.float32, dtype: Any | None = None) -> ModelConfig:
         """From a ``transformers`` config object (e.g. ``AutoConfig.from_pretrained(dir)``).
 
         Raises ``ValueError`` naming the supported families, or the unsupported option.
@@ -252,21 +268,30 @@ class ModelConfig:
         rope_parameters = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
         if self.rope.rope_type == "llama3":
             rope_parameters.update(
-                factor=self.rope.factor, low_freq_factor=self.rope.low_freq_factor,
+                factor=self.rope.factor,
+                low_freq_factor=self.rope.low_freq_factor,
                 high_freq_factor=self.rope.high_freq_factor,
                 original_max_position_embeddings=self.rope.original_max_position_embeddings,
             )
         kwargs: dict[str, Any] = dict(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=rope_parameters, tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope_parameters,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act="silu",
             architectures=[_HF_CLASSES[self.architecture]],
             dtype=jnp.dtype(self.param_dtype).name,
             bos_token_id=self.bos_token_id,
-            eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else
-            (self.eos_token_ids[0] if self.eos_token_ids else None),
+            eos_token_id=list(self.eos_token_ids)
+            if len(self.eos_token_ids) > 1
+            else (self.eos_token_ids[0] if self.eos_token_ids else None),
             pad_token_id=self.pad_token_id,
         )
         # __post_init__ guarantees at most one window size.
@@ -303,8 +328,11 @@ def _rope_from_hf(hf_config: Any) -> RopeConfig:
     if rope_type == "default":
         return RopeConfig(theta=float(params["rope_theta"]))
     return RopeConfig(
-        theta=float(params["rope_theta"]), rope_type="llama3", factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
+        theta=float(params["rope_theta"]),
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
 

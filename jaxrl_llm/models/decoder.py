@@ -123,7 +123,7 @@ def _swiglu_backward(residuals, d_out):
 swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """``[head_dim / 2]`` float32 RoPE inverse frequencies, with Llama 3 scaling if set."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
@@ -152,8 +152,10 @@ def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
     """
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, S, D/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    return (jnp.concatenate([cos, cos], axis=-1)[:, :, None, :],  # [B, S, 1, D]
-            jnp.concatenate([sin, sin], axis=-1)[:, :, None, :])
+    return (
+        jnp.concatenate([cos, cos], axis=-1)[:, :, None, :],  # [B, S, 1, D]
+        jnp.concatenate([sin, sin], axis=-1)[:, :, None, :],
+    )
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -247,7 +249,9 @@ def _attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, ma
         q = q.transpose(0, 2, 3, 1, 4)  # [B, KVH, G, S, D]
         return attend(q, k, v, mask).reshape(batch, length, heads, head_dim)
     return jax.nn.dot_product_attention(
-        q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),  # [B, K, KVH, D]: jax's layout
+        q,
+        k.transpose(0, 2, 1, 3),
+        v.transpose(0, 2, 1, 3),  # [B, K, KVH, D]: jax's layout
         mask=mask[:, None],  # [B, 1, S, K], shared by the heads
         implementation="cudnn" if implementation == "cudnn" else None,
     )
@@ -311,8 +315,10 @@ class Attention(nnx.Module):
             cache = (k, v)
         elif cache is not None:  # the same in layer `layer` of the stacked cache, in place; then read that layer
             start = (layer, 0, 0, cache_index, 0)
-            cache = tuple(jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype), start)
-                          for stacked, new in zip(cache, (k, v)))  # [L, B, KVH, K, D] each
+            cache = tuple(
+                jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype), start)
+                for stacked, new in zip(cache, (k, v))
+            )  # [L, B, KVH, K, D] each
             k, v = (jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False) for stacked in cache)
 
         batch, length, heads, head_dim = q.shape
@@ -362,8 +368,9 @@ class DecoderLayer(nnx.Module):
         layer: jax.Array | int | None = None,  # with a stacked cache: this layer's index in it
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         mask = _window(mask, window, cache_index)
-        attended, cache = self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), rope, mask, cache,
-                                         cache_index, layer)
+        attended, cache = self.self_attn(
+            rms_norm(x, self.input_layernorm[...], self.eps), rope, mask, cache, cache_index, layer
+        )
         x = x + attended.astype(x.dtype)
         x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], self.eps)).astype(x.dtype)
         return x, cache
@@ -406,13 +413,18 @@ class KVCache(NamedTuple):
 
     def _map_rows(self, fn) -> KVCache:
         """``fn(leaf, axis=...)`` applied along the rows of every per-row leaf."""
+
         def kv(leaves):
             if isinstance(leaves, tuple):
                 return tuple(fn(leaf, axis=0) for leaf in leaves)
             return fn(leaves, axis=1)  # [L, B, ...]: rows are axis 1
 
-        return self._replace(keys=kv(self.keys), values=kv(self.values), valid=fn(self.valid, axis=0),
-                             next_position=fn(self.next_position, axis=0))
+        return self._replace(
+            keys=kv(self.keys),
+            values=kv(self.values),
+            valid=fn(self.valid, axis=0),
+            next_position=fn(self.next_position, axis=0),
+        )
 
 
 class CausalLM(nnx.Module):
@@ -461,8 +473,9 @@ class CausalLM(nnx.Module):
         cache_index = 0 if cache is None else cache.index
         kv = None if cache is None else (cache.keys, cache.values)
         if scan:
-            x, kv = self.scanned_layers(x, rope, mask, kv, cache_index, carry_cache=carry_cache,
-                                        stacked_layers=stacked_layers)
+            x, kv = self.scanned_layers(
+                x, rope, mask, kv, cache_index, carry_cache=carry_cache, stacked_layers=stacked_layers
+            )
         elif cache is not None and cache.stacked:  # each layer updates its slice of the stacked cache in place
             for i, layer in enumerate(self.layers):
                 x, kv = _remat(layer, c.remat, layer_index=i)(x, rope, mask, c.window(i), kv, cache_index)
@@ -527,26 +540,28 @@ class CausalLM(nnx.Module):
         else:
             window = None
             full = np.iinfo(np.int32).max
-            layer_windows = jnp.asarray([full if w is None else w for w in map(c.window, range(c.num_layers))],
-                                        jnp.int32)  # [L]
+            layer_windows = jnp.asarray(
+                [full if w is None else w for w in map(c.window, range(c.num_layers))], jnp.int32
+            )  # [L]
         per_layer = kv is not None and isinstance(kv[0], tuple)
         if per_layer:
             kv = (jnp.stack(kv[0]), jnp.stack(kv[1]))  # [L, B, KVH, K, D] each
 
         def apply(state, x, layer_window, layer_kv, layer):
             module = nnx.merge(graphdef, state)
-            return module(x, rope, mask, window if layer_window is None else layer_window, layer_kv, cache_index,
-                          layer)
+            return module(x, rope, mask, window if layer_window is None else layer_window, layer_kv, cache_index, layer)
 
         apply = _checkpoint(apply, c.remat, prevent_cse=False)  # no CSE to guard against inside a scan
         xs = dict(state=stacked, layer_window=layer_windows)
         if kv is not None and carry_cache:
+
             def step(carry, per_layer):
                 x, kv = apply(x=carry[0], layer_kv=carry[1], **per_layer)
                 return (x, kv), None
 
             (x, kv), _ = jax.lax.scan(step, (x, kv), dict(xs, layer=jnp.arange(c.num_layers, dtype=jnp.int32)))
         else:
+
             def step(x, per_layer):
                 return apply(x=x, layer=None, **per_layer)
 

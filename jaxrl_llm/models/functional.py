@@ -87,9 +87,11 @@ def with_options(model: Model, **options: Any) -> Model:
     """
     unknown = sorted(set(options) - set(EXECUTION_OPTIONS))
     if unknown:
-        raise ValueError(f"with_options: {', '.join(map(repr, unknown))} is not an execution option; allowed: "
-                         f"{', '.join(map(repr, EXECUTION_OPTIONS))}. Other fields describe the architecture, "
-                         "which the params belong to: build a new model for another.")
+        raise ValueError(
+            f"with_options: {', '.join(map(repr, unknown))} is not an execution option; allowed: "
+            f"{', '.join(map(repr, EXECUTION_OPTIONS))}. Other fields describe the architecture, "
+            "which the params belong to: build a new model for another."
+        )
     config = dataclasses.replace(model.config, **options)
     if config == model.config:
         return model
@@ -107,9 +109,7 @@ def _inputs(fn: str, model: Model, tokens, attention_mask, positions):
     length = tokens.shape[1]
     limit = model.config.max_position_embeddings
     if length > limit:
-        raise ValueError(
-            f"{fn}: sequence length {length} exceeds the model's max_position_embeddings ({limit})."
-        )
+        raise ValueError(f"{fn}: sequence length {length} exceeds the model's max_position_embeddings ({limit}).")
     if attention_mask is None:
         attention_mask = jnp.ones(tokens.shape, bool)
     attention_mask = _checks.mask(fn, attention_mask, "tokens", tokens, name="attention_mask")
@@ -210,19 +210,22 @@ def completion_hidden_states(
     tokens, mask, positions = _inputs(fn, model, tokens, attention_mask, None)
     batch, length = tokens.shape
     if not completion_len < length:
-        raise ValueError(f"{fn}: `completion_len` ({completion_len}) must leave at least one prompt token in "
-                         f"sequences of length {length}.")
+        raise ValueError(
+            f"{fn}: `completion_len` ({completion_len}) must leave at least one prompt token in "
+            f"sequences of length {length}."
+        )
     if group_size == 1:
         module = model.module(params)
         hidden, _ = module.hidden_states(tokens, positions, _causal(mask))  # [B, S + N, E]
-        return hidden[:, -completion_len - 1:-1]
+        return hidden[:, -completion_len - 1 : -1]
     if batch % group_size:
         raise ValueError(f"{fn}: `group_size` ({group_size}) must divide the batch ({batch} rows).")
     return _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size)
 
 
-def rows_share_group_prompt(tokens: jax.Array, attention_mask: jax.Array, completion_len: int,
-                            group_size: int) -> jax.Array:
+def rows_share_group_prompt(
+    tokens: jax.Array, attention_mask: jax.Array, completion_len: int, group_size: int
+) -> jax.Array:
     """``[B]`` bool: the row's prompt (its first ``S`` tokens where the mask is set, and
     the mask) is that of the first row of its group of ``group_size`` consecutive rows.
 
@@ -244,8 +247,9 @@ def _shared_prompt_hidden_states(model, params, tokens, mask, positions, complet
     ``tokens``, ``mask`` (bool): ``[B, S + N]``; returns ``[B, N, E]``."""
     del positions  # left padding: the grouped pass derives the same ones
     prompt_len = tokens.shape[1] - completion_len
-    hidden = group_completion_hidden_states(model, params, tokens[::group_size, :prompt_len],
-                                            mask[::group_size, :prompt_len], tokens[:, prompt_len:])
+    hidden = group_completion_hidden_states(
+        model, params, tokens[::group_size, :prompt_len], mask[::group_size, :prompt_len], tokens[:, prompt_len:]
+    )
     same_prompt = rows_share_group_prompt(tokens, mask, completion_len, group_size)  # [B]: the contract, checked
     return jnp.where(same_prompt[:, None, None], hidden, jnp.nan)
 
@@ -289,11 +293,14 @@ def group_completion_hidden_states(
     _checks.token_ids(fn, "completion_tokens", completion_tokens, model.config.vocab_size)
     (num_prompts, prompt_len), (batch, completion_len) = prompt_tokens.shape, completion_tokens.shape
     if batch % num_prompts:
-        raise ValueError(f"{fn}: the {batch} completions must be a multiple of the {num_prompts} prompts (G per "
-                         "prompt, adjacent).")
+        raise ValueError(
+            f"{fn}: the {batch} completions must be a multiple of the {num_prompts} prompts (G per prompt, adjacent)."
+        )
     if prompt_len + completion_len > model.config.max_position_embeddings:
-        raise ValueError(f"{fn}: prompt and completion ({prompt_len} + {completion_len} tokens) exceed the model's "
-                         f"max_position_embeddings ({model.config.max_position_embeddings}).")
+        raise ValueError(
+            f"{fn}: prompt and completion ({prompt_len} + {completion_len} tokens) exceed the model's "
+            f"max_position_embeddings ({model.config.max_position_embeddings})."
+        )
     group = batch // num_prompts
     copies = functools.partial(jnp.repeat, repeats=group, axis=0)  # [P, ...] -> [B, ...]
     if not share_prompts or group == 1:
@@ -309,8 +316,9 @@ def group_completion_hidden_states(
     # slicing of their gradient onto the layers), the cache (stacked) their xs and ys: a
     # carried cache's gradient would cost a whole-cache array per layer.
     layers = module.stack_layers() if module.config.scan_layers else None
-    prompt_hidden, cache = _prefill_hidden(model, module, prompt_tokens, prompt_mask, prompt_positions,
-                                           slots, carry_cache=False, stacked_layers=layers)  # [P, S, E]
+    prompt_hidden, cache = _prefill_hidden(
+        model, module, prompt_tokens, prompt_mask, prompt_positions, slots, carry_cache=False, stacked_layers=layers
+    )  # [P, S, E]
     hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
     if inputs:
         # The completions (B rows) attend to their prompt's slots and causally to themselves.
@@ -319,8 +327,9 @@ def group_completion_hidden_states(
         query_slot = prompt_len + jnp.arange(inputs)[:, None]  # [N - 1, 1]
         attention = keys[:, None, :] & (jnp.arange(slots)[None, :] <= query_slot)[None]  # [B, N - 1, S + N - 1]
         positions = copies(jnp.sum(prompt_mask, axis=1))[:, None] + jnp.arange(inputs)[None, :]  # [B, N - 1]
-        completion_hidden, _ = module.hidden_states(completion_tokens[:, :inputs], positions, attention, cache,
-                                                    carry_cache=False, stacked_layers=layers)
+        completion_hidden, _ = module.hidden_states(
+            completion_tokens[:, :inputs], positions, attention, cache, carry_cache=False, stacked_layers=layers
+        )
         hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
     return hidden
 
@@ -350,11 +359,17 @@ def completion_logprobs(
       group_size: ``G`` consecutive rows share a prompt, which then runs once (see
         :func:`completion_hidden_states`).
     """
-    hidden = completion_hidden_states(model, params, tokens, attention_mask, completion_len,
-                                      group_size=group_size)  # [B, N, E]
-    return ops.chunked_token_logprobs(hidden, output_kernel(model, params, as_stored=True),
-                                      tokens[:, -completion_len:], chunk_size=chunk_size, temperature=temperature,
-                                      transposed_kernel=model.config.tie_word_embeddings)
+    hidden = completion_hidden_states(
+        model, params, tokens, attention_mask, completion_len, group_size=group_size
+    )  # [B, N, E]
+    return ops.chunked_token_logprobs(
+        hidden,
+        output_kernel(model, params, as_stored=True),
+        tokens[:, -completion_len:],
+        chunk_size=chunk_size,
+        temperature=temperature,
+        transposed_kernel=model.config.tie_word_embeddings,
+    )
 
 
 def logits_from_hidden(model: Model, params: Params, hidden: jax.Array) -> jax.Array:
@@ -440,8 +455,17 @@ def prefill(
     return module.logits(hidden[:, -1] if last_logits_only else hidden), cache
 
 
-def _prefill_hidden(model: Model, module: CausalLM, tokens, mask, positions, cache_size: int, *,
-                    carry_cache: bool = True, stacked_layers=None):
+def _prefill_hidden(
+    model: Model,
+    module: CausalLM,
+    tokens,
+    mask,
+    positions,
+    cache_size: int,
+    *,
+    carry_cache: bool = True,
+    stacked_layers=None,
+):
     """Validated ``[B, S]`` prompt inputs through the decoder into a fresh cache of
     ``cache_size`` slots (:func:`init_cache`'s layout): ``[B, S, E]`` hidden states and the
     cache, its next slot ``S``. ``carry_cache``, ``stacked_layers``: see
@@ -450,8 +474,9 @@ def _prefill_hidden(model: Model, module: CausalLM, tokens, mask, positions, cac
     cache = init_cache(model, batch, cache_size)
     cache = cache._replace(valid=cache.valid.at[:, :length].set(mask))
     full_mask = jnp.zeros((batch, length, cache_size), bool).at[:, :, :length].set(_causal(mask))  # [B, S, K]
-    hidden, cache = module.hidden_states(tokens, positions, full_mask, cache, carry_cache=carry_cache,
-                                         stacked_layers=stacked_layers)
+    hidden, cache = module.hidden_states(
+        tokens, positions, full_mask, cache, carry_cache=carry_cache, stacked_layers=stacked_layers
+    )
     return hidden, cache._replace(
         next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)
     )

@@ -52,17 +52,30 @@ if TYPE_CHECKING:
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "additional_chat_templates",
-    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
 )
 """What a Hugging Face tokenizer may save (transformers 4 and 5, fast and slow): the names a
 save with a tokenizer replaces, so that no file of the previous tokenizer survives beside it."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # Per layout: (our shape -> HF shape, HF array -> ours, ours -> HF array).
-Layout = tuple[Callable[[tuple[int, ...]], tuple[int, ...]], Callable[[np.ndarray, tuple[int, ...]], np.ndarray],
-               Callable[[np.ndarray], np.ndarray]]
+Layout = tuple[
+    Callable[[tuple[int, ...]], tuple[int, ...]],
+    Callable[[np.ndarray, tuple[int, ...]], np.ndarray],
+    Callable[[np.ndarray], np.ndarray],
+]
 _LAYOUTS: dict[str, Layout] = {
     "same": (lambda s: s, lambda a, s: a, lambda a: a),
     "transpose": (lambda s: s[::-1], lambda a, s: a.T, lambda a: a.T),
@@ -73,12 +86,18 @@ _LAYOUTS: dict[str, Layout] = {
     # q/k/v biases: ours [H, D], HF [H * D]
     "heads_bias": (lambda s: (s[0] * s[1],), lambda a, s: a.reshape(s), lambda a: a.reshape(-1)),
 }
-_ATTENTION = {"q_proj": ("q_proj.weight", "in_heads"), "k_proj": ("k_proj.weight", "in_heads"),
-              "v_proj": ("v_proj.weight", "in_heads"), "o_proj": ("o_proj.weight", "out_heads"),
-              "q_bias": ("q_proj.bias", "heads_bias"), "k_bias": ("k_proj.bias", "heads_bias"),
-              "v_bias": ("v_proj.bias", "heads_bias"), "o_bias": ("o_proj.bias", "same"),
-              "q_norm": ("q_norm.weight", "same"),
-              "k_norm": ("k_norm.weight", "same")}
+_ATTENTION = {
+    "q_proj": ("q_proj.weight", "in_heads"),
+    "k_proj": ("k_proj.weight", "in_heads"),
+    "v_proj": ("v_proj.weight", "in_heads"),
+    "o_proj": ("o_proj.weight", "out_heads"),
+    "q_bias": ("q_proj.bias", "heads_bias"),
+    "k_bias": ("k_proj.bias", "heads_bias"),
+    "v_bias": ("v_proj.bias", "heads_bias"),
+    "o_bias": ("o_proj.bias", "same"),
+    "q_norm": ("q_norm.weight", "same"),
+    "k_norm": ("k_norm.weight", "same"),
+}
 
 _Box = tuple[slice, ...]
 """One shard's index into our layout: a ``slice(start, stop)`` per dimension."""
@@ -100,15 +119,15 @@ def _read_box(tensor, layout: str, shape: tuple[int, ...], box: _Box) -> np.ndar
             return tensor[box[::-1]].T
         case "in_heads":  # ours [E, H, D] <- HF [H * D, E]
             e, h, d = box
-            rows = tensor[h.start * shape[2]:h.stop * shape[2], e]  # [h * D, e]
+            rows = tensor[h.start * shape[2] : h.stop * shape[2], e]  # [h * D, e]
             return rows.T.reshape(sizes[0], sizes[1], shape[2])[:, :, d]  # [e, h, d]
         case "out_heads":  # ours [H, D, E] <- HF [E, H * D]
             h, d, e = box
-            columns = tensor[e, h.start * shape[1]:h.stop * shape[1]]  # [e, h * D]
+            columns = tensor[e, h.start * shape[1] : h.stop * shape[1]]  # [e, h * D]
             return columns.T.reshape(sizes[0], shape[1], sizes[2])[:, d, :]  # [h, d, e]
         case "heads_bias":  # ours [H, D] <- HF [H * D]
             h, d = box
-            return tensor[h.start * shape[1]:h.stop * shape[1]].reshape(sizes[0], shape[1])[:, d]  # [h, d]
+            return tensor[h.start * shape[1] : h.stop * shape[1]].reshape(sizes[0], shape[1])[:, d]  # [h, d]
     raise KeyError(f"Unknown layout {layout!r}.")
 
 
@@ -211,8 +230,9 @@ def from_pretrained(
         ``rules`` without ``mesh``, or rules naming an unknown mesh axis.
     """
     if rules is not None and mesh is None:
-        raise ValueError("from_pretrained: `rules` place the parameters on a mesh; pass `mesh=` too "
-                         "(sharding.make_mesh(...)).")
+        raise ValueError(
+            "from_pretrained: `rules` place the parameters on a mesh; pass `mesh=` too (sharding.make_mesh(...))."
+        )
     directory = checkpoint_directory(path)
     import transformers
 
@@ -311,7 +331,10 @@ def read_weights(
             handle.__exit__(None, None, None)
 
     unexpected = sorted(
-        n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+        n
+        for n in files
+        if n not in used
+        and not n.endswith(_IGNORED_SUFFIXES)
         and not (config.tie_word_embeddings and n == "lm_head.weight")
     )
     if unexpected:
@@ -423,8 +446,11 @@ def save_pretrained(
         raise NotADirectoryError(f"Cannot save a checkpoint to {target}: it is a file, not a directory.")
     if tokenizer is not None:
         _check_tokenizer(tokenizer, model.config.vocab_size)
-    generation = None if tokenizer is None and generation_config is None else _generation_config(
-        model.config, generation_config=generation_config, tokenizer=tokenizer)
+    generation = (
+        None
+        if tokenizer is None and generation_config is None
+        else _generation_config(model.config, generation_config=generation_config, tokenizer=tokenizer)
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     _recover(target)
     file_mode = 0o666 & ~_umask()
@@ -492,8 +518,10 @@ def _generation_config(
     elif isinstance(generation_config, Mapping):
         generation = transformers.GenerationConfig(**generation_config)
     else:
-        raise TypeError(f"`generation_config` must be a transformers.GenerationConfig, a dict of its fields or None; "
-                        f"got {type(generation_config).__name__}.")
+        raise TypeError(
+            f"`generation_config` must be a transformers.GenerationConfig, a dict of its fields or None; "
+            f"got {type(generation_config).__name__}."
+        )
 
     def from_tokenizer(name: str) -> int | None:
         return None if tokenizer is None else getattr(tokenizer, name, None)
@@ -511,10 +539,13 @@ def _generation_config(
     for name in ids:
         value = getattr(generation, name)
         for token in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
-            if not (isinstance(token, numbers.Integral) and not isinstance(token, bool)
-                    and 0 <= token < config.vocab_size):
-                raise ValueError(f"The generation config's {name} {value!r} must be token ids in "
-                                 f"[0, {config.vocab_size}) (the model's vocab_size).")
+            if not (
+                isinstance(token, numbers.Integral) and not isinstance(token, bool) and 0 <= token < config.vocab_size
+            ):
+                raise ValueError(
+                    f"The generation config's {name} {value!r} must be token ids in "
+                    f"[0, {config.vocab_size}) (the model's vocab_size)."
+                )
     return generation
 
 
@@ -551,9 +582,12 @@ def _check_tokenizer_reloads(
 
     reloaded = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     ids = sorted(tokenizer.get_vocab().values())
-    vocabulary = tokenizer.decode(ids[::max(1, len(ids) // 256)], skip_special_tokens=True)
-    differences = [name for name in ("bos_token_id", "eos_token_id", "pad_token_id", "padding_side", "chat_template")
-                   if getattr(reloaded, name, None) != getattr(tokenizer, name, None)]
+    vocabulary = tokenizer.decode(ids[:: max(1, len(ids) // 256)], skip_special_tokens=True)
+    differences = [
+        name
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "padding_side", "chat_template")
+        if getattr(reloaded, name, None) != getattr(tokenizer, name, None)
+    ]
     if reloaded.get_vocab() != tokenizer.get_vocab():
         differences.append("vocabulary")
     for text in (_PROBE, "".join(tokenizer.all_special_tokens), vocabulary):

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 
 from jaxrl_llm import _checks
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                          "token-sum-norm"]
+AggregationMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum-norm"
+]
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 EpsPlacement = Literal["std", "variance", "variance_floor"]
 EPS_PLACEMENTS: tuple[str, ...] = get_args(EpsPlacement)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, kl as kl_lib
+from jaxrl_llm import _checks
+from jaxrl_llm import kl as kl_lib
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -144,8 +145,7 @@ def chunked_token_logprobs(
         logp = _token_logprobs(logits, t)  # [B, chunk]
         return logp, (entropy(logits) if with_entropy else jnp.zeros_like(logp))
 
-    _, (logp, ent) = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None,
-                                  (chunks.split(hidden), chunks.split(ids)))
+    _, (logp, ent) = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (chunks.split(hidden), chunks.split(ids)))
     if not with_entropy:
         return chunks.join(logp)
     return chunks.join(logp), chunks.join(ent)
@@ -201,15 +201,18 @@ def chunked_categorical_kl(
 
     @jax.checkpoint
     def one_chunk(h_p: jax.Array, h_q: jax.Array) -> jax.Array:
-        return kl_lib.categorical(_logits(h_p, output_kernel_p, temperature, transposed_kernels),
-                                  _logits(h_q, output_kernel_q, temperature, transposed_kernels))  # [B, chunk]
+        return kl_lib.categorical(
+            _logits(h_p, output_kernel_p, temperature, transposed_kernels),
+            _logits(h_q, output_kernel_q, temperature, transposed_kernels),
+        )  # [B, chunk]
 
     _, kl = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (chunks.split(hidden_p), chunks.split(hidden_q)))
     return chunks.join(kl)
 
 
-def _check_hidden_and_kernel(fn: str, hidden: jax.Array, kernel: jax.Array, *, suffix: str = "",
-                             transposed: bool = False) -> int:
+def _check_hidden_and_kernel(
+    fn: str, hidden: jax.Array, kernel: jax.Array, *, suffix: str = "", transposed: bool = False
+) -> int:
     """Checks ``hidden`` ``[B, T, E]`` against ``kernel`` ``[E, V]`` (``[V, E]`` if
     ``transposed``); returns ``V``."""
     layout = "[V, E]" if transposed else "[E, V]"
@@ -251,4 +254,4 @@ class _Chunks:
 
     def join(self, x: jax.Array) -> jax.Array:
         """``[num_chunks, B, chunk] -> [B, T]``."""
-        return x.swapaxes(0, 1).reshape(x.shape[1], -1)[:, :self.length]
+        return x.swapaxes(0, 1).reshape(x.shape[1], -1)[:, : self.length]

@@ -12,6 +12,9 @@ def all_finite(tree) -> jax.Array:
     Exact, unlike testing a global norm, which overflows to inf for large finite values.
     Integer and key leaves are ignored; a tree without floating leaves is finite.
     """
-    checks = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
-              if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact)]
+    checks = [
+        jnp.all(jnp.isfinite(leaf))
+        for leaf in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact)
+    ]
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)

@@ -73,8 +73,10 @@ def completion_text(completion: Any) -> str:
         content = completion[-1].get("content")
         if isinstance(content, str):
             return content
-    raise TypeError(f"A completion must be a str or a list of chat messages ending in {{'role': ..., 'content': "
-                    f"str}}; got {completion!r:.80}.")
+    raise TypeError(
+        f"A completion must be a str or a list of chat messages ending in {{'role': ..., 'content': "
+        f"str}}; got {completion!r:.80}."
+    )
 
 
 def reward_name(fn: Any) -> str:
@@ -106,19 +108,25 @@ class RewardResult:
     @property
     def unscored(self) -> np.ndarray:
         """``[B]`` bool: the rows no function applies to (each returned None), scored 0."""
-        return np.all(np.isnan(np.stack(list(self.values.values()))), axis=0) if self.values else \
-            np.zeros(self.total.shape, bool)
+        return (
+            np.all(np.isnan(np.stack(list(self.values.values()))), axis=0)
+            if self.values
+            else np.zeros(self.total.shape, bool)
+        )
 
     def means(self) -> dict[str, float]:
         """Each function's mean over the rows it applies to (NaN if none)."""
-        return {name: float(np.mean(v[~np.isnan(v)])) if (~np.isnan(v)).any() else float("nan")
-                for name, v in self.values.items()}
+        return {
+            name: float(np.mean(v[~np.isnan(v)])) if (~np.isnan(v)).any() else float("nan")
+            for name, v in self.values.items()
+        }
 
 
 def _example(index: int, prompts: Sequence[Any], completions: Sequence[str], first_row: int = 0) -> str:
     """``row i (prompt ..., completion ...)``, each shortened to 80 characters."""
-    prompt, completion = (repr(x if len(str(x)) <= 80 else str(x)[:77] + "...")
-                          for x in (prompts[index], completions[index]))
+    prompt, completion = (
+        repr(x if len(str(x)) <= 80 else str(x)[:77] + "...") for x in (prompts[index], completions[index])
+    )
     return f"row {first_row + index} (prompt {prompt}, completion {completion})"
 
 
@@ -131,14 +139,18 @@ def _checked(name: str, returned: Any, batch: int, prompts, completions, *, firs
     if not isinstance(returned, (Sequence, np.ndarray)) and hasattr(returned, "__array__"):
         returned = np.asarray(returned)  # a jax.Array, a torch tensor
     if isinstance(returned, np.ndarray) and returned.ndim != 1:
-        raise RewardFunctionError(f"Reward function {name!r} must return {batch} numbers; got an array of shape "
-                                  f"{list(returned.shape)}.")
+        raise RewardFunctionError(
+            f"Reward function {name!r} must return {batch} numbers; got an array of shape {list(returned.shape)}."
+        )
     if isinstance(returned, (str, bytes, Mapping)) or not isinstance(returned, (Sequence, np.ndarray)):
-        raise RewardFunctionError(f"Reward function {name!r} must return a list of {batch} numbers or None; "
-                                  f"got {type(returned).__name__}.")
+        raise RewardFunctionError(
+            f"Reward function {name!r} must return a list of {batch} numbers or None; got {type(returned).__name__}."
+        )
     if len(returned) != batch:
-        raise RewardFunctionError(f"Reward function {name!r} returned {len(returned)} values for {batch} "
-                                  f"completions; it must return one per completion.")
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {len(returned)} values for {batch} "
+            f"completions; it must return one per completion."
+        )
     values = np.empty(batch, np.float32)
     for row, value in enumerate(returned):
         if value is None:
@@ -153,12 +165,16 @@ def _checked(name: str, returned: Any, batch: int, prompts, completions, *, firs
         except (TypeError, ValueError):
             number = None
         if number is None:
-            raise RewardFunctionError(f"Reward function {name!r} returned {value!r} ({type(value).__name__}) at "
-                                      f"{_example(row, prompts, completions, first_row)}; it must return numbers or None.")
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {value!r} ({type(value).__name__}) at "
+                f"{_example(row, prompts, completions, first_row)}; it must return numbers or None."
+            )
         if not np.isfinite(number) or abs(number) > _FLOAT32_MAX:
-            raise RewardFunctionError(f"Reward function {name!r} returned {value} at "
-                                      f"{_example(row, prompts, completions, first_row)}; rewards must be finite float32 "
-                                      f"numbers (|r| <= {_FLOAT32_MAX:.3g}; return None where the function does not apply).")
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {value} at "
+                f"{_example(row, prompts, completions, first_row)}; rewards must be finite float32 "
+                f"numbers (|r| <= {_FLOAT32_MAX:.3g}; return None where the function does not apply)."
+            )
         values[row] = number
     return values
 
@@ -192,10 +208,15 @@ def compute_rewards(
         raise ValueError(f"`on_reward_error` must be one of {ON_ERROR}; got {on_error!r}.")
     batch = len(completions)
     if clash := sorted(set(columns) & set(ARGUMENTS)):
-        raise ValueError(f"Dataset columns {clash} clash with the reward functions' own arguments {ARGUMENTS}; "
-                         f"rename them.")
-    arguments = dict(columns, prompts=list(prompts), completions=list(completions),
-                     completion_ids=[list(ids) for ids in completion_ids])
+        raise ValueError(
+            f"Dataset columns {clash} clash with the reward functions' own arguments {ARGUMENTS}; rename them."
+        )
+    arguments = dict(
+        columns,
+        prompts=list(prompts),
+        completions=list(completions),
+        completion_ids=[list(ids) for ids in completion_ids],
+    )
     values, errors = {}, {}
     for name, fn in zip(reward_names(reward_fns), reward_fns, strict=True):
         try:
@@ -210,41 +231,50 @@ def compute_rewards(
             error.function = fn
             raise
     if batch and values and all(np.isnan(v).all() for v in values.values()):
-        warnings.warn(f"Every reward function returned None for every completion ({', '.join(values)}): each reward "
-                      "is 0 and the batch teaches nothing. None means 'does not apply'; check that the functions "
-                      "read the columns they need (the `reward_unscored` metric counts such rows).", stacklevel=2)
+        warnings.warn(
+            f"Every reward function returned None for every completion ({', '.join(values)}): each reward "
+            "is 0 and the batch teaches nothing. None means 'does not apply'; check that the functions "
+            "read the columns they need (the `reward_unscored` metric counts such rows).",
+            stacklevel=2,
+        )
     weighted = [w * np.nan_to_num(v, nan=0.0) for w, v in zip(weights, values.values(), strict=True)]
     with np.errstate(over="ignore"):
         total = np.sum(weighted, axis=0, dtype=np.float32)
     if not np.isfinite(total).all():
         row = int(np.flatnonzero(~np.isfinite(total))[0])
-        raise RewardFunctionError(f"The weighted sum of the rewards overflows float32 at "
-                                  f"{_example(row, prompts, completions, first_row)}; scale the rewards or weights.")
-    return RewardResult(total=total, values=values,
-                        errors={name: count for name, count in errors.items() if count})
+        raise RewardFunctionError(
+            f"The weighted sum of the rewards overflows float32 at "
+            f"{_example(row, prompts, completions, first_row)}; scale the rewards or weights."
+        )
+    return RewardResult(total=total, values=values, errors={name: count for name, count in errors.items() if count})
 
 
-def _row_by_row(name: str, fn: Any, arguments: dict[str, list], batch: int, on_error: str,
-                first_row: int) -> tuple[np.ndarray, int]:
+def _row_by_row(
+    name: str, fn: Any, arguments: dict[str, list], batch: int, on_error: str, first_row: int
+) -> tuple[np.ndarray, int]:
     """``fn`` called on one row at a time, after it raised on the whole batch: ``[B]``
     values (0 where it raises) and the count of rows that raised."""
     prompts, completions = arguments["prompts"], arguments["completions"]
     values, failed = np.zeros(batch, np.float32), 0
     for row in range(batch):
         try:
-            returned = fn(**{key: column[row:row + 1] for key, column in arguments.items()})
+            returned = fn(**{key: column[row : row + 1] for key, column in arguments.items()})
         except Exception as error:
             if on_error == "raise":
                 raise RewardFunctionError(
                     f"Reward function {name!r} raised {type(error).__name__}: {error} at "
                     f"{_example(row, prompts, completions, first_row)}. Fix the function, or set "
                     f"on_reward_error='zero' (--train.on-reward-error zero) to score such completions 0 "
-                    f"(counted in the `reward_errors` metric).") from error
+                    f"(counted in the `reward_errors` metric)."
+                ) from error
             failed += 1
             continue
-        values[row] = _checked(name, returned, 1, prompts[row:row + 1], completions[row:row + 1],
-                               first_row=first_row + row)[0]
+        values[row] = _checked(
+            name, returned, 1, prompts[row : row + 1], completions[row : row + 1], first_row=first_row + row
+        )[0]
     if not failed and on_error == "raise":  # each row alone works; the batch does not
-        raise RewardFunctionError(f"Reward function {name!r} raised on the batch of {batch} completions but not on "
-                                  f"any one of them alone; it must accept lists of any length.")
+        raise RewardFunctionError(
+            f"Reward function {name!r} raised on the batch of {batch} completions but not on "
+            f"any one of them alone; it must accept lists of any length."
+        )
     return values, failed

@@ -106,7 +106,7 @@ def boxed(text: str) -> str | None:
     for match in reversed(list(_BOX_RE.finditer(text))):
         end = _balanced(text, match.end())
         if end is not None:
-            return text[match.end():end].strip()
+            return text[match.end() : end].strip()
     return None
 
 
@@ -137,7 +137,7 @@ def regex(text: str, pattern: str | re.Pattern) -> str | None:
     text = _check_text("regex", text)
     pattern = _compile("regex", "pattern", pattern)
     last = None
-    for last in pattern.finditer(text):
+    for last in pattern.finditer(text):  # noqa: B007 (keeps the last match)
         pass
     if last is None:
         return None
@@ -157,8 +157,9 @@ def _compile(fn: str, name: str, pattern: object, flags: int = 0) -> re.Pattern:
 
 def _check_tag(fn: str, name: str, tag: object) -> str:
     if not (isinstance(tag, str) and _TAG_NAME_RE.fullmatch(tag)):
-        raise ValueError(f"{fn}: `{name}` must be a tag name such as 'answer' (letters, digits, '_', '-', '.', ':'); "
-                         f"got {tag!r}.")
+        raise ValueError(
+            f"{fn}: `{name}` must be a tag name such as 'answer' (letters, digits, '_', '-', '.', ':'); got {tag!r}."
+        )
     return tag
 
 
@@ -174,21 +175,28 @@ def extractor(how: How, *, fn: str = "extract", name: str = "how") -> Callable[[
     if isinstance(how, str):
         if how not in EXTRACTORS:
             allowed = ", ".join(repr(e) for e in EXTRACTORS)
-            raise ValueError(f"{fn}: `{name}` must be one of {allowed}, a compiled re.Pattern, a callable or None; "
-                             f"got {how!r} (for a regular expression pass re.compile({how!r})).")
+            raise ValueError(
+                f"{fn}: `{name}` must be one of {allowed}, a compiled re.Pattern, a callable or None; "
+                f"got {how!r} (for a regular expression pass re.compile({how!r}))."
+            )
         return globals()[how]
     if isinstance(how, re.Pattern):
         return lambda text: regex(text, how)
     if callable(how):
+
         def call(text: str) -> str | None:
             out = how(text)
             if out is not None and not isinstance(out, str):
-                raise TypeError(f"{fn}: the extractor `{name}`={how!r} must return a str or None; "
-                                f"got {type(out).__name__}.")
+                raise TypeError(
+                    f"{fn}: the extractor `{name}`={how!r} must return a str or None; got {type(out).__name__}."
+                )
             return out
+
         return call
-    raise TypeError(f"{fn}: `{name}` must be one of {', '.join(repr(e) for e in EXTRACTORS)}, a compiled re.Pattern, "
-                    f"a callable or None; got {type(how).__name__}.")
+    raise TypeError(
+        f"{fn}: `{name}` must be one of {', '.join(repr(e) for e in EXTRACTORS)}, a compiled re.Pattern, "
+        f"a callable or None; got {type(how).__name__}."
+    )
 
 
 def extract(text: str, how: How) -> str | None:
@@ -210,5 +218,13 @@ def extract(text: str, how: How) -> str | None:
 
 
 __all__ = [
-    "EXTRACTORS", "How", "answer_tag", "boxed", "boxed_or_last_number", "extract", "extractor", "last_number", "regex",
+    "EXTRACTORS",
+    "How",
+    "answer_tag",
+    "boxed",
+    "boxed_or_last_number",
+    "extract",
+    "extractor",
+    "last_number",
+    "regex",
 ]

@@ -51,13 +51,16 @@ def overlong_penalty(lengths: jax.Array, *, max_len: int, buffer: int, penalty: 
 
 def _lengths(fn: str, completion_ids: object) -> np.ndarray:
     if isinstance(completion_ids, str) or not isinstance(completion_ids, Sequence | np.ndarray):
-        raise TypeError(f"{fn}: `completion_ids` must be a list of token-id lists (one per completion); "
-                        f"got {type(completion_ids).__name__}.")
+        raise TypeError(
+            f"{fn}: `completion_ids` must be a list of token-id lists (one per completion); "
+            f"got {type(completion_ids).__name__}."
+        )
     lengths = []
     for i, ids in enumerate(completion_ids):
         if isinstance(ids, str) or not hasattr(ids, "__len__"):
-            raise TypeError(f"{fn}: `completion_ids` must hold lists of token ids; completion_ids[{i}] is "
-                            f"{type(ids).__name__}.")
+            raise TypeError(
+                f"{fn}: `completion_ids` must hold lists of token ids; completion_ids[{i}] is {type(ids).__name__}."
+            )
         lengths.append(len(ids))
     return np.asarray(lengths, dtype=np.int64)
 
@@ -109,14 +112,14 @@ def soft_overlong_punishment(
     fn = "soft_overlong_punishment"
     _positive_int(fn, "max_completion_length", max_completion_length)
     if not (isinstance(buffer, int) and not isinstance(buffer, bool) and 0 < buffer <= max_completion_length):
-        raise ValueError(f"{fn}: `buffer` must be an integer in [1, max_completion_length={max_completion_length}]; "
-                         f"got {buffer!r}.")
+        raise ValueError(
+            f"{fn}: `buffer` must be an integer in [1, max_completion_length={max_completion_length}]; got {buffer!r}."
+        )
     penalty = _non_negative(fn, "penalty", penalty)
     lengths = _lengths(fn, completion_ids)
     if not len(lengths):
         return []
-    return np.asarray(overlong_penalty(lengths, max_len=max_completion_length, buffer=buffer,
-                                       penalty=penalty)).tolist()
+    return np.asarray(overlong_penalty(lengths, max_len=max_completion_length, buffer=buffer, penalty=penalty)).tolist()
 
 
 def length_penalty(

@@ -101,8 +101,9 @@ def pooling_index(tokens: jax.Array, attention_mask: jax.Array, *, pad_token_id:
     return jnp.where(last >= 0, last, first_real)
 
 
-def score_tokens(model: Model, params: Params, head: jax.Array, tokens: jax.Array,
-                 attention_mask: jax.Array) -> jax.Array:
+def score_tokens(
+    model: Model, params: Params, head: jax.Array, tokens: jax.Array, attention_mask: jax.Array
+) -> jax.Array:
     r"""``[B]`` float32 rewards :math:`w^\top h_{i^*}` of ``tokens`` (pure, jit-able).
 
     Args:
@@ -184,16 +185,20 @@ class RewardModel:
             object.__setattr__(self, "max_length", limit)
         _checks.positive_int(fn, "max_length", self.max_length)
         if self.max_length > limit:
-            raise ValueError(f"{fn}: `max_length` ({self.max_length}) exceeds the model's max_position_embeddings "
-                             f"({limit}).")
+            raise ValueError(
+                f"{fn}: `max_length` ({self.max_length}) exceeds the model's max_position_embeddings ({limit})."
+            )
         if tuple(self.head.shape) != (config.hidden_size,):
             raise ValueError(f"{fn}: `head` must have shape [E] = [{config.hidden_size}]; got {list(self.head.shape)}.")
         if self.chat_template not in (None, True, False):
-            raise ValueError(f"{fn}: `chat_template` must be None (automatic), True or False; got "
-                             f"{self.chat_template!r}.")
+            raise ValueError(
+                f"{fn}: `chat_template` must be None (automatic), True or False; got {self.chat_template!r}."
+            )
         if self.chat_template and not _has_chat_template(self.tokenizer):
-            raise ValueError(f"{fn}: chat_template=True, but the tokenizer has no chat template; pass "
-                             f"chat_template=None or False, or a tokenizer with one.")
+            raise ValueError(
+                f"{fn}: chat_template=True, but the tokenizer has no chat template; pass "
+                f"chat_template=None or False, or a tokenizer with one."
+            )
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"{fn}: `name` must be a non-empty string; got {self.name!r}.")
         object.__setattr__(self, "__name__", self.name)
@@ -214,7 +219,7 @@ class RewardModel:
         chat_template: bool | None = None,
         add_special_tokens: bool = True,
         name: str = "reward_model",
-    ) -> "RewardModel":
+    ) -> RewardModel:
         """Loads a Hugging Face sequence-classification checkpoint with one label.
 
         Args:
@@ -242,17 +247,26 @@ class RewardModel:
         found = list(getattr(hf_config, "architectures", None) or [])
         allowed = sorted(SEQUENCE_CLASSIFIERS.values())
         if not found or any(a not in allowed for a in found):
-            hint = (" For a causal language model use jaxrl_llm.models.from_pretrained."
-                    if any(a.endswith("ForCausalLM") for a in found) else "")
-            raise ValueError(f"{path} is not a sequence-classification checkpoint: its config.json names "
-                             f"architectures {found}; a reward model must be one of {', '.join(allowed)}.{hint}")
+            hint = (
+                " For a causal language model use jaxrl_llm.models.from_pretrained."
+                if any(a.endswith("ForCausalLM") for a in found)
+                else ""
+            )
+            raise ValueError(
+                f"{path} is not a sequence-classification checkpoint: its config.json names "
+                f"architectures {found}; a reward model must be one of {', '.join(allowed)}.{hint}"
+            )
         model_type = getattr(hf_config, "model_type", None)
         if found != [SEQUENCE_CLASSIFIERS.get(model_type)]:
-            raise ValueError(f"{path}: config.json has model_type {model_type!r} but architectures {found}; "
-                             f"expected {[SEQUENCE_CLASSIFIERS.get(model_type, '?')]}.")
+            raise ValueError(
+                f"{path}: config.json has model_type {model_type!r} but architectures {found}; "
+                f"expected {[SEQUENCE_CLASSIFIERS.get(model_type, '?')]}."
+            )
         if hf_config.num_labels != 1:
-            raise ValueError(f"{path}: a reward model has one output (num_labels=1); this checkpoint has "
-                             f"num_labels={hf_config.num_labels} (labels {list(hf_config.id2label.values())}).")
+            raise ValueError(
+                f"{path}: a reward model has one output (num_labels=1); this checkpoint has "
+                f"num_labels={hf_config.num_labels} (labels {list(hf_config.id2label.values())})."
+            )
         dtype = dtype_from_name(dtype)
         config = ModelConfig.from_hf(hf_config, param_dtype=dtype)
         # No LM head: a tied config allocates none (and ignores a stray lm_head.weight).
@@ -260,16 +274,29 @@ class RewardModel:
         model, params, extras = hf.read_weights(path, config, extra=(HEAD_TENSOR,))
         score = extras[HEAD_TENSOR]
         if tuple(score.shape) != (1, config.hidden_size):
-            raise ValueError(f"Tensor {HEAD_TENSOR!r} has shape {list(score.shape)} in {path}; a reward head is "
-                             f"[1, hidden_size] = [1, {config.hidden_size}].")
+            raise ValueError(
+                f"Tensor {HEAD_TENSOR!r} has shape {list(score.shape)} in {path}; a reward head is "
+                f"[1, hidden_size] = [1, {config.hidden_size}]."
+            )
         if tokenizer is None:
             if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-                raise FileNotFoundError(f"No tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}; save the "
-                                        f"tokenizer there or pass tokenizer=.")
+                raise FileNotFoundError(
+                    f"No tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}; save the "
+                    f"tokenizer there or pass tokenizer=."
+                )
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(model=model, params=params, head=jnp.asarray(score[0], dtype=dtype), tokenizer=tokenizer,
-                   batch_size=batch_size, max_length=max_length, length_bucket=length_bucket,
-                   chat_template=chat_template, add_special_tokens=add_special_tokens, name=name)
+        return cls(
+            model=model,
+            params=params,
+            head=jnp.asarray(score[0], dtype=dtype),
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_length=max_length,
+            length_bucket=length_bucket,
+            chat_template=chat_template,
+            add_special_tokens=add_special_tokens,
+            name=name,
+        )
 
     # --- scoring ----------------------------------------------------------------------------
 
@@ -306,7 +333,7 @@ class RewardModel:
                 special = False if templated else self.add_special_tokens
                 ids = self.tokenizer([texts[i][0] for i in index], add_special_tokens=special)["input_ids"]
                 for i, row in zip(index, ids):
-                    rows[i] = list(row)[-self.max_length:]
+                    rows[i] = list(row)[-self.max_length :]
         return rows
 
     def _texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[tuple[str, bool]]:
@@ -314,8 +341,10 @@ class RewardModel:
         if isinstance(prompts, (str, bytes)) or isinstance(completions, (str, bytes)):
             raise TypeError("RewardModel: `prompts` and `completions` must be lists (one entry per row), not strings.")
         if len(prompts) != len(completions):
-            raise ValueError(f"RewardModel: got {len(prompts)} prompts and {len(completions)} completions; they "
-                             f"must be aligned, one prompt per completion.")
+            raise ValueError(
+                f"RewardModel: got {len(prompts)} prompts and {len(completions)} completions; they "
+                f"must be aligned, one prompt per completion."
+            )
         return [self._text(p, c) for p, c in zip(prompts, completions)]
 
     def _text(self, prompt: Any, completion: Any) -> tuple[str, bool]:
@@ -324,8 +353,10 @@ class RewardModel:
             if not (has_template if self.chat_template is None else self.chat_template):
                 return prompt + completion, False
         elif self.chat_template is False or not has_template:
-            raise ValueError("RewardModel: message-list prompts or completions need a chat template, but "
-                             + ("chat_template=False." if self.chat_template is False else "the tokenizer has none."))
+            raise ValueError(
+                "RewardModel: message-list prompts or completions need a chat template, but "
+                + ("chat_template=False." if self.chat_template is False else "the tokenizer has none.")
+            )
         messages = _messages(prompt, "user") + _messages(completion, "assistant")
         return self.tokenizer.apply_chat_template(messages, tokenize=False), True
 
@@ -337,37 +368,41 @@ class RewardModel:
           ValueError: an empty row, or an id outside ``[0, vocab_size)`` (a tokenizer that
             does not fit the model).
         """
-        rows = [np.asarray(row, np.int64).reshape(-1)[-self.max_length:] for row in ids]
+        rows = [np.asarray(row, np.int64).reshape(-1)[-self.max_length :] for row in ids]
         if not rows:
             return np.zeros((0,), np.float32)
         lengths = np.array([len(row) for row in rows])
         if (lengths == 0).any():
-            raise ValueError(f"RewardModel: row(s) {np.flatnonzero(lengths == 0).tolist()[:8]} have no tokens; an "
-                             f"empty text cannot be scored.")
+            raise ValueError(
+                f"RewardModel: row(s) {np.flatnonzero(lengths == 0).tolist()[:8]} have no tokens; an "
+                f"empty text cannot be scored."
+            )
         vocab = self.model.config.vocab_size
         bad = [i for i, row in enumerate(rows) if row.min() < 0 or row.max() >= vocab]
         if bad:
             row = rows[bad[0]]
-            raise ValueError(f"RewardModel: row {bad[0]} holds token id(s) outside [0, {vocab}) (min {row.min()}, "
-                             f"max {row.max()}): the tokenizer does not fit the model.")
+            raise ValueError(
+                f"RewardModel: row {bad[0]} holds token id(s) outside [0, {vocab}) (min {row.min()}, "
+                f"max {row.max()}): the tokenizer does not fit the model."
+            )
         pad = self.model.config.pad_token_id
         fill = pad if pad is not None and 0 <= pad < vocab else 0
         order = np.argsort(-lengths, kind="stable")  # longest first: similar lengths share a chunk
         pending = []
         for start in range(0, len(rows), self.batch_size):
-            chunk = order[start:start + self.batch_size]
+            chunk = order[start : start + self.batch_size]
             count = min(self.batch_size, 1 << (len(chunk) - 1).bit_length())  # next power of two
             width = min(self.max_length, self.length_bucket * math.ceil(lengths[chunk].max() / self.length_bucket))
             tokens = np.full((count, width), fill, np.int32)  # [R, L], left-padded
             mask = np.zeros((count, width), bool)
-            mask[len(chunk):, -1] = True  # filler rows: one real token, a finite (discarded) score
+            mask[len(chunk) :, -1] = True  # filler rows: one real token, a finite (discarded) score
             for j, i in enumerate(chunk):
-                tokens[j, width - lengths[i]:] = rows[i]
-                mask[j, width - lengths[i]:] = True
+                tokens[j, width - lengths[i] :] = rows[i]
+                mask[j, width - lengths[i] :] = True
             pending.append((chunk, self._compiled.fn(self.model, self.params, self.head, tokens, mask)))
         scores = np.empty(len(rows), np.float32)
         for chunk, out in pending:
-            scores[chunk] = np.asarray(out)[:len(chunk)]
+            scores[chunk] = np.asarray(out)[: len(chunk)]
         return scores
 
 

@@ -247,9 +247,7 @@ class ExecutionResult:
         return self.status == "passed"
 
 
-def run_python(
-    source: str, *, tests: str | None = None, limits: SandboxLimits = SandboxLimits()
-) -> ExecutionResult:
+def run_python(source: str, *, tests: str | None = None, limits: SandboxLimits = SandboxLimits()) -> ExecutionResult:
     """Run Python ``source`` as a program in a fresh sandboxed interpreter, then ``tests``.
 
     The program runs as ``__main__`` from ``solution.py`` in a new, empty working
@@ -330,8 +328,10 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
         elif limits.namespaces:
             notes.append("namespaces: util-linux unshare is missing or not permitted here")
         if is_root and uid is None:
-            notes.append("drop_privileges=False as root: the program keeps root's capabilities, so neither "
-                         "RLIMIT_NPROC nor the namespaces and read-only mounts hold against it")
+            notes.append(
+                "drop_privileges=False as root: the program keeps root's capabilities, so neither "
+                "RLIMIT_NPROC nor the namespaces and read-only mounts hold against it"
+            )
 
         report_r, report_w = os.pipe()
         tests_fd = _tests_file(tests)

@@ -48,8 +48,14 @@ import types
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
-KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-              "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+KEEP_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+}
 # prctl(2) options
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER = 1, 4, 24, 28, 36
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 38, 47
@@ -85,8 +91,14 @@ def main() -> None:
         os.close(release_r)
         status, completed, why = supervise(libc, pid, status_r, release_w, config["tests_fd"], report)
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        send(report, event="exit", returncode=os.waitstatus_to_exitcode(status), completed=completed, why=why,
-             cpu_seconds=usage.ru_utime + usage.ru_stime)
+        send(
+            report,
+            event="exit",
+            returncode=os.waitstatus_to_exitcode(status),
+            completed=completed,
+            why=why,
+            cpu_seconds=usage.ru_utime + usage.ru_stime,
+        )
         os._exit(0)
 
     for fd in (status_r, release_w, config["tests_fd"], report):
@@ -149,8 +161,14 @@ def under(path: str, root: str) -> bool:
 
 def keep_paths() -> set[str]:
     """What the interpreter needs to stay visible: its prefixes and import path."""
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), *sys.path]
+    paths = [
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        *sys.path,
+    ]
     out = set()
     for p in paths:
         if p and os.path.exists(p):
@@ -315,7 +333,7 @@ def supervise(
             watch.remove(status_r)  # EOF
         if writable and release is not None:
             try:
-                out = out[os.write(release, out[:65536]):]
+                out = out[os.write(release, out[:65536]) :]
             except BlockingIOError:
                 pass
             except OSError:
@@ -390,8 +408,10 @@ def isolate(program: int) -> str | None:
         if time.monotonic() > deadline:
             if others:
                 return f"processes of the program outlived SIGKILL when its tests ended: {others}"
-            return (f"the program had {threads} threads when its tests ended; it must be down to one "
-                    "(threads left running could take the proof of completion)")
+            return (
+                f"the program had {threads} threads when its tests ended; it must be down to one "
+                "(threads left running could take the proof of completion)"
+            )
         time.sleep(0.002)
 
 
@@ -475,8 +495,10 @@ def drop_uid(uid: int, workdir: str, program: str) -> tuple[bool, str | None]:
     if unreadable:
         for path in (workdir, program):  # stay uid 0: take the directory back
             os.chown(path, 0, 0)
-        return False, ("uid_drop: the interpreter is not readable by an unprivileged uid here "
-                       f"({', '.join(unreadable[:3])}); dropping capabilities instead")
+        return False, (
+            "uid_drop: the interpreter is not readable by an unprivileged uid here "
+            f"({', '.join(unreadable[:3])}); dropping capabilities instead"
+        )
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)  # clears every capability
     return True, None
@@ -509,26 +531,57 @@ def install_guard(workdir: str) -> None:
     import posix
     import signal
 
-    realpath, join, dirname, basename, isabs = (os.path.realpath, os.path.join, os.path.dirname,
-                                                os.path.basename, os.path.isabs)
+    realpath, join, dirname, basename, isabs = (
+        os.path.realpath,
+        os.path.join,
+        os.path.dirname,
+        os.path.basename,
+        os.path.isabs,
+    )
     getcwd, readlink, fspath, fsdecode, getpid = os.getcwd, os.readlink, os.fspath, os.fsdecode, os.getpid
     root = workdir.rstrip("/") + "/"
     devices = {"/dev/null", "/dev/zero", "/dev/full", "/dev/stdout", "/dev/stderr", "/dev/tty"}
     proc_pid = re.compile(r"/proc/(\d+)(/|$)")
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     blocked = {
-        "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system", "os.killpg",
-        "subprocess.Popen", "pty.spawn", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
-        "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
-        "socket.sethostname", "sys.settrace", "sys.setprofile",
+        "os.fork",
+        "os.forkpty",
+        "os.posix_spawn",
+        "os.exec",
+        "os.spawn",
+        "os.system",
+        "os.killpg",
+        "subprocess.Popen",
+        "pty.spawn",
+        "socket.connect",
+        "socket.bind",
+        "socket.sendto",
+        "socket.sendmsg",
+        "socket.getaddrinfo",
+        "socket.gethostbyname",
+        "socket.gethostbyaddr",
+        "socket.getnameinfo",
+        "socket.sethostname",
+        "sys.settrace",
+        "sys.setprofile",
     }
     no_import = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "posix", "_signal", "signal"}
     # (path argument index, dir_fd argument index) per mutating event
     mutating = {
-        "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.link": ((0, 2), (1, 3)), "os.mkdir": ((0, 2),),
-        "os.remove": ((0, 1),), "os.rename": ((0, 2), (1, 3)), "os.rmdir": ((0, 1),), "os.symlink": ((1, 2),),
-        "os.truncate": ((0, None),), "os.utime": ((0, 3),), "os.chflags": ((0, None),),
-        "os.lchflags": ((0, None),), "os.setxattr": ((0, None),), "os.removexattr": ((0, None),),
+        "os.chmod": ((0, 2),),
+        "os.chown": ((0, 3),),
+        "os.link": ((0, 2), (1, 3)),
+        "os.mkdir": ((0, 2),),
+        "os.remove": ((0, 1),),
+        "os.rename": ((0, 2), (1, 3)),
+        "os.rmdir": ((0, 1),),
+        "os.symlink": ((1, 2),),
+        "os.truncate": ((0, None),),
+        "os.utime": ((0, 3),),
+        "os.chflags": ((0, None),),
+        "os.lchflags": ((0, None),),
+        "os.setxattr": ((0, None),),
+        "os.removexattr": ((0, None),),
     }
 
     def deny(event):
@@ -589,9 +642,24 @@ def install_guard(workdir: str) -> None:
     sys.addaudithook(guard)
 
 
-def run(source, filename, namespace, status_w, release_r, size=SECRET_SIZE, read=os.read, write=os.write,
-        splice=getattr(os, "splice", None), blocking=os.set_blocking, _exit=os._exit, compile=compile, exec=exec,
-        modules=sys.modules, lines=linecache.cache, print_exception=traceback.print_exception):
+def run(
+    source,
+    filename,
+    namespace,
+    status_w,
+    release_r,
+    size=SECRET_SIZE,
+    read=os.read,
+    write=os.write,
+    splice=getattr(os, "splice", None),  # noqa: B008 (bound once, at definition, before the guard)
+    blocking=os.set_blocking,
+    _exit=os._exit,
+    compile=compile,
+    exec=exec,
+    modules=sys.modules,
+    lines=linecache.cache,
+    print_exception=traceback.print_exception,
+):
     """The solution, the tests the supervisor then hands over, then the proof. What it
     calls is bound here, before the solution runs, as fast locals (rebinding them would
     take a trace function). An exception exits 1 at once. From "tests-done" on it calls

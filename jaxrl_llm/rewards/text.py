@@ -40,25 +40,29 @@ _MATCH_MODES = ("fullmatch", "search")
 def _completions(fn: str, completions: object) -> list[str]:
     """The completions' texts (strings, or TRL's conversational message lists)."""
     if isinstance(completions, str) or not isinstance(completions, Sequence):
-        raise TypeError(f"{fn}: `completions` must be a list of decoded completions (str); "
-                        f"got {type(completions).__name__}.")
+        raise TypeError(
+            f"{fn}: `completions` must be a list of decoded completions (str); got {type(completions).__name__}."
+        )
     texts = []
     for i, completion in enumerate(completions):
         try:
             texts.append(completion_text(completion))
         except TypeError:
-            raise TypeError(f"{fn}: `completions` must hold decoded strings (or TRL's lists of chat messages); "
-                            f"completions[{i}] is {type(completion).__name__}.") from None
+            raise TypeError(
+                f"{fn}: `completions` must hold decoded strings (or TRL's lists of chat messages); "
+                f"completions[{i}] is {type(completion).__name__}."
+            ) from None
     return texts
 
 
 def _column(fn: str, name: str, values: object, completions: Sequence[str]) -> Sequence[Any]:
     if isinstance(values, str) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
-        raise TypeError(f"{fn}: `{name}` must be a list aligned with `completions` (one per completion); "
-                        f"got {type(values).__name__}.")
+        raise TypeError(
+            f"{fn}: `{name}` must be a list aligned with `completions` (one per completion); "
+            f"got {type(values).__name__}."
+        )
     if len(values) != len(completions):
-        raise ValueError(f"{fn}: `{name}` must have one entry per completion ({len(completions)}); "
-                         f"got {len(values)}.")
+        raise ValueError(f"{fn}: `{name}` must have one entry per completion ({len(completions)}); got {len(values)}.")
     return values
 
 
@@ -206,8 +210,10 @@ def math_equivalence(
     if timeout_seconds is not None and not (
         isinstance(timeout_seconds, int) and not isinstance(timeout_seconds, bool) and timeout_seconds >= 1
     ):
-        raise ValueError(f"{fn}: `timeout_seconds` must be an integer >= 1 (signal.alarm counts whole seconds) "
-                         f"or None; got {timeout_seconds!r}.")
+        raise ValueError(
+            f"{fn}: `timeout_seconds` must be an integer >= 1 (signal.alarm counts whole seconds) "
+            f"or None; got {timeout_seconds!r}."
+        )
     from math_verify import parse, verify  # imported on first use: sympy and antlr take a while
 
     timeout = timeout_seconds if threading.current_thread() is threading.main_thread() else None
@@ -235,8 +241,9 @@ def math_equivalence(
 
 def _tags_pattern(fn: str, tags: object, mode: str) -> re.Pattern:
     if isinstance(tags, str) or not isinstance(tags, Sequence) or not tags:
-        raise ValueError(f"{fn}: `tags` must be a non-empty tuple of tag names, e.g. ('think', 'answer'); "
-                         f"got {tags!r}.")
+        raise ValueError(
+            f"{fn}: `tags` must be a non-empty tuple of tag names, e.g. ('think', 'answer'); got {tags!r}."
+        )
     blocks = []
     for tag in tags:
         extraction._check_tag(fn, "tags", tag)
@@ -284,8 +291,9 @@ def format_reward(
     if match not in _MATCH_MODES:
         raise ValueError(f"{fn}: `match` must be one of {', '.join(repr(m) for m in _MATCH_MODES)}; got {match!r}.")
     if (pattern is None) == (tags is None):
-        raise ValueError(f"{fn}: give exactly one of `pattern` and `tags`; got "
-                         f"{'both' if pattern is not None else 'neither'}.")
+        raise ValueError(
+            f"{fn}: give exactly one of `pattern` and `tags`; got {'both' if pattern is not None else 'neither'}."
+        )
     if pattern is not None:
         compiled = extraction._compile(fn, "pattern", pattern, re.DOTALL)
     else:

@@ -54,8 +54,10 @@ class PromptBatch:
     def __post_init__(self):
         count = len(self.prompts)
         if self.tokens.shape != self.mask.shape or self.tokens.ndim != 2 or self.tokens.shape[0] != count:
-            raise ValueError(f"PromptBatch: tokens {self.tokens.shape} and mask {self.mask.shape} must both be "
-                             f"[P, S] with P = {count} prompts.")
+            raise ValueError(
+                f"PromptBatch: tokens {self.tokens.shape} and mask {self.mask.shape} must both be "
+                f"[P, S] with P = {count} prompts."
+            )
         if bad := {name: len(values) for name, values in self.columns.items() if len(values) != count}:
             raise ValueError(f"PromptBatch: every column needs one value per prompt ({count}); got lengths {bad}.")
 
@@ -95,27 +97,46 @@ class Task(Protocol):
 
 def check_task(task: Any) -> None:
     """Raises TypeError or ValueError naming what makes ``task`` unusable as a :class:`Task`."""
-    missing = [name for name in ("tokenizer", "eos_ids", "pad_id", "stop_strings", "reward_fns", "reward_weights",
-                                 "split_size", "examples") if not hasattr(task, name)]
+    missing = [
+        name
+        for name in (
+            "tokenizer",
+            "eos_ids",
+            "pad_id",
+            "stop_strings",
+            "reward_fns",
+            "reward_weights",
+            "split_size",
+            "examples",
+        )
+        if not hasattr(task, name)
+    ]
     if missing:
-        raise TypeError(f"{type(task).__name__} is not a Task: it lacks {', '.join(missing)} (see jaxrl_llm.tasks.Task).")
+        raise TypeError(
+            f"{type(task).__name__} is not a Task: it lacks {', '.join(missing)} (see jaxrl_llm.tasks.Task)."
+        )
     if not task.reward_fns:
         raise ValueError(f"{type(task).__name__}: a task needs at least one reward function; got none.")
     if bad := [fn for fn in task.reward_fns if not callable(fn)]:
         raise TypeError(f"{type(task).__name__}: reward functions must be callable; got {bad!r}.")
     if len(task.reward_weights) != len(task.reward_fns):
-        raise ValueError(f"{type(task).__name__}: {len(task.reward_weights)} reward weights for "
-                         f"{len(task.reward_fns)} reward functions; give one weight per function.")
+        raise ValueError(
+            f"{type(task).__name__}: {len(task.reward_weights)} reward weights for "
+            f"{len(task.reward_fns)} reward functions; give one weight per function."
+        )
     if bad := [w for w in task.reward_weights if not _finite(w)]:
         raise ValueError(f"{type(task).__name__}: reward weights must be finite numbers; got {bad!r}.")
     if not task.eos_ids or not all(_int(e) for e in task.eos_ids):
-        raise ValueError(f"{type(task).__name__}: `eos_ids` must be a non-empty tuple of token ids; "
-                         f"got {task.eos_ids!r}.")
+        raise ValueError(
+            f"{type(task).__name__}: `eos_ids` must be a non-empty tuple of token ids; got {task.eos_ids!r}."
+        )
     if not _int(task.pad_id):
         raise ValueError(f"{type(task).__name__}: `pad_id` must be a token id; got {task.pad_id!r}.")
     if isinstance(task.stop_strings, str):
-        raise ValueError(f"{type(task).__name__}: `stop_strings` must be a tuple of strings, not one string; "
-                         f"got {task.stop_strings!r}.")
+        raise ValueError(
+            f"{type(task).__name__}: `stop_strings` must be a tuple of strings, not one string; "
+            f"got {task.stop_strings!r}."
+        )
     if bad := [s for s in task.stop_strings if not isinstance(s, str) or not s]:
         raise ValueError(f"{type(task).__name__}: stop strings must be non-empty strings; got {bad!r}.")
 
@@ -164,8 +185,13 @@ def draw(task: Task, split: str, *, seed: int, start: int, count: int) -> Prompt
     return batch
 
 
-def encode_prompts(tokenizer: transformers.PreTrainedTokenizerBase, texts: Sequence[str], *, pad_id: int,
-                   add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def encode_prompts(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    *,
+    pad_id: int,
+    add_special_tokens: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
     """Tokenizes ``texts`` into left-padded ``tokens`` ``[P, S]`` int32 and ``mask`` ``[P, S]``
     bool, whatever the tokenizer's ``padding_side``. ``S`` is the longest prompt."""
     if not texts:
@@ -177,8 +203,8 @@ def encode_prompts(tokenizer: transformers.PreTrainedTokenizerBase, texts: Seque
     tokens = np.full((len(encoded), width), pad_id, np.int32)
     mask = np.zeros((len(encoded), width), bool)
     for row, ids in enumerate(encoded):
-        tokens[row, width - len(ids):] = ids
-        mask[row, width - len(ids):] = True
+        tokens[row, width - len(ids) :] = ids
+        mask[row, width - len(ids) :] = True
     return tokens, mask
 
 
@@ -188,8 +214,12 @@ def _id_list(value: Any) -> list[int]:
     return [int(v) for v in (value if isinstance(value, Iterable) and not isinstance(value, str) else [value])]
 
 
-def special_ids(tokenizer: transformers.PreTrainedTokenizerBase, *, eos_ids: int | Iterable[int] | None = None,
-                checkpoint: str | os.PathLike | None = None) -> tuple[tuple[int, ...], int]:
+def special_ids(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    *,
+    eos_ids: int | Iterable[int] | None = None,
+    checkpoint: str | os.PathLike | None = None,
+) -> tuple[tuple[int, ...], int]:
     """``(eos_ids, pad_id)`` for ``tokenizer``.
 
     The stop ids are all of: ``eos_ids`` when given, else the tokenizer's EOS and the
@@ -214,7 +244,8 @@ def special_ids(tokenizer: transformers.PreTrainedTokenizerBase, *, eos_ids: int
     if not found:
         raise ValueError(
             "The tokenizer has no EOS token and no generation_config.json names one, so completions could never "
-            "end; pass `eos_ids=` (the id or ids that end a completion).")
+            "end; pass `eos_ids=` (the id or ids that end a completion)."
+        )
     pad_id = tokenizer.pad_token_id
     return tuple(found), found[0] if pad_id is None else int(pad_id)
 

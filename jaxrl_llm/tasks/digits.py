@@ -72,8 +72,13 @@ class DigitSumTask:
     def _batch(self, digits: np.ndarray, indices: np.ndarray) -> PromptBatch:
         texts = [f"{a}+{b}=" for a, b in digits]
         tokens, mask = encode_prompts(self.tokenizer, texts, pad_id=self.pad_id)  # [P, 4]
-        return PromptBatch(tokens=tokens, mask=mask, prompts=texts, columns={"answer": [int(a) for a in digits.sum(1) % 10]},
-                           indices=indices)
+        return PromptBatch(
+            tokens=tokens,
+            mask=mask,
+            prompts=texts,
+            columns={"answer": [int(a) for a in digits.sum(1) % 10]},
+            indices=indices,
+        )
 
     def correct(self, *, completion_ids: Sequence[Sequence[int]], answer: Sequence[int], **kwargs) -> list[float]:
         """1 where the completion's first token is the answer digit (a reward function)."""
@@ -87,12 +92,13 @@ class DigitSumTask:
         width = max([1, *(len(ids) for ids in completion_ids)])
         tokens = np.full((len(completion_ids), width), self.pad_id, np.int32)
         for row, ids in enumerate(completion_ids):
-            tokens[row, :len(ids)] = ids
+            tokens[row, : len(ids)] = ids
         lengths = np.array([len(ids) for ids in completion_ids])
         return self.reward_components(tokens, lengths, np.asarray(answer))[name].tolist()
 
-    def reward_components(self, completion_tokens: np.ndarray, lengths: np.ndarray,
-                          answers: np.ndarray) -> dict[str, np.ndarray]:
+    def reward_components(
+        self, completion_tokens: np.ndarray, lengths: np.ndarray, answers: np.ndarray
+    ) -> dict[str, np.ndarray]:
         """The reward functions, each ``[B]`` float32: ``correct`` (1 if the first token is
         the answer digit) and ``stops`` (0.5 if EOS follows a correct digit).
 
@@ -114,8 +120,9 @@ class DigitSumTask:
         """``[B]`` token ids of the answer digits."""
         return np.asarray(self.tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))[answers]
 
-    def demonstrations(self, rng: np.random.Generator, count: int, max_new_tokens: int, *,
-                       label_noise: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def demonstrations(
+        self, rng: np.random.Generator, count: int, max_new_tokens: int, *, label_noise: float = 0.0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``count`` solved examples for a supervised warm start: ``tokens [count, S + N]``
         (prompt, answer digit, EOS, pad), ``attention_mask`` and ``completion_mask``
         ``[count, N]`` (the answer and EOS). With ``label_noise`` the answer is replaced by

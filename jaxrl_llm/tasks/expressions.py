@@ -46,11 +46,17 @@ def _range(name: str, value: Any, *, low: int, high: int | None = None) -> tuple
     """``value`` (an int or an inclusive ``(lo, hi)`` pair) as ``(lo, hi)`` within ``[low, high]``."""
     pair = (value, value) if isinstance(value, numbers.Integral) else value
     bound = f"{low}..{high}" if high is not None else f">= {low}"
-    if not (isinstance(pair, Sequence) and len(pair) == 2
-            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair)
-            and low <= pair[0] <= pair[1] and (high is None or pair[1] <= high)):
-        raise ValueError(f"arithmetic: `{name}` must be an int or an inclusive range (lo, hi) with lo <= hi, "
-                         f"each {bound}; got {value!r}.")
+    if not (
+        isinstance(pair, Sequence)
+        and len(pair) == 2
+        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair)
+        and low <= pair[0] <= pair[1]
+        and (high is None or pair[1] <= high)
+    ):
+        raise ValueError(
+            f"arithmetic: `{name}` must be an int or an inclusive range (lo, hi) with lo <= hi, "
+            f"each {bound}; got {value!r}."
+        )
     return int(pair[0]), int(pair[1])
 
 
@@ -71,16 +77,25 @@ def evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
 class ArithmeticSource:
     """The procedural source of :func:`arithmetic`: ``source(split, index, seed) -> record``."""
 
-    def __init__(self, *, num_operands: tuple[int, int], digits: tuple[int, int], operators: tuple[str, ...],
-                 test_size: int | None, test_seed: int):
+    def __init__(
+        self,
+        *,
+        num_operands: tuple[int, int],
+        digits: tuple[int, int],
+        operators: tuple[str, ...],
+        test_size: int | None,
+        test_seed: int,
+    ):
         self.num_operands, self.digits, self.operators = num_operands, digits, operators
         self.test_seed = test_seed
         space = self.space_size()
         if test_size is None:
             test_size = min(100, space // 5)
         if test_size >= space:
-            raise ValueError(f"arithmetic: test_size={test_size} leaves none of the {space} distinct expressions of "
-                             f"these settings to train on; lower it or widen `digits`/`num_operands`/`operators`.")
+            raise ValueError(
+                f"arithmetic: test_size={test_size} leaves none of the {space} distinct expressions of "
+                f"these settings to train on; lower it or widen `digits`/`num_operands`/`operators`."
+            )
         rng = np.random.default_rng((test_seed, _TEST))
         seen: dict[str, dict[str, str]] = {}
         while len(seen) < test_size:
@@ -92,9 +107,10 @@ class ArithmeticSource:
     def space_size(self) -> int:
         """The number of distinct expressions."""
         lo, hi = self.digits
-        values = 10 ** hi - (10 ** (lo - 1) if lo > 1 else 0)  # operands of lo..hi digits
-        return sum(values ** n * len(self.operators) ** (n - 1) for n in range(self.num_operands[0],
-                                                                              self.num_operands[1] + 1))
+        values = 10**hi - (10 ** (lo - 1) if lo > 1 else 0)  # operands of lo..hi digits
+        return sum(
+            values**n * len(self.operators) ** (n - 1) for n in range(self.num_operands[0], self.num_operands[1] + 1)
+        )
 
     def _draw(self, rng: np.random.Generator) -> dict[str, str]:
         count = int(rng.integers(self.num_operands[0], self.num_operands[1] + 1))
@@ -116,8 +132,10 @@ class ArithmeticSource:
         return record
 
     def __repr__(self) -> str:
-        return (f"ArithmeticSource(num_operands={self.num_operands}, digits={self.digits}, "
-                f"operators={self.operators}, test_size={len(self.test)}, test_seed={self.test_seed})")
+        return (
+            f"ArithmeticSource(num_operands={self.num_operands}, digits={self.digits}, "
+            f"operators={self.operators}, test_size={len(self.test)}, test_seed={self.test_seed})"
+        )
 
 
 def arithmetic(
@@ -164,26 +182,42 @@ def arithmetic(
     num_operands = _range("num_operands", num_operands, low=2)
     digits = _range("digits", digits, low=1, high=MAX_DIGITS)
     if isinstance(operators, str) or not isinstance(operators, Sequence) or not operators:
-        raise ValueError(f"arithmetic: `operators` must be a non-empty tuple drawn from {OPERATORS}; "
-                         f"got {operators!r}.")
+        raise ValueError(
+            f"arithmetic: `operators` must be a non-empty tuple drawn from {OPERATORS}; got {operators!r}."
+        )
     if bad := [op for op in operators if op not in OPERATORS]:
         raise ValueError(f"arithmetic: unknown operator(s) {bad!r}; allowed: {', '.join(OPERATORS)}.")
     operators = tuple(dict.fromkeys(operators))
     if test_size is not None and not (
-            isinstance(test_size, numbers.Integral) and not isinstance(test_size, bool) and test_size >= 0):
-        raise ValueError(f"arithmetic: `test_size` must be an int >= 0 (or None: a fifth of the expressions, at "
-                         f"most 100); got {test_size!r}.")
+        isinstance(test_size, numbers.Integral) and not isinstance(test_size, bool) and test_size >= 0
+    ):
+        raise ValueError(
+            f"arithmetic: `test_size` must be an int >= 0 (or None: a fifth of the expressions, at "
+            f"most 100); got {test_size!r}."
+        )
     if not (isinstance(test_seed, numbers.Integral) and test_seed >= 0):
         raise ValueError(f"arithmetic: `test_seed` must be an int >= 0; got {test_seed!r}.")
-    if not isinstance(prompt_format, str) or "{" not in prompt_format or (
-            "expression" not in _format_fields(prompt_format, what="`prompt_format`")):
-        raise ValueError(f"arithmetic: `prompt_format` must be a format string using '{{expression}}', e.g. "
-                         f"'Solve {{expression}}'; got {prompt_format!r}.")
-    source = ArithmeticSource(num_operands=num_operands, digits=digits, operators=operators,
-                              test_size=test_size, test_seed=int(test_seed))
-    return TextTask(tokenizer=tokenizer, reward_fns=(exact_match,) if reward_fns is None else reward_fns,
-                    example=source, sizes={"train": None, "test": len(source.test)}, prompt=prompt_format,
-                    system_prompt=system_prompt, **settings)
+    if (
+        not isinstance(prompt_format, str)
+        or "{" not in prompt_format
+        or ("expression" not in _format_fields(prompt_format, what="`prompt_format`"))
+    ):
+        raise ValueError(
+            f"arithmetic: `prompt_format` must be a format string using '{{expression}}', e.g. "
+            f"'Solve {{expression}}'; got {prompt_format!r}."
+        )
+    source = ArithmeticSource(
+        num_operands=num_operands, digits=digits, operators=operators, test_size=test_size, test_seed=int(test_seed)
+    )
+    return TextTask(
+        tokenizer=tokenizer,
+        reward_fns=(exact_match,) if reward_fns is None else reward_fns,
+        example=source,
+        sizes={"train": None, "test": len(source.test)},
+        prompt=prompt_format,
+        system_prompt=system_prompt,
+        **settings,
+    )
 
 
 __all__ = ["MAX_DIGITS", "OPERATORS", "ArithmeticSource", "arithmetic", "evaluate"]

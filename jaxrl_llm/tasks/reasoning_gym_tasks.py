@@ -75,8 +75,9 @@ def create(name: str, *, size: int, seed: int, config: Mapping[str, Any] | None 
     if name not in factory.DATASETS:
         close = difflib.get_close_matches(str(name), factory.DATASETS, n=3)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(f"reasoning_gym: unknown dataset {name!r}.{hint} The datasets are: "
-                         f"{', '.join(sorted(factory.DATASETS))}.")
+        raise ValueError(
+            f"reasoning_gym: unknown dataset {name!r}.{hint} The datasets are: {', '.join(sorted(factory.DATASETS))}."
+        )
     config = dict(config or {})
     if clash := [key for key in ("size", "seed") if key in config]:
         raise ValueError(f"reasoning_gym: pass {' and '.join(clash)} as arguments, not in `config`.")
@@ -84,8 +85,10 @@ def create(name: str, *, size: int, seed: int, config: Mapping[str, Any] | None 
     fields = sorted(getattr(config_cls, "__dataclass_fields__", {}))
     if unknown := [key for key in config if key not in fields]:
         options = ", ".join(f for f in fields if f not in ("size", "seed"))
-        raise ValueError(f"reasoning_gym: {name!r} has no option(s) {', '.join(repr(k) for k in unknown)}; its "
-                         f"config ({config_cls.__name__}) has {options}.")
+        raise ValueError(
+            f"reasoning_gym: {name!r} has no option(s) {', '.join(repr(k) for k in unknown)}; its "
+            f"config ({config_cls.__name__}) has {options}."
+        )
     try:
         return factory.create_dataset(name, size=size, seed=seed, **config)
     except AssertionError as error:  # Reasoning Gym validates its configs with assert
@@ -105,8 +108,10 @@ class ReasoningGymScore:
     def __call__(self, *, completions: Sequence[str], entry: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[float]:
         if len(entry) != len(completions):
             raise ValueError(f"reasoning_gym: {len(entry)} entries for {len(completions)} completions.")
-        return [float(self.dataset.score_answer(answer=answer_tag(text, tag=self.tag), entry=item))
-                for text, item in zip(completions, entry, strict=True)]
+        return [
+            float(self.dataset.score_answer(answer=answer_tag(text, tag=self.tag), entry=item))
+            for text, item in zip(completions, entry, strict=True)
+        ]
 
     def __repr__(self) -> str:
         return f"ReasoningGymScore({type(self.dataset).__name__}, tag={self.tag!r})"
@@ -176,24 +181,39 @@ def reasoning_gym(
     """
     settings = _settings("reasoning_gym", settings)
     if "prompt" in settings:
-        raise TypeError("reasoning_gym: the prompt is the dataset's 'question' column; use `system_prompt` to "
-                        "instruct the model.")
+        raise TypeError(
+            "reasoning_gym: the prompt is the dataset's 'question' column; use `system_prompt` to instruct the model."
+        )
     size = _count("size", size, low=1)
     test_size = _count("test_size", test_size, low=0)
     seed = _count("seed", seed, low=0)
     test_seed = seed + size if test_seed is None else _count("test_seed", test_seed, low=0)
     if test_size and test_seed < seed + size and seed < test_seed + test_size:
-        raise ValueError(f"reasoning_gym: test_seed={test_seed} makes the test items (drawn from seeds "
-                         f"{test_seed}..{test_seed + test_size - 1}) share draws with the train items (seeds "
-                         f"{seed}..{seed + size - 1}); use test_seed >= {seed + size} (the default)"
-                         + (f" or <= {seed - test_size}." if seed >= test_size else "."))
+        raise ValueError(
+            f"reasoning_gym: test_seed={test_seed} makes the test items (drawn from seeds "
+            f"{test_seed}..{test_seed + test_size - 1}) share draws with the train items (seeds "
+            f"{seed}..{seed + size - 1}); use test_seed >= {seed + size} (the default)"
+            + (f" or <= {seed - test_size}." if seed >= test_size else ".")
+        )
     train = create(name, size=size, seed=seed, config=config)
     test = create(name, size=max(test_size, 1), seed=test_seed, config=config)
     source = ReasoningGymSource(train, test)
-    return TextTask(tokenizer=tokenizer, reward_fns=(ReasoningGymScore(train, tag=tag),) if reward_fns is None
-                    else reward_fns, example=source, sizes={"train": size, "test": test_size}, prompt="question",
-                    system_prompt=system_prompt, **settings)
+    return TextTask(
+        tokenizer=tokenizer,
+        reward_fns=(ReasoningGymScore(train, tag=tag),) if reward_fns is None else reward_fns,
+        example=source,
+        sizes={"train": size, "test": test_size},
+        prompt="question",
+        system_prompt=system_prompt,
+        **settings,
+    )
 
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "ReasoningGymScore", "ReasoningGymSource", "create", "dataset_names",
-           "reasoning_gym"]
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "ReasoningGymScore",
+    "ReasoningGymSource",
+    "create",
+    "dataset_names",
+    "reasoning_gym",
+]

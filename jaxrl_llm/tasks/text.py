@@ -51,8 +51,16 @@ import numpy as np
 import transformers
 
 from jaxrl_llm.rewards.combine import ARGUMENTS
-from jaxrl_llm.tasks.base import (SPLITS, PromptBatch, RewardFn, check_split, check_task, columns_of, encode_prompts,
-                                  special_ids)
+from jaxrl_llm.tasks.base import (
+    SPLITS,
+    PromptBatch,
+    RewardFn,
+    check_split,
+    check_task,
+    columns_of,
+    encode_prompts,
+    special_ids,
+)
 
 PLAIN_TEMPLATE = "{system}\n\n{prompt}"
 """How a prompt and a system prompt are joined when there is no chat template."""
@@ -79,9 +87,15 @@ def _listing(names: Iterable[str]) -> str:
 
 
 def _is_conversation(value: Any) -> bool:
-    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
-            and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in value))
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) > 0
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
 
 
 def _format_fields(fmt: str, *, what: str) -> list[str]:
@@ -89,8 +103,9 @@ def _format_fields(fmt: str, *, what: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(fmt))
     except ValueError as error:
-        raise _fail(f"{what} {fmt!r} is not a valid format string ({error}); write literal braces as '{{{{' and "
-                    f"'}}}}'.") from None
+        raise _fail(
+            f"{what} {fmt!r} is not a valid format string ({error}); write literal braces as '{{{{' and '}}}}'."
+        ) from None
     fields = []
     for _, field, _, _ in parsed:
         if field is None:
@@ -190,8 +205,10 @@ class TextTask:
         weights = (1.0,) * len(fns) if self.reward_weights is None else self.reward_weights
         if isinstance(weights, numbers.Real):
             weights = (weights,)
-        set_("reward_weights", tuple(float(w) if isinstance(w, numbers.Real) and not isinstance(w, bool) else w
-                                     for w in weights))
+        set_(
+            "reward_weights",
+            tuple(float(w) if isinstance(w, numbers.Real) and not isinstance(w, bool) else w for w in weights),
+        )
         set_("stop_strings", (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings))
         eos_ids, pad_id = special_ids(self.tokenizer, eos_ids=self.eos_ids, checkpoint=self.checkpoint)
         set_("eos_ids", eos_ids)
@@ -206,16 +223,22 @@ class TextTask:
 
     def _check_sources(self, set_) -> None:
         if (self.records is None) == (self.example is None):
-            raise _fail("give exactly one of `records` (per-split lists of dicts) and `example` (a generator "
-                        f"example(split, index, seed) with `sizes`); got {'both' if self.example else 'neither'}.")
+            raise _fail(
+                "give exactly one of `records` (per-split lists of dicts) and `example` (a generator "
+                f"example(split, index, seed) with `sizes`); got {'both' if self.example else 'neither'}."
+            )
         given = self.records if self.records is not None else self.sizes
         if self.example is not None:
             if not callable(self.example):
-                raise TypeError(f"TextTask: `example` must be callable as example(split, index, seed); "
-                                f"got {type(self.example).__name__}.")
+                raise TypeError(
+                    f"TextTask: `example` must be callable as example(split, index, seed); "
+                    f"got {type(self.example).__name__}."
+                )
             if not isinstance(self.sizes, Mapping):
-                raise _fail("a procedural `example` needs `sizes`, e.g. {'train': None, 'test': 500} "
-                            f"(None: unbounded); got {self.sizes!r}.")
+                raise _fail(
+                    "a procedural `example` needs `sizes`, e.g. {'train': None, 'test': 500} "
+                    f"(None: unbounded); got {self.sizes!r}."
+                )
         elif self.sizes is not None:
             raise _fail("`sizes` goes with `example`; the sizes of `records` are their lengths.")
         if not isinstance(given, Mapping):
@@ -226,18 +249,21 @@ class TextTask:
             records = {}
             for split in SPLITS:
                 value = self.records.get(split, ())
-                if isinstance(value, (str, bytes, Mapping)) or not (hasattr(value, "__len__")
-                                                                   and hasattr(value, "__getitem__")):
-                    raise _fail(f"records[{split!r}] must be a sequence of dicts (one per example); "
-                                f"got {type(value).__name__}.")
+                if isinstance(value, (str, bytes, Mapping)) or not (
+                    hasattr(value, "__len__") and hasattr(value, "__getitem__")
+                ):
+                    raise _fail(
+                        f"records[{split!r}] must be a sequence of dicts (one per example); got {type(value).__name__}."
+                    )
                 records[split] = value
             set_("records", records)
         else:
             sizes = {}
             for split in SPLITS:
                 size = self.sizes.get(split, 0)
-                if size is not None and not (isinstance(size, numbers.Integral) and not isinstance(size, bool)
-                                             and size >= 0):
+                if size is not None and not (
+                    isinstance(size, numbers.Integral) and not isinstance(size, bool) and size >= 0
+                ):
                     raise _fail(f"sizes[{split!r}] must be a count >= 0 or None (unbounded); got {size!r}.")
                 sizes[split] = None if size is None else int(size)
             set_("sizes", sizes)
@@ -247,25 +273,33 @@ class TextTask:
     def _check_templates(self, set_) -> None:
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if self.chat_template not in (None, True, False):
-            raise _fail(f"`chat_template` must be None (use the tokenizer's when it has one), True or False; "
-                        f"got {self.chat_template!r}.")
+            raise _fail(
+                f"`chat_template` must be None (use the tokenizer's when it has one), True or False; "
+                f"got {self.chat_template!r}."
+            )
         if self.chat_template and not has_template:
-            raise _fail("chat_template=True, but the tokenizer has no chat template; set `tokenizer.chat_template` "
-                        "(a Jinja string), or pass chat_template=False to use `plain_template`.")
+            raise _fail(
+                "chat_template=True, but the tokenizer has no chat template; set `tokenizer.chat_template` "
+                "(a Jinja string), or pass chat_template=False to use `plain_template`."
+            )
         set_("chat_template", has_template if self.chat_template is None else bool(self.chat_template))
         if not isinstance(self.chat_template_kwargs, Mapping):
-            raise TypeError(f"TextTask: `chat_template_kwargs` must be a dict; got "
-                            f"{type(self.chat_template_kwargs).__name__}.")
+            raise TypeError(
+                f"TextTask: `chat_template_kwargs` must be a dict; got {type(self.chat_template_kwargs).__name__}."
+            )
         set_("chat_template_kwargs", dict(self.chat_template_kwargs))
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise TypeError(f"TextTask: `system_prompt` must be a str or None; got "
-                            f"{type(self.system_prompt).__name__}.")
+            raise TypeError(
+                f"TextTask: `system_prompt` must be a str or None; got {type(self.system_prompt).__name__}."
+            )
         if not isinstance(self.plain_template, str):
             raise TypeError(f"TextTask: `plain_template` must be a str; got {type(self.plain_template).__name__}.")
         fields = _format_fields(self.plain_template, what="`plain_template`")
         if "prompt" not in fields or set(fields) - {"system", "prompt"}:
-            raise _fail(f"`plain_template` must contain '{{prompt}}' and may contain '{{system}}', nothing else; "
-                        f"got {self.plain_template!r}.")
+            raise _fail(
+                f"`plain_template` must contain '{{prompt}}' and may contain '{{system}}', nothing else; "
+                f"got {self.plain_template!r}."
+            )
         if not isinstance(self.prompt, str) or not self.prompt:
             raise TypeError(f"TextTask: `prompt` must be a column name or a format string; got {self.prompt!r}.")
 
@@ -278,18 +312,24 @@ class TextTask:
             elif self.split_size(split) != 0:
                 names.update(dict.fromkeys(self._record(split, 0, 0)))
         if clash := [n for n in names if n in RESERVED_COLUMNS]:
-            raise _fail(f"column(s) {_listing(clash)} would collide with the reward functions' own arguments "
-                        f"{RESERVED_COLUMNS}; rename them.")
+            raise _fail(
+                f"column(s) {_listing(clash)} would collide with the reward functions' own arguments "
+                f"{RESERVED_COLUMNS}; rename them."
+            )
         if self.is_format:
             fields = _format_fields(self.prompt, what="the prompt format")
             if missing := [f for f in fields if f not in names]:
-                raise _fail(f"the prompt format {self.prompt!r} uses column(s) {_listing(missing)}, which the "
-                            f"dataset does not have; its columns are {_listing(names)}.")
+                raise _fail(
+                    f"the prompt format {self.prompt!r} uses column(s) {_listing(missing)}, which the "
+                    f"dataset does not have; its columns are {_listing(names)}."
+                )
             set_("columns", tuple(names))
         else:
             if self.prompt not in names:
-                raise _fail(f"no prompt column {self.prompt!r}; the dataset's columns are {_listing(names)}. Pass "
-                            f"`prompt=` a column name, or a format string such as 'Solve {{question}}'.")
+                raise _fail(
+                    f"no prompt column {self.prompt!r}; the dataset's columns are {_listing(names)}. Pass "
+                    f"`prompt=` a column name, or a format string such as 'Solve {{question}}'."
+                )
             set_("columns", tuple(n for n in names if n != self.prompt))
 
     @property
@@ -307,8 +347,9 @@ class TextTask:
     def _record(self, split: str, index: int, seed: int) -> Record:
         record = self.records[split][index] if self.records is not None else self.example(split, index, seed)
         if not isinstance(record, Mapping):
-            raise TypeError(f"TextTask: example {index} of the {split} split is a {type(record).__name__}, not a dict "
-                            f"of columns.")
+            raise TypeError(
+                f"TextTask: example {index} of the {split} split is a {type(record).__name__}, not a dict of columns."
+            )
         return record
 
     def _prompt_of(self, record: Record, split: str, index: int) -> str | list[dict[str, Any]]:
@@ -317,8 +358,10 @@ class TextTask:
             try:
                 return self.prompt.format(**record)
             except (KeyError, IndexError, AttributeError) as error:
-                raise _fail(f"the prompt format {self.prompt!r} failed on {where} ({type(error).__name__}: {error}); "
-                            f"its columns are {_listing(record)}.") from None
+                raise _fail(
+                    f"the prompt format {self.prompt!r} failed on {where} ({type(error).__name__}: {error}); "
+                    f"its columns are {_listing(record)}."
+                ) from None
         if self.prompt not in record:
             raise _fail(f"{where} has no prompt column {self.prompt!r}; its columns are {_listing(record)}.")
         value = record[self.prompt]
@@ -328,11 +371,15 @@ class TextTask:
             return value
         if _is_conversation(value):
             if not self.chat_template:
-                raise _fail(f"the prompt of {where} is a conversation (a list of messages), which needs a chat "
-                            "template, and the task uses none (the tokenizer has none, or chat_template=False).")
+                raise _fail(
+                    f"the prompt of {where} is a conversation (a list of messages), which needs a chat "
+                    "template, and the task uses none (the tokenizer has none, or chat_template=False)."
+                )
             return [dict(m) for m in value]
-        raise _fail(f"the prompt column {self.prompt!r} of {where} must hold a string or a conversation "
-                    f"[{{'role': ..., 'content': ...}}, ...]; got {value!r:.120}.")
+        raise _fail(
+            f"the prompt column {self.prompt!r} of {where} must hold a string or a conversation "
+            f"[{{'role': ..., 'content': ...}}, ...]; got {value!r:.120}."
+        )
 
     def render(self, prompt: str | Sequence[Mapping[str, str]]) -> str:
         """The text the model reads for ``prompt`` (a string or a conversation): the chat
@@ -341,41 +388,59 @@ class TextTask:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
             if self.system_prompt is not None and messages[0].get("role") != "system":
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **self.chat_template_kwargs)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+            )
             if not isinstance(text, str):
-                raise TypeError(f"TextTask: apply_chat_template(tokenize=False) returned {type(text).__name__}, "
-                                f"not a str.")
+                raise TypeError(
+                    f"TextTask: apply_chat_template(tokenize=False) returned {type(text).__name__}, not a str."
+                )
             return text
         if not isinstance(prompt, str):
             raise _fail("a conversation needs a chat template; the task uses none.")
-        return prompt if self.system_prompt is None else self.plain_template.format(system=self.system_prompt,
-                                                                                   prompt=prompt)
+        return (
+            prompt
+            if self.system_prompt is None
+            else self.plain_template.format(system=self.system_prompt, prompt=prompt)
+        )
 
     def examples(self, split: str, indices: np.ndarray, *, seed: int) -> PromptBatch:
         """The examples at ``indices`` ``[P]`` of ``split``: tokens left-padded, ``prompts``
         before templating, and :attr:`columns`."""
         records, prompts, indices = self._gather(split, indices, seed)
         if not records:
-            return PromptBatch(tokens=np.zeros((0, 0), np.int32), mask=np.zeros((0, 0), bool), prompts=[],
-                               columns={name: [] for name in self.columns}, indices=indices)
-        tokens, mask = encode_prompts(self.tokenizer, [self.render(p) for p in prompts], pad_id=self.pad_id,
-                                      add_special_tokens=not self.chat_template)
-        return PromptBatch(tokens=tokens, mask=mask, prompts=prompts, columns=self._columns_of(records),
-                           indices=indices)
+            return PromptBatch(
+                tokens=np.zeros((0, 0), np.int32),
+                mask=np.zeros((0, 0), bool),
+                prompts=[],
+                columns={name: [] for name in self.columns},
+                indices=indices,
+            )
+        tokens, mask = encode_prompts(
+            self.tokenizer,
+            [self.render(p) for p in prompts],
+            pad_id=self.pad_id,
+            add_special_tokens=not self.chat_template,
+        )
+        return PromptBatch(
+            tokens=tokens, mask=mask, prompts=prompts, columns=self._columns_of(records), indices=indices
+        )
 
     def _gather(self, split: str, indices: np.ndarray, seed: int) -> tuple[list[Record], list[Any], np.ndarray]:
         check_split(split)
         indices = np.asarray(indices)
         if indices.ndim != 1 or not (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)):
-            raise ValueError(f"TextTask.examples: `indices` must be a [P] integer array; got {indices.dtype} "
-                             f"{indices.shape}.")
+            raise ValueError(
+                f"TextTask.examples: `indices` must be a [P] integer array; got {indices.dtype} {indices.shape}."
+            )
         indices = indices.astype(np.int64)
         size = self.split_size(split)
         if indices.size and (indices.min() < 0 or (size is not None and indices.max() >= size)):
             bad = int(indices[(indices < 0) | (indices >= (size if size is not None else np.inf))][0])
-            raise IndexError(f"TextTask.examples: index {bad} is outside the {split} split "
-                             f"({'unbounded' if size is None else f'{size} examples'}).")
+            raise IndexError(
+                f"TextTask.examples: index {bad} is outside the {split} split "
+                f"({'unbounded' if size is None else f'{size} examples'})."
+            )
         records = [self._record(split, int(i), seed) for i in indices]
         prompts = [self._prompt_of(r, split, int(i)) for r, i in zip(records, indices, strict=True)]
         return records, prompts, indices
@@ -388,8 +453,15 @@ class TextTask:
             names.pop(self.prompt, None)
         return columns_of(records, names)
 
-    def demonstrations(self, split: str, indices: np.ndarray, *, completion: str | Callable[[Record], str],
-                       max_new_tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def demonstrations(
+        self,
+        split: str,
+        indices: np.ndarray,
+        *,
+        completion: str | Callable[[Record], str],
+        max_new_tokens: int,
+        seed: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Solved examples for a supervised warm start
         (:func:`jaxrl_llm.training.supervised_finetune`).
 
@@ -412,8 +484,9 @@ class TextTask:
         batch = self.examples(split, indices, seed=seed)
         if isinstance(completion, str):
             if completion not in batch.columns:
-                raise _fail(f"demonstrations: no completion column {completion!r}; the columns are "
-                            f"{_listing(batch.columns)}.")
+                raise _fail(
+                    f"demonstrations: no completion column {completion!r}; the columns are {_listing(batch.columns)}."
+                )
             texts = batch.columns[completion]
         elif callable(completion):
             texts = []
@@ -423,22 +496,28 @@ class TextTask:
                     record[self.prompt] = batch.prompts[row]
                 texts.append(completion(record))
         else:
-            raise TypeError(f"demonstrations: `completion` must be a column name or a function record -> str; got "
-                            f"{type(completion).__name__}.")
+            raise TypeError(
+                f"demonstrations: `completion` must be a column name or a function record -> str; got "
+                f"{type(completion).__name__}."
+            )
         count = len(batch)
         completion_ids = np.full((count, max_new_tokens), self.pad_id, np.int32)
         completion_mask = np.zeros((count, max_new_tokens), bool)
         for row, text in enumerate(texts):
             if not isinstance(text, str):
-                raise TypeError(f"demonstrations: the completion of example {int(batch.indices[row])} is a "
-                                f"{type(text).__name__}, not a str.")
+                raise TypeError(
+                    f"demonstrations: the completion of example {int(batch.indices[row])} is a "
+                    f"{type(text).__name__}, not a str."
+                )
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [self.eos_ids[0]]
             if len(ids) > max_new_tokens:
-                raise ValueError(f"demonstrations: the completion of example {int(batch.indices[row])} of the {split} "
-                                 f"split takes {len(ids)} tokens with its EOS, more than max_new_tokens="
-                                 f"{max_new_tokens}: {text!r:.80}")
-            completion_ids[row, :len(ids)] = ids
-            completion_mask[row, :len(ids)] = True
+                raise ValueError(
+                    f"demonstrations: the completion of example {int(batch.indices[row])} of the {split} "
+                    f"split takes {len(ids)} tokens with its EOS, more than max_new_tokens="
+                    f"{max_new_tokens}: {text!r:.80}"
+                )
+            completion_ids[row, : len(ids)] = ids
+            completion_mask[row, : len(ids)] = True
         tokens = np.concatenate([batch.tokens, completion_ids], axis=1)  # [D, S + N]
         attention_mask = np.concatenate([batch.mask, completion_mask], axis=1)  # [D, S + N]
         return tokens, attention_mask, completion_mask
@@ -455,22 +534,29 @@ def _column_names(records: Sequence[Record], split: str, required: Sequence[str]
     for index in range(len(records)):
         record = records[index]
         if not isinstance(record, Mapping):
-            raise TypeError(f"TextTask: example {index} of the {split} split is a {type(record).__name__}, not a dict "
-                            f"of columns.")
+            raise TypeError(
+                f"TextTask: example {index} of the {split} split is a {type(record).__name__}, not a dict of columns."
+            )
         seen.update(dict.fromkeys(record))
     for index in range(len(records)):  # a column some records have and others lack would fail mid-run
         if missing := [name for name in required if name in seen and name not in records[index]]:
-            raise _fail(f"example {index} of the {split} split has no {_listing(missing)} column for the prompt; "
-                        f"its columns are {_listing(records[index])}.")
+            raise _fail(
+                f"example {index} of the {split} split has no {_listing(missing)} column for the prompt; "
+                f"its columns are {_listing(records[index])}."
+            )
     for name in seen:
         if lacking := sum(name not in records[index] for index in range(len(records))):
-            warnings.warn(f"TextTask: column {name!r} is missing from {lacking} of {len(records)} examples of the "
-                          f"{split} split; reward functions receive None there.", stacklevel=3)
+            warnings.warn(
+                f"TextTask: column {name!r} is missing from {lacking} of {len(records)} examples of the "
+                f"{split} split; reward functions receive None there.",
+                stacklevel=3,
+            )
     return list(seen)
 
 
-_SETTINGS = tuple(f.name for f in dataclasses.fields(TextTask) if f.init and f.name not in ("records", "example",
-                                                                                           "sizes"))
+_SETTINGS = tuple(
+    f.name for f in dataclasses.fields(TextTask) if f.init and f.name not in ("records", "example", "sizes")
+)
 
 
 def _settings(fn: str, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -481,9 +567,11 @@ def _settings(fn: str, settings: Mapping[str, Any]) -> dict[str, Any]:
 
 def _sequence(fn: str, name: str, records: Any) -> Sequence[Record]:
     if isinstance(records, (str, bytes, os.PathLike, Mapping)):
-        raise TypeError(f"{fn}: `{name}` must be a sequence of dicts (one per example); got {type(records).__name__}"
-                        + (" (for a file use from_jsonl or from_dataset)" if isinstance(records, (str, os.PathLike))
-                           else "") + ".")
+        raise TypeError(
+            f"{fn}: `{name}` must be a sequence of dicts (one per example); got {type(records).__name__}"
+            + (" (for a file use from_jsonl or from_dataset)" if isinstance(records, (str, os.PathLike)) else "")
+            + "."
+        )
     if hasattr(records, "__len__") and hasattr(records, "__getitem__"):
         return records
     if isinstance(records, Iterable):
@@ -491,10 +579,17 @@ def _sequence(fn: str, name: str, records: Any) -> Sequence[Record]:
     raise TypeError(f"{fn}: `{name}` must be a sequence of dicts (one per example); got {type(records).__name__}.")
 
 
-def from_records(records: Sequence[Record] | Iterable[Record], *, tokenizer: transformers.PreTrainedTokenizerBase,
-                 reward_fns: RewardFn | Sequence[RewardFn], prompt: str = "prompt",
-                 test_records: Sequence[Record] | Iterable[Record] | None = None, test_fraction: float = 0.0,
-                 split_seed: int = 0, **settings: Any) -> TextTask:
+def from_records(
+    records: Sequence[Record] | Iterable[Record],
+    *,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    reward_fns: RewardFn | Sequence[RewardFn],
+    prompt: str = "prompt",
+    test_records: Sequence[Record] | Iterable[Record] | None = None,
+    test_fraction: float = 0.0,
+    split_seed: int = 0,
+    **settings: Any,
+) -> TextTask:
     """A :class:`TextTask` over a list of records.
 
     Args:
@@ -528,8 +623,9 @@ def from_records(records: Sequence[Record] | Iterable[Record], *, tokenizer: tra
         train, test = _Subset(records, np.sort(order[held_out:])), _Subset(records, np.sort(order[:held_out]))
     else:
         train, test = records, []
-    return TextTask(tokenizer=tokenizer, reward_fns=reward_fns, prompt=prompt, records={"train": train, "test": test},
-                    **settings)
+    return TextTask(
+        tokenizer=tokenizer, reward_fns=reward_fns, prompt=prompt, records={"train": train, "test": test}, **settings
+    )
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -545,33 +641,53 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise ValueError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the "
-                                 "line); save the file as UTF-8.") from None
+                raise ValueError(
+                    f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the "
+                    "line); save the file as UTF-8."
+                ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}): "
-                                 f"{line.strip()!r:.120}") from None
+                raise ValueError(
+                    f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}): {line.strip()!r:.120}"
+                ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: each line must be a JSON object (one example); got "
-                                 f"{type(record).__name__}: {line.strip()!r:.120}")
+                raise ValueError(
+                    f"{path}:{number}: each line must be a JSON object (one example); got "
+                    f"{type(record).__name__}: {line.strip()!r:.120}"
+                )
             records.append(record)
     if not records:
         raise ValueError(f"{path}: no examples (the file is empty).")
     return records
 
 
-def from_jsonl(path: str | os.PathLike, *, tokenizer: transformers.PreTrainedTokenizerBase,
-               reward_fns: RewardFn | Sequence[RewardFn], prompt: str = "prompt",
-               test_path: str | os.PathLike | None = None, test_fraction: float = 0.0, split_seed: int = 0,
-               **settings: Any) -> TextTask:
+def from_jsonl(
+    path: str | os.PathLike,
+    *,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    reward_fns: RewardFn | Sequence[RewardFn],
+    prompt: str = "prompt",
+    test_path: str | os.PathLike | None = None,
+    test_fraction: float = 0.0,
+    split_seed: int = 0,
+    **settings: Any,
+) -> TextTask:
     """A :class:`TextTask` over a JSON-lines file (:func:`read_jsonl`); the test split is
     ``test_path``'s records, or a held-out ``test_fraction`` (see :func:`from_records`)."""
     test = read_jsonl(test_path) if test_path is not None else None
-    return from_records(read_jsonl(path), tokenizer=tokenizer, reward_fns=reward_fns, prompt=prompt,
-                        test_records=test, test_fraction=test_fraction, split_seed=split_seed, **settings)
+    return from_records(
+        read_jsonl(path),
+        tokenizer=tokenizer,
+        reward_fns=reward_fns,
+        prompt=prompt,
+        test_records=test,
+        test_fraction=test_fraction,
+        split_seed=split_seed,
+        **settings,
+    )
 
 
 def _import_datasets():
@@ -588,13 +704,16 @@ def load_dataset_source(source: Any) -> Any:
     written by ``save_to_disk``). Nothing is downloaded."""
     datasets = _import_datasets()
     if isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-        raise TypeError("from_dataset: streaming (iterable) datasets are not supported; load it without "
-                        "streaming=True, or collect the examples into a list for from_records.")
+        raise TypeError(
+            "from_dataset: streaming (iterable) datasets are not supported; load it without "
+            "streaming=True, or collect the examples into a list for from_records."
+        )
     if isinstance(source, (datasets.Dataset, datasets.DatasetDict)):
         return source
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"from_dataset: expected a datasets.Dataset, a DatasetDict or a path; got "
-                        f"{type(source).__name__}.")
+        raise TypeError(
+            f"from_dataset: expected a datasets.Dataset, a DatasetDict or a path; got {type(source).__name__}."
+        )
     path = pathlib.Path(source)
     if path.is_dir():
         return datasets.load_from_disk(str(path))
@@ -602,16 +721,27 @@ def load_dataset_source(source: Any) -> Any:
         raise FileNotFoundError(f"from_dataset: no file or directory at {str(path)!r}.")
     if path.suffix == ".parquet":
         import pyarrow.parquet
+
         return datasets.Dataset(pyarrow.parquet.read_table(path))
     if path.suffix == ".arrow":
         return datasets.Dataset.from_file(str(path))
-    raise ValueError(f"from_dataset: {str(path)!r} is not a .parquet or .arrow file or a save_to_disk directory "
-                     f"(for JSON lines use from_jsonl).")
+    raise ValueError(
+        f"from_dataset: {str(path)!r} is not a .parquet or .arrow file or a save_to_disk directory "
+        f"(for JSON lines use from_jsonl)."
+    )
 
 
-def from_dataset(dataset: Any, *, tokenizer: transformers.PreTrainedTokenizerBase,
-                 reward_fns: RewardFn | Sequence[RewardFn], prompt: str = "prompt", test_dataset: Any = None,
-                 test_fraction: float = 0.0, split_seed: int = 0, **settings: Any) -> TextTask:
+def from_dataset(
+    dataset: Any,
+    *,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    reward_fns: RewardFn | Sequence[RewardFn],
+    prompt: str = "prompt",
+    test_dataset: Any = None,
+    test_fraction: float = 0.0,
+    split_seed: int = 0,
+    **settings: Any,
+) -> TextTask:
     """A :class:`TextTask` over a local Hugging Face dataset (needs ``datasets``:
     ``pip install 'jaxrl_llm[datasets]'``).
 
@@ -628,21 +758,41 @@ def from_dataset(dataset: Any, *, tokenizer: transformers.PreTrainedTokenizerBas
     test = None if test_dataset is None else load_dataset_source(test_dataset)
     if isinstance(train, datasets.DatasetDict):
         if "train" not in train:
-            raise ValueError(f"from_dataset: the DatasetDict has no 'train' split; its splits are "
-                             f"{_listing(train)}. Pass the split to train on, e.g. dataset['{next(iter(train), '')}'].")
+            raise ValueError(
+                f"from_dataset: the DatasetDict has no 'train' split; its splits are "
+                f"{_listing(train)}. Pass the split to train on, e.g. dataset['{next(iter(train), '')}']."
+            )
         if "test" in train:
             if test is not None:
-                raise ValueError("from_dataset: the DatasetDict has a 'test' split and `test_dataset` was given too; "
-                                 "pass one of them.")
+                raise ValueError(
+                    "from_dataset: the DatasetDict has a 'test' split and `test_dataset` was given too; "
+                    "pass one of them."
+                )
             test = train["test"]
         train = train["train"]
     if isinstance(test, datasets.DatasetDict):
         if "test" not in test:
             raise ValueError(f"from_dataset: `test_dataset` has no 'test' split; its splits are {_listing(test)}.")
         test = test["test"]
-    return from_records(train, tokenizer=tokenizer, reward_fns=reward_fns, prompt=prompt, test_records=test,
-                        test_fraction=test_fraction, split_seed=split_seed, **settings)
+    return from_records(
+        train,
+        tokenizer=tokenizer,
+        reward_fns=reward_fns,
+        prompt=prompt,
+        test_records=test,
+        test_fraction=test_fraction,
+        split_seed=split_seed,
+        **settings,
+    )
 
 
-__all__ = ["PLAIN_TEMPLATE", "RESERVED_COLUMNS", "TextTask", "from_dataset", "from_jsonl", "from_records",
-           "load_dataset_source", "read_jsonl"]
+__all__ = [
+    "PLAIN_TEMPLATE",
+    "RESERVED_COLUMNS",
+    "TextTask",
+    "from_dataset",
+    "from_jsonl",
+    "from_records",
+    "load_dataset_source",
+    "read_jsonl",
+]

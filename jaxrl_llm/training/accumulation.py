@@ -39,6 +39,7 @@ def combine_metrics(metrics: Metrics, loss_weights: jax.Array, token_weights: ja
     """Per-micro-batch metrics ``[k]`` -> the whole minibatch's: min of ``*_min``, max of
     ``*_max``, the loss weighted by its normaliser's shares (``loss_weights`` ``[k]``), the
     token means by the tokens' (``token_weights``); each set of weights sums to 1, or is 0."""
+
     def combine(name, values):
         if name.endswith("_min"):
             return jnp.min(values)
@@ -46,12 +47,18 @@ def combine_metrics(metrics: Metrics, loss_weights: jax.Array, token_weights: ja
             return jnp.max(values)
         weights = loss_weights if name in LOSS_METRICS else token_weights
         return jnp.sum(values * weights.astype(values.dtype))
+
     return {name: combine(name, values) for name, values in metrics.items()}
 
 
-def accumulate_gradients(value_and_grads: Callable[[object], Sequence[LossMetricsGrads]], parts, *,
-                         completion_mask: jax.Array, modes: Sequence[str],
-                         params: Sequence[object]) -> tuple[LossMetricsGrads, ...]:
+def accumulate_gradients(
+    value_and_grads: Callable[[object], Sequence[LossMetricsGrads]],
+    parts,
+    *,
+    completion_mask: jax.Array,
+    modes: Sequence[str],
+    params: Sequence[object],
+) -> tuple[LossMetricsGrads, ...]:
     """Each objective's ``(loss, metrics, grads)`` over the rows of ``parts``, one pass per part.
 
     Args:
@@ -66,19 +73,24 @@ def accumulate_gradients(value_and_grads: Callable[[object], Sequence[LossMetric
     Returns:
       One ``(loss, metrics, grads)`` per objective, the gradient float32, in one ``lax.scan``.
     """
+
     def accumulate(totals, part):
         results = value_and_grads(part)
         tokens = _share(part.completion_mask, completion_mask, "token-mean")
         sums, outputs = [], []
         for (loss, metrics, grads), (loss_sum, grad_sum), mode in zip(results, totals, modes):
             weight = _share(part.completion_mask, completion_mask, mode)
-            sums.append((loss_sum + weight * loss,
-                         jax.tree.map(lambda total, g: total + weight * g.astype(jnp.float32), grad_sum, grads)))
+            loss_sum = loss_sum + weight * loss
+            grad_sum = jax.tree.map(lambda total, g, w=weight: total + w * g.astype(jnp.float32), grad_sum, grads)
+            sums.append((loss_sum, grad_sum))
             outputs.append((metrics, weight, tokens))
         return tuple(sums), tuple(outputs)
 
-    totals = tuple((jnp.zeros((), jnp.float32), jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree))
-                   for tree in params)
+    totals = tuple(
+        (jnp.zeros((), jnp.float32), jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)) for tree in params
+    )
     sums, outputs = jax.lax.scan(accumulate, totals, parts)
-    return tuple((loss, combine_metrics(metrics, weights, tokens), grads)
-                 for (loss, grads), (metrics, weights, tokens) in zip(sums, outputs))
+    return tuple(
+        (loss, combine_metrics(metrics, weights, tokens), grads)
+        for (loss, grads), (metrics, weights, tokens) in zip(sums, outputs)
+    )

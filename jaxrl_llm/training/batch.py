@@ -30,17 +30,28 @@ class Batch(NamedTuple):
     prompts_drawn: jax.Array  # [] int32: prompts taken from the task's stream for it (refills included)
 
     @classmethod
-    def from_rollout(cls, prompt_tokens: jax.Array, prompt_mask: jax.Array, rollout, rewards: jax.Array, *,
-                     prompts_drawn: int | None = None) -> Batch:
+    def from_rollout(
+        cls,
+        prompt_tokens: jax.Array,
+        prompt_mask: jax.Array,
+        rollout,
+        rewards: jax.Array,
+        *,
+        prompts_drawn: int | None = None,
+    ) -> Batch:
         """The batch of a :class:`jaxrl_llm.sampling.Rollout` of ``prompt_tokens`` /
         ``prompt_mask`` ``[P, S]`` with its ``rewards`` ``[B]``; ``prompts_drawn``
         defaults to ``P``."""
         num_prompts = prompt_tokens.shape[0]
-        return cls(prompt_tokens=jnp.asarray(prompt_tokens), prompt_mask=jnp.asarray(prompt_mask, bool),
-                   completion_tokens=jnp.asarray(rollout.completion_tokens),
-                   completion_mask=jnp.asarray(rollout.completion_mask), sampling_logp=jnp.asarray(rollout.logprobs),
-                   rewards=jnp.asarray(rewards, jnp.float32),
-                   prompts_drawn=jnp.asarray(num_prompts if prompts_drawn is None else prompts_drawn, jnp.int32))
+        return cls(
+            prompt_tokens=jnp.asarray(prompt_tokens),
+            prompt_mask=jnp.asarray(prompt_mask, bool),
+            completion_tokens=jnp.asarray(rollout.completion_tokens),
+            completion_mask=jnp.asarray(rollout.completion_mask),
+            sampling_logp=jnp.asarray(rollout.logprobs),
+            rewards=jnp.asarray(rewards, jnp.float32),
+            prompts_drawn=jnp.asarray(num_prompts if prompts_drawn is None else prompts_drawn, jnp.int32),
+        )
 
 
 class ScoredBatch(NamedTuple):
@@ -69,7 +80,8 @@ def rows_with_own_prompts(scored: ScoredBatch, rows: jax.Array) -> ScoredBatch:
     group = scored.completion_tokens.shape[0] // scored.prompt_tokens.shape[0]
     return scored._replace(
         **{name: getattr(scored, name)[rows // group] for name in _PROMPT_FIELDS},
-        **{name: getattr(scored, name)[rows] for name in _ROW_FIELDS if getattr(scored, name) is not None})
+        **{name: getattr(scored, name)[rows] for name in _ROW_FIELDS if getattr(scored, name) is not None},
+    )
 
 
 def micro_batches(scored: ScoredBatch, parts: int) -> ScoredBatch:
@@ -79,10 +91,12 @@ def micro_batches(scored: ScoredBatch, parts: int) -> ScoredBatch:
     num_prompts, batch = scored.prompt_tokens.shape[0], scored.completion_tokens.shape[0]
     group = batch // num_prompts
     if (batch // parts) % group:
-        scored = scored._replace(**{name: jnp.repeat(getattr(scored, name), group, axis=0)
-                                    for name in _PROMPT_FIELDS})
-    split = {name: getattr(scored, name).reshape(parts, -1, *getattr(scored, name).shape[1:])
-             for name in (*_PROMPT_FIELDS, *_ROW_FIELDS) if getattr(scored, name) is not None}
+        scored = scored._replace(**{name: jnp.repeat(getattr(scored, name), group, axis=0) for name in _PROMPT_FIELDS})
+    split = {
+        name: getattr(scored, name).reshape(parts, -1, *getattr(scored, name).shape[1:])
+        for name in (*_PROMPT_FIELDS, *_ROW_FIELDS)
+        if getattr(scored, name) is not None
+    }
     return scored._replace(**split, baseline=None, prompts_drawn=None)
 
 
@@ -92,6 +106,14 @@ def batch_shardings(mesh: jax.sharding.Mesh) -> Batch:
     the count replicated."""
     rows = distributed.rows_sharding(mesh)
     prompts = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(sharding.DATA if sharding.DATA in mesh.axis_names else None))
-    return Batch(prompt_tokens=prompts, prompt_mask=prompts, completion_tokens=rows, completion_mask=rows,
-                 sampling_logp=rows, rewards=rows, prompts_drawn=sharding.replicated(mesh))
+        mesh, jax.sharding.PartitionSpec(sharding.DATA if sharding.DATA in mesh.axis_names else None)
+    )
+    return Batch(
+        prompt_tokens=prompts,
+        prompt_mask=prompts,
+        completion_tokens=rows,
+        completion_mask=rows,
+        sampling_logp=rows,
+        rewards=rows,
+        prompts_drawn=sharding.replicated(mesh),
+    )

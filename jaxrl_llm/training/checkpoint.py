@@ -163,8 +163,11 @@ def _listed(paths: list[str]) -> str:
 
 def _non_finite(flat: dict[tuple[str, ...], Any], checks: dict[str, tuple[str, int]]) -> list[str]:
     """The paths of the arrays with non-finite entries, each with their count."""
-    return [f"{'/'.join(names)} ({checks['/'.join(names)][1]} of {leaf.size} entries)" for names, leaf in flat.items()
-            if checks["/".join(names)][1]]
+    return [
+        f"{'/'.join(names)} ({checks['/'.join(names)][1]} of {leaf.size} entries)"
+        for names, leaf in flat.items()
+        if checks["/".join(names)][1]
+    ]
 
 
 def _verify(flat: dict[tuple[str, ...], Any], digests: dict[str, str] | None) -> None:
@@ -227,7 +230,8 @@ class Checkpointer:
         # orbax wants absolute paths (a relative one fails mid-save); URLs (gs://...) as given.
         self.directory = directory if "://" in directory else os.path.abspath(directory)
         self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=False, enable_async_checkpointing=True)
+            max_to_keep=max_to_keep, create=False, enable_async_checkpointing=True
+        )
         self._manager: ocp.CheckpointManager | None = None
         self.skipped: dict[int, str] = {}
 
@@ -240,7 +244,8 @@ class Checkpointer:
             # The handler named up front: a fresh manager otherwise cannot read the item's
             # metadata before its first save or restore.
             self._manager = ocp.CheckpointManager(
-                self.directory, item_handlers={_ITEM: ocp.StandardCheckpointHandler()}, options=self._options)
+                self.directory, item_handlers={_ITEM: ocp.StandardCheckpointHandler()}, options=self._options
+            )
         return self._manager
 
     def save(self, step: int, state: TrainState, *, metadata: dict | None = None, wait: bool = True) -> None:
@@ -265,14 +270,19 @@ class Checkpointer:
         checks = _checks(flat)
         non_finite = _non_finite(flat, checks)
         if non_finite:
-            raise ValueError(f"Checkpointer.save: the state of step {step} has non-finite values in "
-                             f"{_listed(non_finite)}; not saved (the checkpoints in {self.directory!r} are kept).")
+            raise ValueError(
+                f"Checkpointer.save: the state of step {step} has non-finite values in "
+                f"{_listed(non_finite)}; not saved (the checkpoints in {self.directory!r} are kept)."
+            )
         digests = {path: digest for path, (digest, _) in checks.items()}
         # force: orbax's own policy (save_interval_steps, "not after a later step") would
         # silently skip a save; the caller decides when to save.
-        saved = manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(_nest(flat))}),
-                             force=True, custom_metadata={_OURS: {"prng_impls": impls, "digests": digests},
-                                                          "metadata": metadata})
+        saved = manager.save(
+            step,
+            args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(_nest(flat))}),
+            force=True,
+            custom_metadata={_OURS: {"prng_impls": impls, "digests": digests}, "metadata": metadata},
+        )
         if not saved:
             raise RuntimeError(f"Checkpointer.save: orbax did not save step {step} in {self.directory}.")
         if wait:
@@ -319,8 +329,9 @@ class Checkpointer:
         if step is None:
             return steps[::-1]
         if int(step) not in steps:
-            raise FileNotFoundError(f"Checkpointer.{what}: no checkpoint of step {step} in {self.directory!r} "
-                                    f"(complete: {steps}).")
+            raise FileNotFoundError(
+                f"Checkpointer.{what}: no checkpoint of step {step} in {self.directory!r} (complete: {steps})."
+            )
         return [int(step)]
 
     def restore(self, step: int | None = None, *, like: TrainState) -> TrainState:
@@ -354,17 +365,24 @@ class Checkpointer:
                 if saved is None:
                     raise ValueError("its array metadata cannot be read")
             except Exception as error:  # noqa: BLE001 (any unreadable checkpoint: try the previous)
-                errors.append(self._unreadable(s, error, steps[i + 1:], step is not None))
+                errors.append(self._unreadable(s, error, steps[i + 1 :], step is not None))
                 continue
-            check_tree(f"checkpoint {s}", getattr(saved, "tree", saved), target, "`like`", dtypes=True,
-                        advice=f"Was {self.directory!r} saved by another method, model or TrainConfig?")
+            check_tree(
+                f"checkpoint {s}",
+                getattr(saved, "tree", saved),
+                target,
+                "`like`",
+                dtypes=True,
+                advice=f"Was {self.directory!r} saved by another method, model or TrainConfig?",
+            )
             try:
-                restored = self._manager.restore(s, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(
-                    target)}))[_ITEM]
+                restored = self._manager.restore(
+                    s, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(target)})
+                )[_ITEM]
                 _verify({names: _leaf(restored, names) for names in _paths(like)}, digests)
             except Exception as error:  # noqa: BLE001
                 restored = None  # its arrays freed before the previous checkpoint is read
-                errors.append(self._unreadable(s, error, steps[i + 1:], step is not None))
+                errors.append(self._unreadable(s, error, steps[i + 1 :], step is not None))
                 continue
             return self._unflatten(restored, like, impls, s)
         raise RuntimeError(f"Checkpointer.restore: no readable checkpoint in {self.directory!r}: " + "; ".join(errors))
@@ -386,12 +404,14 @@ class Checkpointer:
             if _is_key(want):
                 impl = impls.get("/".join(names))
                 if impl is None:
-                    raise ValueError(f"Checkpoint {step}: {'/'.join(names)} is a PRNG key in `like` but was not "
-                                     "saved as one.")
+                    raise ValueError(
+                        f"Checkpoint {step}: {'/'.join(names)} is a PRNG key in `like` but was not saved as one."
+                    )
                 leaf = jax.random.wrap_key_data(leaf, impl=impl)
                 if leaf.dtype != want.dtype:
-                    raise ValueError(f"Checkpoint {step}: the key {'/'.join(names)} is {leaf.dtype}, but `like` "
-                                     f"needs {want.dtype}.")
+                    raise ValueError(
+                        f"Checkpoint {step}: the key {'/'.join(names)} is {leaf.dtype}, but `like` needs {want.dtype}."
+                    )
             leaves.append(leaf)
         return jax.tree.unflatten(jax.tree.structure(like), leaves)
 

@@ -67,20 +67,34 @@ def collect_batch(
     algorithm = fit_overlong_buffer(algorithm, settings.max_new_tokens)
     shaping = None
     if algorithm.overlong_buffer:
-        shaping = functools.partial(rewards.soft_overlong_punishment, max_completion_length=settings.max_new_tokens,
-                                    buffer=algorithm.overlong_buffer, penalty=algorithm.overlong_penalty)
+        shaping = functools.partial(
+            rewards.soft_overlong_punishment,
+            max_completion_length=settings.max_new_tokens,
+            buffer=algorithm.overlong_buffer,
+            penalty=algorithm.overlong_penalty,
+        )
     num_prompts, group = config.num_prompts, config.group_size
     rounds: list[ScoredRound] = []
     informative = np.zeros(0, bool)  # [groups so far]
     max_rounds = 1 + (config.max_refill_rounds if algorithm.dynamic_sampling else 0)
     for round_index in range(max_rounds):
-        batch = tasks.base.draw(task, "train", seed=config.seed, start=position + round_index * num_prompts,
-                                count=num_prompts)
+        batch = tasks.base.draw(
+            task, "train", seed=config.seed, start=position + round_index * num_prompts, count=num_prompts
+        )
         scored = rollout_and_score(
-            backend, params, task, batch, jax.random.fold_in(key, round_index), num_samples=group,
-            max_new_tokens=settings.max_new_tokens, max_prompt_length=settings.max_prompt_length,
-            prompt_truncation=settings.prompt_truncation, prompt_bucket=prompt_bucket,
-            on_reward_error=config.on_reward_error, shaping=shaping)
+            backend,
+            params,
+            task,
+            batch,
+            jax.random.fold_in(key, round_index),
+            num_samples=group,
+            max_new_tokens=settings.max_new_tokens,
+            max_prompt_length=settings.max_prompt_length,
+            prompt_truncation=settings.prompt_truncation,
+            prompt_bucket=prompt_bucket,
+            on_reward_error=config.on_reward_error,
+            shaping=shaping,
+        )
         rounds.append(scored)
         grouped = scored.result.total.reshape(num_prompts, group)  # the task's rewards: shaping is no signal
         informative = np.concatenate([informative, grouped.max(1) > grouped.min(1)])
@@ -93,12 +107,15 @@ def collect_batch(
         rollouts = rollouts.take_groups(order)
         rollouts.completion_mask = rollouts.completion_mask & np.repeat(informative[order], group)[:, None]
     return CollectedBatch(
-        rollouts=rollouts, first_round=rounds[0], refill_rounds=len(rounds) - 1,
+        rollouts=rollouts,
+        first_round=rounds[0],
+        refill_rounds=len(rounds) - 1,
         prompts_drawn=len(rounds) * num_prompts,
         sampled_tokens=int(sum(r.rollouts.lengths.sum() for r in rounds)),
         reward_seconds=sum(r.reward_seconds for r in rounds),
         truncated_prompts=sum(r.truncated_prompts for r in rounds),
-        reward_errors=sum(sum(r.result.errors.values()) for r in rounds))
+        reward_errors=sum(sum(r.result.errors.values()) for r in rounds),
+    )
 
 
 def fit_overlong_buffer(algorithm: algorithms.Algorithm, max_new_tokens: int) -> algorithms.Algorithm:

@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxrl_llm import _checks
 from jaxrl_llm.rewards.combine import ON_ERROR
-from jaxrl_llm.sampling import PROMPT_TRUNCATION, SamplingConfig
+from jaxrl_llm.sampling import SamplingConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """The learning rate after the linear warm-up: constant at the peak, or a linear or cosine decay."""
@@ -90,8 +90,9 @@ class OptimizerConfig:
 GROUPS: dict[str, type] = {"sampling": SamplingConfig, "optimizer": OptimizerConfig}
 """TrainConfig's groups of settings: field name -> its dataclass."""
 
-GROUPED_FIELDS: dict[str, str] = {field.name: group for group, kind in GROUPS.items()
-                                  for field in dataclasses.fields(kind)}
+GROUPED_FIELDS: dict[str, str] = {
+    field.name: group for group, kind in GROUPS.items() for field in dataclasses.fields(kind)
+}
 """The flat name of each grouped setting -> its group: ``"temperature" -> "sampling"``
 (``train.temperature`` is ``train.sampling.temperature``)."""
 
@@ -134,8 +135,10 @@ def nest_flat_settings(table: Mapping[str, Any], *, where: str) -> dict[str, Any
         if not isinstance(inner, Mapping):
             raise ValueError(f"{where}.{group} must be a table of {GROUPS[group].__name__}'s fields; got {inner!r}.")
         if name in inner:
-            raise ValueError(f"{where}: `{name}` is given twice, as {where}.{name} and {where}.{group}.{name} "
-                             f"(its place now); give it once, in {group}.")
+            raise ValueError(
+                f"{where}: `{name}` is given twice, as {where}.{name} and {where}.{group}.{name} "
+                f"(its place now); give it once, in {group}."
+            )
         nested[group] = {**inner, name: nested.pop(name)}
     return nested
 
@@ -212,8 +215,10 @@ class TrainConfig:
             _checks.nonnegative_int(where, field, getattr(self, field))
         _checks.nonnegative_int(where, "seed", self.seed)
         if not self.sampling.temperature > 0:
-            raise ValueError(f"{where}: `sampling.temperature` must be a finite number > 0 (the policy trained is "
-                             f"softmax(logits / T)); got {self.sampling.temperature}.")
+            raise ValueError(
+                f"{where}: `sampling.temperature` must be a finite number > 0 (the policy trained is "
+                f"softmax(logits / T)); got {self.sampling.temperature}."
+            )
         _checks.one_of(where, "on_reward_error", self.on_reward_error, ON_ERROR)
         for field in ("share_prompts", "reference_metrics", "exact_kl"):
             if not isinstance(getattr(self, field), bool):
@@ -229,9 +234,11 @@ class TrainConfig:
             _checks.positive_int(where, "micro_batch_size", self.micro_batch_size)
             rows = self.batch_size if self.minibatch_size is None else self.minibatch_size
             if rows % self.micro_batch_size:
-                raise ValueError(f"TrainConfig: `micro_batch_size` must divide the rows of an optimizer step "
-                                 f"({'minibatch_size' if self.minibatch_size else 'B'} = {rows}); got "
-                                 f"{self.micro_batch_size}.")
+                raise ValueError(
+                    f"TrainConfig: `micro_batch_size` must divide the rows of an optimizer step "
+                    f"({'minibatch_size' if self.minibatch_size else 'B'} = {rows}); got "
+                    f"{self.micro_batch_size}."
+                )
 
     def __getattr__(self, name: str) -> Any:
         """The flat names of the grouped settings: ``config.temperature`` is ``config.sampling.temperature``."""

@@ -56,7 +56,7 @@ def completion_values(
         is passed to).
     """
     hidden = models.functional.group_completion_hidden_states(
-        model, critic_params["backbone"], prompt_tokens, prompt_mask, completion_tokens,
-        share_prompts=share_prompts)  # [B, N, E]
+        model, critic_params["backbone"], prompt_tokens, prompt_mask, completion_tokens, share_prompts=share_prompts
+    )  # [B, N, E]
     head = critic_params["head"]
     return hidden.astype(jnp.float32) @ head["kernel"] + head["bias"]

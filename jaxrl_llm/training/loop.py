@@ -47,9 +47,9 @@ import numpy as np
 from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.rewards.combine import called_in
+from jaxrl_llm.training.batch import Batch, batch_shardings
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
-from jaxrl_llm.training.batch import Batch, batch_shardings
 from jaxrl_llm.training.state import TrainState, check_params, check_state, init_state, rollout_key, state_shardings
 from jaxrl_llm.training.step import make_train_step
 
@@ -172,9 +172,11 @@ def _interrupts_noticed():
 def check_evaluation(task: tasks.Task, config: TrainConfig) -> None:
     """Raises ValueError if ``config.eval_every`` asks for evaluations the task's test split cannot give."""
     if config.eval_every and not task.split_size("test"):
-        raise ValueError(f"train: eval_every={config.eval_every} evaluates on the task's test split, but it has "
-                         f"{'no end' if task.split_size('test') is None else 'no examples'}; give the task a test "
-                         f"split (test_records=, test_fraction=) or set eval_every=0.")
+        raise ValueError(
+            f"train: eval_every={config.eval_every} evaluates on the task's test split, but it has "
+            f"{'no end' if task.split_size('test') is None else 'no examples'}; give the task a test "
+            f"split (test_records=, test_fraction=) or set eval_every=0."
+        )
 
 
 def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh | None, *, custom_rollout: bool = False) -> None:
@@ -184,56 +186,91 @@ def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh | None, *, cust
     if jax.process_count() == 1:
         return
     if mesh is None or mesh.devices.size != jax.device_count():
-        raise ValueError(f"This run spans {jax.process_count()} processes: pass a mesh over all their "
-                         f"{jax.device_count()} devices (train(mesh=sharding.make_mesh(...)), or --mesh.fsdp / "
-                         f"--mesh.data / --mesh.tensor whose sizes multiply to {jax.device_count()}).")
+        raise ValueError(
+            f"This run spans {jax.process_count()} processes: pass a mesh over all their "
+            f"{jax.device_count()} devices (train(mesh=sharding.make_mesh(...)), or --mesh.fsdp / "
+            f"--mesh.data / --mesh.tensor whose sizes multiply to {jax.device_count()})."
+        )
     if custom_rollout:
-        raise ValueError("Over several processes a run cannot take its own `rollout` backend: every process "
-                         "must draw the same samples. Leave `rollout` unset (the built-in sampler decodes over "
-                         "the mesh).")
+        raise ValueError(
+            "Over several processes a run cannot take its own `rollout` backend: every process "
+            "must draw the same samples. Leave `rollout` unset (the built-in sampler decodes over "
+            "the mesh)."
+        )
 
 
-def evaluation_metrics(model: models.Model, params: models.Params, task: tasks.Task, config: TrainConfig, *,
-                       prompt_bucket: int = 8, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
+def evaluation_metrics(
+    model: models.Model,
+    params: models.Params,
+    task: tasks.Task,
+    config: TrainConfig,
+    *,
+    prompt_bucket: int = 8,
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict[str, float]:
     """What ``train`` adds to the metrics every ``config.eval_every`` steps: the task's test
     split evaluated with the run's sampling settings (:func:`jaxrl_llm.evaluation.evaluate`,
     decoded over ``mesh``), as ``eval_*`` metrics and ``eval_seconds``."""
     started = time.perf_counter()
-    results = evaluation.evaluate(model, params, task, sampling=config.sampling, num_samples=config.eval_samples,
-                                  prompt_bucket=prompt_bucket, seed=config.seed, on_reward_error=config.on_reward_error,
-                                  progress=False, mesh=mesh)
+    results = evaluation.evaluate(
+        model,
+        params,
+        task,
+        sampling=config.sampling,
+        num_samples=config.eval_samples,
+        prompt_bucket=prompt_bucket,
+        seed=config.seed,
+        on_reward_error=config.on_reward_error,
+        progress=False,
+        mesh=mesh,
+    )
     return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
 
-def _placement(config: TrainConfig, *, mesh: jax.sharding.Mesh | None, rollout_mesh: jax.sharding.Mesh | None,
-               custom_rollout: bool) -> jax.sharding.Mesh | None:
+def _placement(
+    config: TrainConfig, *, mesh: jax.sharding.Mesh | None, rollout_mesh: jax.sharding.Mesh | None, custom_rollout: bool
+) -> jax.sharding.Mesh | None:
     """The mesh the rollouts and evaluations decode over (``None``: one device): ``rollout_mesh``,
     or the train ``mesh`` when it has a ``data`` axis. Raises ValueError for meshes that do
     not fit the run or each other."""
     check_processes(config, mesh, custom_rollout=custom_rollout)
     if custom_rollout and rollout_mesh is not None:
-        raise ValueError("train: pass `rollout_mesh` or your own `rollout` backend (which places its own work), "
-                         "not both.")
+        raise ValueError(
+            "train: pass `rollout_mesh` or your own `rollout` backend (which places its own work), not both."
+        )
     if mesh is not None:
         unknown = [axis for axis in mesh.axis_names if axis not in sharding.AXES]
         if unknown or rollout_mesh is not None:
-            raise ValueError(f"train: the mesh's axes must be among {', '.join(sharding.AXES)} (got "
-                             f"{', '.join(mesh.axis_names)}), and `rollout_mesh` is then the same mesh: pass one.")
+            raise ValueError(
+                f"train: the mesh's axes must be among {', '.join(sharding.AXES)} (got "
+                f"{', '.join(mesh.axis_names)}), and `rollout_mesh` is then the same mesh: pass one."
+            )
         row_devices = mesh.shape.get(sharding.DATA, 1) * mesh.shape.get(sharding.FSDP, 1)
         if config.batch_size % row_devices or config.num_prompts % mesh.shape.get(sharding.DATA, 1):
-            raise ValueError(f"train: the batch's B = {config.batch_size} rows are split over data x fsdp = "
-                             f"{row_devices} devices and its {config.num_prompts} prompts over data = "
-                             f"{mesh.shape.get(sharding.DATA, 1)}: each must divide.")
+            raise ValueError(
+                f"train: the batch's B = {config.batch_size} rows are split over data x fsdp = "
+                f"{row_devices} devices and its {config.num_prompts} prompts over data = "
+                f"{mesh.shape.get(sharding.DATA, 1)}: each must divide."
+            )
         if sharding.DATA in mesh.axis_names:
             rollout_mesh = mesh
     if rollout_mesh is not None and config.num_prompts % sharding.data_size(rollout_mesh):
-        raise ValueError(f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
-                         f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices.")
+        raise ValueError(
+            f"train: num_prompts ({config.num_prompts}) must be a multiple of the rollout mesh's "
+            f"{sharding.data_size(rollout_mesh)} {sharding.DATA!r} devices."
+        )
     return rollout_mesh
 
 
-def _initial_state(model: models.Model, params: models.Params, algorithm: algorithms.Algorithm,
-                   config: TrainConfig, *, state: TrainState | None, ref_params: models.Params | None) -> TrainState:
+def _initial_state(
+    model: models.Model,
+    params: models.Params,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    *,
+    state: TrainState | None,
+    ref_params: models.Params | None,
+) -> TrainState:
     """The caller's ``state`` once checked against the run, or a fresh one whose reference is
     ``ref_params`` (or ``params``) itself, not a copy: the update never donates it."""
     check_params(model, params)
@@ -269,15 +306,24 @@ class _Compiled(NamedTuple):
 
 def _counting_traces(fn: Callable, traces: dict[str, int], name: str) -> Callable:
     """``fn``, adding one to ``traces[name]`` each time it is traced (not each time it runs)."""
+
     def traced(*args):
         traces[name] += 1
         return fn(*args)
+
     return traced
 
 
-def _compile(model: models.Model, algorithm: algorithms.Algorithm, config: TrainConfig, state: TrainState, *,
-             total_steps: int, mesh: jax.sharding.Mesh | None,
-             rules: sharding.Rules | None) -> tuple[TrainState, _Compiled]:
+def _compile(
+    model: models.Model,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    state: TrainState,
+    *,
+    total_steps: int,
+    mesh: jax.sharding.Mesh | None,
+    rules: sharding.Rules | None,
+) -> tuple[TrainState, _Compiled]:
     """The jitted train step of the run, and ``state`` placed where it runs (on ``mesh`` by
     ``rules``, the same on every process; else as it is). A decaying learning rate without
     ``decay_steps`` ends at ``total_steps``."""
@@ -286,15 +332,18 @@ def _compile(model: models.Model, algorithm: algorithms.Algorithm, config: Train
     place_batch = jax.device_put
     placement = {}  # the update's output shardings, on a mesh: the state stays where the rules put it
     if mesh is not None:
-        shardings = state_shardings(state, algorithm, config, mesh,
-                                    sharding.RULES["fsdp_tensor"] if rules is None else rules)
+        shardings = state_shardings(
+            state, algorithm, config, mesh, sharding.RULES["fsdp_tensor"] if rules is None else rules
+        )
         state = distributed.put(state, shardings)
         placement = {"out_shardings": (shardings._replace(ref_params=None), None)}
         place_batch = functools.partial(distributed.put, shardings=batch_shardings(mesh))
     return state, _Compiled(
         score=jax.jit(_counting_traces(halves.score, traces, "score")),
         donating_update=jax.jit(_counting_traces(halves.update, traces, "update"), donate_argnums=0, **placement),
-        place_batch=place_batch, traces=traces)
+        place_batch=place_batch,
+        traces=traces,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -328,18 +377,29 @@ def _rollout_and_score(run: _Run, state: TrainState) -> _Scored:
     values, advantages)."""
     started = time.perf_counter()
     with called_in(f"the rollout of train step {int(state.step)}"):
-        collected = collect_batch(run.rollout, state.params, run.task, run.algorithm, run.config,
-                                  key=rollout_key(state), position=int(state.prompts_drawn),
-                                  prompt_bucket=run.prompt_bucket)
+        collected = collect_batch(
+            run.rollout,
+            state.params,
+            run.task,
+            run.algorithm,
+            run.config,
+            key=rollout_key(state),
+            position=int(state.prompts_drawn),
+            prompt_bucket=run.prompt_bucket,
+        )
     rollouts = collected.rollouts
-    batch = Batch.from_rollout(rollouts.prompt_tokens, rollouts.prompt_mask, rollouts, rollouts.rewards,
-                               prompts_drawn=collected.prompts_drawn)
+    batch = Batch.from_rollout(
+        rollouts.prompt_tokens, rollouts.prompt_mask, rollouts, rollouts.rewards, prompts_drawn=collected.prompts_drawn
+    )
     score_started = time.perf_counter()
     scored, score_metrics = jax.block_until_ready(run.compiled.score(state, run.compiled.place_batch(batch)))
     logprob_seconds = time.perf_counter() - score_started
-    host_metrics = dict(_rollout_metrics(collected, run.config),
-                        rollout_seconds=score_started - started - collected.reward_seconds,
-                        reward_seconds=collected.reward_seconds, logprob_seconds=logprob_seconds)
+    host_metrics = dict(
+        _rollout_metrics(collected, run.config),
+        rollout_seconds=score_started - started - collected.reward_seconds,
+        reward_seconds=collected.reward_seconds,
+        logprob_seconds=logprob_seconds,
+    )
     return _Scored(started, collected, scored, score_metrics, host_metrics)
 
 
@@ -351,39 +411,58 @@ def _rollout_metrics(collected: CollectedBatch, config: TrainConfig) -> dict[str
     lengths = first.rollouts.lengths
     grouped = first.rollouts.rewards.reshape(config.num_prompts, config.group_size)  # as the advantages see them
     return dict(
-        reward=float(task_rewards.mean()), reward_std=float(task_rewards.std()),
+        reward=float(task_rewards.mean()),
+        reward_std=float(task_rewards.std()),
         **{f"reward_{name}": mean for name, mean in first.result.means().items()},
-        reward_errors=float(collected.reward_errors), reward_unscored=float(first.result.unscored.mean()),
+        reward_errors=float(collected.reward_errors),
+        reward_unscored=float(first.result.unscored.mean()),
         truncated_prompts=float(collected.truncated_prompts),
-        completion_length=float(lengths.mean()), completion_length_max=float(lengths.max()),
+        completion_length=float(lengths.mean()),
+        completion_length_max=float(lengths.max()),
         truncated_fraction=float(np.mean(first.rollouts.truncated)),
         identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
         refill_rounds=float(collected.refill_rounds),
     )
 
 
-def _step_metrics(scored: _Scored, update_metrics: dict, state: TrainState, traces: dict[str, int],
-                  update_started: float) -> dict[str, float]:
+def _step_metrics(
+    scored: _Scored, update_metrics: dict, state: TrainState, traces: dict[str, int], update_started: float
+) -> dict[str, float]:
     """The step's metrics, once its update has run (waits for it): the device's, the host's,
     the timings and the skip and trace counters."""
     metrics = {k: float(v) for k, v in jax.device_get({**scored.score_metrics, **update_metrics}).items()}
     now = time.perf_counter()
-    metrics.update(scored.host_metrics, update_seconds=now - update_started, step_seconds=now - scored.started,
-                   tokens_per_second=scored.collected.sampled_tokens / (now - scored.started),
-                   skipped_updates=float(state.skipped_updates), consecutive_skips=float(state.consecutive_skips),
-                   score_traces=float(traces["score"]), update_traces=float(traces["update"]))
+    metrics.update(
+        scored.host_metrics,
+        update_seconds=now - update_started,
+        step_seconds=now - scored.started,
+        tokens_per_second=scored.collected.sampled_tokens / (now - scored.started),
+        skipped_updates=float(state.skipped_updates),
+        consecutive_skips=float(state.consecutive_skips),
+        score_traces=float(traces["score"]),
+        update_traces=float(traces["update"]),
+    )
     return metrics
 
 
-def _end_step(run: _Run, step: int, metrics: dict[str, float], state: TrainState, collected: CollectedBatch,
-              history: list[dict[str, float]]) -> None:
+def _end_step(
+    run: _Run,
+    step: int,
+    metrics: dict[str, float],
+    state: TrainState,
+    collected: CollectedBatch,
+    history: list[dict[str, float]],
+) -> None:
     """After the update of ``step``: the held-out evaluation when due (into ``metrics``), the
     callback, and the decision to stop (raises ``NonFiniteUpdates``)."""
     config = run.config
     if config.eval_every and (step + 1) % config.eval_every == 0:
         with called_in(f"the held-out evaluation after train step {step}"):
-            metrics.update(evaluation_metrics(run.model, state.params, run.task, config,
-                                              prompt_bucket=run.prompt_bucket, mesh=run.rollout_mesh))
+            metrics.update(
+                evaluation_metrics(
+                    run.model, state.params, run.task, config, prompt_bucket=run.prompt_bucket, mesh=run.rollout_mesh
+                )
+            )
     if run.callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
         with _interrupts_held():
             run.callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
@@ -391,7 +470,10 @@ def _end_step(run: _Run, step: int, metrics: dict[str, float], state: TrainState
         raise NonFiniteUpdates(
             f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite loss, "
             f"gradient or update (max_consecutive_skips={config.max_consecutive_skips}); the state keeps the params "
-            f"of the last finite update.", state, history)
+            f"of the last finite update.",
+            state,
+            history,
+        )
 
 
 def _run_steps(run: _Run, state: TrainState, steps: int) -> tuple[TrainState, list[dict[str, float]]]:
@@ -426,14 +508,16 @@ def _run_steps(run: _Run, state: TrainState, steps: int) -> tuple[TrainState, li
     return state, history
 
 
-def _stopped(error: BaseException, state: TrainState, history: list[dict[str, float]], *, first_step: int,
-             steps: int) -> _StoppedRun:
+def _stopped(
+    error: BaseException, state: TrainState, history: list[dict[str, float]], *, first_step: int, steps: int
+) -> _StoppedRun:
     """The ``RunInterrupted`` (Ctrl-C) or ``RunStopped`` that ``error`` ends the run with."""
     where = f"train stopped at step {first_step + len(history)} ({len(history)} of {steps} steps done)"
     if isinstance(error, KeyboardInterrupt):
         return RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state, history)
-    return RunStopped(f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.",
-                      state, history)
+    return RunStopped(
+        f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.", state, history
+    )
 
 
 def train(
@@ -523,11 +607,22 @@ def train(
     state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
     if compilation_cache:
         compilation_cache_lib.enable()
-    state, compiled = _compile(model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh,
-                               rules=rules)
+    state, compiled = _compile(
+        model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh, rules=rules
+    )
     if rollout is None:
-        rollout = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=config.sampling,
-                                   mesh=rollout_mesh)
-    run = _Run(model=model, algorithm=algorithm, config=config, task=task, rollout=rollout, compiled=compiled,
-               prompt_bucket=prompt_bucket, rollout_mesh=rollout_mesh, callback=callback)
+        rollout = sampling.Sampler(
+            model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=config.sampling, mesh=rollout_mesh
+        )
+    run = _Run(
+        model=model,
+        algorithm=algorithm,
+        config=config,
+        task=task,
+        rollout=rollout,
+        compiled=compiled,
+        prompt_bucket=prompt_bucket,
+        rollout_mesh=rollout_mesh,
+        callback=callback,
+    )
     return _run_steps(run, state, steps)

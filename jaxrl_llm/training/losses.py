@@ -58,8 +58,13 @@ class DecoderTeacherForcing:
     def states(self, params: models.Params, rows: Rows) -> jax.Array:
         """``[b, N, E]`` hidden states before each completion token (each prompt once if shared)."""
         return models.functional.group_completion_hidden_states(
-            self.model, params, rows.prompt_tokens, rows.prompt_mask, rows.completion_tokens,
-            share_prompts=self.config.share_prompts)
+            self.model,
+            params,
+            rows.prompt_tokens,
+            rows.prompt_mask,
+            rows.completion_tokens,
+            share_prompts=self.config.share_prompts,
+        )
 
     def head(self, params: models.Params) -> jax.Array:
         """The output projection as stored: a tied embedding stays ``[V, E]`` (no transposed copy)."""
@@ -70,20 +75,38 @@ class DecoderTeacherForcing:
 
     def logprobs(self, states: jax.Array, head: jax.Array, rows: Rows, *, with_entropy: bool = False):
         """:func:`jaxrl_llm.ops.chunked_token_logprobs` of the completion tokens."""
-        return ops.chunked_token_logprobs(states, head, rows.completion_tokens,
-                                          transposed_kernel=self.model.config.tie_word_embeddings, **self._options(),
-                                          with_entropy=with_entropy)
+        return ops.chunked_token_logprobs(
+            states,
+            head,
+            rows.completion_tokens,
+            transposed_kernel=self.model.config.tie_word_embeddings,
+            **self._options(),
+            with_entropy=with_entropy,
+        )
 
-    def categorical_kl(self, states: jax.Array, head: jax.Array, other_states: jax.Array,
-                       other_head: jax.Array) -> jax.Array:
+    def categorical_kl(
+        self, states: jax.Array, head: jax.Array, other_states: jax.Array, other_head: jax.Array
+    ) -> jax.Array:
         """:func:`jaxrl_llm.ops.chunked_categorical_kl` over the vocabulary, ``[b, N]``."""
-        return ops.chunked_categorical_kl(states, head, other_states, other_head,
-                                          transposed_kernels=self.model.config.tie_word_embeddings, **self._options())
+        return ops.chunked_categorical_kl(
+            states,
+            head,
+            other_states,
+            other_head,
+            transposed_kernels=self.model.config.tie_word_embeddings,
+            **self._options(),
+        )
 
     def values(self, critic_params: critic.CriticParams, rows: Rows) -> jax.Array:
         """:func:`jaxrl_llm.training.critic.completion_values`, ``[b, N]``."""
-        return critic.completion_values(self.model, critic_params, rows.prompt_tokens, rows.prompt_mask,
-                                        rows.completion_tokens, share_prompts=self.config.share_prompts)
+        return critic.completion_values(
+            self.model,
+            critic_params,
+            rows.prompt_tokens,
+            rows.prompt_mask,
+            rows.completion_tokens,
+            share_prompts=self.config.share_prompts,
+        )
 
 
 def is_on_policy(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
@@ -92,8 +115,15 @@ def is_on_policy(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
     return algorithm.num_iterations * config.num_minibatches == 1
 
 
-def policy_loss(params, rows: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
-                on_policy: bool, old_logp: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+def policy_loss(
+    params,
+    rows: ScoredBatch,
+    *,
+    policy: TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    on_policy: bool,
+    old_logp: jax.Array | None = None,
+) -> tuple[jax.Array, Metrics]:
     """``(loss, metrics)`` of the method on some rows at ``params``; ``old_logp`` ``[b, N]``
     overrides the rows' (and ``on_policy``). Runs with a reference also report ``kl_k3``
     (k3 to the reference)."""
@@ -103,15 +133,29 @@ def policy_loss(params, rows: ScoredBatch, *, policy: TeacherForcing, algorithm:
         old_logp = jax.lax.stop_gradient(logp) if on_policy else rows.old_logp
     if algorithm.entropy_coef == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only
-    loss, metrics = algorithms.policy_loss(algorithm, logp, old_logp, rows.advantages, rows.completion_mask,
-                                           ref_logp=rows.ref_logp, entropy=entropy, max_len=n)
+    loss, metrics = algorithms.policy_loss(
+        algorithm,
+        logp,
+        old_logp,
+        rows.advantages,
+        rows.completion_mask,
+        ref_logp=rows.ref_logp,
+        entropy=entropy,
+        max_len=n,
+    )
     if rows.ref_logp is not None and "kl_k3" not in metrics:  # the KL metric of every run with a reference
         metrics["kl_k3"] = ops.masked_mean(jax.lax.stop_gradient(kl.k3(logp, rows.ref_logp)), rows.completion_mask)
     return loss, metrics
 
 
-def critic_loss(critic_params, rows: ScoredBatch, *, policy: TeacherForcing,
-                algorithm: algorithms.Algorithm) -> tuple[jax.Array, Metrics]:
+def critic_loss(
+    critic_params, rows: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm
+) -> tuple[jax.Array, Metrics]:
     """``(loss, metrics)``: the clipped value loss (:func:`jaxrl_llm.objectives.value_loss`)."""
-    return objectives.value_loss(policy.values(critic_params, rows), rows.old_values, rows.returns,
-                                 rows.completion_mask, clip=algorithm.value_clip)
+    return objectives.value_loss(
+        policy.values(critic_params, rows),
+        rows.old_values,
+        rows.returns,
+        rows.completion_mask,
+        clip=algorithm.value_clip,
+    )

@@ -22,8 +22,14 @@ from jaxrl_llm.ops.trees import all_finite
 from jaxrl_llm.training.config import LR_SCHEDULES, TrainConfig
 
 
-def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, lr_schedule: str = "constant",
-                           decay_steps: int | None = None, end_learning_rate_fraction: float = 0.0) -> optax.Schedule:
+def learning_rate_schedule(
+    *,
+    learning_rate: float,
+    warmup_steps: int,
+    lr_schedule: str = "constant",
+    decay_steps: int | None = None,
+    end_learning_rate_fraction: float = 0.0,
+) -> optax.Schedule:
     r"""The learning rate of optimizer step ``k`` (from 0): a linear warm-up to the peak
     :math:`\eta` over ``warmup_steps`` :math:`W`, then ``lr_schedule`` down to
     :math:`f\eta` (``f = end_learning_rate_fraction``) over ``decay_steps`` :math:`D`:
@@ -45,13 +51,18 @@ def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, lr_schedu
     if lr_schedule == "constant":
         return warmup  # stays at the peak after its last step
     if decay_steps is None:
-        raise ValueError(f"learning_rate_schedule: lr_schedule={lr_schedule!r} decays over `decay_steps` optimizer "
-                         "steps; got None. Set TrainConfig.optimizer.decay_steps, or pass the run's length to "
-                         "make_train_step(..., total_steps=).")
+        raise ValueError(
+            f"learning_rate_schedule: lr_schedule={lr_schedule!r} decays over `decay_steps` optimizer "
+            "steps; got None. Set TrainConfig.optimizer.decay_steps, or pass the run's length to "
+            "make_train_step(..., total_steps=)."
+        )
     _checks.positive_int("learning_rate_schedule", "decay_steps", decay_steps)
     end = end_learning_rate_fraction * learning_rate
-    decay = (optax.linear_schedule(learning_rate, end, decay_steps) if lr_schedule == "linear" else
-             optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=end_learning_rate_fraction))
+    decay = (
+        optax.linear_schedule(learning_rate, end, decay_steps)
+        if lr_schedule == "linear"
+        else optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=end_learning_rate_fraction)
+    )
     return optax.join_schedules([warmup, decay], boundaries=[warmup_steps - 1])
 
 
@@ -68,10 +79,19 @@ def weight_decay_mask(params):
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
-def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: float, lr_schedule: str = "constant",
-                   decay_steps: int | None = None, end_learning_rate_fraction: float = 0.0,
-                   weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8) -> optax.GradientTransformation:
+def make_optimizer(
+    *,
+    learning_rate: float,
+    warmup_steps: int,
+    max_grad_norm: float,
+    lr_schedule: str = "constant",
+    decay_steps: int | None = None,
+    end_learning_rate_fraction: float = 0.0,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
     r"""Global-norm clipping to ``max_grad_norm``, then AdamW at the rate of
     :func:`learning_rate_schedule`, all in float32 whatever the parameters' dtype, with
     float32 master weights for low-precision params (:func:`in_float32`).
@@ -93,25 +113,32 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int, max_grad_norm: fl
     ``inject_hyperparams``), but every update uses the values given here, so a state
     restored from a checkpoint takes the current settings.
     """
-    schedule = learning_rate_schedule(learning_rate=learning_rate, warmup_steps=warmup_steps,
-                                      lr_schedule=lr_schedule, decay_steps=decay_steps,
-                                      end_learning_rate_fraction=end_learning_rate_fraction)
+    schedule = learning_rate_schedule(
+        learning_rate=learning_rate,
+        warmup_steps=warmup_steps,
+        lr_schedule=lr_schedule,
+        decay_steps=decay_steps,
+        end_learning_rate_fraction=end_learning_rate_fraction,
+    )
     settings = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32, static_args=("mask",))(
-        learning_rate=schedule, mask=weight_decay_mask, **settings)
+        learning_rate=schedule, mask=weight_decay_mask, **settings
+    )
 
     def update(updates, state, params=None):
         return adamw.update(updates, state._replace(hyperparams={**state.hyperparams, **settings}), params)
 
-    return in_float32(optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                                  optax.GradientTransformation(adamw.init, update)))
+    return in_float32(
+        optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.GradientTransformation(adamw.init, update))
+    )
 
 
 def learning_rate_in(opt_state) -> jax.Array:
     """``[]``: the rate of the optimizer's last step, found by name in its state (optax's
     ``inject_hyperparams``), wherever the chain keeps it."""
-    return optax.tree_utils.tree_get(opt_state, "learning_rate",
-                                     filtering=lambda path, value: isinstance(value, jax.Array))
+    return optax.tree_utils.tree_get(
+        opt_state, "learning_rate", filtering=lambda path, value: isinstance(value, jax.Array)
+    )
 
 
 class Float32State(NamedTuple):
@@ -149,24 +176,39 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
     (and wider) params have no master copy: nothing changes for them. A bfloat16 parameter costs 4
     more bytes in the optimizer state (the master) besides its two float32 moments.
     """
+
     def init(params):
         master = jax.tree.map(
-            lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
-            else None, params)
+            lambda p: (
+                p.astype(jnp.float32)
+                if jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
+                else None
+            ),
+            params,
+        )
         return Float32State(inner=inner.init(_to_float32(params)), master=master)
 
     def update(grads, state, params=None):
         if params is None:
-            raise ValueError("in_float32: `params` are required (low-precision params take their steps on float32 "
-                             "master copies).")
-        full = jax.tree.map(lambda master, p: p if master is None else master, state.master, params,
-                            is_leaf=_is_none)  # the params at full precision
+            raise ValueError(
+                "in_float32: `params` are required (low-precision params take their steps on float32 master copies)."
+            )
+        full = jax.tree.map(
+            lambda master, p: p if master is None else master, state.master, params, is_leaf=_is_none
+        )  # the params at full precision
         steps, inner_state = inner.update(_to_float32(grads), state.inner, full)
-        master = jax.tree.map(lambda master, u: None if master is None else master + u, state.master, steps,
-                              is_leaf=_is_none)
+        master = jax.tree.map(
+            lambda master, u: None if master is None else master + u, state.master, steps, is_leaf=_is_none
+        )
         updates = jax.tree.map(  # round(m') - theta, exact in float32
-            lambda master, u, p: u if master is None else master.astype(p.dtype).astype(jnp.float32) - p.astype(
-                jnp.float32), master, steps, params, is_leaf=_is_none)
+            lambda master, u, p: (
+                u if master is None else master.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+            ),
+            master,
+            steps,
+            params,
+            is_leaf=_is_none,
+        )
         return updates, Float32State(inner=inner_state, master=master)
 
     return optax.GradientTransformation(init, update)
@@ -187,7 +229,8 @@ def decay_steps_of_run(algorithm: algorithms.Algorithm, config: TrainConfig, tot
         raise ValueError(
             f"make_train_step: TrainConfig.optimizer.lr_schedule={settings.lr_schedule!r} with decay_steps=None "
             "decays until the run's last step, but the run's length is unknown: pass total_steps=<the run's train "
-            "steps> (train() does), or set TrainConfig.optimizer.decay_steps.")
+            "steps> (train() does), or set TrainConfig.optimizer.decay_steps."
+        )
     optimizer_steps = total_steps * algorithm.num_iterations * config.num_minibatches
     return max(1, optimizer_steps - settings.warmup_steps)
 
@@ -205,13 +248,22 @@ def run_optimizers(algorithm: algorithms.Algorithm, config: TrainConfig, *, deca
 
     def optimizer(learning_rate):
         return make_optimizer(
-            learning_rate=learning_rate, warmup_steps=settings.warmup_steps, max_grad_norm=settings.max_grad_norm,
-            lr_schedule=settings.lr_schedule, decay_steps=decay_steps,
-            end_learning_rate_fraction=settings.end_learning_rate_fraction, weight_decay=settings.weight_decay,
-            b1=settings.adam_b1, b2=settings.adam_b2, eps=settings.adam_eps)
+            learning_rate=learning_rate,
+            warmup_steps=settings.warmup_steps,
+            max_grad_norm=settings.max_grad_norm,
+            lr_schedule=settings.lr_schedule,
+            decay_steps=decay_steps,
+            end_learning_rate_fraction=settings.end_learning_rate_fraction,
+            weight_decay=settings.weight_decay,
+            b1=settings.adam_b1,
+            b2=settings.adam_b2,
+            eps=settings.adam_eps,
+        )
 
-    return RunOptimizers(policy=None if algorithm.update == "trpo" else optimizer(settings.learning_rate),
-                         critic=optimizer(settings.critic_learning_rate) if algorithm.needs_critic else None)
+    return RunOptimizers(
+        policy=None if algorithm.update == "trpo" else optimizer(settings.learning_rate),
+        critic=optimizer(settings.critic_learning_rate) if algorithm.needs_critic else None,
+    )
 
 
 def update_is_finite(optimizer: optax.GradientTransformation, grads, opt_state, params) -> jax.Array:
@@ -233,6 +285,7 @@ def apply_update_if(ok: jax.Array, optimizer: optax.GradientTransformation, grad
     identity, and the taken one updates the donated buffers in place (a select would
     keep the old state alive next to the new one, and XLA copies it).
     """
+
     def step(params_and_state):
         params, opt_state = params_and_state
         updates, opt_state = optimizer.update(grads, opt_state, params)

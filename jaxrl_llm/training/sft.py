@@ -21,8 +21,15 @@ from jaxrl_llm import _checks, models, ops
 from jaxrl_llm.training.optim import in_float32
 
 
-def sft_loss(model: models.Model, params: models.Params, tokens: jax.Array, attention_mask: jax.Array,
-             completion_mask: jax.Array, *, chunk_size: int = 256) -> jax.Array:
+def sft_loss(
+    model: models.Model,
+    params: models.Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    completion_mask: jax.Array,
+    *,
+    chunk_size: int = 256,
+) -> jax.Array:
     """Token-mean negative log-likelihood of the completion tokens.
 
     Args:
@@ -87,7 +94,12 @@ def supervised_finetune(
         if stop is not None and step_index % check_every == 0 and stop(step_index, params):
             break
         rows = rng.integers(0, tokens.shape[0], size=batch_size)
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens[rows]), jnp.asarray(attention_mask[rows]),
-                                       jnp.asarray(completion_mask[rows]))
+        params, opt_state, loss = step(
+            params,
+            opt_state,
+            jnp.asarray(tokens[rows]),
+            jnp.asarray(attention_mask[rows]),
+            jnp.asarray(completion_mask[rows]),
+        )
         losses.append(float(loss))
     return params, losses

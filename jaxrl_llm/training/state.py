@@ -59,9 +59,16 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def init_state(model: models.Model | None, params: models.Params, algorithm: algorithms.Algorithm,
-               config: TrainConfig, *, ref_params: models.Params | None = None, copy_reference: bool = True,
-               critic_params: Any = None) -> TrainState:
+def init_state(
+    model: models.Model | None,
+    params: models.Params,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    *,
+    ref_params: models.Params | None = None,
+    copy_reference: bool = True,
+    critic_params: Any = None,
+) -> TrainState:
     """The state at step 0: policy and reference copied from ``params`` (or the given
     ``ref_params``), a critic when the method has one: ``critic_params``, by default
     initialised from the policy (:func:`jaxrl_llm.training.critic.init_critic`; another
@@ -83,9 +90,11 @@ def init_state(model: models.Model | None, params: models.Params, algorithm: alg
         critic_params = _copy(critic_params)
     with_reference = uses_reference(algorithm, config)
     if ref_params is not None and not with_reference:
-        raise ValueError(f"init_state: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "
-                         "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
-                         "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it.")
+        raise ValueError(
+            f"init_state: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "
+            "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
+            "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it."
+        )
     reference = None
     if with_reference:
         reference = params if ref_params is None else ref_params
@@ -99,43 +108,64 @@ def init_state(model: models.Model | None, params: models.Params, algorithm: alg
         critic_opt_state=optimizers.critic.init(critic_params) if critic_params is not None else None,
         baseline=advantages.running_mean_init(),
         key=jax.random.key(config.seed),
-        step=zero(), skipped_updates=zero(), consecutive_skips=zero(), prompts_drawn=zero(),
+        step=zero(),
+        skipped_updates=zero(),
+        consecutive_skips=zero(),
+        prompts_drawn=zero(),
     )
 
 
-def state_shardings(state: TrainState, algorithm: algorithms.Algorithm, config: TrainConfig,
-                    mesh: jax.sharding.Mesh, rules: sharding.Rules) -> TrainState:
+def state_shardings(
+    state: TrainState,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    mesh: jax.sharding.Mesh,
+    rules: sharding.Rules,
+) -> TrainState:
     """The ``NamedSharding`` of every leaf of ``state`` on ``mesh`` by ``rules``
     (:func:`jaxrl_llm.sharding.state_shardings` with the run's optimizers)."""
     optimizers = run_optimizers(algorithm, config, decay_steps=1)  # the state's structure only
-    return sharding.state_shardings(state, mesh, rules, optimizer=optimizers.policy,
-                                    critic_optimizer=optimizers.critic)
+    return sharding.state_shardings(state, mesh, rules, optimizer=optimizers.policy, critic_optimizer=optimizers.critic)
 
 
 def check_params(model: models.Model, params: models.Params, *, name: str = "params") -> None:
     """Raises ValueError naming the first parameter whose path or shape is not the model's."""
-    check_tree(name, params, models.abstract(model.config)[1], "the model's config", dtypes=False,
-               advice="Are they the params of another model?")
+    check_tree(
+        name,
+        params,
+        models.abstract(model.config)[1],
+        "the model's config",
+        dtypes=False,
+        advice="Are they the params of another model?",
+    )
 
 
-def check_state(state: TrainState, model: models.Model, params: models.Params, algorithm: algorithms.Algorithm,
-                config: TrainConfig) -> None:
+def check_state(
+    state: TrainState, model: models.Model, params: models.Params, algorithm: algorithms.Algorithm, config: TrainConfig
+) -> None:
     """Raises ValueError, naming the first field, path, shape or dtype that differs, when
     ``state`` is not a state of this run: made for another method (a critic or an
     optimizer it lacks), another model size, or another optimizer."""
     if not isinstance(state, TrainState):
-        raise ValueError(f"`state` must be a TrainState (from init_state or a previous train); got "
-                         f"{type(state).__name__}.")
+        raise ValueError(
+            f"`state` must be a TrainState (from init_state or a previous train); got {type(state).__name__}."
+        )
     expected = jax.eval_shape(lambda p: init_state(model, p, algorithm, config), params)
     for field in TrainState._fields:
-        check_tree(f"state.{field}", getattr(state, field), getattr(expected, field),
-                   f"algorithm {algorithm.name!r} on this model", dtypes=True,
-                   advice="Was the state made for another method, model or TrainConfig?")
+        check_tree(
+            f"state.{field}",
+            getattr(state, field),
+            getattr(expected, field),
+            f"algorithm {algorithm.name!r} on this model",
+            dtypes=True,
+            advice="Was the state made for another method, model or TrainConfig?",
+        )
 
 
 def check_tree(name: str, tree, expected, what: str, *, dtypes: bool, advice: str) -> None:
     """Raises ValueError at the first difference of structure, shape (or dtype) between
     ``tree`` and ``expected`` (abstract leaves), naming ``name``'s path and ``what`` it must fit."""
+
     def describe(leaf) -> str:
         return f"{list(leaf.shape)}" + (f" {leaf.dtype}" if dtypes else "")
 
@@ -156,5 +186,6 @@ def check_tree(name: str, tree, expected, what: str, *, dtypes: bool, advice: st
         raise ValueError(f"`{name}` does not fit {what}: {detail}. {advice}")
     for (path, got), (_, want) in zip(got_leaves, want_leaves):
         if got.shape != want.shape or (dtypes and got.dtype != want.dtype):
-            raise ValueError(f"`{name}{jax.tree_util.keystr(path)}` is {describe(got)}, but {what} needs "
-                             f"{describe(want)}. {advice}")
+            raise ValueError(
+                f"`{name}{jax.tree_util.keystr(path)}` is {describe(got)}, but {what} needs {describe(want)}. {advice}"
+            )

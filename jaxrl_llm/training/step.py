@@ -67,8 +67,14 @@ from jaxrl_llm.training.accumulation import accumulate_gradients
 from jaxrl_llm.training.batch import Batch, ScoredBatch, micro_batches, rows_with_own_prompts
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.losses import TeacherForcing
-from jaxrl_llm.training.optim import (RunOptimizers, apply_update_if, decay_steps_of_run, learning_rate_in,
-                                     run_optimizers, update_is_finite)
+from jaxrl_llm.training.optim import (
+    RunOptimizers,
+    apply_update_if,
+    decay_steps_of_run,
+    learning_rate_in,
+    run_optimizers,
+    update_is_finite,
+)
 from jaxrl_llm.training.state import TrainState, uses_reference
 from jaxrl_llm.training.trpo_update import trpo_update
 
@@ -82,25 +88,32 @@ def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> Non
             f"TrainConfig.minibatch_size=None (got {config.minibatch_size} of B={config.batch_size})."
         )
     if algorithm.update == "trpo" and config.micro_batch_size is not None:
-        raise ValueError(f"Algorithm {name!r}: TRPO's conjugate gradient and line search take the whole batch at "
-                         "once; gradient accumulation is not available: set TrainConfig.micro_batch_size=None.")
+        raise ValueError(
+            f"Algorithm {name!r}: TRPO's conjugate gradient and line search take the whole batch at "
+            "once; gradient accumulation is not available: set TrainConfig.micro_batch_size=None."
+        )
     if algorithm.update == "trpo" and algorithm.needs_critic:
-        raise ValueError(f"Algorithm {name!r}: the TRPO update trains no critic, so GAE is not available with "
-                         "update='trpo'; use a critic-free advantage (rloo, grpo, ...).")
+        raise ValueError(
+            f"Algorithm {name!r}: the TRPO update trains no critic, so GAE is not available with "
+            "update='trpo'; use a critic-free advantage (rloo, grpo, ...)."
+        )
     if config.group_size < 2 and algorithm.compares_within_groups:
         raise ValueError(
             f"Algorithm {name!r} compares each completion with the others sampled for its prompt (advantage="
             f"{algorithm.advantage!r}{', dynamic sampling' if algorithm.dynamic_sampling else ''}): with "
             "TrainConfig.group_size=1 every advantage is 0. Set group_size >= 2, or use a method without group "
-            "baselines (pg, reinforce-baseline, ppo).")
+            "baselines (pg, reinforce-baseline, ppo)."
+        )
     batch_statistics = algorithm.advantage in ("batch_mean_baseline", "running_mean_baseline") or (
-        algorithm.advantage == "grpo" and algorithm.group_scale == "batch")
+        algorithm.advantage == "grpo" and algorithm.group_scale == "batch"
+    )
     if algorithm.dynamic_sampling and batch_statistics:
         raise ValueError(
             f"Algorithm {name!r}: dynamic sampling masks out groups without signal, but advantage="
             f"{algorithm.advantage!r} (group_scale={algorithm.group_scale!r}) takes statistics over every row of "
             "the batch, masked ones included; use a per-group estimator (rloo, or grpo with group_scale 'group' "
-            "or 'none').")
+            "or 'none')."
+        )
 
 
 def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
@@ -108,15 +121,17 @@ def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
     token_advantages = jnp.broadcast_to(advantages.reshape(advantages.shape[0], -1), mask.shape)  # [B, N]
     return dict(
         advantage_mean=ops.masked_mean(token_advantages, mask),
-        advantage_std=jnp.sqrt(ops.masked_mean(
-            jnp.square(token_advantages - ops.masked_mean(token_advantages, mask)), mask)),
+        advantage_std=jnp.sqrt(
+            ops.masked_mean(jnp.square(token_advantages - ops.masked_mean(token_advantages, mask)), mask)
+        ),
         advantage_min=ops.masked_min(token_advantages, mask),
         advantage_max=ops.masked_max(token_advantages, mask),
     )
 
 
-def score(state: TrainState, batch: Batch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
-          config: TrainConfig) -> tuple[ScoredBatch, Metrics]:
+def score(
+    state: TrainState, batch: Batch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm, config: TrainConfig
+) -> tuple[ScoredBatch, Metrics]:
     """The batch with its old and reference log-probs, values and advantages, and the
     metrics of scoring it (the advantages', ``kl_exact``)."""
     mask = batch.completion_mask
@@ -133,49 +148,90 @@ def score(state: TrainState, batch: Batch, *, policy: TeacherForcing, algorithm:
     if config.exact_kl:
         if policy_states is None:
             policy_states = policy.states(state.params, batch)
-        per_token = policy.categorical_kl(policy_states, policy.head(state.params), ref_states,
-                                          policy.head(state.ref_params))  # [B, N]
+        per_token = policy.categorical_kl(
+            policy_states, policy.head(state.params), ref_states, policy.head(state.ref_params)
+        )  # [B, N]
         metrics["kl_exact"] = ops.masked_mean(per_token, mask)
     old_values = policy.values(state.critic_params, batch) if algorithm.needs_critic else None
     advantages, returns, baseline = algorithms.compute_advantages(
-        algorithm, batch.rewards, mask, group_size=config.group_size, logp=old_logp, ref_logp=ref_logp,
-        values=old_values, baseline=state.baseline)
+        algorithm,
+        batch.rewards,
+        mask,
+        group_size=config.group_size,
+        logp=old_logp,
+        ref_logp=ref_logp,
+        values=old_values,
+        baseline=state.baseline,
+    )
     metrics.update(_advantage_metrics(advantages, mask))
     scored = ScoredBatch(
-        prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask,
-        completion_tokens=batch.completion_tokens, completion_mask=mask, old_logp=old_logp, ref_logp=ref_logp,
-        advantages=advantages, returns=returns, old_values=old_values, baseline=baseline,
-        prompts_drawn=batch.prompts_drawn)
+        prompt_tokens=batch.prompt_tokens,
+        prompt_mask=batch.prompt_mask,
+        completion_tokens=batch.completion_tokens,
+        completion_mask=mask,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        advantages=advantages,
+        returns=returns,
+        old_values=old_values,
+        baseline=baseline,
+        prompts_drawn=batch.prompts_drawn,
+    )
     return scored, metrics
 
 
-def _value_and_grads(params, critic_params, rows: ScoredBatch, *, policy: TeacherForcing,
-                     algorithm: algorithms.Algorithm, on_policy: bool):
+def _value_and_grads(
+    params,
+    critic_params,
+    rows: ScoredBatch,
+    *,
+    policy: TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    on_policy: bool,
+):
     """The policy's ``(loss, metrics, grads)`` on ``rows``, then the critic's if the method has one."""
     (loss, metrics), grads = jax.value_and_grad(losses.policy_loss, has_aux=True)(
-        params, rows, policy=policy, algorithm=algorithm, on_policy=on_policy)
+        params, rows, policy=policy, algorithm=algorithm, on_policy=on_policy
+    )
     if not algorithm.needs_critic:
         return ((loss, metrics, grads),)
     (value_loss, critic_metrics), critic_grads = jax.value_and_grad(losses.critic_loss, has_aux=True)(
-        critic_params, rows, policy=policy, algorithm=algorithm)
+        critic_params, rows, policy=policy, algorithm=algorithm
+    )
     return (loss, metrics, grads), (value_loss, critic_metrics, critic_grads)
 
 
-def minibatch_gradients(params, critic_params, rows: ScoredBatch, *, policy: TeacherForcing,
-                        algorithm: algorithms.Algorithm, config: TrainConfig):
+def minibatch_gradients(
+    params,
+    critic_params,
+    rows: ScoredBatch,
+    *,
+    policy: TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+):
     """``((loss, metrics, grads), critic)`` of one optimizer step's rows, ``critic`` the
     critic's ``(loss, metrics, grads)`` or None, over ``config.num_micro_batches`` passes
     (:func:`jaxrl_llm.training.accumulation.accumulate_gradients`; the value loss is a token mean)."""
-    value_and_grads = functools.partial(_value_and_grads, params, critic_params, policy=policy, algorithm=algorithm,
-                                        on_policy=losses.is_on_policy(algorithm, config))
+    value_and_grads = functools.partial(
+        _value_and_grads,
+        params,
+        critic_params,
+        policy=policy,
+        algorithm=algorithm,
+        on_policy=losses.is_on_policy(algorithm, config),
+    )
     if config.num_micro_batches == 1:
         results = value_and_grads(rows)
     else:
         with_critic = algorithm.needs_critic
         results = accumulate_gradients(
-            value_and_grads, micro_batches(rows, config.num_micro_batches), completion_mask=rows.completion_mask,
+            value_and_grads,
+            micro_batches(rows, config.num_micro_batches),
+            completion_mask=rows.completion_mask,
             modes=(algorithm.agg, "token-mean") if with_critic else (algorithm.agg,),
-            params=(params, critic_params) if with_critic else (params,))
+            params=(params, critic_params) if with_critic else (params,),
+        )
     return results[0], (results[1] if algorithm.needs_critic else None)
 
 
@@ -189,29 +245,43 @@ class _Carry(NamedTuple):
     skipped: jax.Array  # [] int32: the state's skipped_updates so far
 
 
-def _minibatch_step(carry: _Carry, indices: jax.Array, *, scored: ScoredBatch, policy: TeacherForcing,
-                    algorithm: algorithms.Algorithm, config: TrainConfig,
-                    optimizers: RunOptimizers) -> tuple[_Carry, Metrics]:
+def _minibatch_step(
+    carry: _Carry,
+    indices: jax.Array,
+    *,
+    scored: ScoredBatch,
+    policy: TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    optimizers: RunOptimizers,
+) -> tuple[_Carry, Metrics]:
     """One optimizer step on the rows ``indices`` ``[b]`` of ``scored`` (all of it, in
     order, with one minibatch), policy and critic together, or none if not finite."""
     params, opt_state, critic_params, critic_opt_state, skipped = carry
     rows = scored if config.num_minibatches == 1 else rows_with_own_prompts(scored, indices)
-    (loss, metrics, grads), critic = minibatch_gradients(params, critic_params, rows, policy=policy,
-                                                         algorithm=algorithm, config=config)
+    (loss, metrics, grads), critic = minibatch_gradients(
+        params, critic_params, rows, policy=policy, algorithm=algorithm, config=config
+    )
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & update_is_finite(
-        optimizers.policy, grads, opt_state, params)
+    finite = (
+        jnp.isfinite(loss) & jnp.isfinite(grad_norm) & update_is_finite(optimizers.policy, grads, opt_state, params)
+    )
     # A minibatch of padding rows only (dynamic sampling) has a zero gradient, but an
     # AdamW step would still move the params by momentum: it takes no step.
     has_tokens = jnp.any(rows.completion_mask)
     if algorithm.needs_critic:
         value_loss, critic_metrics, critic_grads = critic
         metrics.update(critic_metrics)
-        finite = finite & jnp.isfinite(value_loss) & jnp.isfinite(optax.tree.norm(critic_grads)) & (
-            update_is_finite(optimizers.critic, critic_grads, critic_opt_state, critic_params))
+        finite = (
+            finite
+            & jnp.isfinite(value_loss)
+            & jnp.isfinite(optax.tree.norm(critic_grads))
+            & (update_is_finite(optimizers.critic, critic_grads, critic_opt_state, critic_params))
+        )
         # Policy and critic step together or not at all.
-        critic_params, critic_opt_state = apply_update_if(finite & has_tokens, optimizers.critic, critic_grads,
-                                                          critic_opt_state, critic_params)
+        critic_params, critic_opt_state = apply_update_if(
+            finite & has_tokens, optimizers.critic, critic_grads, critic_opt_state, critic_params
+        )
     params, opt_state = apply_update_if(finite & has_tokens, optimizers.policy, grads, opt_state, params)
     metrics.update(grad_norm=grad_norm, learning_rate=learning_rate_in(opt_state))
     skipped = skipped + (~finite).astype(jnp.int32)
@@ -220,14 +290,24 @@ def _minibatch_step(carry: _Carry, indices: jax.Array, *, scored: ScoredBatch, p
 
 def _reduce(metrics: Metrics) -> Metrics:
     """Per-minibatch metrics ``[K]`` -> scalars: min of ``*_min``, max of ``*_max``, else mean."""
+
     def reduce(name, values):
-        return jnp.min(values) if name.endswith("_min") else jnp.max(values) if name.endswith("_max") else jnp.mean(
-            values)
+        return (
+            jnp.min(values) if name.endswith("_min") else jnp.max(values) if name.endswith("_max") else jnp.mean(values)
+        )
+
     return {name: reduce(name, values) for name, values in metrics.items()}
 
 
-def optax_update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
-                 config: TrainConfig, optimizers: RunOptimizers) -> tuple[TrainState, Metrics]:
+def optax_update(
+    state: TrainState,
+    scored: ScoredBatch,
+    *,
+    policy: TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    optimizers: RunOptimizers,
+) -> tuple[TrainState, Metrics]:
     """``num_iterations`` passes over ``scored`` in shuffled minibatches (in order when there
     is one), one optimizer step each, in one ``lax.scan``; the metrics are their means
     (min of ``*_min``, max of ``*_max``)."""
@@ -239,21 +319,35 @@ def optax_update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForci
         keys = jax.random.split(shuffle_key, algorithm.num_iterations)
         permutations = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(keys)  # [mu, B]
         order = permutations.reshape(algorithm.num_iterations * config.num_minibatches, -1)  # [mu * M, B / M]
-    one_step = functools.partial(_minibatch_step, scored=scored, policy=policy, algorithm=algorithm, config=config,
-                                 optimizers=optimizers)
+    one_step = functools.partial(
+        _minibatch_step, scored=scored, policy=policy, algorithm=algorithm, config=config, optimizers=optimizers
+    )
     carry = _Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state, state.skipped_updates)
     carry, metrics = jax.lax.scan(one_step, carry, order)
     # A train step counts as skipped if any of its minibatch updates was.
     step_skipped = carry.skipped > state.skipped_updates
-    state = state._replace(params=carry.params, opt_state=carry.opt_state, critic_params=carry.critic_params,
-                           critic_opt_state=carry.critic_opt_state, key=key, step=state.step + 1,
-                           skipped_updates=carry.skipped,
-                           consecutive_skips=jnp.where(step_skipped, state.consecutive_skips + 1, 0))
+    state = state._replace(
+        params=carry.params,
+        opt_state=carry.opt_state,
+        critic_params=carry.critic_params,
+        critic_opt_state=carry.critic_opt_state,
+        key=key,
+        step=state.step + 1,
+        skipped_updates=carry.skipped,
+        consecutive_skips=jnp.where(step_skipped, state.consecutive_skips + 1, 0),
+    )
     return state, _reduce(metrics)
 
 
-def update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm,
-           config: TrainConfig, optimizers: RunOptimizers) -> tuple[TrainState, Metrics]:
+def update(
+    state: TrainState,
+    scored: ScoredBatch,
+    *,
+    policy: TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    optimizers: RunOptimizers,
+) -> tuple[TrainState, Metrics]:
     """The state after training on ``scored``: past the rollout's key, with the batch's
     baseline and prompt count, then :func:`optax_update` or TRPO's step."""
     key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
@@ -271,8 +365,13 @@ class TrainStep:
     update: Callable[[TrainState, ScoredBatch], tuple[TrainState, Metrics]]
 
 
-def make_train_step(model: models.Model | TeacherForcing, algorithm: algorithms.Algorithm, config: TrainConfig, *,
-                    total_steps: int | None = None) -> TrainStep:
+def make_train_step(
+    model: models.Model | TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    *,
+    total_steps: int | None = None,
+) -> TrainStep:
     """:func:`score` and :func:`update` bound to one (model, method, config).
 
     ``model``: the language model (:class:`jaxrl_llm.models.Model`), or any policy's
@@ -284,9 +383,9 @@ def make_train_step(model: models.Model | TeacherForcing, algorithm: algorithms.
     and raises ValueError without it.
     """
     check_supported(algorithm, config)
-    optimizers = run_optimizers(algorithm, config,
-                                decay_steps=decay_steps_of_run(algorithm, config, total_steps))
+    optimizers = run_optimizers(algorithm, config, decay_steps=decay_steps_of_run(algorithm, config, total_steps))
     policy = losses.DecoderTeacherForcing(model, config) if isinstance(model, models.Model) else model
     run = dict(policy=policy, algorithm=algorithm, config=config)
-    return TrainStep(score=functools.partial(score, **run),
-                     update=functools.partial(update, **run, optimizers=optimizers))
+    return TrainStep(
+        score=functools.partial(score, **run), update=functools.partial(update, **run, optimizers=optimizers)
+    )

@@ -20,8 +20,9 @@ from jaxrl_llm.training.losses import TeacherForcing, policy_loss
 from jaxrl_llm.training.state import TrainState
 
 
-def trpo_update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForcing,
-                algorithm: algorithms.Algorithm) -> tuple[TrainState, Metrics]:
+def trpo_update(
+    state: TrainState, scored: ScoredBatch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm
+) -> tuple[TrainState, Metrics]:
     """The state after one natural-gradient step on ``scored``, and the step's metrics
     (the loss's after the step, ``trpo_*`` from the solver, ``grad_norm``, and the step
     size as ``learning_rate``). A non-finite gradient counts as a skipped update; a
@@ -40,16 +41,26 @@ def trpo_update(state: TrainState, scored: ScoredBatch, *, policy: TeacherForcin
         return ops.masked_mean(per_token, scored.completion_mask)
 
     params, info = trpo.natural_gradient_step(
-        old_params, surrogate_fn=surrogate, kl_fn=kl_from_old, max_kl=algorithm.max_kl, damping=algorithm.cg_damping,
-        cg_iters=algorithm.cg_iters, backtrack_coef=algorithm.backtrack_coef, max_backtracks=algorithm.max_backtracks)
-    _, metrics = policy_loss(params, scored, policy=policy, algorithm=algorithm, on_policy=False,
-                             old_logp=old_logp)  # diagnostics after the step
+        old_params,
+        surrogate_fn=surrogate,
+        kl_fn=kl_from_old,
+        max_kl=algorithm.max_kl,
+        damping=algorithm.cg_damping,
+        cg_iters=algorithm.cg_iters,
+        backtrack_coef=algorithm.backtrack_coef,
+        max_backtracks=algorithm.max_backtracks,
+    )
+    _, metrics = policy_loss(
+        params, scored, policy=policy, algorithm=algorithm, on_policy=False, old_logp=old_logp
+    )  # diagnostics after the step
     metrics.update({f"trpo_{name}": value.astype(jnp.float32) for name, value in info.items()})
     finite = jnp.isfinite(info["grad_norm"])
     # theta' = theta + step_size * s, s the natural-gradient direction: its learning rate.
     metrics.update(grad_norm=info["grad_norm"], learning_rate=metrics["trpo_step_size"])
     state = state._replace(
-        params=params, step=state.step + 1,
+        params=params,
+        step=state.step + 1,
         skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
-        consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1))
+        consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1),
+    )
     return state, metrics

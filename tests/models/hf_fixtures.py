@@ -16,8 +16,14 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 TINY = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
 )
 
 

@@ -10,14 +10,41 @@ import pytest
 from jaxrl_llm import models
 
 CONFIGS = {
-    "llama-gqa": models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                                     num_kv_heads=2, head_dim=8, max_position_embeddings=32),
-    "qwen3-tied": models.ModelConfig(architecture="qwen3", vocab_size=61, hidden_size=32, intermediate_size=48,
-                                      num_layers=2, num_heads=4, num_kv_heads=1, head_dim=8, qk_norm=True,
-                                      tie_word_embeddings=True, max_position_embeddings=32),
-    "mistral-window-3": models.ModelConfig(architecture="mistral", vocab_size=61, hidden_size=32,
-                                            intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                                            head_dim=8, sliding_windows=(3, 3), max_position_embeddings=32),
+    "llama-gqa": models.ModelConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+    ),
+    "qwen3-tied": models.ModelConfig(
+        architecture="qwen3",
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=8,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=32,
+    ),
+    "mistral-window-3": models.ModelConfig(
+        architecture="mistral",
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        sliding_windows=(3, 3),
+        max_position_embeddings=32,
+    ),
 }
 
 
@@ -75,8 +102,11 @@ def test_right_padded_prompts_are_refused_when_the_mask_is_concrete():
     tokens = jnp.ones((3, 4), jnp.int32)
     right = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [0, 1, 1, 0]], bool)
     for mask in (right, jnp.asarray(right), right.astype(np.int32)):
-        with pytest.raises(ValueError, match=r"prefill: `attention_mask` row 1 has padding at position 2, after a "
-                                             r"real token: prompts must be left-padded.*padding_side = \"left\""):
+        with pytest.raises(
+            ValueError,
+            match=r"prefill: `attention_mask` row 1 has padding at position 2, after a "
+            r"real token: prompts must be left-padded.*padding_side = \"left\"",
+        ):
             models.prefill(model, params, tokens, mask, cache_size=6)
     left = np.array([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]], bool)
     models.prefill(model, params, tokens, left, cache_size=6)

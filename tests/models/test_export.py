@@ -35,13 +35,24 @@ def char_tokenizer() -> transformers.PreTrainedTokenizerBase:
 
 
 TOKENIZERS = {"char": char_tokenizer, "chatml": chat_tokenizer}
-ARCHITECTURES = {"char": dict(architecture="llama"),
-                 "chatml": dict(architecture="qwen3", qk_norm=True, tie_word_embeddings=True)}
+ARCHITECTURES = {
+    "char": dict(architecture="llama"),
+    "chatml": dict(architecture="qwen3", qk_norm=True, tie_word_embeddings=True),
+}
 
 
 def tiny_config(vocab_size: int, **overrides) -> models.ModelConfig:
-    return models.ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=8, max_position_embeddings=128, **overrides)
+    return models.ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        **overrides,
+    )
 
 
 def random_policy(config: models.ModelConfig, *, seed: int = 0):
@@ -51,7 +62,8 @@ def random_policy(config: models.ModelConfig, *, seed: int = 0):
     model, shapes = models.abstract(config)
     rng = np.random.default_rng(seed)
     params = jax.tree.map_with_path(
-        lambda path, s: rng.normal(float("norm" in jax.tree_util.keystr(path)), 0.3, s.shape).astype(s.dtype), shapes)
+        lambda path, s: rng.normal(float("norm" in jax.tree_util.keystr(path)), 0.3, s.shape).astype(s.dtype), shapes
+    )
     return model, params
 
 
@@ -63,9 +75,18 @@ def prompts(tokenizer):
 
 def greedy(model, params, tokens, mask, *, pad_id) -> np.ndarray:
     """Our greedy completions ``[P, NEW_TOKENS]``, stopped at the model config's EOS ids."""
-    rollout = sampling.sample(model, params, tokens, mask, jax.random.key(0), num_samples=1,
-                              max_new_tokens=NEW_TOKENS, temperature=0.0, eos_ids=model.config.eos_token_ids,
-                              pad_id=pad_id)
+    rollout = sampling.sample(
+        model,
+        params,
+        tokens,
+        mask,
+        jax.random.key(0),
+        num_samples=1,
+        max_new_tokens=NEW_TOKENS,
+        temperature=0.0,
+        eos_ids=model.config.eos_token_ids,
+        pad_id=pad_id,
+    )
     return np.asarray(rollout.completion_tokens)
 
 
@@ -77,7 +98,7 @@ def hf_generate(directory, tokens, mask, *, pad_id) -> np.ndarray:
     assert model.dtype == torch.float32
     with torch.no_grad():
         out = model.generate(torch.tensor(tokens), attention_mask=torch.tensor(mask), max_new_tokens=NEW_TOKENS)
-    out = out.numpy()[:, tokens.shape[1]:]
+    out = out.numpy()[:, tokens.shape[1] :]
     return np.pad(out, ((0, 0), (0, NEW_TOKENS - out.shape[1])), constant_values=pad_id)  # all rows ended early
 
 
@@ -110,8 +131,10 @@ def test_the_tokenizer_and_its_chat_template_load_back(name, tmp_path):
     models.save_pretrained(tmp_path, model, params, tokenizer=tokenizer)
     saved = json.loads((tmp_path / "generation_config.json").read_text())
     assert {k: saved.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {  # one EOS: an int
-        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id}
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert loaded.get_vocab() == tokenizer.get_vocab()
@@ -149,14 +172,18 @@ def test_generation_config_takes_sampling_defaults_and_keeps_given_ids(tmp_path)
     models.save_pretrained(tmp_path, model, params, tokenizer=tokenizer)
     loaded = transformers.GenerationConfig.from_pretrained(tmp_path)
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
 
 
 def test_exporting_over_an_export_replaces_the_whole_tokenizer(tmp_path):
     target = tmp_path / "ckpt"
     model, params = random_policy(tiny_config(len(chat_tokenizer()), eos_token_ids=(2,)))
-    models.save_pretrained(target, model, params, tokenizer=chat_tokenizer(),
-                           generation_config={"do_sample": True, "temperature": 0.5})
+    models.save_pretrained(
+        target, model, params, tokenizer=chat_tokenizer(), generation_config={"do_sample": True, "temperature": 0.5}
+    )
     assert (target / "chat_template.jinja").is_file()
     for stale in ("vocab.json", "merges.txt", "special_tokens_map.json"):  # a transformers-4 tokenizer's files
         (target / stale).write_text("{}")
@@ -167,8 +194,13 @@ def test_exporting_over_an_export_replaces_the_whole_tokenizer(tmp_path):
     loaded = transformers.AutoTokenizer.from_pretrained(target, local_files_only=True)
     assert loaded.get_vocab() == char.get_vocab() and loaded.chat_template is None
     assert {p.name for p in target.iterdir()} == {
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-        "critic.safetensors"}
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "critic.safetensors",
+    }
 
     # A save of weights alone keeps the tokenizer and the generation config; one with a
     # generation config replaces that alone.
@@ -223,8 +255,12 @@ def test_a_tokenizer_that_transformers_would_load_differently_is_refused(tmp_pat
 
     # The same vocabulary as a Qwen2Tokenizer loads back as itself.
     backend = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    qwen = transformers.Qwen2Tokenizer(vocab=backend["vocab"], merges=[tuple(m) for m in backend["merges"]],
-                                       eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    qwen = transformers.Qwen2Tokenizer(
+        vocab=backend["vocab"],
+        merges=[tuple(m) for m in backend["merges"]],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     models.save_pretrained(target, model, params, tokenizer=qwen)
     loaded = transformers.AutoTokenizer.from_pretrained(target, local_files_only=True)
     assert type(loaded) is transformers.Qwen2Tokenizer

@@ -25,15 +25,21 @@ def test_round_trip_through_transformers_gives_identical_logits(family, tmp_path
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", local_files_only=True).eval()
     assert type(reloaded) is type(original)
     tokens, mask, positions = left_padded_batch(model.config.vocab_size)
-    np.testing.assert_array_equal(hf_logits(reloaded, tokens, mask, positions), hf_logits(original, tokens, mask, positions))
+    np.testing.assert_array_equal(
+        hf_logits(reloaded, tokens, mask, positions), hf_logits(original, tokens, mask, positions)
+    )
     # And back into ours: the same parameters, bit for bit.
     _, params_again = models.from_pretrained(tmp_path / "ours")
     chex.assert_trees_all_equal(params_again, params)
 
 
 def test_sharded_checkpoints_save_and_load_with_an_index(tmp_path):
-    model, params = models.init(models.ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=2,
-                                                   num_heads=2, num_kv_heads=1, head_dim=8), jax.random.key(1))
+    model, params = models.init(
+        models.ModelConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8
+        ),
+        jax.random.key(1),
+    )
     models.save_pretrained(tmp_path, model, params, max_shard_bytes=4096)
     index = json.loads((tmp_path / hf_io.INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -47,8 +53,12 @@ def test_sharded_checkpoints_save_and_load_with_an_index(tmp_path):
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
-    model, params = models.init(models.ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1,
-                                                   num_heads=2, num_kv_heads=2, head_dim=8), jax.random.key(2))
+    model, params = models.init(
+        models.ModelConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8
+        ),
+        jax.random.key(2),
+    )
     target = tmp_path / "ckpt"
     models.save_pretrained(target, model, params)
     before = sorted(p.name for p in target.iterdir())
@@ -98,8 +108,11 @@ def test_missing_directory_config_or_weights(tmp_path):
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"Unsupported architecture 'gpt2'; supported: llama \(LlamaForCausalLM\), "
-                                         r"mistral .*qwen2 .*qwen3 \(Qwen3ForCausalLM\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unsupported architecture 'gpt2'; supported: llama \(LlamaForCausalLM\), "
+        r"mistral .*qwen2 .*qwen3 \(Qwen3ForCausalLM\)",
+    ):
         models.from_pretrained(tmp_path)
 
 
@@ -114,15 +127,28 @@ def test_missing_tensor_and_shape_mismatch_name_the_tensor(tmp_path):
         models.from_pretrained(tmp_path)
     good[name] = np.zeros((40, 32), np.float32)
     safetensors.numpy.save_file(good, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"Tensor '{name}' has shape \[40, 32\] in the checkpoint, but the config "
-                                         r"implies \[48, 32\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"Tensor '{name}' has shape \[40, 32\] in the checkpoint, but the config "
+        r"implies \[48, 32\]",
+    ):
         models.from_pretrained(tmp_path)
 
 
 def test_too_long_sequences_are_refused():
-    model, params = models.init(models.ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1,
-                                                   num_heads=1, num_kv_heads=1, head_dim=8,
-                                                   max_position_embeddings=4), jax.random.key(0))
+    model, params = models.init(
+        models.ModelConfig(
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=8,
+            max_position_embeddings=4,
+        ),
+        jax.random.key(0),
+    )
     with pytest.raises(ValueError, match=r"sequence length 5 exceeds the model's max_position_embeddings \(4\)"):
         models.forward(model, params, jnp.zeros((1, 5), jnp.int32))
 
@@ -132,8 +158,12 @@ def test_torch_is_the_cpu_build():
 
 
 def test_params_edited_by_item_assignment_still_save(tmp_path):
-    model, params = models.init(models.ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1,
-                                                   num_heads=2, num_kv_heads=2, head_dim=8), jax.random.key(3))
+    model, params = models.init(
+        models.ModelConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8
+        ),
+        jax.random.key(3),
+    )
     params["lm_head"] = params["lm_head"] * 2.0  # a bare array now sits where a Param was
     models.save_pretrained(tmp_path, model, params)
     _, loaded = models.from_pretrained(tmp_path)

@@ -22,19 +22,30 @@ from jaxrl_llm.models import decoder
 ATOL, GRAD_RTOL = 2e-5, 2e-5
 BATCH, PROMPT_LEN, COMPLETION_LEN, GROUP = 4, 6, 5, 2
 
-_SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
-              head_dim=8, max_position_embeddings=32)
+_SMALL = dict(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=32,
+)
 CONFIGS = {
     "llama": models.ModelConfig(**_SMALL),
     "qwen2-biases": models.ModelConfig(**_SMALL, architecture="qwen2", attention_bias=True),
-    "qwen3-qk-norm-tied": models.ModelConfig(**{**_SMALL, "num_kv_heads": 1}, architecture="qwen3", qk_norm=True,
-                                             tie_word_embeddings=True),
+    "qwen3-qk-norm-tied": models.ModelConfig(
+        **{**_SMALL, "num_kv_heads": 1}, architecture="qwen3", qk_norm=True, tie_word_embeddings=True
+    ),
     "mistral-window-3": models.ModelConfig(**_SMALL, architecture="mistral", sliding_windows=(3, 3, 3)),
     # Qwen2's layout: full attention in the first layers, windows after; and one with the two interleaved.
-    "qwen2-full-then-window": models.ModelConfig(**_SMALL, architecture="qwen2", attention_bias=True,
-                                                 sliding_windows=(None, 3, 3)),
-    "qwen2-window-full-window": models.ModelConfig(**_SMALL, architecture="qwen2", attention_bias=True,
-                                                   sliding_windows=(2, None, 2)),
+    "qwen2-full-then-window": models.ModelConfig(
+        **_SMALL, architecture="qwen2", attention_bias=True, sliding_windows=(None, 3, 3)
+    ),
+    "qwen2-window-full-window": models.ModelConfig(
+        **_SMALL, architecture="qwen2", attention_bias=True, sliding_windows=(2, None, 2)
+    ),
 }
 
 
@@ -77,8 +88,7 @@ def objective(model, params, tokens, mask, weights, *, group_size):
 
 @functools.partial(jax.jit, static_argnames=("model", "group_size"))
 def value_and_grad(model, params, tokens, mask, weights, *, group_size=1):
-    return jax.value_and_grad(functools.partial(objective, model, group_size=group_size))(params, tokens, mask,
-                                                                                          weights)
+    return jax.value_and_grad(functools.partial(objective, model, group_size=group_size))(params, tokens, mask, weights)
 
 
 def assert_gradients_close(actual, expected):
@@ -100,21 +110,29 @@ def test_scanned_layers_give_the_hidden_states_of_the_unrolled_layers(name):
     tokens, mask, _ = rollout_batch(CONFIGS[name].vocab_size)
     expected = hidden(model, params, tokens, mask)  # [B, S + N, E]
     np.testing.assert_allclose(hidden(scanned, params, tokens, mask), expected, rtol=0, atol=ATOL)  # padding too
-    np.testing.assert_allclose(models.forward(scanned, params, tokens, attention_mask=mask),
-                               models.forward(model, params, tokens, attention_mask=mask), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(
+        models.forward(scanned, params, tokens, attention_mask=mask),
+        models.forward(model, params, tokens, attention_mask=mask),
+        rtol=0,
+        atol=1e-4,
+    )
 
 
 SHARED_PROMPT_CONFIGS = ("qwen3-qk-norm-tied", "qwen2-full-then-window", "qwen2-window-full-window")
 
 
-@pytest.mark.parametrize("name, group_size", [(name, 1) for name in CONFIGS if name not in SHARED_PROMPT_CONFIGS] + [
-    (name, GROUP) for name in SHARED_PROMPT_CONFIGS])
+@pytest.mark.parametrize(
+    "name, group_size",
+    [(name, 1) for name in CONFIGS if name not in SHARED_PROMPT_CONFIGS]
+    + [(name, GROUP) for name in SHARED_PROMPT_CONFIGS],
+)
 def test_scanned_layers_give_the_gradients_of_the_unrolled_layers(name, group_size):
     model, params = perturbed_init(CONFIGS[name])
     tokens, mask, weights = rollout_batch(CONFIGS[name].vocab_size, group_size=group_size)
     value, grads = value_and_grad(model, params, tokens, mask, weights, group_size=group_size)
-    scanned_value, scanned_grads = value_and_grad(models.with_options(model, scan_layers=True), params, tokens,
-                                                  mask, weights, group_size=group_size)
+    scanned_value, scanned_grads = value_and_grad(
+        models.with_options(model, scan_layers=True), params, tokens, mask, weights, group_size=group_size
+    )
     np.testing.assert_allclose(scanned_value, value, rtol=1e-5)
     assert_gradients_close(scanned_grads, grads)
 
@@ -134,9 +152,9 @@ def test_the_scan_holds_one_layer_in_every_pass_decoding_included():
     for group_size in (1, GROUP):  # both passes of the shared prompt too
         assert len(layer_scan.findall(str(jax.make_jaxpr(loss(scanned, group_size))(params)))) == group_size
     for m, scans in ((model, 0), (scanned, 1)):
-        prefill = jax.make_jaxpr(lambda p: models.prefill(m, p, tokens[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 1))
+        prefill = jax.make_jaxpr(lambda p, m=m: models.prefill(m, p, tokens[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 1))
         cache = models.init_cache(m, BATCH, PROMPT_LEN + 1)
-        decode = jax.make_jaxpr(lambda p, c: models.decode_step(m, p, tokens[:, 0], c))
+        decode = jax.make_jaxpr(lambda p, c, m=m: models.decode_step(m, p, tokens[:, 0], c))
         assert len(layer_scan.findall(str(prefill(params)))) == scans
         assert len(layer_scan.findall(str(decode(params, cache)))) == scans
 
@@ -148,8 +166,10 @@ def decode(model, params, tokens, mask, *, steps, cache=None):
     """Prefill of the ``[B, S]`` prompts, then ``steps`` greedy decode steps: the logits of
     each (``[B, V]``), the greedy tokens ``[B, steps]`` and the final cache."""
     if cache is None:
-        logits, cache = jax.jit(functools.partial(models.prefill, cache_size=tokens.shape[1] + steps,
-                                                  last_logits_only=True), static_argnums=0)(model, params, tokens, mask)
+        logits, cache = jax.jit(
+            functools.partial(models.prefill, cache_size=tokens.shape[1] + steps, last_logits_only=True),
+            static_argnums=0,
+        )(model, params, tokens, mask)
     else:  # the first greedy token from zero logits: token 0
         logits = jnp.zeros((tokens.shape[0], model.config.vocab_size))
     step = jax.jit(functools.partial(models.decode_step, model))
@@ -192,8 +212,9 @@ def test_either_cache_layout_decodes_through_either_layer_setting():
     prompt, prompt_mask = tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN]
     _, per_layer = models.prefill(model, params, prompt, prompt_mask, cache_size=PROMPT_LEN + 3)
     _, stacked = models.prefill(scanned, params, prompt, prompt_mask, cache_size=PROMPT_LEN + 3)
-    expected_logits, expected_tokens, expected_cache = decode(model, params, prompt, prompt_mask, steps=3,
-                                                              cache=per_layer)
+    expected_logits, expected_tokens, expected_cache = decode(
+        model, params, prompt, prompt_mask, steps=3, cache=per_layer
+    )
     for m, cache in ((scanned, per_layer), (model, stacked)):  # the other setting's layout
         logits, greedy, final = decode(m, params, prompt, prompt_mask, steps=3, cache=cache)
         assert final.stacked == cache.stacked  # returned in the layout it came in
@@ -246,9 +267,21 @@ def test_a_scanned_greedy_rollout_gives_the_unrolled_rollout():
     model, params = perturbed_init(config)
     tokens, mask, _ = rollout_batch(config.vocab_size, group_size=GROUP)
     prompts, prompt_mask = tokens[::GROUP, :PROMPT_LEN], mask[::GROUP, :PROMPT_LEN]
-    rollouts = [sampling.sample(m, params, prompts, prompt_mask, jax.random.key(0), num_samples=GROUP,
-                                max_new_tokens=6, eos_ids=(0,), pad_id=0, temperature=0.0)
-                for m in (model, models.with_options(model, scan_layers=True))]
+    rollouts = [
+        sampling.sample(
+            m,
+            params,
+            prompts,
+            prompt_mask,
+            jax.random.key(0),
+            num_samples=GROUP,
+            max_new_tokens=6,
+            eos_ids=(0,),
+            pad_id=0,
+            temperature=0.0,
+        )
+        for m in (model, models.with_options(model, scan_layers=True))
+    ]
     np.testing.assert_array_equal(rollouts[1].tokens, rollouts[0].tokens)
     np.testing.assert_array_equal(rollouts[1].completion_mask, rollouts[0].completion_mask)
     np.testing.assert_allclose(rollouts[1].logprobs, rollouts[0].logprobs, rtol=0, atol=1e-4)
@@ -261,8 +294,9 @@ def test_decoding_with_every_option_set_gives_the_reference_logits():
     tokens, mask, _ = rollout_batch(config.vocab_size)
     results = []
     for m in (model, optioned):
-        logits, cache = models.prefill(m, params, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN],
-                                       cache_size=PROMPT_LEN + 2)
+        logits, cache = models.prefill(
+            m, params, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 2
+        )
         results.append([logits])
         for t in range(2):
             step_logits, cache = models.decode_step(m, params, tokens[:, PROMPT_LEN + t], cache)
@@ -328,8 +362,9 @@ def test_dot_product_attention_gives_the_outputs_and_gradients_of_xla(name):
     xla = models.with_options(model, attention="xla")
     fused = models.with_options(model, attention="dot_product_attention")
     tokens, mask, weights = rollout_batch(CONFIGS[name].vocab_size)
-    np.testing.assert_allclose(hidden(fused, params, tokens, mask), hidden(xla, params, tokens, mask), rtol=0,
-                               atol=ATOL)  # left-padding positions included: finite, the same uniform rows
+    np.testing.assert_allclose(
+        hidden(fused, params, tokens, mask), hidden(xla, params, tokens, mask), rtol=0, atol=ATOL
+    )  # left-padding positions included: finite, the same uniform rows
     value, grads = value_and_grad(xla, params, tokens, mask, weights)
     fused_value, fused_grads = value_and_grad(fused, params, tokens, mask, weights)
     np.testing.assert_allclose(fused_value, value, rtol=1e-5)
@@ -374,11 +409,15 @@ def test_auto_attention_is_xla_on_cpu_and_dot_product_attention_elsewhere(monkey
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(remat="checkpoint_dots"), "ModelConfig: `remat` must be one of 'none', 'full', 'dots'; got "
-                                        "'checkpoint_dots'"),
+        (
+            dict(remat="checkpoint_dots"),
+            "ModelConfig: `remat` must be one of 'none', 'full', 'dots'; got 'checkpoint_dots'",
+        ),
         (dict(remat=None), "`remat` must be one of 'none', 'full', 'dots'; got None"),
-        (dict(attention="flash"), "`attention` must be one of 'auto', 'xla', 'dot_product_attention', 'cudnn'; "
-                                  "got 'flash'"),
+        (
+            dict(attention="flash"),
+            "`attention` must be one of 'auto', 'xla', 'dot_product_attention', 'cudnn'; got 'flash'",
+        ),
         (dict(scan_layers="yes"), "`scan_layers` must be True or False; got 'yes'"),
         (dict(scan_layers=1), "`scan_layers` must be True or False; got 1"),
         (dict(attention="cudnn"), "attention='cudnn' .* computes in bfloat16 or float16; got dtype float32"),
@@ -412,7 +451,10 @@ def test_with_options_keeps_the_params_as_they_are():
     model, params = perturbed_init(CONFIGS["qwen2-full-then-window"])
     optioned = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")
     assert (optioned.config.scan_layers, optioned.config.remat, optioned.config.attention) == (
-        True, "full", "dot_product_attention")
+        True,
+        "full",
+        "dot_product_attention",
+    )
     assert model.config.scan_layers is False  # the original is untouched
     module = optioned.module(params)  # the modules read the options from the graph definition
     assert module.config == optioned.config and module.layers[0].self_attn.config == optioned.config
@@ -426,8 +468,11 @@ def test_with_options_keeps_the_params_as_they_are():
 
 def test_with_options_refuses_architecture_fields_and_bad_values():
     model, _ = models.abstract(CONFIGS["llama"])
-    with pytest.raises(ValueError, match=r"with_options: 'num_layers' is not an execution option; allowed: "
-                                         r"'scan_layers', 'remat', 'attention'"):
+    with pytest.raises(
+        ValueError,
+        match=r"with_options: 'num_layers' is not an execution option; allowed: "
+        r"'scan_layers', 'remat', 'attention'",
+    ):
         models.with_options(model, num_layers=2)
     with pytest.raises(ValueError, match="`remat` must be one of 'none', 'full', 'dots'"):
         models.with_options(model, remat="everything")
@@ -445,7 +490,11 @@ def test_scanned_layers_on_a_sharded_mesh_give_the_single_device_gradients():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     sharded = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
     rows = sharding.rows(mesh)
-    value, grads = value_and_grad(models.with_options(model, scan_layers=True, remat="dots"), sharded,
-                                  *(jax.device_put(x, rows) for x in (tokens, mask, weights)), group_size=GROUP)
+    value, grads = value_and_grad(
+        models.with_options(model, scan_layers=True, remat="dots"),
+        sharded,
+        *(jax.device_put(x, rows) for x in (tokens, mask, weights)),
+        group_size=GROUP,
+    )
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
     assert_gradients_close(grads, expected)

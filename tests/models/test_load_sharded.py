@@ -29,8 +29,9 @@ def checkpoints(tmp_path_factory):
 
 
 def _flat(tree) -> dict:
-    return {path: leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
-            for path, leaf in nnx.to_flat_state(tree)}
+    return {
+        path: leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf for path, leaf in nnx.to_flat_state(tree)
+    }
 
 
 @pytest.fixture
@@ -109,8 +110,12 @@ def test_bfloat16_and_custom_rules_split_head_dim_too(checkpoints, callbacks):
 
 
 def test_an_indexed_multi_file_checkpoint_loads_onto_a_mesh(tmp_path):
-    model, params = models.init(models.ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
-                                                   num_heads=4, num_kv_heads=2, head_dim=8), jax.random.key(3))
+    model, params = models.init(
+        models.ModelConfig(
+            vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+        ),
+        jax.random.key(3),
+    )
     models.save_pretrained(tmp_path, model, params, max_shard_bytes=4096)
     assert len(set(json.loads((tmp_path / hf_io.INDEX_FILE).read_text())["weight_map"].values())) > 1
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
@@ -120,8 +125,12 @@ def test_an_indexed_multi_file_checkpoint_loads_onto_a_mesh(tmp_path):
 
 
 def test_a_mesh_load_raises_what_the_plain_load_raises(tmp_path):
-    model, params = models.init(models.ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=1,
-                                                   num_heads=2, num_kv_heads=2, head_dim=8), jax.random.key(4))
+    model, params = models.init(
+        models.ModelConfig(
+            vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8
+        ),
+        jax.random.key(4),
+    )
     models.save_pretrained(tmp_path, model, params)
     file = tmp_path / hf_io.WEIGHTS_FILE
     tensors = safetensors.numpy.load_file(file)

@@ -10,8 +10,18 @@ from flax import nnx
 
 from jaxrl_llm import models
 
-SMALL = models.ModelConfig(architecture="qwen3", vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=4, qk_norm=True, max_position_embeddings=16)
+SMALL = models.ModelConfig(
+    architecture="qwen3",
+    vocab_size=50,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    qk_norm=True,
+    max_position_embeddings=16,
+)
 AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"}
 
 
@@ -59,11 +69,18 @@ def test_forward_is_pure_and_traces_once_per_shape():
 
 
 def test_config_round_trips_through_transformers():
-    for config in (SMALL, dataclasses.replace(SMALL, architecture="llama", qk_norm=False, tie_word_embeddings=True,
-                                              rope=models.RopeConfig(theta=5e5, rope_type="llama3", factor=8.0,
-                                                                     original_max_position_embeddings=8)),
-                   dataclasses.replace(SMALL, architecture="qwen2", qk_norm=False, attention_bias=True),
-                   dataclasses.replace(SMALL, architecture="mistral", qk_norm=False, sliding_windows=(4, 4))):
+    for config in (
+        SMALL,
+        dataclasses.replace(
+            SMALL,
+            architecture="llama",
+            qk_norm=False,
+            tie_word_embeddings=True,
+            rope=models.RopeConfig(theta=5e5, rope_type="llama3", factor=8.0, original_max_position_embeddings=8),
+        ),
+        dataclasses.replace(SMALL, architecture="qwen2", qk_norm=False, attention_bias=True),
+        dataclasses.replace(SMALL, architecture="mistral", qk_norm=False, sliding_windows=(4, 4)),
+    ):
         assert models.ModelConfig.from_hf(config.to_hf()) == config
 
 
@@ -109,8 +126,9 @@ def test_dtype_spellings_give_one_config():
 
 
 def test_logits_are_float32_with_bfloat16_compute():
-    model, params = models.init(dataclasses.replace(SMALL, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
-                                jax.random.key(0))
+    model, params = models.init(
+        dataclasses.replace(SMALL, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16), jax.random.key(0)
+    )
     assert models.forward(model, params, jnp.zeros((1, 3), jnp.int32)).dtype == jnp.float32
 
 
@@ -211,7 +229,8 @@ def _model_calls(model, params):
         "completion_hidden_states": lambda t, m: models.completion_hidden_states(model, params, t, m, 1),
         "completion_hidden_states, logprobs": lambda t, m: models.completion_logprobs(model, params, t, m, 1),
         "completion_hidden_states, logprobs with shared prompts": lambda t, m: models.completion_logprobs(
-            model, params, t, m, 1, group_size=2),
+            model, params, t, m, 1, group_size=2
+        ),
     }
 
 
@@ -223,8 +242,11 @@ def test_out_of_range_ids_are_refused_when_concrete(name, bad, listed):
     tokens[1, 1] = bad
     fn = name.split(",")[0]
     for given in (tokens, jnp.asarray(tokens)):
-        with pytest.raises(ValueError, match=fn + r": `tokens` must hold token ids in \[0, 50\) \(the vocabulary\); "
-                                                  r"got " + listed):
+        with pytest.raises(
+            ValueError,
+            match=fn + r": `tokens` must hold token ids in \[0, 50\) \(the vocabulary\); "
+            r"got " + listed,
+        ):
             _model_calls(model, params)[name](given, np.ones((2, 4), bool))
 
 
@@ -241,8 +263,11 @@ def test_under_jit_out_of_range_ids_keep_the_gathers_clamping():
 @pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
 def test_empty_batches_are_refused(name, shape):
     model, params = models.init(SMALL, jax.random.key(0))
-    with pytest.raises(ValueError, match=rf"{name.split(',')[0]}: `tokens` is empty, shape \[{shape[0]}, {shape[1]}\]"
-                                         r": need at least one sequence and one token"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name.split(',')[0]}: `tokens` is empty, shape \[{shape[0]}, {shape[1]}\]"
+        r": need at least one sequence and one token",
+    ):
         _model_calls(model, params)[name](np.zeros(shape, np.int32), np.ones(shape, bool))
 
 

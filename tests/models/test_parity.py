@@ -11,9 +11,19 @@ from tests.models.hf_fixtures import hf_logits, left_padded_batch, tiny_hf_model
 CASES = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
-    "llama3-rope": ("llama", {"rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {}),
@@ -47,8 +57,9 @@ def test_default_positions_start_at_the_first_real_token(tmp_path):
     model, params = models.from_pretrained(tmp_path)
     tokens, mask, positions = left_padded_batch(model.config.vocab_size)
     implicit = models.forward(model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
-    explicit = models.forward(model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask),
-                              positions=jnp.asarray(positions))
+    explicit = models.forward(
+        model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask), positions=jnp.asarray(positions)
+    )
     np.testing.assert_array_equal(implicit, explicit)
 
 
@@ -62,23 +73,43 @@ def test_hidden_states_times_output_projection_are_the_logits(tmp_path):
     np.testing.assert_allclose(
         models.logits_from_hidden(model, params, hidden),
         models.forward(model, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask)),
-        rtol=1e-6, atol=1e-6,
+        rtol=1e-6,
+        atol=1e-6,
     )
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    {"rope_type": "default", "rope_theta": 1e6},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 8192},
-])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 1e6},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
 def test_rope_frequencies_match_transformers_and_hold_at_large_positions(rope_parameters, tmp_path):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from jaxrl_llm.models.decoder import inverse_frequencies
 
-    hf_model = tiny_hf_model("llama", head_dim=128, num_attention_heads=2, num_key_value_heads=1, hidden_size=64,
-                             max_position_embeddings=131072, rope_parameters=rope_parameters)
-    init = ROPE_INIT_FUNCTIONS.get(rope_parameters["rope_type"]) or hf_model.model.rotary_emb.compute_default_rope_parameters
+    hf_model = tiny_hf_model(
+        "llama",
+        head_dim=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=64,
+        max_position_embeddings=131072,
+        rope_parameters=rope_parameters,
+    )
+    init = (
+        ROPE_INIT_FUNCTIONS.get(rope_parameters["rope_type"])
+        or hf_model.model.rotary_emb.compute_default_rope_parameters
+    )
     hf_inv_freq, _ = init(hf_model.config)
     hf_model.save_pretrained(tmp_path)
     model, params = models.from_pretrained(tmp_path)

@@ -29,8 +29,9 @@ import safetensors.numpy
 from jaxrl_llm import models
 from jaxrl_llm.models import hf as hf_io
 
-CONFIG = models.ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                            num_kv_heads=1, head_dim=8)
+CONFIG = models.ModelConfig(
+    vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8
+)
 THREE_SHARDS = 10_000  # max_shard_bytes that splits CONFIG's 25 kB of weights over three files
 CRASHED = 3  # a child's exit code at its crash point
 
@@ -121,20 +122,33 @@ def test_a_save_replaces_only_the_previous_checkpoints_files(tiny, tmp_path):
     assert_saved(target, v0)  # the loader reads model.safetensors, not the critic beside it
 
     models.save_pretrained(target, model, v1)  # one file over one file
-    assert {p.name for p in target.iterdir()} == {"config.json", "model.safetensors", "critic.safetensors",
-                                                  "tokenizer.json"}
+    assert {p.name for p in target.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "critic.safetensors",
+        "tokenizer.json",
+    }
     models.save_pretrained(target, model, v1, max_shard_bytes=THREE_SHARDS)  # one file -> shards
     shards = set(json.loads((target / hf_io.INDEX_FILE).read_text())["weight_map"].values())
     assert len(shards) == 3
-    assert {p.name for p in target.iterdir()} == {"config.json", hf_io.INDEX_FILE, "critic.safetensors",
-                                                  "tokenizer.json"} | shards
+    assert {p.name for p in target.iterdir()} == {
+        "config.json",
+        hf_io.INDEX_FILE,
+        "critic.safetensors",
+        "tokenizer.json",
+    } | shards
     assert_saved(target, v1)
 
     models.save_pretrained(target, model, v2)  # shards -> one file: the old index and its shards go
-    assert {p.name for p in target.iterdir()} == {"config.json", "model.safetensors", "critic.safetensors",
-                                                  "tokenizer.json"}
-    np.testing.assert_array_equal(safetensors.numpy.load_file(target / "critic.safetensors")["value_head"],
-                                  critic["value_head"])
+    assert {p.name for p in target.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "critic.safetensors",
+        "tokenizer.json",
+    }
+    np.testing.assert_array_equal(
+        safetensors.numpy.load_file(target / "critic.safetensors")["value_head"], critic["value_head"]
+    )
     assert (target / "tokenizer.json").read_text() == '{"model": "chars"}'
     assert_saved(target, v2)
     assert hidden(tmp_path) == []
@@ -171,8 +185,9 @@ def test_a_save_killed_at_any_point_is_recovered_by_the_next_load_and_save(tiny,
 
 
 @pytest.mark.parametrize("after_first", [False, True])
-def test_a_save_that_fails_between_its_renames_puts_the_previous_checkpoint_back(tiny, tmp_path, monkeypatch,
-                                                                                after_first):
+def test_a_save_that_fails_between_its_renames_puts_the_previous_checkpoint_back(
+    tiny, tmp_path, monkeypatch, after_first
+):
     # Interrupted as the swap starts (staging -> target fails) or just after the old
     # directory went aside (the first rename done, then Ctrl-C).
     model, (v0, v1, _) = tiny
@@ -377,8 +392,12 @@ def test_symlinks_inside_the_directory_are_carried_as_symlinks(tiny, tmp_path):
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "data.bin").write_bytes(b"data")
     (tmp_path / "vocab.txt").write_text("a b c")
-    links = {"shared": "../shared", "vocab.txt": "../vocab.txt", "dangling": "../nowhere",
-             "sub/vocab.txt": "../../vocab.txt"}
+    links = {
+        "shared": "../shared",
+        "vocab.txt": "../vocab.txt",
+        "dangling": "../nowhere",
+        "sub/vocab.txt": "../../vocab.txt",
+    }
     (target / "sub").mkdir()
     for name, destination in links.items():
         (target / name).symlink_to(destination)

@@ -42,9 +42,11 @@ def hidden(model, params, tokens, mask, *, completion_len, group_size):
 @functools.partial(jax.jit, static_argnames=("model", "group_size"))
 def weighted_logprob_grad(model, params, tokens, mask, completion_mask, weights, *, group_size):
     """Gradient of sum(w * log pi(completion token)) over the completion's real tokens."""
+
     def objective(p):
         logp = models.completion_logprobs(model, p, tokens, mask, COMPLETION_LEN, group_size=group_size)
         return jnp.sum(jnp.where(completion_mask, weights * logp, 0.0))
+
     return jax.grad(objective)(params)
 
 
@@ -75,16 +77,20 @@ def test_shared_prompt_states_match_in_bfloat16():
     shared = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=GROUP)
     assert shared.dtype == expected.dtype == jnp.bfloat16
     real = np.asarray(completion_mask)[..., None]
-    np.testing.assert_allclose(np.where(real, np.asarray(shared, np.float32), 0),
-                               np.where(real, np.asarray(expected, np.float32), 0), atol=2e-2)
+    np.testing.assert_allclose(
+        np.where(real, np.asarray(shared, np.float32), 0),
+        np.where(real, np.asarray(expected, np.float32), 0),
+        atol=2e-2,
+    )
 
 
 def test_a_one_token_completion_needs_only_the_prompt_pass():
     model, params = models.init(CONFIGS["llama-gqa"], jax.random.key(0))
     tokens, mask, _ = grouped_batch(61, completion_len=1)
     expected = hidden(model, params, tokens, mask, completion_len=1, group_size=1)
-    np.testing.assert_allclose(hidden(model, params, tokens, mask, completion_len=1, group_size=GROUP), expected,
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        hidden(model, params, tokens, mask, completion_len=1, group_size=GROUP), expected, atol=2e-5
+    )
 
 
 def test_a_row_whose_prompt_differs_from_its_group_gets_nan():
@@ -97,8 +103,9 @@ def test_a_row_whose_prompt_differs_from_its_group_gets_nan():
     np.testing.assert_array_equal(bad, np.isin(np.arange(PROMPTS * GROUP), [4, 7]))
     expected = hidden(model, params, tokens, mask, completion_len=COMPLETION_LEN, group_size=1)
     real = np.asarray(completion_mask)[~bad][..., None]
-    np.testing.assert_allclose(np.where(real, states[~bad], 0), np.where(real, np.asarray(expected)[~bad], 0),
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        np.where(real, states[~bad], 0), np.where(real, np.asarray(expected)[~bad], 0), atol=2e-5
+    )
 
 
 def test_padding_tokens_may_differ_within_a_group():
@@ -128,22 +135,32 @@ def test_chunked_logprobs_with_shared_prompts_match_recomputed_rollout_logprobs(
     model, params = models.init(CONFIGS["qwen3-tied"], jax.random.key(0))
     prompts, _, _ = grouped_batch(61)
     prompt_mask = jnp.ones((PROMPTS, PROMPT_LEN), bool).at[1, :2].set(False)
-    rollout = sampling.sample(model, params, prompts[::GROUP, :PROMPT_LEN], prompt_mask, jax.random.key(2),
-                              num_samples=GROUP, max_new_tokens=6, eos_ids=(3,), pad_id=0, bucket=1)
-    states = models.completion_hidden_states(model, params, rollout.tokens, rollout.attention_mask, 6,
-                                             group_size=GROUP)
+    rollout = sampling.sample(
+        model,
+        params,
+        prompts[::GROUP, :PROMPT_LEN],
+        prompt_mask,
+        jax.random.key(2),
+        num_samples=GROUP,
+        max_new_tokens=6,
+        eos_ids=(3,),
+        pad_id=0,
+        bucket=1,
+    )
+    states = models.completion_hidden_states(model, params, rollout.tokens, rollout.attention_mask, 6, group_size=GROUP)
     logp = ops.chunked_token_logprobs(states, models.output_kernel(model, params), rollout.completion_tokens)
     np.testing.assert_allclose(jnp.where(rollout.completion_mask, logp, 0.0), rollout.logprobs, atol=2e-5)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "share_prompts"))
-def grouped_logprob_grad(model, params, prompts, prompt_mask, completion, completion_mask, weights, *,
-                         share_prompts):
+def grouped_logprob_grad(model, params, prompts, prompt_mask, completion, completion_mask, weights, *, share_prompts):
     """``(states, gradient of sum(w * log pi))`` through ``group_completion_hidden_states``."""
+
     def objective(p):
         states = group_completion_hidden_states(model, p, prompts, prompt_mask, completion, share_prompts=share_prompts)
         logp = ops.chunked_token_logprobs(states, models.output_kernel(model, p), completion)
         return jnp.sum(jnp.where(completion_mask, weights * logp, 0.0)), states
+
     return jax.grad(objective, has_aux=True)(params)
 
 
@@ -161,8 +178,9 @@ def test_prompts_carried_once_give_the_states_and_gradients_of_full_rows(name):
     expected_grad = weighted_logprob_grad(model, params, tokens, mask, completion_mask, weights, group_size=1)
     real = np.asarray(completion_mask)[..., None]  # tokens after a stop: no state that a loss reads
     for share in (True, False):
-        grad, states = grouped_logprob_grad(model, params, prompts, prompt_mask, completion, completion_mask,
-                                            weights, share_prompts=share)
+        grad, states = grouped_logprob_grad(
+            model, params, prompts, prompt_mask, completion, completion_mask, weights, share_prompts=share
+        )
         assert states.shape == expected.shape
         np.testing.assert_allclose(np.where(real, states, 0), np.where(real, expected, 0), atol=2e-5)
         for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(expected_grad)):

@@ -18,8 +18,16 @@ COLUMNS = {"answer": ["2", "4", "6"], "level": [1, 2, 3]}
 
 
 def _compute(fns, weights=None, *, on_error="raise", columns=COLUMNS, first_row=0):
-    return rewards.compute_rewards(fns, weights or [1.0] * len(fns), prompts=PROMPTS, completions=COMPLETIONS,
-                                   completion_ids=IDS, columns=columns, on_error=on_error, first_row=first_row)
+    return rewards.compute_rewards(
+        fns,
+        weights or [1.0] * len(fns),
+        prompts=PROMPTS,
+        completions=COMPLETIONS,
+        completion_ids=IDS,
+        columns=columns,
+        on_error=on_error,
+        first_row=first_row,
+    )
 
 
 def accuracy(completions, answer, **kwargs):  # exactly as written for TRL
@@ -72,8 +80,13 @@ def test_names_come_through_partials_and_repeated_names_are_numbered():
 
 
 def test_arrays_numpy_numbers_and_bools_are_numbers():
-    result = _compute([lambda **kwargs: np.array([1, 0, 1], np.int64), lambda **kwargs: [True, False, np.float32(2)],
-                       lambda **kwargs: jnp.array([0.5, 0.5, 0.5])])
+    result = _compute(
+        [
+            lambda **kwargs: np.array([1, 0, 1], np.int64),
+            lambda **kwargs: [True, False, np.float32(2)],
+            lambda **kwargs: jnp.array([0.5, 0.5, 0.5]),
+        ]
+    )
     np.testing.assert_array_equal(result.total, [2.5, 0.5, 3.5])
     with pytest.raises(rewards.RewardFunctionError, match=r"must return 3 numbers; got an array of shape \[3, 1\]"):
         _compute([lambda **kwargs: jnp.ones((3, 1))])
@@ -87,19 +100,28 @@ def test_conversational_completions_are_read_as_trl_passes_them():
         completion_text({"content": "2"})
 
 
-@pytest.mark.parametrize("returned, message", [
-    ([1.0, 2.0], r"'bad' returned 2 values for 3 completions"),
-    ("abc", r"'bad' must return a list of 3 numbers or None; got str"),
-    ({"a": 1}, r"'bad' must return a list of 3 numbers or None; got dict"),
-    (7.0, r"'bad' must return a list of 3 numbers or None; got float"),
-    ([1.0, "1", 0.0], r"'bad' returned '1' \(str\) at row 1 \(prompt '2\+2=', completion '5'\); it must return numbers"),
-    ([1.0, 0.0, float("nan")], r"'bad' returned nan at row 2 \(prompt '3\+3=', completion '6'\); rewards must be "
-                               r"finite float32 numbers \(\|r\| <= 3.4e\+38; return None where the function does not "
-                               r"apply\)"),
-    ([float("inf"), 0.0, 0.0], r"'bad' returned inf at row 0"),
-    ([0.0, 1e39, 0.0], r"'bad' returned 1e\+39 at row 1 .* finite float32 numbers"),  # finite only in float64
-    ([0.0, 0.0, 1j], r"'bad' returned 1j \(complex\) at row 2"),
-])
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([1.0, 2.0], r"'bad' returned 2 values for 3 completions"),
+        ("abc", r"'bad' must return a list of 3 numbers or None; got str"),
+        ({"a": 1}, r"'bad' must return a list of 3 numbers or None; got dict"),
+        (7.0, r"'bad' must return a list of 3 numbers or None; got float"),
+        (
+            [1.0, "1", 0.0],
+            r"'bad' returned '1' \(str\) at row 1 \(prompt '2\+2=', completion '5'\); it must return numbers",
+        ),
+        (
+            [1.0, 0.0, float("nan")],
+            r"'bad' returned nan at row 2 \(prompt '3\+3=', completion '6'\); rewards must be "
+            r"finite float32 numbers \(\|r\| <= 3.4e\+38; return None where the function does not "
+            r"apply\)",
+        ),
+        ([float("inf"), 0.0, 0.0], r"'bad' returned inf at row 0"),
+        ([0.0, 1e39, 0.0], r"'bad' returned 1e\+39 at row 1 .* finite float32 numbers"),  # finite only in float64
+        ([0.0, 0.0, 1j], r"'bad' returned 1j \(complex\) at row 2"),
+    ],
+)
 def test_a_function_that_returns_garbage_is_named_with_the_row(returned, message):
     def bad(**kwargs):
         return returned
@@ -116,14 +138,17 @@ def _raises_on_level_2(completions, level, **kwargs):
 
 
 def test_a_function_that_raises_is_named_with_the_example_that_raised():
-    with pytest.raises(rewards.RewardFunctionError,
-                       match=r"'_raises_on_level_2' raised KeyError: 'level 2 is not handled' at row 1 \(prompt "
-                             r"'2\+2=', completion '5'\)\. .* on_reward_error='zero'") as error:
+    with pytest.raises(
+        rewards.RewardFunctionError,
+        match=r"'_raises_on_level_2' raised KeyError: 'level 2 is not handled' at row 1 \(prompt "
+        r"'2\+2=', completion '5'\)\. .* on_reward_error='zero'",
+    ) as error:
         _compute([_raises_on_level_2])
     assert isinstance(error.value.__cause__, KeyError)
     # Rows numbered in the whole batch when these are a part of it (one process's share).
     with pytest.raises(rewards.RewardFunctionError, match=r"KeyError: 'level 2 is not handled' at row 11 \(prompt"):
         _compute([_raises_on_level_2], first_row=10)
+
     def bad(**kwargs):
         return [0.0, 1.0, float("nan")]
 
@@ -143,8 +168,9 @@ def test_a_function_that_fails_only_on_whole_batches_is_an_error():
         (completion,) = completions  # a bug: assumes one row
         return [1.0]
 
-    with pytest.raises(rewards.RewardFunctionError, match="raised on the batch of 3 completions but not on any one "
-                                                          "of them alone"):
+    with pytest.raises(
+        rewards.RewardFunctionError, match="raised on the batch of 3 completions but not on any one of them alone"
+    ):
         _compute([one_at_a_time])
 
 

@@ -4,7 +4,8 @@ import re
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxrl_llm.rewards import extraction
 from jaxrl_llm.rewards.text import normalize_answer
@@ -44,7 +45,7 @@ def test_last_number_hand_worked(text, expected):
 @st.composite
 def written_numbers(draw):
     """A number as a person would write it, and its exact value."""
-    value = draw(st.integers(-10**9, 10**9))
+    value = draw(st.integers(-(10**9), 10**9))
     decimals = draw(st.integers(0, 3))
     scaled = Fraction(value, 10**decimals)
     sign = "-" if value < 0 else ""
@@ -127,8 +128,11 @@ def test_extract_dispatches_on_how():
 
 
 def test_extract_rejects_unknown_names_and_types():
-    with pytest.raises(ValueError, match=r"`how` must be one of 'last_number', 'boxed', 'boxed_or_last_number', "
-                                         r"'answer_tag', a compiled re.Pattern, a callable or None; got 'number'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`how` must be one of 'last_number', 'boxed', 'boxed_or_last_number', "
+        r"'answer_tag', a compiled re.Pattern, a callable or None; got 'number'",
+    ):
         extraction.extract("1", "number")
     with pytest.raises(ValueError, match=r"pass re.compile\('a=\(\\\\d\)'\)"):
         extraction.extract("a=1", r"a=(\d)")  # a str is a name, never a pattern

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxrl_llm.rewards.length import length_penalty, overlong_penalty, soft_overlong_punishment
 from tests import reference
@@ -41,8 +42,9 @@ def test_soft_overlong_punishment_matches_the_reference(lengths, max_len, data, 
     expected = reference.overlong_penalty(lengths, max_len=max_len, buffer=buffer, penalty=penalty)
     # The reward function counts tokens: a completion of n ids (EOS included) has length n.
     completion_ids = [list(range(n)) for n in lengths]
-    rewards = soft_overlong_punishment(completion_ids=completion_ids, max_completion_length=max_len, buffer=buffer,
-                                       penalty=penalty)
+    rewards = soft_overlong_punishment(
+        completion_ids=completion_ids, max_completion_length=max_len, buffer=buffer, penalty=penalty
+    )
     assert all(type(r) is float for r in rewards)
     np.testing.assert_allclose(rewards, expected, rtol=1e-6, atol=1e-6)
 
@@ -70,22 +72,46 @@ def test_length_penalty_matches_its_equation(lengths, target, scale):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=10, buffer=0), ValueError,
-         r"soft_overlong_punishment: `buffer` must be an integer in \[1, max_completion_length=10\]; got 0"),
-        (lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=10, buffer=11), ValueError,
-         "got 11"),
-        (lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=0, buffer=1), ValueError,
-         "`max_completion_length` must be an integer >= 1; got 0"),
-        (lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=10, buffer=2, penalty=-1),
-         ValueError, "`penalty` must be a finite number >= 0; got -1"),
-        (lambda: soft_overlong_punishment(completion_ids="abc", max_completion_length=10, buffer=2), TypeError,
-         "`completion_ids` must be a list of token-id lists"),
-        (lambda: soft_overlong_punishment(completion_ids=[3], max_completion_length=10, buffer=2), TypeError,
-         r"completion_ids\[0\] is int"),
-        (lambda: length_penalty(completion_ids=[[1]], target_length=0), ValueError,
-         "length_penalty: `target_length` must be an integer >= 1; got 0"),
-        (lambda: length_penalty(completion_ids=[[1]], target_length=4, scale=float("nan")), ValueError,
-         "`scale` must be a finite number >= 0; got nan"),
+        (
+            lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=10, buffer=0),
+            ValueError,
+            r"soft_overlong_punishment: `buffer` must be an integer in \[1, max_completion_length=10\]; got 0",
+        ),
+        (
+            lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=10, buffer=11),
+            ValueError,
+            "got 11",
+        ),
+        (
+            lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=0, buffer=1),
+            ValueError,
+            "`max_completion_length` must be an integer >= 1; got 0",
+        ),
+        (
+            lambda: soft_overlong_punishment(completion_ids=[[1]], max_completion_length=10, buffer=2, penalty=-1),
+            ValueError,
+            "`penalty` must be a finite number >= 0; got -1",
+        ),
+        (
+            lambda: soft_overlong_punishment(completion_ids="abc", max_completion_length=10, buffer=2),
+            TypeError,
+            "`completion_ids` must be a list of token-id lists",
+        ),
+        (
+            lambda: soft_overlong_punishment(completion_ids=[3], max_completion_length=10, buffer=2),
+            TypeError,
+            r"completion_ids\[0\] is int",
+        ),
+        (
+            lambda: length_penalty(completion_ids=[[1]], target_length=0),
+            ValueError,
+            "length_penalty: `target_length` must be an integer >= 1; got 0",
+        ),
+        (
+            lambda: length_penalty(completion_ids=[[1]], target_length=4, scale=float("nan")),
+            ValueError,
+            "`scale` must be a finite number >= 0; got nan",
+        ),
     ],
 )
 def test_wrong_options_raise_clear_errors(call, error, message):

@@ -42,13 +42,15 @@ CASES = {
 def tiny_tokenizer(chat_template: str | None = None) -> transformers.PreTrainedTokenizerFast:
     """One token per character; ids 0-3 are <pad> <bos> <eos> <unk>; BOS is added as a special token."""
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    backend = Tokenizer(tokenizer_models.WordLevel({t: i for i, t in enumerate(specials + list(ALPHABET))},
-                                                   unk_token="<unk>"))
+    backend = Tokenizer(
+        tokenizer_models.WordLevel({t: i for i, t in enumerate(specials + list(ALPHABET))}, unk_token="<unk>")
+    )
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
     backend.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
-                                                     eos_token="<eos>", unk_token="<unk>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
     if chat_template:
         tokenizer.chat_template = chat_template
     return tokenizer
@@ -182,8 +184,10 @@ def test_chat_template_is_applied_and_tokenized_without_special_tokens(chat_chec
     scores = rm(prompts=PROMPTS, completions=COMPLETIONS)
     assert np.abs(np.array(scores) - hf_scores(hf_model, rows)).max() <= 1e-4
     # TRL's conversational format gives the same text and scores.
-    conversational = rm(prompts=[[{"role": "user", "content": p}] for p in PROMPTS],
-                        completions=[[{"role": "assistant", "content": c}] for c in COMPLETIONS])
+    conversational = rm(
+        prompts=[[{"role": "user", "content": p}] for p in PROMPTS],
+        completions=[[{"role": "assistant", "content": c}] for c in COMPLETIONS],
+    )
     assert conversational == scores
     # chat_template=False: the plain concatenation, a different text and score.
     plain = dataclasses.replace(rm, chat_template=False)

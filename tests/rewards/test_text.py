@@ -7,11 +7,11 @@ import threading
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxrl_llm.rewards import length, text
 from jaxrl_llm.rewards.text import exact_match, format_reward, math_equivalence, normalize_answer
-
 
 # ---------------------------------------------------------------- exact_match
 
@@ -32,7 +32,10 @@ def test_exact_match_extractors_and_strict_mode():
     pattern = re.compile(r"Answer: ([A-D])")
     assert exact_match(completions=completions, answer=["x", "x", "b"], extract=pattern) == [0.0, 0.0, 1.0]
     assert exact_match(completions=completions, answer=["x", "x", "b"], extract=pattern, normalize=False) == [
-        0.0, 0.0, 0.0]
+        0.0,
+        0.0,
+        0.0,
+    ]
     assert exact_match(completions=["3.0", "3"], answer=["3", "3"], normalize=False) == [0.0, 1.0]
 
 
@@ -47,7 +50,7 @@ def test_normalize_answer():
     assert normalize_answer("50%") == "50%"
 
 
-@given(st.integers(-10**12, 10**12), st.integers(0, 3))
+@given(st.integers(-(10**12), 10**12), st.integers(0, 3))
 def test_exact_match_compares_numbers_by_value(n, zeros):
     written = [f"{n:,}", str(n), f"{n}." + "0" * zeros if zeros else str(n), f"{2 * n}/2"]
     for w in written:
@@ -96,8 +99,9 @@ def test_math_equivalence_accepts_equal_answers_and_rejects_others():
 
 
 def test_math_equivalence_none_answers_extractors_and_whole_text():
-    got = math_equivalence(completions=["1/2", "1/2", "<answer>0.5</answer> 7"], answer=[None, "0.5", "1/2"],
-                           extract="answer_tag")
+    got = math_equivalence(
+        completions=["1/2", "1/2", "<answer>0.5</answer> 7"], answer=[None, "0.5", "1/2"], extract="answer_tag"
+    )
     assert got == [None, 0.0, 1.0]  # no answer tag in the second completion
     # extract=None: math_verify's own extraction over the whole completion.
     assert math_equivalence(completions=[r"It is $\frac{1}{2}$."], answer=["0.5"], extract=None) == [1.0]
@@ -139,8 +143,7 @@ THINK_ANSWER = [
 
 def test_format_reward_tags():
     assert format_reward(completions=THINK_ANSWER, tags=("think", "answer")) == [1, 1, 0, 0, 0, 0, 0, 0]
-    assert format_reward(completions=THINK_ANSWER, tags=("think", "answer"), match="search") == [
-        1, 1, 1, 0, 1, 1, 0, 0]
+    assert format_reward(completions=THINK_ANSWER, tags=("think", "answer"), match="search") == [1, 1, 1, 0, 1, 1, 0, 0]
     assert format_reward(completions=["<answer>x</answer>"], tags=["answer"]) == [1.0]
 
 
@@ -159,15 +162,23 @@ def test_every_builtin_takes_the_trl_call_and_ignores_extra_columns():
     prompts = ["What is 1 + 1?", "Name the capital of France."]
     completions = [r"<think>easy</think><answer>\boxed{2}</answer>", "<think>hm</think><answer>Paris</answer>"]
     completion_ids = [[5] * 12, [7] * 3]
-    columns = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                   answer=["2", "paris"], difficulty=["easy", "easy"], trainer_state=None)
+    columns = dict(
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        answer=["2", "paris"],
+        difficulty=["easy", "easy"],
+        trainer_state=None,
+    )
     builtins = {
         "exact_match": (exact_match, [1.0, 0.0]),
         "exact_match_tag": (functools.partial(exact_match, extract="answer_tag"), [0.0, 1.0]),
         "math_equivalence": (math_equivalence, [1.0, 0.0]),
         "format_reward": (functools.partial(format_reward, tags=("think", "answer")), [1.0, 1.0]),
         "soft_overlong_punishment": (
-            functools.partial(length.soft_overlong_punishment, max_completion_length=10, buffer=4), [-1.0, 0.0]),
+            functools.partial(length.soft_overlong_punishment, max_completion_length=10, buffer=4),
+            [-1.0, 0.0],
+        ),
         "length_penalty": (functools.partial(length.length_penalty, target_length=6), [-1.0, 0.0]),
     }
     for name, (fn, expected) in builtins.items():
@@ -184,30 +195,57 @@ def test_every_builtin_takes_the_trl_call_and_ignores_extra_columns():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: exact_match(completions=["1"], answer=["1"], extract="number"), ValueError,
-         r"exact_match: `extract` must be one of 'last_number', 'boxed', 'boxed_or_last_number', 'answer_tag'"),
-        (lambda: exact_match(completions=["1"], answer=["1"], normalize="yes"), TypeError,
-         "`normalize` must be True or False"),
-        (lambda: exact_match(completions=["1", "2"], answer=["1"]), ValueError,
-         r"`answer` must have one entry per completion \(2\); got 1"),
+        (
+            lambda: exact_match(completions=["1"], answer=["1"], extract="number"),
+            ValueError,
+            r"exact_match: `extract` must be one of 'last_number', 'boxed', 'boxed_or_last_number', 'answer_tag'",
+        ),
+        (
+            lambda: exact_match(completions=["1"], answer=["1"], normalize="yes"),
+            TypeError,
+            "`normalize` must be True or False",
+        ),
+        (
+            lambda: exact_match(completions=["1", "2"], answer=["1"]),
+            ValueError,
+            r"`answer` must have one entry per completion \(2\); got 1",
+        ),
         (lambda: exact_match(completions="1", answer=["1"]), TypeError, "`completions` must be a list"),
         (lambda: exact_match(completions=[[1]], answer=["1"]), TypeError, r"completions\[0\] is list"),
-        (lambda: math_equivalence(completions=["1"], answer=["1"], timeout_seconds=0), ValueError,
-         "`timeout_seconds` must be an integer >= 1 .* or None; got 0"),
-        (lambda: math_equivalence(completions=["1"], answer=["1"], timeout_seconds=1.5), ValueError,
-         "`timeout_seconds` must be an integer >= 1"),
-        (lambda: math_equivalence(completions=["1"], answer=["1"], extract="box"), ValueError,
-         "math_equivalence: `extract` must be one of"),
+        (
+            lambda: math_equivalence(completions=["1"], answer=["1"], timeout_seconds=0),
+            ValueError,
+            "`timeout_seconds` must be an integer >= 1 .* or None; got 0",
+        ),
+        (
+            lambda: math_equivalence(completions=["1"], answer=["1"], timeout_seconds=1.5),
+            ValueError,
+            "`timeout_seconds` must be an integer >= 1",
+        ),
+        (
+            lambda: math_equivalence(completions=["1"], answer=["1"], extract="box"),
+            ValueError,
+            "math_equivalence: `extract` must be one of",
+        ),
         (lambda: format_reward(completions=["x"]), ValueError, "give exactly one of `pattern` and `tags`; got neither"),
         (lambda: format_reward(completions=["x"], pattern="x", tags=("a",)), ValueError, "got both"),
-        (lambda: format_reward(completions=["x"], pattern="x", match="full"), ValueError,
-         "`match` must be one of 'fullmatch', 'search'; got 'full'"),
-        (lambda: format_reward(completions=["x"], tags="answer"), ValueError,
-         r"`tags` must be a non-empty tuple of tag names, e.g. \('think', 'answer'\)"),
+        (
+            lambda: format_reward(completions=["x"], pattern="x", match="full"),
+            ValueError,
+            "`match` must be one of 'fullmatch', 'search'; got 'full'",
+        ),
+        (
+            lambda: format_reward(completions=["x"], tags="answer"),
+            ValueError,
+            r"`tags` must be a non-empty tuple of tag names, e.g. \('think', 'answer'\)",
+        ),
         (lambda: format_reward(completions=["x"], tags=()), ValueError, "`tags` must be a non-empty tuple"),
         (lambda: format_reward(completions=["x"], tags=("<b>",)), ValueError, "`tags` must be a tag name"),
-        (lambda: format_reward(completions=["x"], pattern="("), ValueError,
-         "`pattern` is not a valid regular expression"),
+        (
+            lambda: format_reward(completions=["x"], pattern="("),
+            ValueError,
+            "`pattern` is not a valid regular expression",
+        ),
     ],
 )
 def test_wrong_options_raise_clear_errors(call, error, message):
@@ -216,8 +254,12 @@ def test_wrong_options_raise_clear_errors(call, error, message):
 
 
 def test_math_equivalence_reads_an_unboxed_latex_answer_and_prefers_the_last_box():
-    completions = [r"so x = \frac{1}{2}", r"We get $\frac{1}{2}$.", r"first \boxed{3}, then \boxed{0.5}",
-                   r"\boxed{1/2} or maybe \boxed{7}"]
+    completions = [
+        r"so x = \frac{1}{2}",
+        r"We get $\frac{1}{2}$.",
+        r"first \boxed{3}, then \boxed{0.5}",
+        r"\boxed{1/2} or maybe \boxed{7}",
+    ]
     assert math_equivalence(completions=completions, answer=["1/2"] * 4) == [1.0, 1.0, 1.0, 0.0]
     # The last number alone would read the first as 2.
     assert math_equivalence(completions=completions[:1], answer=["1/2"], extract="boxed_or_last_number") == [0.0]

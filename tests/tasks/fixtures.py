@@ -40,8 +40,9 @@ _SENTENCES = [
 ]
 
 
-def char_tokenizer(alphabet: str = string.ascii_letters + string.digits + " +-*=().,?:\n{}") -> (
-        transformers.PreTrainedTokenizerFast):
+def char_tokenizer(
+    alphabet: str = string.ascii_letters + string.digits + " +-*=().,?:\n{}",
+) -> transformers.PreTrainedTokenizerFast:
     """The built-in character tokenizer over ``alphabet``: pad 0, BOS 1, EOS 2, unk 3; no chat template."""
     return build_char_tokenizer(alphabet)
 
@@ -51,14 +52,19 @@ def _bpe_backend() -> str:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(_SENTENCES * 4, trainer=trainer)
     return backend.to_str()
 
 
-def chat_tokenizer(*, chat_template: str | None = CHATML, eos: bool = True, pad: bool = True, bos: bool = False) -> (
-        transformers.PreTrainedTokenizerFast):
+def chat_tokenizer(
+    *, chat_template: str | None = CHATML, eos: bool = True, pad: bool = True, bos: bool = False
+) -> transformers.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with a ChatML ``chat_template`` (``None``: none).
 
     ``eos=False`` leaves it without an EOS token, ``pad=False`` without a pad token.
@@ -69,7 +75,8 @@ def chat_tokenizer(*, chat_template: str | None = CHATML, eos: bool = True, pad:
     backend = Tokenizer.from_str(_bpe_backend())
     if bos:
         backend.post_processor = processors.TemplateProcessing(
-            single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", backend.token_to_id("<|bos|>"))])
+            single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", backend.token_to_id("<|bos|>"))]
+        )
         chat_template = None if chat_template is None else "{{- bos_token }}" + chat_template
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,

@@ -37,7 +37,13 @@ def test_rewards_score_the_first_digit_and_the_stop():
     np.testing.assert_array_equal(task.rewards(completions, lengths, np.array([7, 7, 7, 7])), [1.5, 1.0, 0.0, 0.0])
     # The same numbers through the reward functions, in TRL's convention (completion ids as lists).
     ids = [list(row[:n]) for row, n in zip(completions, lengths)]
-    result = rewards.compute_rewards(task.reward_fns, task.reward_weights, prompts=["3+4="] * 4,
-                                     completions=["7", "71", "3", ""], completion_ids=ids, columns={"answer": [7] * 4})
+    result = rewards.compute_rewards(
+        task.reward_fns,
+        task.reward_weights,
+        prompts=["3+4="] * 4,
+        completions=["7", "71", "3", ""],
+        completion_ids=ids,
+        columns={"answer": [7] * 4},
+    )
     np.testing.assert_array_equal(result.total, [1.5, 1.0, 0.0, 0.0])
     assert list(result.values) == ["correct", "stops"]

@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from jaxrl_llm.tasks import expressions as arith
 from jaxrl_llm.tasks import base
+from jaxrl_llm.tasks import expressions as arith
 from tests.tasks.fixtures import char_tokenizer, chat_tokenizer
 
 EXPRESSION = re.compile(r"\d+( [-+*] \d+)*")
@@ -22,8 +22,9 @@ def test_answers_equal_python_eval_over_many_examples():
     test = t.examples("test", np.arange(50), seed=0)
     negatives = 0
     for batch in (train, test):
-        for expression, answer, solution, prompt in zip(batch.columns["expression"], batch.columns["answer"],
-                                                        batch.columns["solution"], batch.prompts, strict=True):
+        for expression, answer, solution, prompt in zip(
+            batch.columns["expression"], batch.columns["answer"], batch.columns["solution"], batch.prompts, strict=True
+        ):
             assert EXPRESSION.fullmatch(expression), expression
             assert answer == solution == str(eval(expression))  # noqa: S307 (our own digits and operators)
             assert prompt == f"Solve {expression}"
@@ -59,11 +60,19 @@ def test_determinism_and_splits():
     # The test split is fixed by test_seed: the stream's seed does not change it, and it is distinct.
     test = t.examples("test", np.arange(30), seed=0).columns["expression"]
     assert test == t.examples("test", np.arange(30), seed=99).columns["expression"]
-    assert test == task(digits=2, operators=("+", "-"), test_size=30).examples("test", np.arange(30),
-                                                                                 seed=0).columns["expression"]
+    assert (
+        test
+        == task(digits=2, operators=("+", "-"), test_size=30)
+        .examples("test", np.arange(30), seed=0)
+        .columns["expression"]
+    )
     assert len(set(test)) == 30
-    assert test != task(digits=2, operators=("+", "-"), test_size=30, test_seed=7).examples(
-        "test", np.arange(30), seed=0).columns["expression"]
+    assert (
+        test
+        != task(digits=2, operators=("+", "-"), test_size=30, test_seed=7)
+        .examples("test", np.arange(30), seed=0)
+        .columns["expression"]
+    )
     assert t.split_size("train") is None and t.split_size("test") == 30
 
 
@@ -104,8 +113,9 @@ def test_default_reward_and_demonstrations():
     right = t.reward_fns[0](prompts=batch.prompts, completions=[f"It is {a}." for a in answers], **batch.columns)
     wrong = t.reward_fns[0](prompts=batch.prompts, completions=[f"{int(a) + 1}" for a in answers], **batch.columns)
     assert right == [1.0] * 8 and wrong == [0.0] * 8
-    tokens, attention_mask, completion_mask = t.demonstrations("train", batch.indices, completion="solution",
-                                                               max_new_tokens=3)
+    tokens, attention_mask, completion_mask = t.demonstrations(
+        "train", batch.indices, completion="solution", max_new_tokens=3
+    )
     width = tokens.shape[1] - 3
     for row, answer in enumerate(answers):
         ids = tokens[row, width:][completion_mask[row]].tolist()

@@ -27,8 +27,9 @@ def test_prompts_columns_and_the_datasets_own_score(name):
     args = dict(prompts=batch.prompts, **batch.columns)
     right = score(completions=[f"Thinking...\n<answer>{a}</answer>" for a in batch.columns["answer"]], **args)
     assert right == [1.0] * 6
-    last_tag_counts = score(completions=[f"<answer>{a}</answer> no, <answer>{int(a) + 1}</answer>"
-                                         for a in batch.columns["answer"]], **args)
+    last_tag_counts = score(
+        completions=[f"<answer>{a}</answer> no, <answer>{int(a) + 1}</answer>" for a in batch.columns["answer"]], **args
+    )
     assert all(s < 1.0 for s in last_tag_counts)
     untagged = score(completions=batch.columns["answer"], **args)
     assert untagged == [reference.score_answer(answer=None, entry=e) for e in entries] == [0.0] * 6
@@ -42,8 +43,14 @@ def test_system_prompt_is_rendered_and_configurable():
     assert "<answer>answer here</answer>" in rg.DEFAULT_SYSTEM_PROMPT
     bare = rg.reasoning_gym("leg_counting", size=5, tokenizer=tokenizer, test_size=2, system_prompt=None)
     assert "system" not in tokenizer.decode(bare.examples("train", np.array([0]), seed=0).tokens[0])
-    plain = rg.reasoning_gym("basic_arithmetic", size=5, tokenizer=char_tokenizer(), test_size=2,
-                             config={"min_terms": 2, "max_terms": 2}, system_prompt="Be exact.")
+    plain = rg.reasoning_gym(
+        "basic_arithmetic",
+        size=5,
+        tokenizer=char_tokenizer(),
+        test_size=2,
+        config={"min_terms": 2, "max_terms": 2},
+        system_prompt="Be exact.",
+    )
     assert plain.render("q") == "Be exact.\n\nq"
 
 
@@ -57,8 +64,12 @@ def test_test_split_is_the_items_after_the_train_items():
     assert task.split_size("train") == 20 and task.split_size("test") == 8
     with pytest.raises(ValueError, match="share draws"):
         rg.reasoning_gym("basic_arithmetic", size=20, seed=5, tokenizer=char_tokenizer(), test_seed=10)
-    assert rg.reasoning_gym("basic_arithmetic", size=20, seed=5, tokenizer=char_tokenizer(), test_size=2,
-                            test_seed=30).split_size("test") == 2
+    assert (
+        rg.reasoning_gym(
+            "basic_arithmetic", size=20, seed=5, tokenizer=char_tokenizer(), test_size=2, test_seed=30
+        ).split_size("test")
+        == 2
+    )
 
 
 def test_unknown_names_and_options_are_listed():

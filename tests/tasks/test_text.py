@@ -34,8 +34,9 @@ def test_prompt_column_gives_prompts_and_every_other_column():
 
 
 def test_format_string_prompt_keeps_every_column():
-    task = text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="Q: {question} (level {level}) {{x}}",
-                             reward_fns=reward)
+    task = text.from_records(
+        RECORDS, tokenizer=char_tokenizer(), prompt="Q: {question} (level {level}) {{x}}", reward_fns=reward
+    )
     batch = task.examples("train", np.array([4]), seed=0)
     assert batch.prompts == ["Q: What is 4 + 4? (level 1) {x}"]
     assert batch.columns == {"question": ["What is 4 + 4?"], "answer": ["8"], "level": [1]}
@@ -44,8 +45,9 @@ def test_format_string_prompt_keeps_every_column():
 
 def test_chat_template_tokens_equal_the_tokenizers_own():
     tokenizer = chat_tokenizer()
-    task = text.from_records(RECORDS, tokenizer=tokenizer, prompt="question", reward_fns=reward,
-                             system_prompt="Be brief.")
+    task = text.from_records(
+        RECORDS, tokenizer=tokenizer, prompt="question", reward_fns=reward, system_prompt="Be brief."
+    )
     assert task.chat_template is True
     batch = task.examples("train", np.array([1, 11]), seed=0)
     for row, index in enumerate([1, 11]):
@@ -62,8 +64,9 @@ def test_a_bos_is_written_once():
     tokenizer = chat_tokenizer(bos=True)  # encoding adds BOS and the template writes it too (Llama 3)
     chat = text.from_records(RECORDS, tokenizer=tokenizer, prompt="question", reward_fns=reward)
     ids = unpadded(chat.examples("train", np.array([0]), seed=0), 0)
-    expected = tokenizer.apply_chat_template([{"role": "user", "content": RECORDS[0]["question"]}], tokenize=True,
-                                             add_generation_prompt=True)["input_ids"]
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": RECORDS[0]["question"]}], tokenize=True, add_generation_prompt=True
+    )["input_ids"]
     assert ids == list(expected) and ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
     plain = dataclasses.replace(chat, chat_template=False)
     ids = unpadded(plain.examples("train", np.array([0]), seed=0), 0)
@@ -72,8 +75,13 @@ def test_a_bos_is_written_once():
 
 def test_chat_template_kwargs_reach_the_template():
     tokenizer = chat_tokenizer()
-    task = text.from_records(RECORDS, tokenizer=tokenizer, prompt="question", reward_fns=reward,
-                             chat_template_kwargs={"enable_thinking": False})
+    task = text.from_records(
+        RECORDS,
+        tokenizer=tokenizer,
+        prompt="question",
+        reward_fns=reward,
+        chat_template_kwargs={"enable_thinking": False},
+    )
     rendered = task.render("hi")
     assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert "system" not in rendered
@@ -82,20 +90,25 @@ def test_chat_template_kwargs_reach_the_template():
 def test_conversational_prompts():
     conversations = [
         {"messages": [{"role": "user", "content": "Name a prime."}], "answer": "2"},
-        {"messages": [{"role": "system", "content": "Own system."}, {"role": "user", "content": "Hi"}],
-         "answer": "x"},
+        {"messages": [{"role": "system", "content": "Own system."}, {"role": "user", "content": "Hi"}], "answer": "x"},
     ]
     tokenizer = chat_tokenizer()
-    task = text.from_records(conversations, tokenizer=tokenizer, prompt="messages", reward_fns=reward,
-                             system_prompt="Default system.")
+    task = text.from_records(
+        conversations, tokenizer=tokenizer, prompt="messages", reward_fns=reward, system_prompt="Default system."
+    )
     batch = task.examples("train", np.array([0, 1]), seed=0)
     assert batch.prompts == [c["messages"] for c in conversations]
     assert batch.columns == {"answer": ["2", "x"]}
-    first = tokenizer.apply_chat_template([{"role": "system", "content": "Default system."}] +
-                                          conversations[0]["messages"], tokenize=True,
-                                          add_generation_prompt=True)["input_ids"]
-    second = tokenizer.apply_chat_template(conversations[1]["messages"], tokenize=True,  # its own system wins
-                                           add_generation_prompt=True)["input_ids"]
+    first = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Default system."}] + conversations[0]["messages"],
+        tokenize=True,
+        add_generation_prompt=True,
+    )["input_ids"]
+    second = tokenizer.apply_chat_template(
+        conversations[1]["messages"],
+        tokenize=True,  # its own system wins
+        add_generation_prompt=True,
+    )["input_ids"]
     assert unpadded(batch, 0) == list(first) and unpadded(batch, 1) == list(second)
     with pytest.raises(ValueError, match="conversation.*chat template"):
         text.from_records(conversations, tokenizer=char_tokenizer(), prompt="messages", reward_fns=reward)
@@ -108,7 +121,8 @@ def test_plain_template_and_system_prompt():
     assert tokenizer.decode(unpadded(plain.examples("train", np.array([2]), seed=0), 0)) == "What is 2 + 2?"
     system = dataclasses.replace(plain, system_prompt="Be brief.")
     assert tokenizer.decode(unpadded(system.examples("train", np.array([2]), seed=0), 0)) == (
-        "Be brief.\n\nWhat is 2 + 2?")
+        "Be brief.\n\nWhat is 2 + 2?"
+    )
     custom = dataclasses.replace(plain, system_prompt="S", plain_template="{system}: {prompt} =")
     assert custom.render("1 + 1") == "S: 1 + 1 ="
     with pytest.raises(ValueError, match="plain_template"):
@@ -122,13 +136,24 @@ def test_plain_template_and_system_prompt():
 def test_chat_template_true_without_one_is_an_error():
     with pytest.raises(ValueError, match="no chat template"):
         text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward, chat_template=True)
-    task = text.from_records(RECORDS, tokenizer=chat_tokenizer(chat_template=None), prompt="question",
-                             reward_fns=reward)
+    task = text.from_records(
+        RECORDS, tokenizer=chat_tokenizer(chat_template=None), prompt="question", reward_fns=reward
+    )
     assert task.chat_template is False
-    assert text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward,
-                             chat_template_kwargs={}, chat_template=None).chat_template is False
-    forced = text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward,
-                               chat_template=False)
+    assert (
+        text.from_records(
+            RECORDS,
+            tokenizer=char_tokenizer(),
+            prompt="question",
+            reward_fns=reward,
+            chat_template_kwargs={},
+            chat_template=None,
+        ).chat_template
+        is False
+    )
+    forced = text.from_records(
+        RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward, chat_template=False
+    )
     assert forced.render("x") == "x"
     assert CHATML  # the fixture's template is the one the chat tests render
 
@@ -144,16 +169,18 @@ def test_missing_columns_are_errors_listing_the_columns():
         text.from_records([{"prompt": "a", "completions": 1}], tokenizer=char_tokenizer(), reward_fns=reward)
     with pytest.raises(ValueError, match="no completion column 'solution'.*'answer', 'level'"):
         text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward).demonstrations(
-            "train", np.arange(2), completion="solution", max_new_tokens=4)
+            "train", np.arange(2), completion="solution", max_new_tokens=4
+        )
     with pytest.raises(TypeError, match="unknown option.*'sytem_prompt'"):
-        text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward,
-                          sytem_prompt="x")
+        text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward, sytem_prompt="x")
 
 
 def test_a_later_record_without_the_prompt_column_is_named_when_the_task_is_built():
     records = RECORDS[:3] + [{"answer": "1"}]
-    with pytest.raises(ValueError, match="example 3 of the train split has no 'question' column for the prompt; its "
-                                         "columns are 'answer'"):
+    with pytest.raises(
+        ValueError,
+        match="example 3 of the train split has no 'question' column for the prompt; its columns are 'answer'",
+    ):
         text.from_records(records, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward)
     with pytest.raises(ValueError, match="example 3 of the train split has no 'question' column"):
         text.from_records(records, tokenizer=char_tokenizer(), prompt="Solve {question}", reward_fns=reward)
@@ -172,13 +199,12 @@ def test_jsonl(tmp_path):
     path, test_path = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in RECORDS[:8]) + "\n\n   \n")
     test_path.write_text("\n".join(json.dumps(r) for r in RECORDS[8:]))
-    task = text.from_jsonl(path, test_path=test_path, tokenizer=char_tokenizer(), prompt="question",
-                           reward_fns=reward)
+    task = text.from_jsonl(path, test_path=test_path, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward)
     assert task.split_size("train") == 8 and task.split_size("test") == 4
     assert task.examples("test", np.array([0]), seed=0).prompts == [RECORDS[8]["question"]]
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(RECORDS[0]) + "\n\n{\"question\": oops}\n")
+    bad.write_text(json.dumps(RECORDS[0]) + '\n\n{"question": oops}\n')
     with pytest.raises(ValueError, match=rf"{bad}:3: not valid JSON"):
         text.from_jsonl(bad, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward)
     bad.write_text(json.dumps(RECORDS[0]) + "\n[1, 2]\n")
@@ -191,8 +217,14 @@ def test_jsonl(tmp_path):
 
 def test_held_out_fraction_is_disjoint_and_deterministic():
     def split(seed):
-        task = text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward,
-                                 test_fraction=0.25, split_seed=seed)
+        task = text.from_records(
+            RECORDS,
+            tokenizer=char_tokenizer(),
+            prompt="question",
+            reward_fns=reward,
+            test_fraction=0.25,
+            split_seed=seed,
+        )
         train = task.examples("train", np.arange(task.split_size("train")), seed=0).prompts
         test = task.examples("test", np.arange(task.split_size("test")), seed=0).prompts
         return train, test
@@ -207,8 +239,14 @@ def test_held_out_fraction_is_disjoint_and_deterministic():
     assert none.split_size("test") == 0
     assert len(none.examples("test", np.zeros(0, np.int64), seed=0)) == 0
     with pytest.raises(ValueError, match="not both"):
-        text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward,
-                          test_records=RECORDS[:2], test_fraction=0.5)
+        text.from_records(
+            RECORDS,
+            tokenizer=char_tokenizer(),
+            prompt="question",
+            reward_fns=reward,
+            test_records=RECORDS[:2],
+            test_fraction=0.5,
+        )
     with pytest.raises(ValueError, match="test_fraction"):
         text.from_records(RECORDS, tokenizer=char_tokenizer(), prompt="question", reward_fns=reward, test_fraction=1)
 
@@ -221,8 +259,13 @@ def test_from_dataset_in_memory_parquet_and_disk(tmp_path):
     task = text.from_dataset(dataset, test_fraction=0.25, **kwargs)
     assert task.columns == ("answer", "level") and task.split_size("train") == 9
     test = task.examples("test", np.arange(3), seed=0)
-    assert all(r in RECORDS for r in ({"question": p, "answer": a, "level": lv} for p, a, lv in
-                                      zip(test.prompts, test.columns["answer"], test.columns["level"], strict=True)))
+    assert all(
+        r in RECORDS
+        for r in (
+            {"question": p, "answer": a, "level": lv}
+            for p, a, lv in zip(test.prompts, test.columns["answer"], test.columns["level"], strict=True)
+        )
+    )
 
     dataset.to_parquet(str(tmp_path / "train.parquet"))
     from_file = text.from_dataset(tmp_path / "train.parquet", **kwargs)
@@ -230,7 +273,8 @@ def test_from_dataset_in_memory_parquet_and_disk(tmp_path):
     assert batch.prompts == [RECORDS[7]["question"]] and batch.columns == {"answer": ["14"], "level": [1]}
 
     datasets.DatasetDict({"train": dataset.select(range(10)), "test": dataset.select(range(10, 12))}).save_to_disk(
-        str(tmp_path / "saved"))
+        str(tmp_path / "saved")
+    )
     saved = text.from_dataset(str(tmp_path / "saved"), **kwargs)
     assert saved.split_size("train") == 10 and saved.split_size("test") == 2
     assert saved.examples("test", np.array([1]), seed=0).prompts == [RECORDS[11]["question"]]
@@ -268,8 +312,9 @@ def test_stream_covers_each_example_once_per_epoch_and_is_reproducible():
 def test_demonstrations_layout():
     tokenizer = char_tokenizer()
     task = text.from_records(RECORDS, tokenizer=tokenizer, prompt="{question} =", reward_fns=reward)
-    tokens, attention_mask, completion_mask = task.demonstrations("train", np.array([1, 10]), completion="answer",
-                                                                  max_new_tokens=4)
+    tokens, attention_mask, completion_mask = task.demonstrations(
+        "train", np.array([1, 10]), completion="answer", max_new_tokens=4
+    )
     prompts = task.examples("train", np.array([1, 10]), seed=0)
     width = prompts.tokens.shape[1]
     assert tokens.shape == attention_mask.shape == (2, width + 4) and completion_mask.shape == (2, 4)
@@ -283,8 +328,9 @@ def test_demonstrations_layout():
     assert tokens[1, width:].tolist() == [digit["2"], digit["0"], eos, pad]
     np.testing.assert_array_equal(completion_mask, [[1, 1, 0, 0], [1, 1, 1, 0]])
 
-    by_function, _, _ = task.demonstrations("train", np.array([1]), max_new_tokens=4,
-                                            completion=lambda record: record["answer"] + record["question"][-2])
+    by_function, _, _ = task.demonstrations(
+        "train", np.array([1]), max_new_tokens=4, completion=lambda record: record["answer"] + record["question"][-2]
+    )
     assert by_function[0, -4:].tolist() == [digit["2"], digit["1"], eos, pad]
     with pytest.raises(ValueError, match="takes 3 tokens with its EOS, more than max_new_tokens=2"):
         task.demonstrations("train", np.array([10]), completion="answer", max_new_tokens=2)
@@ -304,8 +350,14 @@ def test_special_ids_fall_back_and_fail_as_documented():
 
 
 def test_rewards_in_trl_convention_and_weights():
-    task = text.from_records(RECORDS, tokenizer=chat_tokenizer(), prompt="question",
-                             reward_fns=[reward, exact_match], reward_weights=[1.0, 0.5], stop_strings="\n\n")
+    task = text.from_records(
+        RECORDS,
+        tokenizer=chat_tokenizer(),
+        prompt="question",
+        reward_fns=[reward, exact_match],
+        reward_weights=[1.0, 0.5],
+        stop_strings="\n\n",
+    )
     assert task.reward_weights == (1.0, 0.5) and task.stop_strings == ("\n\n",)
     base.check_task(task)
     assert isinstance(task, base.Task)
@@ -315,11 +367,18 @@ def test_rewards_in_trl_convention_and_weights():
     prompts = [p for p in batch.prompts for _ in range(group)]
     answers = columns["answer"]
     completions = [answers[0], "no", f"It is {answers[2]}.", answers[3]]
-    result = compute_rewards(task.reward_fns, task.reward_weights, prompts=prompts, completions=completions,
-                             completion_ids=[[1]] * 4, columns=columns)
+    result = compute_rewards(
+        task.reward_fns,
+        task.reward_weights,
+        prompts=prompts,
+        completions=completions,
+        completion_ids=[[1]] * 4,
+        columns=columns,
+    )
     np.testing.assert_allclose(result.total, [1.5, 0.0, 0.5, 1.5])
-    assert text.from_records(RECORDS, tokenizer=chat_tokenizer(), prompt="question",
-                             reward_fns=reward).reward_weights == (1.0,)
+    assert text.from_records(
+        RECORDS, tokenizer=chat_tokenizer(), prompt="question", reward_fns=reward
+    ).reward_weights == (1.0,)
     with pytest.raises(ValueError, match="at least one reward function"):
         text.from_records(RECORDS, tokenizer=chat_tokenizer(), prompt="question", reward_fns=[])
 
@@ -340,8 +399,9 @@ def test_procedural_source():
     def example(split, index, seed):
         return {"prompt": f"{split} {seed} {index}", "answer": str(index)}
 
-    task = text.TextTask(tokenizer=char_tokenizer(), reward_fns=(reward,), example=example,
-                         sizes={"train": None, "test": 3})
+    task = text.TextTask(
+        tokenizer=char_tokenizer(), reward_fns=(reward,), example=example, sizes={"train": None, "test": 3}
+    )
     assert task.split_size("train") is None and task.split_size("test") == 3
     assert base.draw(task, "train", seed=7, start=100, count=2).prompts == ["train 7 100", "train 7 101"]
     assert sorted(base.draw(task, "test", seed=7, start=0, count=3).columns["answer"]) == ["0", "1", "2"]

@@ -33,7 +33,8 @@ def _trained(name: str, steps: int):
 def _state(name: str, steps: int = 1):
     model, params, host = _trained(name, steps)
     state = jax.tree.map(jax.numpy.asarray, host._replace(key=None))._replace(
-        key=jax.random.wrap_key_data(jax.numpy.asarray(host.key)))
+        key=jax.random.wrap_key_data(jax.numpy.asarray(host.key))
+    )
     return model, params, state
 
 
@@ -100,8 +101,10 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_with_a_warning(t
     with pytest.raises(RuntimeError, match="checkpoint 2: ValueError: NOT_FOUND"):  # a given step: no fallback
         checkpoints.restore(2, like=like)
     shutil.rmtree(tmp_path / "1" / "state")
-    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="no readable checkpoint.*checkpoint 2: .*"
-                                                                       "checkpoint 1: "):
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(RuntimeError, match="no readable checkpoint.*checkpoint 2: .*checkpoint 1: "),
+    ):
         checkpoints.restore(like=like)
 
 
@@ -117,12 +120,14 @@ def flip_bytes(step_dir) -> str:
     chunks, without checksums of their own) where that makes one stored array read back with
     other, finite values and no error; returns its path."""
     saved = stored_arrays(step_dir)
-    data = max((p for p in pathlib.Path(step_dir, "state").rglob("*") if p.is_file() and p.parent.name == "d"),
-               key=lambda p: p.stat().st_size)
+    data = max(
+        (p for p in pathlib.Path(step_dir, "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
     original = data.read_bytes()
     for offset in range(len(original) // 2, len(original) - 16, 997):
         flipped = bytearray(original)
-        flipped[offset:offset + 16] = bytes(byte ^ 0xFF for byte in original[offset:offset + 16])
+        flipped[offset : offset + 16] = bytes(byte ^ 0xFF for byte in original[offset : offset + 16])
         data.write_bytes(flipped)
         try:
             read = stored_arrays(step_dir)
@@ -150,8 +155,9 @@ def test_flipped_bytes_in_the_data_fail_the_checksum_and_the_previous_checkpoint
     checkpoints.save(2, state._replace(step=state.step + 1))
     leaf = flip_bytes(tmp_path / "2")  # read without verification, one array has other values
     like = _abstract(model, params, "GRPO")
-    with pytest.warns(UserWarning, match=f"checkpoint 2: ValueError: checksum mismatch in {leaf}: .*falling back "
-                                         "to checkpoint 1"):
+    with pytest.warns(
+        UserWarning, match=f"checkpoint 2: ValueError: checksum mismatch in {leaf}: .*falling back to checkpoint 1"
+    ):
         restored = checkpoints.restore(like=like)
     _assert_identical(restored, state)
     assert list(checkpoints.skipped) == [2] and leaf in checkpoints.skipped[2]
@@ -164,11 +170,16 @@ def test_a_state_with_non_finite_values_is_not_saved_and_the_good_checkpoint_sta
     checkpoints = Checkpointer(tmp_path, max_to_keep=1)
     checkpoints.save(1, state)
     leaves, tree = jax.tree.flatten(state.params)
-    poisoned = state._replace(step=state.step + 1, params=jax.tree.unflatten(tree, [
-        leaves[0].at[(0,) * leaves[0].ndim].set(jax.numpy.nan), *leaves[1:]]))
+    poisoned = state._replace(
+        step=state.step + 1,
+        params=jax.tree.unflatten(tree, [leaves[0].at[(0,) * leaves[0].ndim].set(jax.numpy.nan), *leaves[1:]]),
+    )
     name = checkpoint._paths(state.params)[0]
-    with pytest.raises(ValueError, match=rf"state of step 2 has non-finite values in params/{'/'.join(name)} "
-                                         r"\(1 of \d+ entries\); not saved"):
+    with pytest.raises(
+        ValueError,
+        match=rf"state of step 2 has non-finite values in params/{'/'.join(name)} "
+        r"\(1 of \d+ entries\); not saved",
+    ):
         checkpoints.save(2, poisoned, wait=False)
     assert checkpoints.all_steps() == [1] and os.listdir(tmp_path) == ["1"]  # nothing written, nothing rotated
     _assert_identical(checkpoints.restore(like=state), state)
@@ -183,17 +194,23 @@ def test_a_checkpoint_saved_without_digests_restores_and_is_checked_for_finite_v
     _assert_identical(Checkpointer(tmp_path).restore(like=like), state)
     # A NaN saved before saves were checked: its restore finds it.
     leaves, tree = jax.tree.flatten(state.params)
-    poisoned = state._replace(step=state.step + 1, params=jax.tree.unflatten(tree, [
-        leaves[0].at[(0,) * leaves[0].ndim].set(jax.numpy.nan), *leaves[1:]]))
+    poisoned = state._replace(
+        step=state.step + 1,
+        params=jax.tree.unflatten(tree, [leaves[0].at[(0,) * leaves[0].ndim].set(jax.numpy.nan), *leaves[1:]]),
+    )
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "_checks", lambda flat: {"/".join(names): ("", 0) for names in flat},
-                      raising=False)  # the save as it was
+        patch.setattr(
+            checkpoint, "_checks", lambda flat: {"/".join(names): ("", 0) for names in flat}, raising=False
+        )  # the save as it was
         checkpoints.save(2, poisoned)
     strip_digests(tmp_path / "2")
     checkpoints = Checkpointer(tmp_path)
     name = "/".join(checkpoint._paths(state.params)[0])
-    with pytest.warns(UserWarning, match=rf"checkpoint 2: ValueError: non-finite values in params/{name} "
-                                         r"\(1 of \d+ entries\); falling back to checkpoint 1"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"checkpoint 2: ValueError: non-finite values in params/{name} "
+        r"\(1 of \d+ entries\); falling back to checkpoint 1",
+    ):
         _assert_identical(checkpoints.restore(like=like), state)
     with pytest.raises(RuntimeError, match=rf"checkpoint 2: ValueError: non-finite values in params/{name}"):
         checkpoints.restore(2, like=like)
@@ -224,8 +241,11 @@ def test_missing_directory_and_mismatched_structure_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"`checkpoint 1` does not fit `like`: it lacks \['critic_opt_state'\]"):
         checkpoints.restore(like=_abstract(model, params, "PPO"))
     wider = jax.eval_shape(lambda: state._replace(baseline=jax.tree.map(lambda x: x.astype("float16"), state.baseline)))
-    with pytest.raises(ValueError, match=r"`checkpoint 1\['baseline'\]\['count'\]` is \[\] int32, but `like` "
-                                         r"needs \[\] float16"):
+    with pytest.raises(
+        ValueError,
+        match=r"`checkpoint 1\['baseline'\]\['count'\]` is \[\] int32, but `like` "
+        r"needs \[\] float16",
+    ):
         checkpoints.restore(like=wider)
 
 
@@ -234,10 +254,14 @@ def test_restores_an_unsharded_checkpoint_onto_a_mesh(tmp_path):
     checkpoints = Checkpointer(tmp_path)
     checkpoints.save(1, state)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
-    spec = lambda x: jax.sharding.PartitionSpec("fsdp") if x.ndim and x.shape[0] % 2 == 0 else (  # noqa: E731
-        jax.sharding.PartitionSpec())
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-        mesh, spec(x))), _abstract(model, params, "GRPO"))
+
+    def spec(x):
+        return jax.sharding.PartitionSpec("fsdp") if x.ndim and x.shape[0] % 2 == 0 else jax.sharding.PartitionSpec()
+
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec(x))),
+        _abstract(model, params, "GRPO"),
+    )
     restored = checkpoints.restore(like=like)
     _assert_identical(restored, state)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(like)):

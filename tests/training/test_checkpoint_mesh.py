@@ -30,14 +30,24 @@ CASES = [
 def _state(name: str, param_dtype):
     """A state whose every float leaf holds distinct random values (a shard restored to
     the wrong place, or from the wrong device, shows), and the model and params it is for."""
-    config = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                                num_kv_heads=2, head_dim=8, param_dtype=param_dtype)
+    config = models.ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        param_dtype=param_dtype,
+    )
     model, params = models.init(config, jax.random.key(0))
     state = training.init_state(model, params, getattr(algorithms, name), RUN)
     leaves, treedef = jax.tree.flatten(state)
     keys = iter(jax.random.split(jax.random.key(1), len(leaves)))
-    leaves = [jax.random.normal(next(keys), leaf.shape, leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating)
-              else leaf for leaf in leaves]
+    leaves = [
+        jax.random.normal(next(keys), leaf.shape, leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+        for leaf in leaves
+    ]
     state = jax.tree.unflatten(treedef, leaves)._replace(step=jnp.asarray(7, jnp.int32))
     return model, params, state
 
@@ -48,8 +58,9 @@ def _placed_like(model, params, name: str, mesh, rules):
     algorithm = getattr(algorithms, name)
     abstract = jax.eval_shape(lambda p: training.init_state(model, p, algorithm, RUN), params)
     shardings = training.state_shardings(abstract, algorithm, RUN, mesh, sharding.RULES[rules])
-    return jax.tree.map(lambda leaf, placement: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
-                        abstract, shardings), shardings
+    return jax.tree.map(
+        lambda leaf, placement: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement), abstract, shardings
+    ), shardings
 
 
 def _assert_restored(restored, saved, shardings):
@@ -64,10 +75,14 @@ def _assert_restored(restored, saved, shardings):
             np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want)[shard.index])
 
 
-@pytest.mark.parametrize("name, param_dtype, rules, saved_on, restored_on", CASES,
-                         ids=[f"{c[0]}-{c[2]}-{'x'.join(map(str, c[3]))}" for c in CASES])
-def test_a_state_saved_on_8_devices_restores_onto_4_devices_and_onto_one(tmp_path, name, param_dtype, rules,
-                                                                         saved_on, restored_on):
+@pytest.mark.parametrize(
+    "name, param_dtype, rules, saved_on, restored_on",
+    CASES,
+    ids=[f"{c[0]}-{c[2]}-{'x'.join(map(str, c[3]))}" for c in CASES],
+)
+def test_a_state_saved_on_8_devices_restores_onto_4_devices_and_onto_one(
+    tmp_path, name, param_dtype, rules, saved_on, restored_on
+):
     model, params, state = _state(name, param_dtype)
     assert (state.critic_params is not None) == (name == "PPO")
     data, fsdp, tensor = saved_on

@@ -12,10 +12,14 @@ from jaxrl_llm.training.config import GROUPED_FIELDS, OptimizerConfig, TrainConf
 
 
 def test_the_flat_names_build_read_and_replace_the_grouped_settings():
-    grouped = TrainConfig(num_prompts=4, sampling=SamplingConfig(max_new_tokens=3, temperature=0.7, top_k=5),
-                          optimizer=OptimizerConfig(learning_rate=1e-5, lr_schedule="cosine"))
-    flat = TrainConfig(num_prompts=4, max_new_tokens=3, temperature=0.7, top_k=5, learning_rate=1e-5,
-                       lr_schedule="cosine")
+    grouped = TrainConfig(
+        num_prompts=4,
+        sampling=SamplingConfig(max_new_tokens=3, temperature=0.7, top_k=5),
+        optimizer=OptimizerConfig(learning_rate=1e-5, lr_schedule="cosine"),
+    )
+    flat = TrainConfig(
+        num_prompts=4, max_new_tokens=3, temperature=0.7, top_k=5, learning_rate=1e-5, lr_schedule="cosine"
+    )
     assert flat == grouped and flat.sampling == grouped.sampling and flat.optimizer == grouped.optimizer
     for name, group in GROUPED_FIELDS.items():
         assert getattr(flat, name) == getattr(getattr(flat, group), name)
@@ -26,7 +30,7 @@ def test_the_flat_names_build_read_and_replace_the_grouped_settings():
     assert TrainConfig(temperature=0.5).sampling == SamplingConfig(temperature=0.5)  # the other defaults kept
     assert pickle.loads(pickle.dumps(flat)) == flat
     with pytest.raises(AttributeError, match="'TrainConfig' object has no attribute 'temprature'"):
-        flat.temprature
+        _ = flat.temprature
     with pytest.raises(TypeError, match="temprature"):
         TrainConfig(temprature=0.5)
 
@@ -35,28 +39,45 @@ def test_every_setting_is_in_one_place():
     names = [field.name for field in dataclasses.fields(TrainConfig)]
     assert {"sampling", "optimizer"} <= set(names) and not set(GROUPED_FIELDS) & set(names)
     assert set(GROUPED_FIELDS) == {f.name for f in dataclasses.fields(SamplingConfig)} | {
-        f.name for f in dataclasses.fields(OptimizerConfig)}
+        f.name for f in dataclasses.fields(OptimizerConfig)
+    }
     assert TrainConfig().sampling == SamplingConfig() and TrainConfig().optimizer == OptimizerConfig()
     assert training.TrainConfig is TrainConfig
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(sampling=SamplingConfig(temperature=0.0)),
-     r"TrainConfig: `sampling.temperature` must be a finite number > 0 \(the policy trained is softmax\(logits / T"),
-    (dict(temperature=0.0), r"TrainConfig: `sampling.temperature` must be a finite number > 0"),
-    (dict(sampling=dict(temperature=0.7)), "TrainConfig: `sampling` must be of type SamplingConfig; got"),
-    (dict(optimizer=None), "TrainConfig: `optimizer` must be of type OptimizerConfig; got None"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(sampling=SamplingConfig(temperature=0.0)),
+            r"TrainConfig: `sampling.temperature` must be a finite number > 0 "
+            r"\(the policy trained is softmax\(logits / T",
+        ),
+        (dict(temperature=0.0), r"TrainConfig: `sampling.temperature` must be a finite number > 0"),
+        (dict(sampling=dict(temperature=0.7)), "TrainConfig: `sampling` must be of type SamplingConfig; got"),
+        (dict(optimizer=None), "TrainConfig: `optimizer` must be of type OptimizerConfig; got None"),
+    ],
+)
 def test_the_groups_are_checked_where_they_meet_training(changes, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**changes)
 
 
-@pytest.mark.parametrize("field, value, allowed", [
-    ("learning_rate", 0.0, "> 0"), ("critic_learning_rate", float("nan"), "finite"), ("warmup_steps", 0, ">= 1"),
-    ("max_grad_norm", float("inf"), "finite"), ("weight_decay", -0.1, ">= 0"), ("decay_steps", 0, ">= 1"),
-    ("lr_schedule", "step", "'constant', 'linear', 'cosine'"), ("adam_b2", 1.0, r"\[0.0, 1.0\)"),
-    ("end_learning_rate_fraction", 2.0, r"\[0.0, 1.0\]"), ("adam_eps", -1e-8, "> 0")])
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("learning_rate", 0.0, "> 0"),
+        ("critic_learning_rate", float("nan"), "finite"),
+        ("warmup_steps", 0, ">= 1"),
+        ("max_grad_norm", float("inf"), "finite"),
+        ("weight_decay", -0.1, ">= 0"),
+        ("decay_steps", 0, ">= 1"),
+        ("lr_schedule", "step", "'constant', 'linear', 'cosine'"),
+        ("adam_b2", 1.0, r"\[0.0, 1.0\)"),
+        ("end_learning_rate_fraction", 2.0, r"\[0.0, 1.0\]"),
+        ("adam_eps", -1e-8, "> 0"),
+    ],
+)
 def test_bad_optimizer_settings_name_the_group_or_the_flat_name_given(field, value, allowed):
     with pytest.raises(ValueError, match=rf"^OptimizerConfig: `{field}` must .*{allowed}"):
         OptimizerConfig(**{field: value})
@@ -64,10 +85,18 @@ def test_bad_optimizer_settings_name_the_group_or_the_flat_name_given(field, val
         TrainConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field, value, allowed", [
-    ("max_new_tokens", 0, ">= 1"), ("max_prompt_length", 1.5, "integer"), ("temperature", -1.0, ">= 0"),
-    ("top_k", 0, ">= 1"), ("top_p", 0.0, r"\(0.0, 1.0\]"), ("min_p", 1.5, r"\[0.0, 1.0\]"),
-    ("prompt_truncation", "right", "'error', 'left'")])
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("max_new_tokens", 0, ">= 1"),
+        ("max_prompt_length", 1.5, "integer"),
+        ("temperature", -1.0, ">= 0"),
+        ("top_k", 0, ">= 1"),
+        ("top_p", 0.0, r"\(0.0, 1.0\]"),
+        ("min_p", 1.5, r"\[0.0, 1.0\]"),
+        ("prompt_truncation", "right", "'error', 'left'"),
+    ],
+)
 def test_bad_sampling_settings_name_the_group_or_the_flat_name_given(field, value, allowed):
     with pytest.raises(ValueError, match=rf"^SamplingConfig: `{field}` must .*{allowed}"):
         SamplingConfig(**{field: value})

@@ -21,8 +21,16 @@ from jaxrl_llm.ops.trees import all_finite
 from jaxrl_llm.tasks import DigitSumTask
 
 TASK = DigitSumTask()
-CONFIG = models.ModelConfig(vocab_size=len(TASK.tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+CONFIG = models.ModelConfig(
+    vocab_size=len(TASK.tokenizer),
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=32,
+)
 RUN = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
 
 
@@ -31,8 +39,9 @@ def _finite(tree) -> bool:
 
 
 def _changed(tree_a, tree_b) -> bool:
-    return any(bool(np.any(np.asarray(a) != np.asarray(b))) for a, b in zip(jax.tree.leaves(tree_a),
-                                                                          jax.tree.leaves(tree_b)))
+    return any(
+        bool(np.any(np.asarray(a) != np.asarray(b))) for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b))
+    )
 
 
 # --- Low precision ----------------------------------------------------------------------------
@@ -62,7 +71,11 @@ def test_bfloat16_params_take_steps_smaller_than_their_precision_through_float32
     params = {"w": jnp.ones((), jnp.bfloat16)}
     optimizer = training.optim.in_float32(optax.sgd(1e-4))
     state = optimizer.init(params)
-    step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*optimizer.update({"w": jnp.ones((), jnp.bfloat16)}, s, p)))
+    step = jax.jit(
+        lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
+            *optimizer.update({"w": jnp.ones((), jnp.bfloat16)}, s, p)
+        )
+    )
     for _ in range(100):
         params, state = step(params, state)
     master = np.float32(1.0)
@@ -91,6 +104,7 @@ def test_every_preset_trains_bfloat16_params_to_finite_values_that_change(name):
 def _poisoned(make_optimizer, *, learning_rate: float):
     """``make_optimizer`` whose optimizers of ``learning_rate`` turn finite gradients into
     NaN updates, as bfloat16 AdamW hyperparameters once did."""
+
     def factory(**kwargs):
         optimizer = make_optimizer(**kwargs)
         if kwargs["learning_rate"] != learning_rate:
@@ -99,7 +113,9 @@ def _poisoned(make_optimizer, *, learning_rate: float):
         def update(grads, state, params=None):
             updates, state = optimizer.update(grads, state, params)
             return jax.tree.map(lambda u: u * jnp.nan, updates), state
+
         return optax.GradientTransformation(optimizer.init, update)
+
     return factory
 
 
@@ -108,8 +124,9 @@ def test_an_update_that_would_make_params_non_finite_is_skipped(monkeypatch, nam
     # Loss and gradients are finite; only the step would not be. Policy and critic move
     # together or not at all.
     run = dataclasses.replace(RUN, max_consecutive_skips=2, learning_rate=3e-3, critic_learning_rate=1e-3)
-    monkeypatch.setattr(training.optim, "make_optimizer",
-                        _poisoned(training.optim.make_optimizer, learning_rate=getattr(run, poisoned)))
+    monkeypatch.setattr(
+        training.optim, "make_optimizer", _poisoned(training.optim.make_optimizer, learning_rate=getattr(run, poisoned))
+    )
     model, params = models.init(CONFIG, jax.random.key(1))
     with pytest.raises(training.NonFiniteUpdates, match="the state keeps the params of the last finite update") as e:
         training.train(model, params, algorithms.get(name), run, steps=3, task=TASK)
@@ -142,13 +159,16 @@ def test_trpo_rejects_a_candidate_with_a_non_finite_parameter(monkeypatch):
     assert bool(info["accepted"]) and _changed(new["used"], params["used"])
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(learning_rate=float("inf")), "`learning_rate` must be a finite number; got inf"),
-    (dict(critic_learning_rate=float("nan")), "`critic_learning_rate` must be a finite number; got nan"),
-    (dict(temperature=float("inf")), "`temperature` must be a finite number; got inf"),
-    (dict(max_grad_norm=float("inf")), "`max_grad_norm` must be a finite number; got inf"),
-    (dict(learning_rate="3e-3"), "`learning_rate` must be a finite number; got '3e-3'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(learning_rate=float("inf")), "`learning_rate` must be a finite number; got inf"),
+        (dict(critic_learning_rate=float("nan")), "`critic_learning_rate` must be a finite number; got nan"),
+        (dict(temperature=float("inf")), "`temperature` must be a finite number; got inf"),
+        (dict(max_grad_norm=float("inf")), "`max_grad_norm` must be a finite number; got inf"),
+        (dict(learning_rate="3e-3"), "`learning_rate` must be a finite number; got '3e-3'"),
+    ],
+)
 def test_non_finite_rates_and_temperatures_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(RUN, **changes)
@@ -158,18 +178,23 @@ def test_non_finite_rates_and_temperatures_are_refused(changes, message):
 def test_group_methods_refuse_a_group_of_one_before_any_compute(monkeypatch, name):
     model, params = models.init(CONFIG, jax.random.key(2))
     monkeypatch.setattr(training.loop, "collect_batch", lambda *a, **k: pytest.fail("a rollout was drawn"))
-    with pytest.raises(ValueError, match=f"Algorithm {name!r} compares each completion with the others .*"
-                                         "group_size=1 every advantage is 0"):
-        training.train(model, params, algorithms.get(name), dataclasses.replace(RUN, group_size=1), steps=1,
-                       task=TASK)
+    with pytest.raises(
+        ValueError,
+        match=f"Algorithm {name!r} compares each completion with the others .*group_size=1 every advantage is 0",
+    ):
+        training.train(model, params, algorithms.get(name), dataclasses.replace(RUN, group_size=1), steps=1, task=TASK)
 
 
 def test_methods_without_group_baselines_run_with_a_group_of_one(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(2))
-    monkeypatch.setattr(DigitSumTask, "reward_components",
-                        lambda self, c, lengths, a: {"correct": np.ones(len(c)), "stops": np.zeros(len(c))})
-    state, history = training.train(model, params, algorithms.PG, dataclasses.replace(RUN, group_size=1), steps=1,
-                                    task=TASK)
+    monkeypatch.setattr(
+        DigitSumTask,
+        "reward_components",
+        lambda self, c, lengths, a: {"correct": np.ones(len(c)), "stops": np.zeros(len(c))},
+    )
+    state, history = training.train(
+        model, params, algorithms.PG, dataclasses.replace(RUN, group_size=1), steps=1, task=TASK
+    )
     assert int(state.step) == 1 and _changed(state.params, params)
 
 
@@ -194,19 +219,30 @@ def test_an_exception_in_a_reward_function_keeps_the_state_and_history_of_the_st
     model, params = models.init(CONFIG, jax.random.key(3))
     straight, straight_history = training.train(model, params, algorithms.GRPO, RUN, steps=3, task=TASK)
     start = training.init_state(model, params, algorithms.GRPO, RUN)
-    with pytest.raises(training.RunStopped, match=r"stopped at step 3 \(3 of 5 steps done\): RewardFunctionError: "
-                                                   "In the rollout of train step 3: reward function 'correct' raised ZeroDivisionError: broken reward "
-                                                   r"at row 0 \(prompt '\d\+\d=', completion") as error:
-        training.train(model, params, algorithms.GRPO, RUN, steps=5, task=_FailsAtCall(4, ZeroDivisionError(
-            "broken reward")), state=start)
+    with pytest.raises(
+        training.RunStopped,
+        match=r"stopped at step 3 \(3 of 5 steps done\): RewardFunctionError: "
+        "In the rollout of train step 3: reward function 'correct' raised ZeroDivisionError: broken reward "
+        r"at row 0 \(prompt '\d\+\d=', completion",
+    ) as error:
+        training.train(
+            model,
+            params,
+            algorithms.GRPO,
+            RUN,
+            steps=5,
+            task=_FailsAtCall(4, ZeroDivisionError("broken reward")),
+            state=start,
+        )
     stopped = error.value
     assert isinstance(stopped.__cause__, rewards.RewardFunctionError)
     assert isinstance(stopped.__cause__.__cause__, ZeroDivisionError)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(stopped.state))
     # The state after the 3 steps done, exactly, key included: continued from it
     # (`train(..., state=stopped.state)`), the run is the uninterrupted one.
-    jax.tree.map(np.testing.assert_array_equal, jax.random.key_data(stopped.state.key),
-                 jax.random.key_data(straight.key))
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.random.key_data(stopped.state.key), jax.random.key_data(straight.key)
+    )
     jax.tree.map(np.testing.assert_array_equal, stopped.state._replace(key=None), straight._replace(key=None))
     assert [h["reward"] for h in stopped.history] == [h["reward"] for h in straight_history]
 
@@ -215,8 +251,9 @@ def test_a_failure_before_the_first_update_leaves_the_callers_state_intact():
     model, params = models.init(CONFIG, jax.random.key(3))
     start = training.init_state(model, params, algorithms.GRPO, RUN)
     with pytest.raises(training.RunStopped) as error:
-        training.train(model, params, algorithms.GRPO, RUN, steps=2, task=_FailsAtCall(1, RuntimeError("down")),
-                       state=start)
+        training.train(
+            model, params, algorithms.GRPO, RUN, steps=2, task=_FailsAtCall(1, RuntimeError("down")), state=start
+        )
     assert error.value.state is start and error.value.history == []
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(start))
     state, _ = training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK, state=start)
@@ -269,13 +306,15 @@ def test_a_handler_that_does_not_raise_keeps_the_run_going(monkeypatch):
     requests = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: requests.append(signum))
     try:
+
         def ctrl_c_at_step_1(end):
             if end.step == 1:
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.05)
 
-        state, history = training.train(model, params, algorithms.RLOO, RUN, steps=3, task=TASK,
-                                        callback=ctrl_c_at_step_1)
+        state, history = training.train(
+            model, params, algorithms.RLOO, RUN, steps=3, task=TASK, callback=ctrl_c_at_step_1
+        )
     finally:
         signal.signal(signal.SIGINT, previous)
     assert requests == [signal.SIGINT] and len(history) == 3 and int(state.step) == 3
@@ -330,7 +369,8 @@ def test_a_ctrl_c_during_the_callback_comes_after_it_returns():
 
 def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import jax
         from jaxrl_llm import algorithms, models, training
         from jaxrl_llm.tasks import DigitSumTask
@@ -350,10 +390,12 @@ def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
             assert all(not leaf.is_deleted() and bool(jax.numpy.isfinite(leaf).all())
                        for leaf in jax.tree.leaves(stop.state.params))
             print("stopped", steps, flush=True)
-    """))
+    """)
+    )
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
-    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     assert process.stdout.readline().strip() == "running", process.stderr.read()
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
@@ -366,23 +408,37 @@ def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
 
 def test_a_state_from_another_method_or_model_is_refused_by_name_before_any_compute(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(6))
-    big_model, big_params = models.init(dataclasses.replace(CONFIG, hidden_size=64, intermediate_size=128),
-                                        jax.random.key(6))
+    big_model, big_params = models.init(
+        dataclasses.replace(CONFIG, hidden_size=64, intermediate_size=128), jax.random.key(6)
+    )
     grpo_state = training.init_state(model, params, algorithms.GRPO, RUN)
     monkeypatch.setattr(training.loop, "collect_batch", lambda *a, **k: pytest.fail("a rollout was drawn"))
     cases = [
         (model, params, algorithms.PPO, "`state.critic_params` is None, but algorithm 'ppo' on this model needs one"),
-        (model, params, algorithms.TRPO, r"`state.opt_state` does not fit algorithm 'trpo' on this model: it has "
-                                         r"\.inner\[1\]\.count"),
-        (big_model, big_params, algorithms.GRPO, r"`state.params\['embed_tokens'\].value` is \[21, 32\] float32, but "
-                                                 r"algorithm 'grpo' on this model needs \[21, 64\] float32"),
+        (
+            model,
+            params,
+            algorithms.TRPO,
+            r"`state.opt_state` does not fit algorithm 'trpo' on this model: it has "
+            r"\.inner\[1\]\.count",
+        ),
+        (
+            big_model,
+            big_params,
+            algorithms.GRPO,
+            r"`state.params\['embed_tokens'\].value` is \[21, 32\] float32, but "
+            r"algorithm 'grpo' on this model needs \[21, 64\] float32",
+        ),
     ]
     for run_model, run_params, method, message in cases:
         with pytest.raises(ValueError, match=message):
             training.train(run_model, run_params, method, RUN, steps=1, task=TASK, state=grpo_state)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(grpo_state))
-    with pytest.raises(ValueError, match=r"`params\['embed_tokens'\].value` is \[21, 64\], but the model's config "
-                                         r"needs \[21, 32\]. Are they the params of another model\?"):
+    with pytest.raises(
+        ValueError,
+        match=r"`params\['embed_tokens'\].value` is \[21, 64\], but the model's config "
+        r"needs \[21, 32\]. Are they the params of another model\?",
+    ):
         training.train(model, big_params, algorithms.GRPO, RUN, steps=1, task=TASK)
     with pytest.raises(ValueError, match="`state` must be a TrainState"):
         training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK, state=params)

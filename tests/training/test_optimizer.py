@@ -38,14 +38,23 @@ def rates_used(optimizer, num_steps: int) -> np.ndarray:
     return np.asarray(rates)
 
 
-@pytest.mark.parametrize("schedule, warmup, end", [
-    ("constant", 3, 0.0), ("linear", 3, 0.0), ("cosine", 3, 0.1), ("cosine", 1, 0.0), ("linear", 1, 0.25)])
+@pytest.mark.parametrize(
+    "schedule, warmup, end",
+    [("constant", 3, 0.0), ("linear", 3, 0.0), ("cosine", 3, 0.1), ("cosine", 1, 0.0), ("linear", 1, 0.25)],
+)
 def test_each_step_takes_the_scheduled_learning_rate(schedule, warmup, end):
     lr, decay, num_steps = 0.2, 6, 12  # past the end of the decay
-    optimizer = training.make_optimizer(learning_rate=lr, warmup_steps=warmup, max_grad_norm=1.0,
-                                        lr_schedule=schedule, decay_steps=decay, end_learning_rate_fraction=end)
-    expected = [reference_rate(k, lr=lr, warmup=warmup, schedule=schedule, decay=decay, end=end)
-                for k in range(num_steps)]
+    optimizer = training.make_optimizer(
+        learning_rate=lr,
+        warmup_steps=warmup,
+        max_grad_norm=1.0,
+        lr_schedule=schedule,
+        decay_steps=decay,
+        end_learning_rate_fraction=end,
+    )
+    expected = [
+        reference_rate(k, lr=lr, warmup=warmup, schedule=schedule, decay=decay, end=end) for k in range(num_steps)
+    ]
     np.testing.assert_allclose(rates_used(optimizer, num_steps), expected, rtol=1e-6, atol=1e-8)
     # The warm-up peaks at its last step; a decay ends at step W - 1 + D and stays there.
     assert math.isclose(expected[warmup - 1], lr)
@@ -71,12 +80,12 @@ def numpy_adamw(params, grads_per_step, *, rates, max_grad_norm, b1, b2, eps, we
     v = {k: np.zeros_like(p) for k, p in params.items()}
     for t, (grads, lr) in enumerate(zip(grads_per_step, rates), start=1):
         grads = {k: np.asarray(g, np.float64) for k, g in grads.items()}
-        norm = math.sqrt(sum(float(np.sum(g ** 2)) for g in grads.values()))
+        norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads.values()))
         grads = {k: g * min(1.0, max_grad_norm / norm) for k, g in grads.items()}
         for k, g in grads.items():
             m[k] = b1 * m[k] + (1 - b1) * g
-            v[k] = b2 * v[k] + (1 - b2) * g ** 2
-            step = (m[k] / (1 - b1 ** t)) / (np.sqrt(v[k] / (1 - b2 ** t)) + eps)
+            v[k] = b2 * v[k] + (1 - b2) * g**2
+            step = (m[k] / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2**t)) + eps)
             decay = weight_decay * params[k] if params[k].ndim >= 2 else 0.0
             params[k] = params[k] - lr * (step + decay)
     return params
@@ -96,7 +105,8 @@ def test_adamw_with_weight_decay_betas_and_eps_matches_numpy():
     for name in params:
         np.testing.assert_allclose(new[name], expected[name], rtol=1e-5, atol=1e-6)
     assert {name: float(state.inner[1].hyperparams[name]) for name in settings} == {
-        name: float(np.float32(value)) for name, value in settings.items()}
+        name: float(np.float32(value)) for name, value in settings.items()
+    }
 
 
 def test_an_update_uses_the_optimizers_settings_not_those_stored_in_a_restored_state():
@@ -144,14 +154,25 @@ def _recorded_optimizers(monkeypatch):
     def record(**kwargs):
         calls.append(kwargs)
         return optax.identity()
+
     monkeypatch.setattr(optim, "make_optimizer", record)
     return calls
 
 
 def test_a_decay_without_decay_steps_ends_at_the_runs_last_optimizer_step(monkeypatch):
     calls = _recorded_optimizers(monkeypatch)
-    run = training.TrainConfig(num_prompts=4, group_size=4, minibatch_size=8, warmup_steps=3, lr_schedule="cosine",
-                               critic_learning_rate=1e-3, weight_decay=0.1, adam_b1=0.8, adam_b2=0.9, adam_eps=1e-6)
+    run = training.TrainConfig(
+        num_prompts=4,
+        group_size=4,
+        minibatch_size=8,
+        warmup_steps=3,
+        lr_schedule="cosine",
+        critic_learning_rate=1e-3,
+        weight_decay=0.1,
+        adam_b1=0.8,
+        adam_b2=0.9,
+        adam_eps=1e-6,
+    )
     training.make_train_step(None, algorithms.PPO, run, total_steps=10)
     per_train_step = algorithms.PPO.num_iterations * 2  # two minibatches of 8
     policy, critic = calls
@@ -159,7 +180,8 @@ def test_a_decay_without_decay_steps_ends_at_the_runs_last_optimizer_step(monkey
     assert (policy["learning_rate"], critic["learning_rate"]) == (run.learning_rate, 1e-3)
     for kwargs in calls:
         assert {k: kwargs[k] for k in ("lr_schedule", "warmup_steps", "weight_decay", "b1", "b2", "eps")} == dict(
-            lr_schedule="cosine", warmup_steps=3, weight_decay=0.1, b1=0.8, b2=0.9, eps=1e-6)
+            lr_schedule="cosine", warmup_steps=3, weight_decay=0.1, b1=0.8, b2=0.9, eps=1e-6
+        )
     calls.clear()  # a run that ends within its warm-up never decays
     training.make_train_step(None, algorithms.GRPO, dataclasses.replace(run, warmup_steps=50), total_steps=2)
     assert calls[0]["decay_steps"] == 1
@@ -178,12 +200,22 @@ def test_a_decay_without_decay_steps_or_total_steps_raises(monkeypatch):
         training.make_train_step(None, algorithms.GRPO, run, total_steps=-1)
 
 
-@pytest.mark.parametrize("field, value, allowed", [
-    ("weight_decay", -0.1, ">= 0"), ("weight_decay", float("nan"), "finite"),
-    ("lr_schedule", "exponential", "'constant', 'linear', 'cosine'"), ("decay_steps", 0, ">= 1"),
-    ("decay_steps", 2.5, "integer"), ("end_learning_rate_fraction", 1.5, r"\[0.0, 1.0\]"),
-    ("end_learning_rate_fraction", -0.1, r"\[0.0, 1.0\]"), ("adam_b1", 1.0, r"\[0.0, 1.0\)"),
-    ("adam_b2", -0.5, r"\[0.0, 1.0\)"), ("adam_eps", 0.0, "> 0"), ("adam_eps", float("inf"), "finite")])
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("weight_decay", -0.1, ">= 0"),
+        ("weight_decay", float("nan"), "finite"),
+        ("lr_schedule", "exponential", "'constant', 'linear', 'cosine'"),
+        ("decay_steps", 0, ">= 1"),
+        ("decay_steps", 2.5, "integer"),
+        ("end_learning_rate_fraction", 1.5, r"\[0.0, 1.0\]"),
+        ("end_learning_rate_fraction", -0.1, r"\[0.0, 1.0\]"),
+        ("adam_b1", 1.0, r"\[0.0, 1.0\)"),
+        ("adam_b2", -0.5, r"\[0.0, 1.0\)"),
+        ("adam_eps", 0.0, "> 0"),
+        ("adam_eps", float("inf"), "finite"),
+    ],
+)
 def test_bad_optimizer_settings_are_refused_naming_the_field_and_what_is_allowed(field, value, allowed):
     with pytest.raises(ValueError, match=rf"TrainConfig: `{field}` must .*{allowed}"):
         training.TrainConfig(**{field: value})
@@ -197,15 +229,30 @@ def test_decay_steps_are_allowed_and_ignored_with_a_constant_schedule():
 def test_weight_decay_reaches_the_weight_matrices_of_a_qwen2_model_and_not_its_biases_or_norms():
     from jaxrl_llm import models
 
-    config = models.ModelConfig(architecture="qwen2", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
-                                num_heads=2, num_kv_heads=1, head_dim=4, attention_bias=True)
+    config = models.ModelConfig(
+        architecture="qwen2",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        attention_bias=True,
+    )
     _, params = models.init(config, jax.random.key(0))
     optimizer = training.make_optimizer(learning_rate=1e-1, warmup_steps=1, max_grad_norm=1.0, weight_decay=0.5)
     updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
-    moved = {jax.tree_util.keystr(path): bool(jnp.any(u != 0))
-             for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+    moved = {
+        jax.tree_util.keystr(path): bool(jnp.any(u != 0))
+        for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]
+    }
     # With zero gradients only the decay moves a parameter.
     assert {name for name, m in moved.items() if not m} == {
-        "['layers'][0]['input_layernorm'].value", "['layers'][0]['post_attention_layernorm'].value",
-        "['layers'][0]['self_attn']['q_bias'].value", "['layers'][0]['self_attn']['k_bias'].value",
-        "['layers'][0]['self_attn']['v_bias'].value", "['norm'].value"}
+        "['layers'][0]['input_layernorm'].value",
+        "['layers'][0]['post_attention_layernorm'].value",
+        "['layers'][0]['self_attn']['q_bias'].value",
+        "['layers'][0]['self_attn']['k_bias'].value",
+        "['layers'][0]['self_attn']['v_bias'].value",
+        "['norm'].value",
+    }

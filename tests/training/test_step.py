@@ -14,8 +14,16 @@ from jaxrl_llm.tasks import DigitSumTask
 from tests import reference
 
 TASK = DigitSumTask()
-CONFIG = models.ModelConfig(vocab_size=len(TASK.tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+CONFIG = models.ModelConfig(
+    vocab_size=len(TASK.tokenizer),
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=32,
+)
 RUN = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
 
 
@@ -24,9 +32,19 @@ def _batch(model, params, seed=0, run=RUN):
     rng = np.random.default_rng(seed)
     prompts = TASK.prompts(rng, run.num_prompts)
     answers = np.asarray(prompts.columns["answer"])
-    rollout = jax.device_get(training.loop.sampling.sample(
-        model, params, prompts.tokens, prompts.mask, jax.random.key(seed), num_samples=run.group_size,
-        max_new_tokens=run.max_new_tokens, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id))
+    rollout = jax.device_get(
+        training.loop.sampling.sample(
+            model,
+            params,
+            prompts.tokens,
+            prompts.mask,
+            jax.random.key(seed),
+            num_samples=run.group_size,
+            max_new_tokens=run.max_new_tokens,
+            eos_ids=(TASK.eos_id,),
+            pad_id=TASK.pad_id,
+        )
+    )
     rewards = TASK.rewards(np.asarray(rollout.completion_tokens), rollout.lengths, np.repeat(answers, run.group_size))
     return training.Batch.from_rollout(prompts.tokens, prompts.mask, rollout, rewards)
 
@@ -35,8 +53,9 @@ def _rows(batch):
     """``(tokens, mask)`` ``[B, S + N]``: each completion after its own copy of its prompt."""
     group = batch.completion_tokens.shape[0] // batch.prompt_tokens.shape[0]
     tokens = jnp.concatenate([jnp.repeat(batch.prompt_tokens, group, 0), batch.completion_tokens], axis=1)
-    mask = jnp.concatenate([jnp.repeat(batch.prompt_mask, group, 0), jnp.ones(batch.completion_tokens.shape, bool)],
-                           axis=1)
+    mask = jnp.concatenate(
+        [jnp.repeat(batch.prompt_mask, group, 0), jnp.ones(batch.completion_tokens.shape, bool)], axis=1
+    )
     return tokens, mask
 
 
@@ -76,8 +95,7 @@ def _step(algorithm, run=RUN, seed=0):
 
 
 def _changed(tree_a, tree_b) -> bool:
-    return any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), tree_a,
-                                            tree_b)))
+    return any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), tree_a, tree_b)))
 
 
 def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monkeypatch):
@@ -167,21 +185,24 @@ def test_trpo_step_respects_the_kl_bound_on_its_batch():
     # Independently: full logits of both params, exact categorical KL, token mean.
     n = RUN.max_new_tokens
     tokens, mask = _rows(batch)
-    old = models.forward(model, params, tokens, attention_mask=mask)[:, -n - 1:-1]
-    new = models.forward(model, state.params, tokens, attention_mask=mask)[:, -n - 1:-1]
+    old = models.forward(model, params, tokens, attention_mask=mask)[:, -n - 1 : -1]
+    new = models.forward(model, state.params, tokens, attention_mask=mask)[:, -n - 1 : -1]
     divergence = float(ops.masked_mean(kl.categorical(old, new), batch.completion_mask))
     assert 0 < divergence <= algorithms.TRPO.max_kl * (1 + 1e-4)
     np.testing.assert_allclose(divergence, float(metrics["trpo_kl"]), rtol=1e-3)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(num_prompts=0), r"`num_prompts` must be an integer >= 1; got 0"),
-    (dict(group_size=2.0), r"`group_size` must be an integer >= 1; got 2.0"),
-    (dict(minibatch_size=3), r"`minibatch_size` must divide the batch B = num_prompts \* group_size = 16; got 3"),
-    (dict(learning_rate=0.0), r"`learning_rate` must be a finite number > 0; got 0.0"),
-    (dict(max_refill_rounds=-1), r"`max_refill_rounds` must be an integer >= 0; got -1"),
-    (dict(share_prompts="yes"), r"`share_prompts` must be True or False; got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_prompts=0), r"`num_prompts` must be an integer >= 1; got 0"),
+        (dict(group_size=2.0), r"`group_size` must be an integer >= 1; got 2.0"),
+        (dict(minibatch_size=3), r"`minibatch_size` must divide the batch B = num_prompts \* group_size = 16; got 3"),
+        (dict(learning_rate=0.0), r"`learning_rate` must be a finite number > 0; got 0.0"),
+        (dict(max_refill_rounds=-1), r"`max_refill_rounds` must be an integer >= 0; got -1"),
+        (dict(share_prompts="yes"), r"`share_prompts` must be True or False; got 'yes'"),
+    ],
+)
 def test_bad_train_configs_say_what_is_wrong(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(RUN, **changes)
@@ -209,8 +230,9 @@ def test_advantage_metrics_match_numpy_and_stay_finite_for_equal_rewards():
 def test_ppo_critic_starts_at_zero_and_its_value_loss_falls_on_a_batch():
     model, params, score, update, state = _step(algorithms.PPO)
     batch = _batch(model, params, seed=2)._replace(rewards=jnp.linspace(0.0, 1.5, 16))
-    values = training.critic.completion_values(model, state.critic_params, batch.prompt_tokens, batch.prompt_mask,
-                                        batch.completion_tokens)
+    values = training.critic.completion_values(
+        model, state.critic_params, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens
+    )
     np.testing.assert_array_equal(values, 0.0)
     losses = []
     for _ in range(6):
@@ -269,9 +291,11 @@ def test_reward_functions_must_return_one_number_per_completion():
     def short(completions, **kwargs):
         return [0.0] * 3
 
-    with pytest.raises(training.RunStopped,
-                       match=r"RewardFunctionError: In the rollout of train step 0: reward function 'short' "
-                             r"returned 3 values for 16 completions") as error:
+    with pytest.raises(
+        training.RunStopped,
+        match=r"RewardFunctionError: In the rollout of train step 0: reward function 'short' "
+        r"returned 3 values for 16 completions",
+    ) as error:
         training.train(model, params, algorithms.RLOO, RUN, steps=1, task=_Scored(short))
     assert isinstance(error.value.__cause__, rewards.RewardFunctionError)
     assert error.value.__cause__.function is short
@@ -313,8 +337,9 @@ def test_init_state_copies_the_reference_unless_asked_to_share_it():
 def test_rollouts_split_over_a_mesh_train_exactly_like_single_device_ones():
     model, params = models.init(CONFIG, jax.random.key(8))
     single, single_history = training.train(model, params, algorithms.GRPO, RUN, steps=2, task=TASK)
-    split, split_history = training.train(model, params, algorithms.GRPO, RUN, steps=2, task=TASK,
-                                          rollout_mesh=sharding.make_mesh(4))
+    split, split_history = training.train(
+        model, params, algorithms.GRPO, RUN, steps=2, task=TASK, rollout_mesh=sharding.make_mesh(4)
+    )
     for ours, theirs in zip(split_history, single_history):
         assert ours["reward"] == theirs["reward"] and ours["completion_length"] == theirs["completion_length"]
     jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6), split.params, single.params)
@@ -333,8 +358,9 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     task = _HalfSolvable()
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id)
     run = dataclasses.replace(RUN, max_refill_rounds=6)
-    collected = training.collect.collect_batch(sampler, params, task, algorithms.DAPO, run, key=jax.random.key(0),
-                                       position=0)
+    collected = training.collect.collect_batch(
+        sampler, params, task, algorithms.DAPO, run, key=jax.random.key(0), position=0
+    )
     rollouts = collected.rollouts
     rewards = rollouts.rewards.reshape(RUN.num_prompts, RUN.group_size)
     kept = rollouts.completion_mask.reshape(RUN.num_prompts, RUN.group_size, -1).any(axis=(1, 2))
@@ -355,13 +381,16 @@ def test_a_buffer_that_fits_the_budget_is_kept_and_the_presets_is_scaled_to_a_fi
 
 def test_overlong_shaping_enters_the_rewards_the_advantages_and_the_group_metric_see(monkeypatch):
     model, params = models.init(CONFIG, jax.random.key(10))
+
     def zero(completions, **kwargs):
         return [0.0] * len(completions)
 
     run = dataclasses.replace(RUN, max_new_tokens=10)
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5, dynamic_sampling=False)
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
-    collected = training.collect.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
+    collected = training.collect.collect_batch(
+        sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0
+    )
     expected = reference.overlong_penalty(collected.rollouts.lengths, max_len=10, buffer=4, penalty=0.5)
     assert np.any(expected < 0) and np.any(expected == 0)
     np.testing.assert_allclose(collected.rollouts.rewards, expected, rtol=1e-6)
@@ -391,7 +420,9 @@ def test_dynamic_sampling_reads_the_tasks_rewards_not_the_length_shaping():
     run = dataclasses.replace(RUN, max_new_tokens=10, max_refill_rounds=1)
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5)
     sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
-    collected = training.collect.collect_batch(sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0)
+    collected = training.collect.collect_batch(
+        sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0
+    )
     shaped = collected.first_round.rollouts.rewards.reshape(RUN.num_prompts, RUN.group_size)
     assert (shaped.max(1) > shaped.min(1)).any()  # the shaping differs within some group...
     assert collected.refill_rounds == 1 and not collected.rollouts.completion_mask.any()  # ...and counts for nothing

@@ -28,16 +28,20 @@ def _one_update(model, params, algorithm, run, batch):
     return jax.jit(halves.update)(state, scored)
 
 
-@pytest.mark.parametrize("method, minibatch_size, micro_batch_size, agg", [
-    ("grpo", None, 8, None),  # seq-mean-token-mean; micro-batches of two whole groups
-    ("grpo", None, 2, None),  # micro-batches split the groups of 4: each row runs its prompt
-    ("dapo", None, 4, None),  # token-mean
-    ("dr-grpo", None, 4, None),  # seq-mean-token-sum-norm
-    ("dr-grpo", None, 4, "token-sum-norm"),  # verl's: the parts' losses add up
-    ("ppo", 8, 2, None),  # shuffled minibatches, and the critic's token-mean value loss
-])
-def test_gradient_accumulation_over_micro_batches_equals_the_whole_minibatch(method, minibatch_size,
-                                                                             micro_batch_size, agg):
+@pytest.mark.parametrize(
+    "method, minibatch_size, micro_batch_size, agg",
+    [
+        ("grpo", None, 8, None),  # seq-mean-token-mean; micro-batches of two whole groups
+        ("grpo", None, 2, None),  # micro-batches split the groups of 4: each row runs its prompt
+        ("dapo", None, 4, None),  # token-mean
+        ("dr-grpo", None, 4, None),  # seq-mean-token-sum-norm
+        ("dr-grpo", None, 4, "token-sum-norm"),  # verl's: the parts' losses add up
+        ("ppo", 8, 2, None),  # shuffled minibatches, and the critic's token-mean value loss
+    ],
+)
+def test_gradient_accumulation_over_micro_batches_equals_the_whole_minibatch(
+    method, minibatch_size, micro_batch_size, agg
+):
     algorithm = dataclasses.replace(algorithms.get(method), dynamic_sampling=False)
     if agg is not None:
         algorithm = dataclasses.replace(algorithm, agg=agg)
@@ -51,16 +55,21 @@ def test_gradient_accumulation_over_micro_batches_equals_the_whole_minibatch(met
     assert accumulated_run.num_micro_batches == (minibatch_size or 16) // micro_batch_size
     accumulated, metrics = _one_update(model, params, algorithm, accumulated_run, batch)
     for name in ("loss", "grad_norm", "entropy", "ratio_mean", *(("value_loss",) if algorithm.needs_critic else ())):
-        np.testing.assert_allclose(float(metrics[name]), float(whole_metrics[name]), rtol=2e-5, atol=1e-7,
-                                   err_msg=name)  # the loss's normaliser, and token means
-    chex.assert_trees_all_close((accumulated.params, accumulated.critic_params),
-                                (whole.params, whole.critic_params), atol=2e-6, rtol=1e-5)
+        np.testing.assert_allclose(
+            float(metrics[name]), float(whole_metrics[name]), rtol=2e-5, atol=1e-7, err_msg=name
+        )  # the loss's normaliser, and token means
+    chex.assert_trees_all_close(
+        (accumulated.params, accumulated.critic_params), (whole.params, whole.critic_params), atol=2e-6, rtol=1e-5
+    )
     assert float(whole_metrics["grad_norm"]) > 0
 
 
 def test_micro_batches_must_divide_the_minibatch_and_trpo_takes_none():
-    with pytest.raises(ValueError, match=r"`micro_batch_size` must divide the rows of an optimizer step "
-                                         r"\(minibatch_size = 8\); got 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"`micro_batch_size` must divide the rows of an optimizer step "
+        r"\(minibatch_size = 8\); got 3",
+    ):
         dataclasses.replace(RUN, minibatch_size=8, micro_batch_size=3)
     with pytest.raises(ValueError, match="gradient accumulation is not available"):
         training.make_train_step(None, algorithms.TRPO, dataclasses.replace(RUN, micro_batch_size=8))
@@ -104,8 +113,10 @@ def test_the_exact_kl_is_the_full_vocabulary_kl_of_the_sampling_policy_to_the_re
     model, params = models.init(CONFIG, jax.random.key(0))
     _, reference_params = models.init(CONFIG, jax.random.key(1))
     batch = _batch(model, params, seed=4)
-    for method, run in ((algorithms.GRPO, RUN),  # on-policy: score runs the policy for the metric
-                        (algorithms.PPO, dataclasses.replace(RUN, minibatch_size=8))):  # old log-probs' pass
+    for method, run in (
+        (algorithms.GRPO, RUN),  # on-policy: score runs the policy for the metric
+        (algorithms.PPO, dataclasses.replace(RUN, minibatch_size=8)),
+    ):  # old log-probs' pass
         run = dataclasses.replace(run, exact_kl=True, temperature=0.7)
         halves = training.make_train_step(model, method, run)
         state = training.init_state(model, params, method, run, ref_params=reference_params)
@@ -113,8 +124,8 @@ def test_the_exact_kl_is_the_full_vocabulary_kl_of_the_sampling_policy_to_the_re
         # Independently: full logits of both models at the sampling temperature, exact KL, token mean.
         tokens, mask = _rows(batch)
         n = run.max_new_tokens
-        policy = models.forward(model, params, tokens, attention_mask=mask)[:, -n - 1:-1] / 0.7
-        reference = models.forward(model, reference_params, tokens, attention_mask=mask)[:, -n - 1:-1] / 0.7
+        policy = models.forward(model, params, tokens, attention_mask=mask)[:, -n - 1 : -1] / 0.7
+        reference = models.forward(model, reference_params, tokens, attention_mask=mask)[:, -n - 1 : -1] / 0.7
         expected = ops.masked_mean(kl.categorical(policy, reference), batch.completion_mask)
         assert float(expected) > 1e-3
         np.testing.assert_allclose(float(metrics["kl_exact"]), float(expected), rtol=1e-5)

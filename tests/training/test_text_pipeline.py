@@ -13,8 +13,14 @@ from jaxrl_llm.tasks.text import from_jsonl
 from tests.models.hf_fixtures import tiny_hf_model
 from tests.tasks.fixtures import chat_tokenizer
 
-PROBLEMS = [("Ann has 2 apples and buys 3.", "5"), ("What is 12 times 7?", "84"), ("Solve 2 + 2.", "4"),
-            ("How many legs do 3 ducks have?", "6"), ("Half of 18?", "9"), ("Ten minus four?", "6")]
+PROBLEMS = [
+    ("Ann has 2 apples and buys 3.", "5"),
+    ("What is 12 times 7?", "84"),
+    ("Solve 2 + 2.", "4"),
+    ("How many legs do 3 ducks have?", "6"),
+    ("Half of 18?", "9"),
+    ("Ten minus four?", "6"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +31,9 @@ def checkpoint(tmp_path_factory):
     tokenizer = chat_tokenizer(eos=False)  # the checkpoint's generation_config names the stop ids
     end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model = tiny_hf_model("qwen3", vocab_size=len(tokenizer), max_position_embeddings=128)
-    model.generation_config = transformers.GenerationConfig(eos_token_id=[end_of_turn, end_of_text],
-                                                            pad_token_id=end_of_text)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=[end_of_turn, end_of_text], pad_token_id=end_of_text
+    )
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -41,8 +48,16 @@ def problems(tmp_path_factory):
 
 def _tiny_model(tokenizer, *, max_positions: int):
     """A one-layer random model over ``tokenizer``'s vocabulary."""
-    config = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_layers=1,
-                                num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=max_positions)
+    config = models.ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=max_positions,
+    )
     return models.init(config, jax.random.key(0))
 
 
@@ -73,15 +88,14 @@ def test_a_trl_reward_function_trains_a_hugging_face_checkpoint_on_jsonl(checkpo
     assert set(task.eos_ids) == {end_of_turn, end_of_text}  # from generation_config.json
     config = training.TrainConfig(num_prompts=2, group_size=3, max_new_tokens=6, max_prompt_length=64)
     backend = _Recording(sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id))
-    state, history = training.train(model, params, algorithms.get(method), config, steps=3, task=task,
-                                    rollout=backend)
+    state, history = training.train(model, params, algorithms.get(method), config, steps=3, task=task, rollout=backend)
 
     assert int(state.step) == 3 and len(calls) == len(backend.rollouts) == 3
     answers = dict(PROBLEMS)
     for call, rollout in zip(calls, backend.rollouts, strict=True):
         n = config.max_new_tokens
         for row, (completion, ids) in enumerate(zip(call["completions"], call["completion_ids"], strict=True)):
-            sampled = rollout.tokens[row, -n:][:rollout.lengths[row]].tolist()
+            sampled = rollout.tokens[row, -n:][: rollout.lengths[row]].tolist()
             assert ids == sampled
             text_ids = sampled[:-1] if sampled and sampled[-1] in task.eos_ids else sampled
             assert completion == tokenizer.decode(text_ids, skip_special_tokens=True)
@@ -98,8 +112,10 @@ def test_prompts_of_spread_lengths_trace_each_half_a_bounded_number_of_times():
     alphabet = "abcdefghij "
     tokenizer = tasks.build_char_tokenizer(alphabet)
     rng = np.random.default_rng(0)
-    records = [{"prompt": "".join(rng.choice(list("abcdefghij"), size=length)), "answer": "a"}
-               for length in rng.integers(5, 61, size=200)]
+    records = [
+        {"prompt": "".join(rng.choice(list("abcdefghij"), size=length)), "answer": "a"}
+        for length in rng.integers(5, 61, size=200)
+    ]
 
     def starts_right(completions, answer, **kwargs):
         return [float(c.startswith(a)) for c, a in zip(completions, answer)]
@@ -124,11 +140,13 @@ def test_a_prompt_longer_than_the_limit_is_an_error_or_left_truncated_and_counte
     task = tasks.from_records(records, tokenizer=tokenizer, reward_fns=[one])
     model, params = _tiny_model(tokenizer, max_positions=32)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8)
-    with pytest.raises(training.RunStopped, match="has 20 tokens, more than max_prompt_length=8 .* "
-                                                   "prompt_truncation='left'"):
+    with pytest.raises(
+        training.RunStopped, match="has 20 tokens, more than max_prompt_length=8 .* prompt_truncation='left'"
+    ):
         training.train(model, params, algorithms.RLOO, run, steps=1, task=task)
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8,
-                               prompt_truncation="left")
+    run = training.TrainConfig(
+        num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8, prompt_truncation="left"
+    )
     _, history = training.train(model, params, algorithms.RLOO, run, steps=1, task=task)
     assert history[0]["truncated_prompts"] == 1
 
@@ -165,8 +183,11 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_or_scores_zero_an
     task = tasks.from_records([{"prompt": letter} for letter in "ab"], tokenizer=tokenizer, reward_fns=[fragile])
     model, params = _tiny_model(tokenizer, max_positions=16)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
-    with pytest.raises(training.RunStopped, match="In the rollout of train step 0: reward function 'fragile' raised "
-                                                   r"ValueError: cannot parse at row \d \(prompt 'b'"):
+    with pytest.raises(
+        training.RunStopped,
+        match="In the rollout of train step 0: reward function 'fragile' raised "
+        r"ValueError: cannot parse at row \d \(prompt 'b'",
+    ):
         training.train(model, params, algorithms.PG, run, steps=1, task=task)
     run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, on_reward_error="zero")
     _, history = training.train(model, params, algorithms.PG, run, steps=1, task=task)
