@@ -2,7 +2,7 @@ r"""Per-device memory of the whole train state on each mesh and sharding preset,
 
 The train state of :func:`jaxrl_llm.training.init_state` is what stays resident on the
 devices for a whole run: the policy's params, AdamW's state (two float32 moments and, for
-bfloat16 params, a float32 master copy of each: :func:`jaxrl_llm.training.step.in_float32`),
+bfloat16 params, a float32 master copy of each: :func:`jaxrl_llm.training.optim.in_float32`),
 the reference params and, for PPO, the critic (a copy of the backbone with a value head)
 and its optimizer state. This prints, for a Qwen2.5-0.5B-shaped model (``qwen2``: 24
 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864, vocab 151936, tied

@@ -47,9 +47,9 @@ UpdateRule = Literal["optax", "trpo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 POLICY_OBJECTIVES: tuple[str, ...] = get_args(PolicyObjective)
 OBJECTIVE_ALIASES: dict[str, str] = {"grpo": "ppo_clip"}
-"""Old names of an objective, still accepted (config files, ``--algorithm.objective``, the
-configs stored in run directories) and replaced by the current name: ``"grpo"`` was a
-second name of the clipped surrogate, :func:`jaxrl_llm.objectives.ppo_clip`."""
+"""Aliases of an objective, accepted (config files, ``--algorithm.objective``, the configs
+stored in run directories) and replaced by its name: ``"grpo"`` is the clipped surrogate,
+:func:`jaxrl_llm.objectives.ppo_clip`."""
 UPDATE_RULES: tuple[str, ...] = get_args(UpdateRule)
 PeerLibrary = Literal["trl", "verl", "openrlhf"]
 PEER_LIBRARIES: tuple[str, ...] = get_args(PeerLibrary)
@@ -103,7 +103,7 @@ class Algorithm:
     objective: Literal[PolicyObjective, ObjectiveAlias]
     """The per-token surrogate: ``policy_gradient``, ``ppo_clip`` (the one clipped
     surrogate: PPO, TRPO, GRPO, Dr. GRPO, DAPO, GSPO, REINFORCE++) or ``cispo``; see
-    :mod:`jaxrl_llm.objectives`. ``"grpo"``, an old name of ``ppo_clip``, is accepted and
+    :mod:`jaxrl_llm.objectives`. ``"grpo"``, an alias of ``ppo_clip``, is accepted and
     becomes ``"ppo_clip"`` (:data:`OBJECTIVE_ALIASES`)."""
     agg: aggregation.AggregationMode
     """How per-token terms become the loss; see :func:`jaxrl_llm.ops.aggregate`."""
@@ -171,7 +171,7 @@ class Algorithm:
             if value not in allowed:
                 fail(f"`{field}` must be one of {', '.join(map(repr, allowed))}; got {value!r}.")
 
-        if self.objective in OBJECTIVE_ALIASES:  # an old name (a stored config, an old file)
+        if self.objective in OBJECTIVE_ALIASES:  # an alias (a stored config, a config file)
             object.__setattr__(self, "objective", OBJECTIVE_ALIASES[self.objective])
         one_of("advantage", ADVANTAGE_ESTIMATORS)
         one_of("objective", POLICY_OBJECTIVES)
@@ -408,7 +408,6 @@ def compute_advantages(
       ``[B, N]`` (per-token paths), returns ``[B, N]`` for ``gae`` and ``None`` otherwise,
       and the baseline state after this batch.
     """
-    a = algorithm
     mask = _checks.mask("compute_advantages", mask, "mask", mask)  # [B, N] bool
     _checks.rank("compute_advantages", "mask", mask, 2, "[B, N]")
     rewards = jnp.asarray(rewards, jnp.float32)
@@ -422,33 +421,38 @@ def compute_advantages(
             f"compute_advantages: the batch B = {mask.shape[0]} must be a multiple of group_size={group_size}."
         )
     penalty = jnp.zeros(mask.shape, jnp.float32)  # [B, N]: c * k1 per token
-    if a.kl_reward_coef > 0:
+    if algorithm.kl_reward_coef > 0:
         if logp is None or ref_logp is None:
             raise ValueError(
-                f"Algorithm {a.name!r} has kl_reward_coef={a.kl_reward_coef} > 0: pass `logp` and `ref_logp`."
+                f"Algorithm {algorithm.name!r} has kl_reward_coef={algorithm.kl_reward_coef} > 0: pass `logp` and "
+                "`ref_logp`."
             )
-        penalty = jnp.where(mask, a.kl_reward_coef * kl_lib.k1(logp, ref_logp), 0.0)
-    if a.advantage == "gae":
+        penalty = jnp.where(mask, algorithm.kl_reward_coef * kl_lib.k1(logp, ref_logp), 0.0)
+    if algorithm.advantage == "gae":
         if values is None:
-            raise ValueError(f"Algorithm {a.name!r} uses GAE: pass the critic's `values`.")
+            raise ValueError(f"Algorithm {algorithm.name!r} uses GAE: pass the critic's `values`.")
         token_rewards = adv_lib.token_rewards(rewards, mask, kl_penalty=penalty)  # [B, N]
-        advantages, returns = adv_lib.gae(token_rewards, values, mask, gamma=a.gamma, lam=a.lam)
-        return (aggregation.whiten(advantages, mask, ddof=a.std_ddof, eps_placement=a.eps_placement), returns, baseline)
-    if a.advantage == "reinforce_pp":
+        advantages, returns = adv_lib.gae(token_rewards, values, mask, gamma=algorithm.gamma, lam=algorithm.lam)
+        return (
+            aggregation.whiten(advantages, mask, ddof=algorithm.std_ddof, eps_placement=algorithm.eps_placement),
+            returns,
+            baseline,
+        )
+    if algorithm.advantage == "reinforce_pp":
         advantages = adv_lib.reinforce_plus_plus(
             rewards.reshape(-1, group_size),
             mask,
             kl_penalty=penalty,
-            gamma=a.gamma,
-            eps=a.advantage_eps,
-            subtract_group_mean=a.subtract_group_mean,
-            group_mean_of=a.group_mean_of,
-            ddof=a.std_ddof,
-            eps_placement=a.eps_placement,
+            gamma=algorithm.gamma,
+            eps=algorithm.advantage_eps,
+            subtract_group_mean=algorithm.subtract_group_mean,
+            group_mean_of=algorithm.group_mean_of,
+            ddof=algorithm.std_ddof,
+            eps_placement=algorithm.eps_placement,
         )
         return advantages, None, baseline
     sequence_rewards = rewards - jnp.sum(penalty, axis=1)
-    advantages, baseline = sequence_advantages(a, sequence_rewards.reshape(-1, group_size), baseline)
+    advantages, baseline = sequence_advantages(algorithm, sequence_rewards.reshape(-1, group_size), baseline)
     return advantages, None, baseline
 
 
@@ -486,40 +490,47 @@ def policy_loss(
     Returns:
       ``(loss, metrics)``.
     """
-    a = algorithm
-    common = dict(agg=a.agg, max_len=max_len)
-    if a.objective == "policy_gradient":
+    common = dict(agg=algorithm.agg, max_len=max_len)
+    if algorithm.objective == "policy_gradient":
         loss, metrics = objectives.policy_gradient(logp, advantages, mask, old_logp=old_logp, **common)
-    elif a.objective == "ppo_clip":
+    elif algorithm.objective == "ppo_clip":
         loss, metrics = objectives.ppo_clip(
             logp,
             old_logp,
             advantages,
             mask,
-            eps_low=a.eps_low,
-            eps_high=a.eps_high,
-            dual_clip=a.dual_clip,
-            ratio_level=a.ratio_level,
-            log_ratio_cap=a.log_ratio_cap,
+            eps_low=algorithm.eps_low,
+            eps_high=algorithm.eps_high,
+            dual_clip=algorithm.dual_clip,
+            ratio_level=algorithm.ratio_level,
+            log_ratio_cap=algorithm.log_ratio_cap,
             **common,
         )
     else:  # cispo
         loss, metrics = objectives.cispo(
-            logp, old_logp, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high, **common
+            logp, old_logp, advantages, mask, eps_low=algorithm.eps_low, eps_high=algorithm.eps_high, **common
         )
 
-    if a.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"Algorithm {a.name!r} has kl_coef={a.kl_coef} > 0: pass `ref_logp`.")
+    if algorithm.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"Algorithm {algorithm.name!r} has kl_coef={algorithm.kl_coef} > 0: pass `ref_logp`.")
     if ref_logp is not None:
         penalty, kl_metrics = objectives.kl_penalty(
-            logp, ref_logp, mask, coef=a.kl_coef, estimator=a.kl_estimator, clamp=a.kl_clamp, **common
+            logp,
+            ref_logp,
+            mask,
+            coef=algorithm.kl_coef,
+            estimator=algorithm.kl_estimator,
+            clamp=algorithm.kl_clamp,
+            **common,
         )
         loss = loss + penalty
         metrics.update(kl_metrics)
-    if a.entropy_coef > 0 or entropy is not None:
+    if algorithm.entropy_coef > 0 or entropy is not None:
         if entropy is None:
-            raise ValueError(f"Algorithm {a.name!r} has entropy_coef={a.entropy_coef} > 0: pass `entropy`.")
-        bonus, entropy_metrics = objectives.entropy_bonus(entropy, mask, coef=a.entropy_coef, **common)
+            raise ValueError(
+                f"Algorithm {algorithm.name!r} has entropy_coef={algorithm.entropy_coef} > 0: pass `entropy`."
+            )
+        bonus, entropy_metrics = objectives.entropy_bonus(entropy, mask, coef=algorithm.entropy_coef, **common)
         loss = loss + bonus
         metrics.update(entropy_metrics)
     metrics["loss"] = loss

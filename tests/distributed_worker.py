@@ -103,9 +103,9 @@ def run_steps(mesh_shape, rules_name: str):
     state = training.init_state(model, params, algorithms.GRPO, config)
     shardings = training.state_shardings(state, algorithms.GRPO, config, mesh, sharding.RULES[rules_name])
     state = distributed.put(state, shardings)
-    halves = training.make_train_step(model, algorithms.GRPO, config)
-    score = jax.jit(halves.score)
-    update = jax.jit(halves.update, out_shardings=(shardings, None), donate_argnums=0)
+    train_step = training.make_train_step(model, algorithms.GRPO, config)
+    score = jax.jit(train_step.score)
+    update = jax.jit(train_step.update, out_shardings=(shardings, None), donate_argnums=0)
 
     batch, specs = synthetic_batch(model.config.vocab_size)
     mine = jax.tree.map(

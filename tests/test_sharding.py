@@ -165,7 +165,7 @@ def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
 
 @functools.cache
 def _single_device_step(method: str):
-    """``(run, model, params, batch, halves, score_metrics, new_state, metrics)`` of one
+    """``(run, model, params, batch, train_step, score_metrics, new_state, metrics)`` of one
     step of ``method`` on one device, computed once per test process."""
     from jaxrl_llm import algorithms, models, training
     from tests.training.test_step import CONFIG, RUN, _batch
@@ -178,12 +178,12 @@ def _single_device_step(method: str):
         RUN, num_prompts=8, group_size=2, minibatch_size=8 if method == "ppo" else None, exact_kl=True, adam_eps=1e-4
     )
     model, params = models.init(CONFIG, jax.random.key(0))
-    halves = training.make_train_step(model, algorithm, run)
+    train_step = training.make_train_step(model, algorithm, run)
     batch = _batch(model, params, run=run)
     state = training.init_state(model, params, algorithm, run)
-    scored, score_metrics = jax.jit(halves.score)(state, batch)
-    new, metrics = jax.jit(halves.update)(state, scored)
-    return run, model, params, batch, halves, score_metrics, new, metrics
+    scored, score_metrics = jax.jit(train_step.score)(state, batch)
+    new, metrics = jax.jit(train_step.update)(state, scored)
+    return run, model, params, batch, train_step, score_metrics, new, metrics
 
 
 # Every mesh at least once: GRPO on 1x8x1 and 2x2x2, PPO on 2x4x1 and 1x4x2, TRPO (the
@@ -213,14 +213,17 @@ def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(
     from jaxrl_llm import algorithms, training
 
     algorithm = algorithms.get(method)
-    run, model, params, batch, halves, expected_score_metrics, expected, expected_metrics = _single_device_step(method)
+    run, model, params, batch, train_step, expected_score_metrics, expected, expected_metrics = _single_device_step(
+        method
+    )
 
     mesh = sharding.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
     state = training.init_state(model, params, algorithm, run)
     shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES["fsdp_tensor"])
     state = jax.device_put(state, shardings)
-    scored, score_metrics = jax.jit(halves.score)(state, jax.device_put(batch, training.batch.batch_shardings(mesh)))
-    new, metrics = jax.jit(halves.update, out_shardings=(shardings, None))(state, scored)
+    placed_batch = jax.device_put(batch, training.batch.batch_shardings(mesh))
+    scored, score_metrics = jax.jit(train_step.score)(state, placed_batch)
+    new, metrics = jax.jit(train_step.update, out_shardings=(shardings, None))(state, scored)
 
     for name in ("kl_exact", "advantage_std"):
         np.testing.assert_allclose(

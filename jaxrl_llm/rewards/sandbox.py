@@ -150,9 +150,12 @@ _PROGRAM_NAME = "solution.py"
 _REPORT_CAP = 1 << 16  # bytes read from the supervisor's report pipe
 _UID_RANGE = (1 << 30, (1 << 30) + (1 << 24))  # fresh uids for root runs; no passwd entry
 _HIDE = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run", "/home", "/root")
-# The sandbox's first process, a program of its own (stdlib only, never imported here): run by its path
-# under ``python -I`` it loads nothing of this package, and its directory is not on the program's sys.path.
+# The sandbox's first process, a program of its own (stdlib only, never imported here). Its source is
+# read once, now, and run with ``python -I -c``: it loads nothing of this package, no directory of it is
+# on the program's sys.path, and a program that overwrites the file on disk changes no later run.
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
+with open(_LAUNCHER, encoding="utf-8") as _file:
+    _LAUNCHER_SOURCE = _file.read()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -318,7 +321,7 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
     report_r = report_w = tests_fd = None
     try:
         program = _write_program(workdir, source, uid)
-        command = [sys.executable, "-I", "-B", "-u", _LAUNCHER]
+        command = [sys.executable, "-I", "-B", "-u", "-c", _LAUNCHER_SOURCE]
         unshare = _namespace_command() if limits.namespaces else None
         if unshare:
             command = [*unshare, *command]

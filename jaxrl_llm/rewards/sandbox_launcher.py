@@ -1,15 +1,17 @@
 """The program the sandbox runs as its first process: the supervisor, which launches the untrusted program.
 
-:mod:`jaxrl_llm.rewards.sandbox` runs this file by its absolute path, behind util-linux
-``unshare`` where namespaces work::
+:mod:`jaxrl_llm.rewards.sandbox` reads this file once, when it is imported, and runs its
+source behind util-linux ``unshare`` where namespaces work::
 
-    python -I -B -u /path/to/jaxrl_llm/rewards/sandbox_launcher.py '<configuration as JSON>'
+    python -I -B -u -c '<this source>' '<configuration as JSON>'
 
 never by ``import`` or ``-m``: ``-I`` keeps ``PYTHONPATH``, the user's site directory and
-this file's own directory off ``sys.path`` (a sibling such as ``code.py`` cannot shadow a
-standard module in the program), and a file run on its own does not import
-:mod:`jaxrl_llm`, which would load JAX into every sandbox. So it is trusted code that
-uses the standard library only; importing it merely defines its functions.
+the current directory off ``sys.path`` (a sibling such as ``code.py`` cannot shadow a
+standard module in the program), and the source run on its own does not import
+:mod:`jaxrl_llm`, which would load JAX into every sandbox. Held in memory, it does not
+depend on the file staying in view (the sandbox hides ``/root`` and the home directories)
+or unchanged (a program that overwrites the file changes no later run). So it is trusted
+code that uses the standard library only; importing it merely defines its functions.
 
 What it reads: one JSON object, its last argument -- ``workdir`` and ``program`` (the
 working directory and the program's source file in it), two descriptors it inherits
@@ -176,14 +178,6 @@ def keep_paths() -> set[str]:
     return out
 
 
-def own_paths() -> set[str]:
-    """This file. The interpreter has read it before anything is hidden; it stays visible
-    for the supervisor's own tracebacks, even when the package lies in a hidden directory
-    (``/root``, ``/home``, ``$HOME``). Not needed by the program, so not among
-    :func:`keep_paths`, which decide whether the program's uid can be dropped."""
-    return {os.path.abspath(__file__), os.path.realpath(__file__)}
-
-
 def unescape(field: str) -> str:
     """A /proc/self/mountinfo path: octal escapes (\\040 = space) back to bytes."""
     raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field.encode())
@@ -217,7 +211,7 @@ def hide_directories(libc, hide: list[str], workdir: str) -> list[str]:
     for h in hide:
         if not os.path.isdir(h) or any(under(h, k) for k in keep):
             continue  # gone (hidden with a parent already), or part of the interpreter
-        inside = sorted({k for k in keep | own_paths() | {workdir} if under(k, h) and k != h}, key=len)
+        inside = sorted({k for k in keep | {workdir} if under(k, h) and k != h}, key=len)
         fds = [(k, os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in inside]
         mount(libc, "tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
         for k, fd in fds:
@@ -531,58 +525,29 @@ def install_guard(workdir: str) -> None:
     import posix
     import signal
 
-    realpath, join, dirname, basename, isabs = (
-        os.path.realpath,
-        os.path.join,
-        os.path.dirname,
-        os.path.basename,
-        os.path.isabs,
-    )
+    # fmt: off
+    realpath, join, dirname, basename, isabs = (os.path.realpath, os.path.join, os.path.dirname, os.path.basename,
+                                                os.path.isabs)
     getcwd, readlink, fspath, fsdecode, getpid = os.getcwd, os.readlink, os.fspath, os.fsdecode, os.getpid
     root = workdir.rstrip("/") + "/"
     devices = {"/dev/null", "/dev/zero", "/dev/full", "/dev/stdout", "/dev/stderr", "/dev/tty"}
     proc_pid = re.compile(r"/proc/(\d+)(/|$)")
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     blocked = {
-        "os.fork",
-        "os.forkpty",
-        "os.posix_spawn",
-        "os.exec",
-        "os.spawn",
-        "os.system",
-        "os.killpg",
-        "subprocess.Popen",
-        "pty.spawn",
-        "socket.connect",
-        "socket.bind",
-        "socket.sendto",
-        "socket.sendmsg",
-        "socket.getaddrinfo",
-        "socket.gethostbyname",
-        "socket.gethostbyaddr",
-        "socket.getnameinfo",
-        "socket.sethostname",
-        "sys.settrace",
-        "sys.setprofile",
+        "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system", "os.killpg",
+        "subprocess.Popen", "pty.spawn", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
+        "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
+        "socket.sethostname", "sys.settrace", "sys.setprofile",
     }
     no_import = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "posix", "_signal", "signal"}
     # (path argument index, dir_fd argument index) per mutating event
     mutating = {
-        "os.chmod": ((0, 2),),
-        "os.chown": ((0, 3),),
-        "os.link": ((0, 2), (1, 3)),
-        "os.mkdir": ((0, 2),),
-        "os.remove": ((0, 1),),
-        "os.rename": ((0, 2), (1, 3)),
-        "os.rmdir": ((0, 1),),
-        "os.symlink": ((1, 2),),
-        "os.truncate": ((0, None),),
-        "os.utime": ((0, 3),),
-        "os.chflags": ((0, None),),
-        "os.lchflags": ((0, None),),
-        "os.setxattr": ((0, None),),
-        "os.removexattr": ((0, None),),
+        "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.link": ((0, 2), (1, 3)), "os.mkdir": ((0, 2),),
+        "os.remove": ((0, 1),), "os.rename": ((0, 2), (1, 3)), "os.rmdir": ((0, 1),), "os.symlink": ((1, 2),),
+        "os.truncate": ((0, None),), "os.utime": ((0, 3),), "os.chflags": ((0, None),),
+        "os.lchflags": ((0, None),), "os.setxattr": ((0, None),), "os.removexattr": ((0, None),),
     }
+    # fmt: on
 
     def deny(event):
         raise PermissionError(f"sandbox: {event} is not allowed")

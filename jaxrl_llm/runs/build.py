@@ -10,7 +10,8 @@ import pathlib
 import site
 import sys
 import sysconfig
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,10 @@ def check_model_path(spec: ModelSpec) -> None:
     if spec.path is None:
         return
     if not os.path.isdir(spec.path):
-        raise FileNotFoundError(f"model.path {spec.path!r} is not a directory (a Hugging Face model directory "
-                                "with config.json, safetensors weights and a tokenizer).")
+        raise FileNotFoundError(
+            f"model.path {spec.path!r} is not a directory (a Hugging Face model directory "
+            "with config.json, safetensors weights and a tokenizer)."
+        )
     if not os.path.isfile(os.path.join(spec.path, "config.json")):
         raise FileNotFoundError(f"model.path {spec.path!r} has no config.json: not a Hugging Face model directory.")
 
@@ -51,12 +54,17 @@ def check_positions(config: RunConfig) -> None:
     if config.model.path is None:
         return
     check_model_path(config.model)
-    limit = getattr(transformers.AutoConfig.from_pretrained(config.model.path, local_files_only=True),
-                    "max_position_embeddings", None)
+    limit = getattr(
+        transformers.AutoConfig.from_pretrained(config.model.path, local_files_only=True),
+        "max_position_embeddings",
+        None,
+    )
     budget = config.train.sampling.max_new_tokens
     if limit is not None and budget >= limit:
-        raise ValueError(f"train.sampling.max_new_tokens ({budget}) leaves no room for a prompt in the model in "
-                         f"{config.model.path!r} (max_position_embeddings = {limit}); lower it.")
+        raise ValueError(
+            f"train.sampling.max_new_tokens ({budget}) leaves no room for a prompt in the model in "
+            f"{config.model.path!r} (max_position_embeddings = {limit}); lower it."
+        )
 
 
 def tokenizer(spec: ModelSpec) -> transformers.PreTrainedTokenizerBase:
@@ -73,15 +81,25 @@ def model_config(spec: ModelSpec, task: tasks.Task, max_positions: int) -> model
     """The built-in decoder's configuration for ``task``'s tokenizer and stop ids."""
     tokenizer_ = task.tokenizer
     return models.ModelConfig(
-        vocab_size=len(tokenizer_), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.hidden_size // spec.num_heads, max_position_embeddings=max_positions,
-        bos_token_id=tokenizer_.bos_token_id, eos_token_ids=tuple(task.eos_ids), pad_token_id=task.pad_id,
-        param_dtype=_DTYPES[spec.param_dtype], dtype=_DTYPES[spec.dtype or spec.param_dtype])
+        vocab_size=len(tokenizer_),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer_.bos_token_id,
+        eos_token_ids=tuple(task.eos_ids),
+        pad_token_id=task.pad_id,
+        param_dtype=_DTYPES[spec.param_dtype],
+        dtype=_DTYPES[spec.dtype or spec.param_dtype],
+    )
 
 
-def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=None
-          ) -> tuple[models.Model, models.Params]:
+def model(
+    config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=None
+) -> tuple[models.Model, models.Params]:
     """The policy before training: the model directory's weights, or the built-in decoder
     initialised from ``config.train.seed``, with the spec's execution options (layer scan,
     remat, attention). ``abstract``: shapes and dtypes only (``jax.ShapeDtypeStruct``
@@ -100,8 +118,13 @@ def model(config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=N
             hf_config = transformers.AutoConfig.from_pretrained(spec.path, local_files_only=True)
             model_, params = models.abstract(models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute))
         else:
-            model_, params = models.from_pretrained(spec.path, dtype, compute_dtype=compute, mesh=mesh,
-                                                    rules=None if mesh is None else sharding.RULES[config.mesh.rules])
+            model_, params = models.from_pretrained(
+                spec.path,
+                dtype,
+                compute_dtype=compute,
+                mesh=mesh,
+                rules=None if mesh is None else sharding.RULES[config.mesh.rules],
+            )
     return models.with_options(model_, **options), params
 
 
@@ -110,9 +133,12 @@ def _library_directories() -> tuple[str, ...]:
     """Where code that is not the user's lives: this library, the standard library and the
     installed packages (the environment's, the user's and the system's site directories)."""
     paths = sysconfig.get_paths()
-    found = {str(pathlib.Path(jaxrl_llm.__file__).resolve().parent),
-             *(paths[name] for name in ("stdlib", "purelib", "platlib")), *site.getsitepackages(),
-             site.getusersitepackages()}
+    found = {
+        str(pathlib.Path(jaxrl_llm.__file__).resolve().parent),
+        *(paths[name] for name in ("stdlib", "purelib", "platlib")),
+        *site.getsitepackages(),
+        site.getusersitepackages(),
+    }
     return tuple(os.path.realpath(path) + os.sep for path in found)
 
 
@@ -121,7 +147,8 @@ def is_library_file(filename: str | os.PathLike) -> bool:
     package's, not the user's own code."""
     path = os.path.realpath(filename)
     return path.startswith(_library_directories()) or any(
-        part in ("site-packages", "dist-packages") for part in pathlib.Path(path).parts)
+        part in ("site-packages", "dist-packages") for part in pathlib.Path(path).parts
+    )
 
 
 def _import_file(path: pathlib.Path):
@@ -141,8 +168,10 @@ def _import_file(path: pathlib.Path):
     for key in [key for key in sys.modules if key == parts[0] or key.startswith(f"{parts[0]}.")]:
         file = getattr(sys.modules[key], "__file__", None)
         if file is None or is_library_file(file):
-            raise ImportError(f"a module named {parts[0]!r} is already imported from "
-                              f"{file or 'the interpreter'}; rename {path.name}", name=name)
+            raise ImportError(
+                f"a module named {parts[0]!r} is already imported from {file or 'the interpreter'}; rename {path.name}",
+                name=name,
+            )
         del sys.modules[key]  # the same name from another user file
     sys.path.insert(0, str(root))
     try:
@@ -165,8 +194,10 @@ def reward_function(name: str) -> Callable[..., Any]:
         return REWARDS[name]
     module_name, colon, attribute = name.rpartition(":")
     if not colon:
-        raise ValueError(f"task.rewards: unknown reward {name!r}; the built-in ones are {', '.join(REWARDS)}, "
-                         "or give `module:function` or `path/to/file.py:function`.")
+        raise ValueError(
+            f"task.rewards: unknown reward {name!r}; the built-in ones are {', '.join(REWARDS)}, "
+            "or give `module:function` or `path/to/file.py:function`."
+        )
     is_file = module_name.endswith(".py")
     path = pathlib.Path(module_name).expanduser().resolve() if is_file else None
     if is_file and not path.is_file():
@@ -176,10 +207,12 @@ def reward_function(name: str) -> Callable[..., Any]:
     except ModuleNotFoundError as error:
         if is_file or not error.name or not (module_name + ".").startswith(error.name + "."):
             raise ValueError(f"task.rewards: importing {name!r} failed: {type(error).__name__}: {error}.") from error
-        raise ValueError(f"task.rewards: cannot import {name!r}: {error} (looked for "
-                         f"{module_name.replace('.', '/')}.py in the current directory {os.getcwd()}, beside the "
-                         f"config file, and among the installed modules; or write the file's path, "
-                         f"'path/to/{module_name.split('.')[-1]}.py:{attribute}').") from None
+        raise ValueError(
+            f"task.rewards: cannot import {name!r}: {error} (looked for "
+            f"{module_name.replace('.', '/')}.py in the current directory {os.getcwd()}, beside the "
+            f"config file, and among the installed modules; or write the file's path, "
+            f"'path/to/{module_name.split('.')[-1]}.py:{attribute}')."
+        ) from None
     except Exception as error:  # noqa: BLE001 (the user's module failed: shown with its frames)
         raise ValueError(f"task.rewards: importing {name!r} failed: {type(error).__name__}: {error}") from error
     found = getattr(module, attribute, None)
@@ -190,29 +223,43 @@ def reward_function(name: str) -> Callable[..., Any]:
     return found
 
 
-def task(spec: TaskSpec, tokenizer_: transformers.PreTrainedTokenizerBase, *,
-         checkpoint: str | None = None) -> tasks.Task:
+def task(
+    spec: TaskSpec, tokenizer_: transformers.PreTrainedTokenizerBase, *, checkpoint: str | None = None
+) -> tasks.Task:
     """The task a :class:`TaskSpec` names, over ``tokenizer_`` (stop ids also from
     ``checkpoint``'s ``generation_config.json``)."""
     reward_fns = [reward_function(name) for name in spec.rewards] or None
     common: dict[str, Any] = dict(tokenizer=tokenizer_)
     if spec.reward_weights is not None:
         common["reward_weights"] = spec.reward_weights
-    text: dict[str, Any] = dict(common, system_prompt=spec.system_prompt, stop_strings=spec.stop_strings,
-                                checkpoint=checkpoint)
+    text: dict[str, Any] = dict(
+        common, system_prompt=spec.system_prompt, stop_strings=spec.stop_strings, checkpoint=checkpoint
+    )
     if spec.name == "digits":
         return tasks.DigitSumTask() if reward_fns is None else tasks.DigitSumTask(reward_fns=reward_fns)
     if spec.name == "arithmetic":
-        return tasks.arithmetic(num_operands=spec.num_operands, digits=spec.digits, operators=spec.operators,
-                                test_size=spec.test_size, prompt_format=spec.prompt_format, reward_fns=reward_fns,
-                                **text)
+        return tasks.arithmetic(
+            num_operands=spec.num_operands,
+            digits=spec.digits,
+            operators=spec.operators,
+            test_size=spec.test_size,
+            prompt_format=spec.prompt_format,
+            reward_fns=reward_fns,
+            **text,
+        )
     if spec.name == "reasoning_gym":
-        return tasks.reasoning_gym(spec.dataset, size=spec.size, seed=spec.seed,
-                                   test_size=100 if spec.test_size is None else spec.test_size,
-                                   reward_fns=reward_fns, **text)
+        return tasks.reasoning_gym(
+            spec.dataset,
+            size=spec.size,
+            seed=spec.seed,
+            test_size=100 if spec.test_size is None else spec.test_size,
+            reward_fns=reward_fns,
+            **text,
+        )
     reward_fns = reward_fns or [rewards.exact_match]
-    source = dict(prompt=spec.prompt, test_fraction=spec.test_fraction, split_seed=spec.seed, reward_fns=reward_fns,
-                  **text)
+    source = dict(
+        prompt=spec.prompt, test_fraction=spec.test_fraction, split_seed=spec.seed, reward_fns=reward_fns, **text
+    )
     if spec.name == "jsonl":
         return tasks.from_jsonl(spec.path, test_path=spec.test_path, **source)
     return tasks.from_dataset(spec.path, test_dataset=spec.test_path, **source)
@@ -221,20 +268,27 @@ def task(spec: TaskSpec, tokenizer_: transformers.PreTrainedTokenizerBase, *,
 def _demonstration_count(config: RunConfig, task_: tasks.Task) -> int:
     """The warm start's example count; raises ValueError if the task cannot give them."""
     if not isinstance(task_, tasks.TextTask):
-        raise ValueError(f"warm_start.steps: the {type(task_).__name__} has no text demonstrations; set "
-                         "warm_start.steps = 0 and warm_start.anneal_steps = 0.")
+        raise ValueError(
+            f"warm_start.steps: the {type(task_).__name__} has no text demonstrations; set "
+            "warm_start.steps = 0 and warm_start.anneal_steps = 0."
+        )
     wanted, available = config.warm_start.examples, task_.split_size("train")
     if wanted is None and available is None:
-        raise ValueError("warm_start.examples: the task's train split is procedural (no end); set how many "
-                         "examples the demonstrations come from.")
+        raise ValueError(
+            "warm_start.examples: the task's train split is procedural (no end); set how many "
+            "examples the demonstrations come from."
+        )
     if wanted is not None and available is not None and wanted > available:
-        raise ValueError(f"warm_start.examples={wanted} is more than the task's {available} train examples; "
-                         f"set at most {available}, or leave it unset for all of them.")
+        raise ValueError(
+            f"warm_start.examples={wanted} is more than the task's {available} train examples; "
+            f"set at most {available}, or leave it unset for all of them."
+        )
     return available if wanted is None else wanted
 
 
-def demonstrations(config: RunConfig, task_: tasks.Task, *, limit: int | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def demonstrations(
+    config: RunConfig, task_: tasks.Task, *, limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The warm start's solved examples: ``examples`` train prompts (default: all; at most
     ``limit``) with their ``completion`` column, ``off_by_one_fraction`` of the integer
     answers replaced by ``answer + 1``. Raises ValueError for more examples than the train
@@ -244,8 +298,10 @@ def demonstrations(config: RunConfig, task_: tasks.Task, *, limit: int | None = 
 
     def target(record) -> str:
         if warm.completion not in record:
-            raise ValueError(f"warm_start.completion: the task's examples have no column {warm.completion!r}; "
-                             f"they have {', '.join(record)}.")
+            raise ValueError(
+                f"warm_start.completion: the task's examples have no column {warm.completion!r}; "
+                f"they have {', '.join(record)}."
+            )
         answer = str(record[warm.completion])
         if warm.off_by_one_fraction and rng.random() < warm.off_by_one_fraction:
             try:
@@ -255,8 +311,13 @@ def demonstrations(config: RunConfig, task_: tasks.Task, *, limit: int | None = 
         return answer
 
     count = _demonstration_count(config, task_)
-    return task_.demonstrations("train", np.arange(count if limit is None else min(count, limit)), completion=target,
-                                max_new_tokens=config.train.sampling.max_new_tokens, seed=config.train.seed)
+    return task_.demonstrations(
+        "train",
+        np.arange(count if limit is None else min(count, limit)),
+        completion=target,
+        max_new_tokens=config.train.sampling.max_new_tokens,
+        seed=config.train.seed,
+    )
 
 
 def check_demonstrations(config: RunConfig, task_: tasks.Task) -> None:
@@ -265,14 +326,17 @@ def check_demonstrations(config: RunConfig, task_: tasks.Task) -> None:
     purpose (``off_by_one_fraction``) outside the demo's task (:data:`DEMO_TASKS`)."""
     warm = config.warm_start
     if warm.off_by_one_fraction and config.task.name not in DEMO_TASKS:
-        raise ValueError(f"warm_start.off_by_one_fraction={warm.off_by_one_fraction} makes that fraction of the warm "
-                         f"start's labels wrong on purpose, for the demo on the {' and '.join(DEMO_TASKS)} task; on "
-                         f"task {config.task.name!r} set warm_start.off_by_one_fraction = 0 (the labels as they are).")
+        raise ValueError(
+            f"warm_start.off_by_one_fraction={warm.off_by_one_fraction} makes that fraction of the warm "
+            f"start's labels wrong on purpose, for the demo on the {' and '.join(DEMO_TASKS)} task; on "
+            f"task {config.task.name!r} set warm_start.off_by_one_fraction = 0 (the labels as they are)."
+        )
     demonstrations(config, task_, limit=1)
 
 
-def warm_start(config: RunConfig, model_: models.Model, params: models.Params, task_: tasks.Task
-               ) -> tuple[models.Params, list[float]]:
+def warm_start(
+    config: RunConfig, model_: models.Model, params: models.Params, task_: tasks.Task
+) -> tuple[models.Params, list[float]]:
     """``params`` fine-tuned on :func:`demonstrations`: ``steps`` at ``learning_rate``, then
     ``anneal_steps`` at ``anneal_learning_rate``; and the losses."""
     warm = config.warm_start
@@ -280,12 +344,20 @@ def warm_start(config: RunConfig, model_: models.Model, params: models.Params, t
         return params, []
     examples = demonstrations(config, task_)
     losses: list[float] = []
-    for steps, learning_rate, seed in ((warm.steps, warm.learning_rate, config.train.seed),
-                                       (warm.anneal_steps, warm.anneal_learning_rate, config.train.seed + 1)):
+    for steps, learning_rate, seed in (
+        (warm.steps, warm.learning_rate, config.train.seed),
+        (warm.anneal_steps, warm.anneal_learning_rate, config.train.seed + 1),
+    ):
         if steps:
-            params, more = training.supervised_finetune(model_, params, *examples, steps=steps,
-                                                        batch_size=warm.batch_size, learning_rate=learning_rate,
-                                                        seed=seed)
+            params, more = training.supervised_finetune(
+                model_,
+                params,
+                *examples,
+                steps=steps,
+                batch_size=warm.batch_size,
+                learning_rate=learning_rate,
+                seed=seed,
+            )
             losses += more
     return params, losses
 
@@ -294,4 +366,3 @@ def abstract_state(config: RunConfig, model_: models.Model, params: models.Param
     """The run's :class:`~jaxrl_llm.training.TrainState` as shapes and dtypes: what a
     checkpoint restores into."""
     return jax.eval_shape(lambda p: training.init_state(model_, p, config.algorithm, config.train), params)
-

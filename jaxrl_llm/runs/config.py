@@ -4,6 +4,11 @@ The embedded default is ``RunConfig()``: a tiny model with its own character tok
 and chat template, warm-started on the text arithmetic task ("Solve 3 + 4"), then GRPO;
 no download, a few minutes on a laptop CPU. ``experiments/configs/*.toml`` name others.
 
+The tables that say what a run builds are specs (:class:`ModelSpec`: which model, in which
+dtype and layout; :class:`TaskSpec`: which task and rewards; :class:`MeshSpec`: which devices);
+those that set a procedure are configs (:class:`WarmStartConfig`, the training's
+``TrainConfig``, and :class:`RunConfig`, which holds them all).
+
 A config file holds the fields to change, in tables named like the dataclasses below::
 
     method = "dapo"          # a preset of jaxrl_llm.algorithms; [algorithm] overrides its fields
@@ -28,8 +33,8 @@ A config file holds the fields to change, in tables named like the dataclasses b
     rewards = ["math_equivalence"]
 
 An unknown key is an error naming the allowed ones. The grouped settings of ``[train]``
-also take their flat names (``[train] learning_rate = 1e-5``, as configs and stored runs
-from before the groups have them; :mod:`jaxrl_llm.training.config`). A run directory stores
+also take their flat names (``[train] learning_rate = 1e-5``, as stored runs with the flat
+layout have them; :mod:`jaxrl_llm.training.config`). A run directory stores
 the resolved config as ``config.json`` (every field, the algorithm in full), which loads
 back to the same ``RunConfig``.
 """
@@ -123,8 +128,10 @@ class ModelSpec:
         if self.dtype is not None:
             _checks.one_of(where, "dtype", self.dtype, typing.get_args(Dtype))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{where}: `hidden_size` ({self.hidden_size}) must be a multiple of `num_heads` "
-                             f"({self.num_heads}), and `num_heads` of `num_kv_heads` ({self.num_kv_heads}).")
+            raise ValueError(
+                f"{where}: `hidden_size` ({self.hidden_size}) must be a multiple of `num_heads` "
+                f"({self.num_heads}), and `num_heads` of `num_kv_heads` ({self.num_kv_heads})."
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,15 +184,19 @@ class TaskSpec:
         if self.name in ("jsonl", "dataset") and self.path is None:
             raise ValueError(f"{where}: task {self.name!r} reads its examples from `path`; set task.path.")
         if self.name == "reasoning_gym" and not self.dataset:
-            raise ValueError(f"{where}: task 'reasoning_gym' needs `dataset`, e.g. 'basic_arithmetic' "
-                             "(`jaxrl-llm tasks` lists them).")
+            raise ValueError(
+                f"{where}: task 'reasoning_gym' needs `dataset`, e.g. 'basic_arithmetic' "
+                "(`jaxrl-llm tasks` lists them)."
+            )
         _checks.positive_int(where, "size", self.size)
         _checks.nonnegative_int(where, "seed", self.seed)
         _checks.finite_number(where, "test_fraction", self.test_fraction)
         _checks.in_range(where, "test_fraction", self.test_fraction, 0.0, 1.0, closed="[)")
         if self.reward_weights is not None and len(self.reward_weights) != max(len(self.rewards), 1):
-            raise ValueError(f"{where}: `reward_weights` needs one weight per reward function "
-                             f"({len(self.rewards)} given in `rewards`); got {len(self.reward_weights)}.")
+            raise ValueError(
+                f"{where}: `reward_weights` needs one weight per reward function "
+                f"({len(self.rewards)} given in `rewards`); got {len(self.reward_weights)}."
+            )
 
 
 DEMO_TASKS = ("arithmetic",)
@@ -285,8 +296,13 @@ class RunConfig:
     ``[algorithm]`` table and ``--algorithm.*`` flags override its fields."""
     algorithm: algorithms.Algorithm = algorithms.GRPO
     train: training.TrainConfig = training.TrainConfig(
-        num_prompts=8, group_size=8, sampling=SamplingConfig(max_new_tokens=3),
-        optimizer=OptimizerConfig(learning_rate=2e-4, critic_learning_rate=2e-4), eval_every=10, eval_samples=8)
+        num_prompts=8,
+        group_size=8,
+        sampling=SamplingConfig(max_new_tokens=3),
+        optimizer=OptimizerConfig(learning_rate=2e-4, critic_learning_rate=2e-4),
+        eval_every=10,
+        eval_samples=8,
+    )
     mesh: MeshSpec = MeshSpec()
     steps: int = 40
     """Train steps (rollout batches) of the whole run."""
@@ -323,10 +339,12 @@ class RunConfig:
         sampling = self.train.sampling
         positions = sampling.max_prompt_length + sampling.max_new_tokens
         if self.model.path is None and positions > self.model.max_positions:
-            raise ValueError(f"{where}: train.sampling.max_prompt_length ({sampling.max_prompt_length}) + "
-                             f"train.sampling.max_new_tokens ({sampling.max_new_tokens}) = {positions} positions, "
-                             f"more than the built-in model takes (model.max_positions = {self.model.max_positions}); "
-                             "lower them, or raise model.max_positions.")
+            raise ValueError(
+                f"{where}: train.sampling.max_prompt_length ({sampling.max_prompt_length}) + "
+                f"train.sampling.max_new_tokens ({sampling.max_new_tokens}) = {positions} positions, "
+                f"more than the built-in model takes (model.max_positions = {self.model.max_positions}); "
+                "lower them, or raise model.max_positions."
+            )
         if self.warm_start == DEMO_WARM_START and not self.is_demo:
             object.__setattr__(self, "warm_start", WarmStartConfig())  # the demo's stays with the demo
 
@@ -348,7 +366,8 @@ def _type_name(kind) -> str:
     if origin is tuple:
         return f"a list (each {_type_name(args[0])})"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        kind, getattr(kind, "__name__", str(kind)))
+        kind, getattr(kind, "__name__", str(kind))
+    )
 
 
 def _coerce(kind, value, where: str):
@@ -404,9 +423,11 @@ def _from_dict(cls, data: dict, where: str, *, base=None):
         close = difflib.get_close_matches(unknown[0], names + flat_names, n=1)
         group = f", in {GROUPED_FIELDS[close[0]]}" if close and close[0] in flat_names else ""
         also = f", and the fields of {' and '.join(dict.fromkeys(GROUPED_FIELDS.values()))}" if flat_names else ""
-        raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-                         f"{f' (did you mean {close[0]!r}{group}?)' if close else ''}; the allowed keys are "
-                         f"{', '.join(names)}{also}.")
+        raise ValueError(
+            f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+            f"{f' (did you mean {close[0]!r}{group}?)' if close else ''}; the allowed keys are "
+            f"{', '.join(names)}{also}."
+        )
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in data.items():
@@ -453,8 +474,9 @@ def from_dict(data: dict, *, where: str = "config") -> RunConfig:
     start = config.warm_start if config.is_demo else WarmStartConfig()
     if not isinstance(warm_start, dict):
         raise ValueError(f"{where}.warm_start must be a table of WarmStartConfig's fields; got {warm_start!r}.")
-    return dataclasses.replace(config, warm_start=_from_dict(WarmStartConfig, warm_start, f"{where}.warm_start",
-                                                             base=start))
+    return dataclasses.replace(
+        config, warm_start=_from_dict(WarmStartConfig, warm_start, f"{where}.warm_start", base=start)
+    )
 
 
 def to_dict(config: RunConfig) -> dict:
@@ -476,8 +498,9 @@ def find(name_or_path: str | os.PathLike) -> pathlib.Path:
             if (directory / f"{name_or_path}{suffix}").is_file():
                 return directory / f"{name_or_path}{suffix}"
     known = sorted({p.stem for d in directories if d.is_dir() for p in d.iterdir() if p.suffix in (".toml", ".json")})
-    raise FileNotFoundError(f"no config named {str(name_or_path)!r} (a .toml or .json path, or one of: "
-                            f"{', '.join(known) or 'none found'}).")
+    raise FileNotFoundError(
+        f"no config named {str(name_or_path)!r} (a .toml or .json path, or one of: {', '.join(known) or 'none found'})."
+    )
 
 
 def read(name_or_path: str | os.PathLike) -> tuple[dict, pathlib.Path]:
@@ -493,8 +516,7 @@ def read(name_or_path: str | os.PathLike) -> tuple[dict, pathlib.Path]:
         raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {error}") from None
 
 
-def load(name_or_path: str | os.PathLike, *, method: str | None = None, conventions: str | None = None
-         ) -> RunConfig:
+def load(name_or_path: str | os.PathLike, *, method: str | None = None, conventions: str | None = None) -> RunConfig:
     """The :class:`RunConfig` of a TOML or JSON file, or of a named config (:func:`find`);
     ``method`` and ``conventions`` replace the file's (its ``[algorithm]`` overrides then
     apply to that preset). A ``module:function`` reward in the current directory or beside

@@ -112,11 +112,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         except ValueError as error:  # JSONDecodeError, or UnicodeDecodeError mid-character
             if number == len(lines):
                 break
-            raise ValueError(f"{path}, line {number}: not JSON ({error}); only the last line of a run's records "
-                             f"may be cut short.") from error
+            raise ValueError(
+                f"{path}, line {number}: not JSON ({error}); only the last line of a run's records may be cut short."
+            ) from error
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ValueError(f"{path}, line {number}: every line must be a JSON object with an integer `step`; "
-                             f"got {line[:80]!r}.")
+            raise ValueError(
+                f"{path}, line {number}: every line must be a JSON object with an integer `step`; got {line[:80]!r}."
+            )
         rows.append(row)
     return rows
 
@@ -177,22 +179,25 @@ def sample_rows(scored_round: ScoredRound, *, step: int, max_prompts: int) -> li
         raise ValueError(f"sample_rows: `max_prompts` must be an integer >= 0; got {max_prompts!r}.")
     prompts, completions = list(scored_round.prompts), list(scored_round.completions)
     if not prompts or len(completions) % len(prompts):
-        raise ValueError(f"sample_rows: {len(completions)} completions do not make equal groups for "
-                         f"{len(prompts)} prompts.")
+        raise ValueError(
+            f"sample_rows: {len(completions)} completions do not make equal groups for {len(prompts)} prompts."
+        )
     group = len(completions) // len(prompts)
     result, rollouts = scored_round.result, scored_round.rollouts
     rows = []
     for prompt_index in range(min(max_prompts, len(prompts))):
         for row in range(prompt_index * group, (prompt_index + 1) * group):
-            rows.append({
-                "step": int(step),
-                "prompt": json_ready(prompts[prompt_index]),
-                "completion": json_ready(completions[row]),
-                "reward": json_ready(float(result.total[row])),
-                "rewards": {name: json_ready(float(values[row])) for name, values in result.values.items()},
-                "length": int(rollouts.lengths[row]),
-                "truncated": bool(rollouts.truncated[row]),
-            })
+            rows.append(
+                {
+                    "step": int(step),
+                    "prompt": json_ready(prompts[prompt_index]),
+                    "completion": json_ready(completions[row]),
+                    "reward": json_ready(float(result.total[row])),
+                    "rewards": {name: json_ready(float(values[row])) for name, values in result.values.items()},
+                    "length": int(rollouts.lengths[row]),
+                    "truncated": bool(rollouts.truncated[row]),
+                }
+            )
     return rows
 
 
@@ -265,14 +270,27 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, 
         ax.grid(alpha=0.3)
         present = [name for name in metrics if name in names]
         if not present:
-            ax.text(0.5, 0.5, f"no {' or '.join(metrics)} logged", ha="center", va="center", color="gray",
-                    transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                f"no {' or '.join(metrics)} logged",
+                ha="center",
+                va="center",
+                color="gray",
+                transform=ax.transAxes,
+            )
             continue
         for name in present:
             steps, values = _series(rows, name)
             main = name == metrics[0]
-            ax.plot(steps, values, label=name, linewidth=1.8 if main else 1.0,
-                    marker="o" if len(steps) <= 50 else None, markersize=3)
+            ax.plot(
+                steps,
+                values,
+                label=name,
+                linewidth=1.8 if main else 1.0,
+                marker="o" if len(steps) <= 50 else None,
+                markersize=3,
+            )
             if name == "reward" and "reward_std" in names:
                 _, spread = _series(rows, "reward_std")
                 if len(spread) == len(values):
@@ -312,8 +330,10 @@ def summarize(rows: Sequence[Mapping[str, Any]], *, window: int = SUMMARY_WINDOW
     eval_seconds = sum(value for _, value in _numbers(rows, "eval_seconds"))
     lines = [f"{len(rows)} train steps recorded (steps {rows[0]['step']} to {rows[-1]['step']})"]
     if train_seconds:
-        lines.append(f"time in steps {duration(train_seconds + eval_seconds)}: train steps "
-                     f"{duration(train_seconds)}, evaluation {duration(eval_seconds)}")
+        lines.append(
+            f"time in steps {duration(train_seconds + eval_seconds)}: train steps "
+            f"{duration(train_seconds)}, evaluation {duration(eval_seconds)}"
+        )
     names = _all_names(rows)
     table = []
     for name in ["reward", *reward_function_metrics(names), "kl_exact", "kl_k3", "completion_length", "entropy"]:
@@ -377,9 +397,19 @@ class RunRecorder:
         ``tensorboardX``, or ``plot_every`` without ``matplotlib``.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 plot_every: int = 10, progress: bool | None = None, wandb_project: str | None = None,
-                 wandb_config: Mapping[str, Any] | None = None, stream: IO[str] | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        plot_every: int = 10,
+        progress: bool | None = None,
+        wandb_project: str | None = None,
+        wandb_config: Mapping[str, Any] | None = None,
+        stream: IO[str] | None = None,
+    ):
         _nonnegative_int("total_steps", total_steps)
         _nonnegative_int("start_step", start_step)
         _nonnegative_int("plot_every", plot_every)
@@ -414,15 +444,24 @@ class RunRecorder:
                 # purge_step hides the earlier events of steps >= start_step; the suffix keeps two
                 # writers started within one second (the name's timestamp) from sharing a file.
                 self._tensorboard = SummaryWriter(
-                    str(self.run_dir / TENSORBOARD_DIR), purge_step=self.start_step, flush_secs=10,
-                    filename_suffix=f".{time.time_ns()}")
+                    str(self.run_dir / TENSORBOARD_DIR),
+                    purge_step=self.start_step,
+                    flush_secs=10,
+                    filename_suffix=f".{time.time_ns()}",
+                )
             if wandb_project is not None:
                 self._wandb = self._start_wandb(wandb_project, wandb_config)
             if progress is None:
                 progress = _is_terminal(self._stream)
             if progress:
-                self._bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
-                                 file=self._stream, dynamic_ncols=True)
+                self._bar = tqdm(
+                    total=self.total_steps,
+                    initial=self.start_step,
+                    desc="train",
+                    unit="step",
+                    file=self._stream,
+                    dynamic_ncols=True,
+                )
         except BaseException:
             self.close()
             raise
@@ -442,8 +481,7 @@ class RunRecorder:
         if not run_id:
             run_id = uuid.uuid4().hex[:16]
             id_path.write_text(run_id + "\n")
-        return wandb.init(project=project, config=dict(config or {}), id=run_id, resume="allow",
-                          dir=str(self.run_dir))
+        return wandb.init(project=project, config=dict(config or {}), id=run_id, resume="allow", dir=str(self.run_dir))
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -463,8 +501,10 @@ class RunRecorder:
         _nonnegative_int("step", step)
         last = self._rows[-1]["step"] if self._rows else self.start_step - 1
         if step <= last:
-            raise ValueError(f"RunRecorder.log: step {step} is not after the last step recorded, {last}; log each "
-                             f"step once, in order (a run continued from a checkpoint passes its `start_step`).")
+            raise ValueError(
+                f"RunRecorder.log: step {step} is not after the last step recorded, {last}; log each "
+                f"step once, in order (a run continued from a checkpoint passes its `start_step`)."
+            )
         row: dict[str, Any] = {"step": int(step)}
         for name, value in metrics.items():
             if name == "step":
@@ -488,8 +528,9 @@ class RunRecorder:
         if self._bar is not None:
             kl = "kl_exact" if row.get("kl_exact") is not None else "kl_k3"  # exact when asked for
             shown = {"reward": "reward", "kl": kl, "step_s": "step_seconds"}
-            self._bar.set_postfix({label: f"{row[name]:.3g}" for label, name in shown.items()
-                                   if row.get(name) is not None}, refresh=False)
+            self._bar.set_postfix(
+                {label: f"{row[name]:.3g}" for label, name in shown.items() if row.get(name) is not None}, refresh=False
+            )
             self._bar.update(step + 1 - self._bar.n)
 
     def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -497,8 +538,10 @@ class RunRecorder:
         as its first key."""
         self._check_open("log_samples")
         _nonnegative_int("step", step)
-        lines = [_json_line({"step": int(step), **{key: json_ready(value) for key, value in row.items()
-                                                    if key != "step"}}) for row in rows]
+        lines = [
+            _json_line({"step": int(step), **{key: json_ready(value) for key, value in row.items() if key != "step"}})
+            for row in rows
+        ]
         self._samples_file.writelines(lines)
         self._samples_file.flush()
 
@@ -552,5 +595,6 @@ def _require(module: str, need: str, instead: str) -> None:
     try:
         __import__(module)
     except ImportError as error:
-        raise ImportError(f"RunRecorder: {need}, which needs `{module}`: `pip install {module}`, or "
-                          f"{instead}.") from error
+        raise ImportError(
+            f"RunRecorder: {need}, which needs `{module}`: `pip install {module}`, or {instead}."
+        ) from error

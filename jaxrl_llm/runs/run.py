@@ -61,9 +61,21 @@ CONFIG_FILE = "config.json"
 WARM_START_FILE = "warm_start.json"
 CHECKPOINTS = "checkpoints"
 
-RUN_MANAGEMENT = ("steps", "save_every", "keep_checkpoints", "samples_every", "samples_prompts", "plot_every",
-                  "tensorboard", "wandb_project", "compilation_cache", "mesh", "model.scan_layers", "model.remat",
-                  "model.attention")
+RUN_MANAGEMENT = (
+    "steps",
+    "save_every",
+    "keep_checkpoints",
+    "samples_every",
+    "samples_prompts",
+    "plot_every",
+    "tensorboard",
+    "wandb_project",
+    "compilation_cache",
+    "mesh",
+    "model.scan_layers",
+    "model.remat",
+    "model.attention",
+)
 """Settings a continued run may change, by dotted name: they decide how long it runs, what
 it writes, on which devices (a checkpoint restores onto another mesh) and how the model
 executes, not what it computes (``steps`` also sets the end of a decaying learning-rate
@@ -77,9 +89,22 @@ MARKER_FILE = ".jaxrl-llm-run"
 """Marks a directory as a run's: written with its config, before anything else of the run."""
 LOCK_FILE = ".jaxrl-llm-lock"
 """Held (``flock``) by the process training in the run directory; names it (pid, host)."""
-RUN_ENTRIES = frozenset({CONFIG_FILE, WARM_START_FILE, CHECKPOINTS, "eval", MARKER_FILE, LOCK_FILE, "wandb",
-                         records.METRICS_FILE, records.SAMPLES_FILE, records.PLOT_FILE, records.TENSORBOARD_DIR,
-                         records.WANDB_ID_FILE})
+RUN_ENTRIES = frozenset(
+    {
+        CONFIG_FILE,
+        WARM_START_FILE,
+        CHECKPOINTS,
+        "eval",
+        MARKER_FILE,
+        LOCK_FILE,
+        "wandb",
+        records.METRICS_FILE,
+        records.SAMPLES_FILE,
+        records.PLOT_FILE,
+        records.TENSORBOARD_DIR,
+        records.WANDB_ID_FILE,
+    }
+)
 """What a run directory holds (and ``.<name>.*`` temporaries of these): ``--overwrite``
 deletes these, and refuses a directory that holds anything else."""
 
@@ -95,6 +120,7 @@ def is_timing(name: str) -> bool:
 
 def _foreign_entries(run_dir: pathlib.Path) -> list[str]:
     """The names in ``run_dir`` that are not a run's (:data:`RUN_ENTRIES`)."""
+
     def ours(name: str) -> bool:
         return name in RUN_ENTRIES or any(name.startswith(f".{entry}.") for entry in RUN_ENTRIES)
 
@@ -119,8 +145,10 @@ def stored_config(run_dir: str | os.PathLike) -> RunConfig | None:
         return None
     path = run_dir / CONFIG_FILE
     if not path.is_file():
-        raise RunDirectoryError(f"{str(run_dir)!r} is not empty and holds no {CONFIG_FILE}: not a run directory. "
-                                "Choose another --run-dir (--overwrite replaces only run directories).")
+        raise RunDirectoryError(
+            f"{str(run_dir)!r} is not empty and holds no {CONFIG_FILE}: not a run directory. "
+            "Choose another --run-dir (--overwrite replaces only run directories)."
+        )
     try:
         return from_dict(json.loads(path.read_text(encoding="utf-8")), where=str(path))
     except (ValueError, json.JSONDecodeError) as error:
@@ -145,8 +173,13 @@ def _is_legacy_run(run_dir: pathlib.Path) -> bool:
     except RunDirectoryError:
         return False
     checkpoints = run_dir / CHECKPOINTS
-    return not checkpoints.exists() or (checkpoints.is_dir() and all(
-        re.fullmatch(r"(unreadable-)?\d+|\d+\.orbax-checkpoint-tmp.*", entry.name) for entry in checkpoints.iterdir()))
+    return not checkpoints.exists() or (
+        checkpoints.is_dir()
+        and all(
+            re.fullmatch(r"(unreadable-)?\d+|\d+\.orbax-checkpoint-tmp.*", entry.name)
+            for entry in checkpoints.iterdir()
+        )
+    )
 
 
 def _check_replaceable(run_dir: pathlib.Path) -> None:
@@ -155,13 +188,17 @@ def _check_replaceable(run_dir: pathlib.Path) -> None:
     if not run_dir.is_dir():
         raise RunDirectoryError(f"--overwrite: {str(run_dir)!r} is a file, not a run directory; nothing was deleted.")
     if not ((run_dir / MARKER_FILE).is_file() or _is_legacy_run(run_dir)):
-        raise RunDirectoryError(f"--overwrite: {str(run_dir.resolve())!r} is not a run directory (no {MARKER_FILE} "
-                                f"and no run {CONFIG_FILE}); nothing was deleted. Choose another --run-dir.")
+        raise RunDirectoryError(
+            f"--overwrite: {str(run_dir.resolve())!r} is not a run directory (no {MARKER_FILE} "
+            f"and no run {CONFIG_FILE}); nothing was deleted. Choose another --run-dir."
+        )
     foreign = _foreign_entries(run_dir)
     if foreign:
         listed = ", ".join(foreign[:8]) + (", ..." if len(foreign) > 8 else "")
-        raise RunDirectoryError(f"--overwrite: {str(run_dir.resolve())!r} holds files that are not the run's "
-                                f"({listed}); nothing was deleted. Move them out, or choose another --run-dir.")
+        raise RunDirectoryError(
+            f"--overwrite: {str(run_dir.resolve())!r} holds files that are not the run's "
+            f"({listed}); nothing was deleted. Move them out, or choose another --run-dir."
+        )
 
 
 def _clear(run_dir: pathlib.Path) -> None:
@@ -192,8 +229,9 @@ def locked(run_dir: str | os.PathLike):
         for path in created:
             with contextlib.suppress(OSError):
                 path.rmdir()
-        raise RunDirectoryError(f"cannot use {str(run_dir.resolve())!r} as a run directory: "
-                                f"{error.strerror or error}.") from None
+        raise RunDirectoryError(
+            f"cannot use {str(run_dir.resolve())!r} as a run directory: {error.strerror or error}."
+        ) from None
     try:
         yield run_dir
     finally:
@@ -217,8 +255,10 @@ def _lock(run_dir: pathlib.Path):
             file.seek(0)
             holder = file.read().strip() or "a process that has not yet said which"
             file.close()
-            raise RunDirectoryError(f"{str(run_dir)!r} is in use by another run ({holder}); wait for it to end, or "
-                                    "choose another --run-dir.") from None
+            raise RunDirectoryError(
+                f"{str(run_dir)!r} is in use by another run ({holder}); wait for it to end, or "
+                "choose another --run-dir."
+            ) from None
         try:
             if os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
                 break
@@ -238,8 +278,9 @@ def _ignorable(config: RunConfig) -> tuple[str, ...]:
     return tuple(name for name in RUN_MANAGEMENT if not (decays and name == "steps"))
 
 
-def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False,
-                        overwrite: bool = False) -> RunConfig | None:
+def check_run_directory(
+    config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False
+) -> RunConfig | None:
     """Checks, before any compute, that ``config`` may run in ``run_dir``; returns the
     config stored there (``None``: a new run, in place of whatever run files are there).
 
@@ -260,24 +301,30 @@ def check_run_directory(config: RunConfig, run_dir: str | os.PathLike, *, resume
     stored = stored_config(run_dir)
     if stored is not None and (run_dir / MARKER_FILE).is_file() and not has_completed_step(run_dir):
         if resume:
-            raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no completed step to resume from (a start "
-                                    "that stopped before its first step); run without --resume to start it.")
+            raise RunDirectoryError(
+                f"--resume: {str(run_dir)!r} holds no completed step to resume from (a start "
+                "that stopped before its first step); run without --resume to start it."
+            )
         return None
     if resume and (stored is None or not training.Checkpointer(run_dir / CHECKPOINTS).all_steps()):
-        raise RunDirectoryError(f"--resume: {str(run_dir)!r} holds no "
-                                f"{'run' if stored is None else 'checkpoint'} to resume from.")
+        raise RunDirectoryError(
+            f"--resume: {str(run_dir)!r} holds no {'run' if stored is None else 'checkpoint'} to resume from."
+        )
     if stored is not None:
         changed = differences(stored, config, ignore=_ignorable(stored))
         if changed:
-            hint = (" (`steps` sets the end of the decaying learning rate: set train.optimizer.decay_steps to extend "
-                    "a run)"
-                    if any(c.startswith("steps:") for c in changed) else "")
+            hint = (
+                " (`steps` sets the end of the decaying learning rate: set train.optimizer.decay_steps to extend a run)"
+                if any(c.startswith("steps:") for c in changed)
+                else ""
+            )
             listed = "; ".join(changed[:8]) + ("; ..." if len(changed) > 8 else "")
             raise RunDirectoryError(
                 f"{str(run_dir)!r} holds a different run ({len(changed)} "
                 f"{'settings differ' if len(changed) > 1 else 'setting differs'}, stored -> requested: "
                 f"{listed}){hint}. "
-                "Choose another --run-dir, or pass --overwrite to replace it.")
+                "Choose another --run-dir, or pass --overwrite to replace it."
+            )
     return stored
 
 
@@ -285,14 +332,17 @@ def absolute_paths(config: RunConfig) -> RunConfig:
     """``config`` with its model, data and reward-module paths absolute (a
     ``module:function`` in the current directory as its file's path): a run continues
     from anywhere."""
+
     def absolute(path: str | None) -> str | None:
         return None if path is None else os.path.abspath(os.path.expanduser(path))
 
     task = config.task
     rewards = tuple(run_config.reward_source(name, [os.getcwd()]) for name in task.rewards)
     return dataclasses.replace(
-        config, model=dataclasses.replace(config.model, path=absolute(config.model.path)),
-        task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path), rewards=rewards))
+        config,
+        model=dataclasses.replace(config.model, path=absolute(config.model.path)),
+        task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path), rewards=rewards),
+    )
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
@@ -326,8 +376,15 @@ def _print(text: str, stream) -> None:
         print(text, file=stream, flush=True)
 
 
-def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
-              progress: bool | None = None, stream=sys.stdout) -> RunResult:
+def train_run(
+    config: RunConfig,
+    run_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    stream=sys.stdout,
+) -> RunResult:
     """Runs ``config`` in ``run_dir``, or continues the run there from its latest checkpoint.
 
     Everything is checked before any compute: the directory (:func:`check_run_directory`),
@@ -361,8 +418,9 @@ def train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = F
         return _train_run(config, run_dir, resume=resume, overwrite=overwrite, progress=progress, stream=stream)
 
 
-def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, overwrite: bool,
-               progress: bool | None, stream) -> RunResult:
+def _train_run(
+    config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, overwrite: bool, progress: bool | None, stream
+) -> RunResult:
     called = time.perf_counter()
     run_dir = pathlib.Path(run_dir)
     config = absolute_paths(config)
@@ -381,15 +439,28 @@ def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, o
     if start >= config.steps:
         checkpointer.close()
         summary = _summary(run_dir, warm, time.perf_counter() - called)
-        _print(f"{run_dir} is complete ({config.steps} steps). Pass a larger --steps to continue it, or "
-               f"--overwrite to start again.\n{summary}", stream)
+        _print(
+            f"{run_dir} is complete ({config.steps} steps). Pass a larger --steps to continue it, or "
+            f"--overwrite to start again.\n{summary}",
+            stream,
+        )
         return RunResult(run_dir, config, None, [], warm, summary)
     recorder = _recorder(config, run_dir, start, model, params, task, mesh, main=main, progress=progress)
     steps = _RunSteps(config, recorder, checkpointer)
     try:
-        state, history = training.train(model, params, config.algorithm, config.train, steps=config.steps - start,
-                                         task=task, state=state, callback=steps.on_step, mesh=mesh, rules=rules,
-                                         compilation_cache=config.compilation_cache)
+        state, history = training.train(
+            model,
+            params,
+            config.algorithm,
+            config.train,
+            steps=config.steps - start,
+            task=task,
+            state=state,
+            callback=steps.on_step,
+            mesh=mesh,
+            rules=rules,
+            compilation_cache=config.compilation_cache,
+        )
     except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
         steps.keep(stopped, start=start, stream=stream)
         stopped.checkpoint_step = latest_checkpoint(run_dir)  # what the CLI names to continue from
@@ -401,8 +472,9 @@ def _train_run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool, o
     return RunResult(run_dir, config, state, history, warm, summary)
 
 
-def _checked_start(config: RunConfig, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, resume: bool,
-                   overwrite: bool) -> tuple[RunConfig | None, Any]:
+def _checked_start(
+    config: RunConfig, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, resume: bool, overwrite: bool
+) -> tuple[RunConfig | None, Any]:
     """Everything checked before any compute or write: the processes and mesh, the run
     directory, the positions, wandb, the task and its demonstrations. Returns the config
     stored in ``run_dir`` (``None``: a new run) and the task."""
@@ -411,8 +483,10 @@ def _checked_start(config: RunConfig, run_dir: pathlib.Path, mesh: jax.sharding.
     distributed.barrier("run directory checked")  # before process 0 changes it
     build.check_positions(config)
     if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
-        raise ValueError(f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
-                         "`pip install wandb`, or leave wandb_project unset.")
+        raise ValueError(
+            f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
+            "`pip install wandb`, or leave wandb_project unset."
+        )
     task = build.task(config.task, build.tokenizer(config.model), checkpoint=config.model.path)
     training.loop.check_evaluation(task, config.train)
     if config.warm_start.enabled:
@@ -433,17 +507,28 @@ def _open_run_directory(config: RunConfig, run_dir: pathlib.Path, *, new: bool, 
         compilation_cache.enable()
 
 
-def _continued(config: RunConfig, task, checkpointer: training.Checkpointer, run_dir: pathlib.Path,
-               mesh: jax.sharding.Mesh | None, rules: sharding.Rules, *, main: bool,
-               stream) -> tuple[models.Model, training.TrainState, dict[str, Any]]:
+def _continued(
+    config: RunConfig,
+    task,
+    checkpointer: training.Checkpointer,
+    run_dir: pathlib.Path,
+    mesh: jax.sharding.Mesh | None,
+    rules: sharding.Rules,
+    *,
+    main: bool,
+    stream,
+) -> tuple[models.Model, training.TrainState, dict[str, Any]]:
     """``(model, state, warm_start)`` of a run continued from its latest readable checkpoint
     (restored straight into its shards on ``mesh``); the checkpoints after it that cannot be
     used are moved aside, so their steps are saved again."""
     model, abstract_params = build.model(config, task, abstract=True)
     like = build.abstract_state(config, model, abstract_params)
     if mesh is not None:
-        like = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
-                            like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
+        like = jax.tree.map(
+            lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+            like,
+            training.state_shardings(like, config.algorithm, config.train, mesh, rules),
+        )
     state = _restore(checkpointer, like)
     start = int(state.step)
     for unreadable in (s for s in checkpointer.all_steps() if s > start):
@@ -451,8 +536,9 @@ def _continued(config: RunConfig, task, checkpointer: training.Checkpointer, run
         if main:
             os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
         why = checkpointer.skipped.get(unreadable, "not restored")
-        _print(f"Checkpoint {unreadable} cannot be used ({why}); moved to {aside}, continuing from step "
-               f"{start}.", stream)
+        _print(
+            f"Checkpoint {unreadable} cannot be used ({why}); moved to {aside}, continuing from step {start}.", stream
+        )
     distributed.barrier("checkpoints restored")
     checkpointer.reload()  # without those moved aside: their steps are saved again, not counted to keep
     warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
@@ -460,16 +546,20 @@ def _continued(config: RunConfig, task, checkpointer: training.Checkpointer, run
     return model, state, warm
 
 
-def _warm_started(config: RunConfig, task, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, main: bool,
-                  stream) -> tuple[models.Model, models.Params, dict[str, Any]]:
+def _warm_started(
+    config: RunConfig, task, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, main: bool, stream
+) -> tuple[models.Model, models.Params, dict[str, Any]]:
     """``(model, params, warm_start)`` of a new run: the model built, warm-started
     (``config.warm_start``) and evaluated when the run evaluates; ``warm_start.json`` written."""
     model, params = build.model(config, task, mesh=mesh)
     started = time.perf_counter()
     params, losses = build.warm_start(config, model, params, task)
-    warm = {"steps": len(losses), "first_loss": losses[0] if losses else None,
-            "last_loss": float(np.mean(losses[-20:])) if losses else None,
-            "seconds": time.perf_counter() - started}
+    warm = {
+        "steps": len(losses),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": float(np.mean(losses[-20:])) if losses else None,
+        "seconds": time.perf_counter() - started,
+    }
     if config.train.eval_every:
         with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
             warm.update(evaluate_model(model, params, task, config, mesh=mesh))
@@ -481,8 +571,18 @@ def _warm_started(config: RunConfig, task, run_dir: pathlib.Path, mesh: jax.shar
     return model, params, warm
 
 
-def _recorder(config: RunConfig, run_dir: pathlib.Path, start: int, model: models.Model, params: models.Params,
-              task, mesh: jax.sharding.Mesh | None, *, main: bool, progress: bool | None):
+def _recorder(
+    config: RunConfig,
+    run_dir: pathlib.Path,
+    start: int,
+    model: models.Model,
+    params: models.Params,
+    task,
+    mesh: jax.sharding.Mesh | None,
+    *,
+    main: bool,
+    progress: bool | None,
+):
     """The run's records from step ``start`` on (process 0's; the others write nothing).
 
     Ctrl-C during the evaluation of step ``start - 1`` left its record without it; the
@@ -493,9 +593,15 @@ def _recorder(config: RunConfig, run_dir: pathlib.Path, start: int, model: model
     if not main:
         return _NoRecords()
     recorder = records.RunRecorder(
-        run_dir, total_steps=config.steps, start_step=start - (unevaluated is not None),
-        tensorboard=config.tensorboard, plot_every=config.plot_every, progress=progress,
-        wandb_project=config.wandb_project, wandb_config=to_dict(config))
+        run_dir,
+        total_steps=config.steps,
+        start_step=start - (unevaluated is not None),
+        tensorboard=config.tensorboard,
+        plot_every=config.plot_every,
+        progress=progress,
+        wandb_project=config.wandb_project,
+        wandb_config=to_dict(config),
+    )
     if unevaluated is not None:
         recorder.log(start - 1, unevaluated)
     return recorder
@@ -520,8 +626,10 @@ class _RunSteps:
         config = self.config
         self.recorder.log(end.step, end.metrics)
         if config.samples_prompts and (end.step + 1) % config.samples_every == 0:
-            self.recorder.log_samples(end.step, records.sample_rows(end.collected.first_round, step=end.step,
-                                                                    max_prompts=config.samples_prompts))
+            self.recorder.log_samples(
+                end.step,
+                records.sample_rows(end.collected.first_round, step=end.step, max_prompts=config.samples_prompts),
+            )
         done = end.step + 1
         if done % config.save_every == 0 or done == config.steps:
             self.save(end.state, end.metrics)
@@ -557,8 +665,12 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
 """The OS errors that mean the disk cannot take the run's files."""
-STORAGE_TEXTS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
-                 errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied"}
+STORAGE_TEXTS = {
+    errno.ENOSPC: "No space left on device",
+    errno.EDQUOT: "Disk quota exceeded",
+    errno.EROFS: "Read-only file system",
+    errno.EACCES: "Permission denied",
+}
 """How those read inside other errors' messages (orbax's tensorstore raises ``ValueError`` s)."""
 
 
@@ -629,15 +741,20 @@ def _unevaluated_record(run_dir: pathlib.Path, start: int, config: RunConfig) ->
 
 def _summary(run_dir: pathlib.Path, warm: dict[str, Any], wall_seconds: float) -> str:
     rows = records.read_metrics(run_dir)
-    lines = [f"Run {run_dir}:", f"wall time {records.duration(wall_seconds)} (loading, warm start, steps, "
-                                "evaluations, checkpoints and plots)", records.summarize(rows)]
+    lines = [
+        f"Run {run_dir}:",
+        f"wall time {records.duration(wall_seconds)} (loading, warm start, steps, evaluations, checkpoints and plots)",
+        records.summarize(rows),
+    ]
     evaluated = [row for row in rows if row.get("eval_greedy_accuracy") is not None]
     if "eval_greedy_accuracy" in warm and evaluated:
         last = evaluated[-1]
-        lines.append(f"Held-out greedy accuracy: {warm['eval_greedy_accuracy']:.2f} "
-                     f"{'after the warm start' if warm.get('steps') else 'before training'} -> "
-                     f"{last['eval_greedy_accuracy']:.2f} at step {last['step'] + 1} "
-                     f"({100 * (last['eval_greedy_accuracy'] - warm['eval_greedy_accuracy']):+.0f} points).")
+        lines.append(
+            f"Held-out greedy accuracy: {warm['eval_greedy_accuracy']:.2f} "
+            f"{'after the warm start' if warm.get('steps') else 'before training'} -> "
+            f"{last['eval_greedy_accuracy']:.2f} at step {last['step'] + 1} "
+            f"({100 * (last['eval_greedy_accuracy'] - warm['eval_greedy_accuracy']):+.0f} points)."
+        )
     lines.append(f"Plots: {run_dir / records.PLOT_FILE}; TensorBoard: tensorboard --logdir {run_dir}")
     return "\n".join(lines)
 
@@ -663,22 +780,38 @@ def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
     return config, task, model, state.params, int(state.step)
 
 
-def evaluate_model(model: models.Model, params: models.Params, task, config: RunConfig, *,
-                   num_samples: int | None = None, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
+def evaluate_model(
+    model: models.Model,
+    params: models.Params,
+    task,
+    config: RunConfig,
+    *,
+    num_samples: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict[str, float]:
     """Greedy accuracy, mean rewards and pass@k on ``task``'s test split with the run's
     sampling settings (:func:`jaxrl_llm.evaluation.evaluate`), as training's evaluations
     record them (``eval_*``), with ``num_samples`` samples per prompt (default
     ``train.eval_samples``), decoded over ``mesh``."""
     train = config.train
     started = time.perf_counter()
-    results = evaluation.evaluate(model, params, task, sampling=train.sampling,
-                                  num_samples=train.eval_samples if num_samples is None else num_samples,
-                                  seed=train.seed, on_reward_error=train.on_reward_error, progress=False, mesh=mesh)
+    results = evaluation.evaluate(
+        model,
+        params,
+        task,
+        sampling=train.sampling,
+        num_samples=train.eval_samples if num_samples is None else num_samples,
+        seed=train.seed,
+        on_reward_error=train.on_reward_error,
+        progress=False,
+        mesh=mesh,
+    )
     return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
 
-def evaluate_run(run_dir: str | os.PathLike, *, step: int | None = None, num_samples: int | None = None
-                 ) -> dict[str, Any]:
+def evaluate_run(
+    run_dir: str | os.PathLike, *, step: int | None = None, num_samples: int | None = None
+) -> dict[str, Any]:
     """Evaluates checkpoint ``step`` of a run (default: the latest) on its task's test
     split; writes and returns ``eval/step-<s>.json``."""
     config, task, model, params, step = restore_policy(run_dir, step)
@@ -692,8 +825,9 @@ def evaluate_run(run_dir: str | os.PathLike, *, step: int | None = None, num_sam
     return results
 
 
-def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
-               overwrite: bool = False) -> int:
+def export_run(
+    run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, overwrite: bool = False
+) -> int:
     """Writes checkpoint ``step``'s policy (default: the latest) as a Hugging Face directory
     with its tokenizer and a generation config holding the task's stop ids and the run's
     sampling settings (the policy trained is the one sampled at ``train.sampling.temperature``);
@@ -706,16 +840,24 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
         raise RunDirectoryError(f"--out {str(out)!r} lies in the run directory {str(run_dir)!r}; export elsewhere.")
     existing = next(path for path in (out_path, *out_path.parents) if path.exists())
     if existing != out_path and not existing.is_dir():
-        raise RunDirectoryError(f"--out {str(out)!r} lies under {str(existing)!r}, which is a file; choose another "
-                                "directory.")
+        raise RunDirectoryError(
+            f"--out {str(out)!r} lies under {str(existing)!r}, which is a file; choose another directory."
+        )
     if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
-        raise RunDirectoryError(f"--out {str(out)!r} exists and is not empty; choose another directory, or pass "
-                                "--overwrite to replace the model and tokenizer files there.")
+        raise RunDirectoryError(
+            f"--out {str(out)!r} exists and is not empty; choose another directory, or pass "
+            "--overwrite to replace the model and tokenizer files there."
+        )
     config, task, model, params, step = restore_policy(run_dir, step)
     sampling = config.train.sampling
     truncation = {"top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p}
-    generation = {"eos_token_id": list(task.eos_ids), "pad_token_id": task.pad_id, "do_sample": True,
-                  "temperature": sampling.temperature, **{k: v for k, v in truncation.items() if v is not None}}
+    generation = {
+        "eos_token_id": list(task.eos_ids),
+        "pad_token_id": task.pad_id,
+        "do_sample": True,
+        "temperature": sampling.temperature,
+        **{k: v for k, v in truncation.items() if v is not None},
+    }
     models.save_pretrained(out, model, params, tokenizer=task.tokenizer, generation_config=generation)
     return step
 
@@ -728,4 +870,3 @@ def format_results(results: dict[str, Any]) -> str:
         shown = f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) and value != int(value) else value
         lines.append(f"{name:<{width}}  {shown}")
     return "\n".join(lines)
-

@@ -27,7 +27,7 @@ LossMetricsGrads = tuple[jax.Array, Metrics, object]
 """One objective's ``(loss, metrics, grads)``."""
 
 LOSS_METRICS = ("loss", "policy_loss")
-"""Metrics aggregated like the loss; the others are token means (:func:`ops.masked_mean`)."""
+"""Metrics aggregated like the loss; the others are token means (:func:`jaxrl_llm.ops.masked_mean`)."""
 
 
 def _share(part_mask: jax.Array, whole_mask: jax.Array, mode: str) -> jax.Array:

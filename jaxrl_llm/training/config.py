@@ -7,8 +7,7 @@
 * :class:`TrainConfig`: the batch's shape, those two, the held-out evaluations, fault
   tolerance and memory.
 
-**Flat names.** The grouped settings once sat in ``TrainConfig`` itself; their flat names
-still work, each meaning its group's field (:data:`GROUPED_FIELDS`):
+**Flat names.** Each grouped setting also goes by its flat name, an alias of its group's field (:data:`GROUPED_FIELDS`):
 ``TrainConfig(temperature=0.7, learning_rate=1e-5)`` is ``TrainConfig(sampling=
 SamplingConfig(temperature=0.7), optimizer=OptimizerConfig(learning_rate=1e-5))`` (a flat
 name wins over the group given beside it, so ``dataclasses.replace(config,
@@ -117,8 +116,11 @@ def _grouped(settings: dict[str, Any], *, where: str) -> dict[str, Any]:
     for group, kind in GROUPS.items():
         flat = {name: settings.pop(name) for name in [*settings] if GROUPED_FIELDS.get(name) == group}
         if flat:
+            given = settings.get(group, _DEFAULTS[group])
+            if not isinstance(given, kind):
+                raise ValueError(f"{where}: `{group}` must be of type {kind.__name__}; got {given!r}.")
             try:
-                settings[group] = dataclasses.replace(settings.get(group, _DEFAULTS[group]), **flat)
+                settings[group] = dataclasses.replace(given, **flat)
             except ValueError as error:
                 raise ValueError(str(error).replace(f"{kind.__name__}: ", f"{where}: ", 1)) from None
     return settings
@@ -137,7 +139,7 @@ def nest_flat_settings(table: Mapping[str, Any], *, where: str) -> dict[str, Any
         if name in inner:
             raise ValueError(
                 f"{where}: `{name}` is given twice, as {where}.{name} and {where}.{group}.{name} "
-                f"(its place now); give it once, in {group}."
+                f"; give it once, in {group}."
             )
         nested[group] = {**inner, name: nested.pop(name)}
     return nested

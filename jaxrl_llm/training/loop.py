@@ -327,7 +327,7 @@ def _compile(
     """The jitted train step of the run, and ``state`` placed where it runs (on ``mesh`` by
     ``rules``, the same on every process; else as it is). A decaying learning rate without
     ``decay_steps`` ends at ``total_steps``."""
-    halves = make_train_step(model, algorithm, config, total_steps=total_steps)
+    train_step = make_train_step(model, algorithm, config, total_steps=total_steps)
     traces = {"score": 0, "update": 0}
     place_batch = jax.device_put
     placement = {}  # the update's output shardings, on a mesh: the state stays where the rules put it
@@ -339,8 +339,8 @@ def _compile(
         placement = {"out_shardings": (shardings._replace(ref_params=None), None)}
         place_batch = functools.partial(distributed.put, shardings=batch_shardings(mesh))
     return state, _Compiled(
-        score=jax.jit(_counting_traces(halves.score, traces, "score")),
-        donating_update=jax.jit(_counting_traces(halves.update, traces, "update"), donate_argnums=0, **placement),
+        score=jax.jit(_counting_traces(train_step.score, traces, "score")),
+        donating_update=jax.jit(_counting_traces(train_step.update, traces, "update"), donate_argnums=0, **placement),
         place_batch=place_batch,
         traces=traces,
     )
@@ -451,10 +451,9 @@ def _end_step(
     metrics: dict[str, float],
     state: TrainState,
     collected: CollectedBatch,
-    history: list[dict[str, float]],
 ) -> None:
-    """After the update of ``step``: the held-out evaluation when due (into ``metrics``), the
-    callback, and the decision to stop (raises ``NonFiniteUpdates``)."""
+    """After the update of ``step``: the held-out evaluation when due (into ``metrics``) and
+    the callback."""
     config = run.config
     if config.eval_every and (step + 1) % config.eval_every == 0:
         with called_in(f"the held-out evaluation after train step {step}"):
@@ -466,6 +465,12 @@ def _end_step(
     if run.callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
         with _interrupts_held():
             run.callback(StepEnd(step=step, metrics=metrics, state=state, collected=collected))
+
+
+def _stop_if_not_finite(
+    config: TrainConfig, step: int, metrics: dict[str, float], state: TrainState, history: list[dict[str, float]]
+) -> None:
+    """Raises ``NonFiniteUpdates`` when ``max_consecutive_skips`` steps in a row skipped an update."""
     if metrics["consecutive_skips"] >= config.max_consecutive_skips:
         raise NonFiniteUpdates(
             f"Stopping at step {step}: {int(metrics['consecutive_skips'])} updates in a row had a non-finite loss, "
@@ -495,9 +500,10 @@ def _run_steps(run: _Run, state: TrainState, steps: int) -> tuple[TrainState, li
                 metrics = _step_metrics(*recorded)
                 history.append(metrics)
                 recorded = None
-                _end_step(run, step, metrics, state, scored.collected, history)
+                _end_step(run, step, metrics, state, scored.collected)
                 if interrupts:  # a Ctrl-C that Python dropped (see _interrupts_noticed)
                     raise KeyboardInterrupt
+                _stop_if_not_finite(run.config, step, metrics, state, history)
         except RunStopped:
             raise
         except (Exception, KeyboardInterrupt) as error:

@@ -78,7 +78,7 @@ def init_state(
 
     ``copy_reference=False`` makes the reference ``ref_params`` (or ``params``) itself,
     not a copy: one params-sized buffer less (2 GB at 0.5B parameters in float32). Then
-    whatever donates the state must leave the reference out, as :func:`train` does
+    whatever donates the state must leave the reference out, as :func:`jaxrl_llm.training.train` does
     (``update`` never reads it); donating it would delete the caller's arrays."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     optimizers = run_optimizers(algorithm, config, decay_steps=1)

@@ -7,7 +7,6 @@ reason, where this machine lacks the layer that case needs."""
 import ast
 import glob
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -509,7 +508,7 @@ print(callable(launcher.main), sorted(m for m in set(sys.modules) - before
 
 
 def test_launcher_directory_is_not_on_the_programs_path():
-    # Run by its path under -I, the launcher's directory stays off sys.path: rewards/code.py
+    # Run with -I -c, no directory of the package is on sys.path: rewards/code.py
     # must not shadow the standard library's code module.
     launcher_dir = os.path.dirname(sandbox._LAUNCHER)
     result = run_python("import code, sys\nprint(sys.path)\nprint(code.__file__)", limits=FAST)
@@ -519,21 +518,16 @@ def test_launcher_directory_is_not_on_the_programs_path():
 
 
 def test_sandbox_runs_from_another_working_directory(tmp_path, monkeypatch):
-    # The launcher is found by its absolute path, and the program runs in its own directory.
+    # The program runs in a directory of its own, wherever the caller is.
     monkeypatch.chdir(tmp_path)
     result = run_python("import os\nprint(os.path.basename(os.getcwd()))", limits=FAST)
     assert (result.status, result.completed) == ("passed", True), result
     assert result.stdout.startswith("jaxrl-sandbox-")
 
 
-def test_launcher_under_a_hidden_directory(tmp_path, monkeypatch, layers):
-    # As when the package is installed under /root or a home directory: the interpreter
-    # reads the launcher before the sandbox covers them, and it is bound back in view.
-    need(layers, "hidden_dirs")
-    copy = tmp_path / "home" / "site-packages" / "sandbox_launcher.py"  # /tmp is hidden too
-    copy.parent.mkdir(parents=True)
-    shutil.copy(sandbox._LAUNCHER, copy)
-    monkeypatch.setattr(sandbox, "_LAUNCHER", str(copy))
-    result = run_python(f"print(len(open({str(copy)!r}, 'rb').read()))", limits=NO_HOOK)
-    assert (result.status, result.completed) == ("passed", True), result
-    assert result.stdout == f"{copy.stat().st_size}\n" and set(result.protections) == layers
+def test_launcher_runs_from_the_source_read_at_import(monkeypatch):
+    # The file is read once: a sandboxed program that overwrote it (or an install that
+    # moved it) would change no later run. Without the file at run time, runs still pass.
+    monkeypatch.setattr(sandbox, "_LAUNCHER", "/nonexistent/sandbox_launcher.py")
+    result = run_python("print(6 * 7)", limits=FAST)
+    assert (result.status, result.completed, result.stdout) == ("passed", True, "42\n"), result

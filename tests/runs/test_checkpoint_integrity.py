@@ -18,16 +18,24 @@ from tests.training.test_checkpoint import flip_bytes
 
 METRICS = ("reward", "loss", "grad_norm", "kl_k3")
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning",
-                                        "ignore:Checkpointer.restore:UserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning", "ignore:Checkpointer.restore:UserWarning"
+)
 
 
 @pytest.mark.slow
 def test_a_run_continues_from_the_checkpoint_before_a_corrupt_latest_one(tmp_path):
     tiny = runs.load("tiny")
-    config = dataclasses.replace(tiny, steps=3, save_every=1, keep_checkpoints=3, samples_every=100, plot_every=100,
-                                 warm_start=dataclasses.replace(tiny.warm_start, steps=2),
-                                 train=dataclasses.replace(tiny.train, eval_every=0))
+    config = dataclasses.replace(
+        tiny,
+        steps=3,
+        save_every=1,
+        keep_checkpoints=3,
+        samples_every=100,
+        plot_every=100,
+        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
+        train=dataclasses.replace(tiny.train, eval_every=0),
+    )
     run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / run.CHECKPOINTS
     run.train_run(config, run_dir, progress=False, stream=None)
     first = runs.read_metrics(run_dir)
@@ -37,8 +45,10 @@ def test_a_run_continues_from_the_checkpoint_before_a_corrupt_latest_one(tmp_pat
     out = io.StringIO()
     result = run.train_run(dataclasses.replace(config, steps=5), run_dir, resume=True, progress=False, stream=out)
     out = out.getvalue()
-    assert (f"Checkpoint 3 cannot be used (ValueError: checksum mismatch in {leaf}: the stored data is not what was "
-            f"saved); moved to {checkpoints / 'unreadable-3'}, continuing from step 2.") in out
+    assert (
+        f"Checkpoint 3 cannot be used (ValueError: checksum mismatch in {leaf}: the stored data is not what was "
+        f"saved); moved to {checkpoints / 'unreadable-3'}, continuing from step 2."
+    ) in out
     assert "from its checkpoint of step 2 (of 5)" in out
     # Step 3 saved again, and the three kept are three good ones.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["3", "4", "5", "unreadable-3"]

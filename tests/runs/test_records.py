@@ -14,17 +14,25 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxrl_llm.rewards.combine import RewardResult
-from jaxrl_llm.runs import records
 from jaxrl_llm.rollouts import Rollouts, ScoredRound
+from jaxrl_llm.runs import records
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def step_metrics(step: int, *, offset: float = 0.0) -> dict[str, float]:
     """A trainer-like metrics dict; ``reward_format`` is NaN on even steps (applied to no row)."""
-    return {"reward": step / 10 + offset, "reward_std": 0.1, "reward_accuracy": step / 20,
-            "reward_format": math.nan if step % 2 == 0 else 0.5, "kl_exact": step * 1e-3, "kl_k3": step * 2e-3,
-            "completion_length": 10.0 + step, "entropy": 1.0 - step / 100, "step_seconds": 2.0}
+    return {
+        "reward": step / 10 + offset,
+        "reward_std": 0.1,
+        "reward_accuracy": step / 20,
+        "reward_format": math.nan if step % 2 == 0 else 0.5,
+        "kl_exact": step * 1e-3,
+        "kl_k3": step * 2e-3,
+        "completion_length": 10.0 + step,
+        "entropy": 1.0 - step / 100,
+        "step_seconds": 2.0,
+    }
 
 
 def quiet_recorder(run_dir, **options) -> records.RunRecorder:
@@ -48,8 +56,8 @@ def read_tensorboard(directory: Path, *, purge: bool = True) -> dict[str, list[t
     for path in paths:
         data, offset = path.read_bytes(), 0
         while offset < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
             offset += 12 + length + 4
             if purge and event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
                 scalars = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in scalars.items()}
@@ -60,9 +68,16 @@ def read_tensorboard(directory: Path, *, purge: bool = True) -> dict[str, list[t
 
 
 def test_metrics_lines_are_what_was_logged(tmp_path):
-    logged = {0: {"reward": 0.5, "reward_format": math.nan, "kl_exact": 1e-3},
-              1: {"reward": 0.75, "reward_format": 1.0, "kl_exact": math.inf, "eval_greedy_accuracy": 0.25,
-                  "eval_pass@4": np.float32(0.5)}}
+    logged = {
+        0: {"reward": 0.5, "reward_format": math.nan, "kl_exact": 1e-3},
+        1: {
+            "reward": 0.75,
+            "reward_format": 1.0,
+            "kl_exact": math.inf,
+            "eval_greedy_accuracy": 0.25,
+            "eval_pass@4": np.float32(0.5),
+        },
+    }
     with quiet_recorder(tmp_path) as recorder:
         for step, metrics in logged.items():
             recorder.log(step, metrics)
@@ -70,8 +85,14 @@ def test_metrics_lines_are_what_was_logged(tmp_path):
     rows = [strict_json(line) for line in lines]  # NaN and inf are null, never NaN / Infinity
     assert rows == [
         {"step": 0, "reward": 0.5, "reward_format": None, "kl_exact": 1e-3},
-        {"step": 1, "reward": 0.75, "reward_format": 1.0, "kl_exact": None, "eval_greedy_accuracy": 0.25,
-         "eval_pass@4": 0.5},
+        {
+            "step": 1,
+            "reward": 0.75,
+            "reward_format": 1.0,
+            "kl_exact": None,
+            "eval_greedy_accuracy": 0.25,
+            "eval_pass@4": 0.5,
+        },
     ]
     # Step first, then the metrics as given.
     assert [list(row) for row in rows] == [["step", *metrics] for metrics in logged.values()]
@@ -114,7 +135,10 @@ def test_resume_keeps_the_lines_before_start_step(tmp_path):
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
     assert [row["reward"] for row in rows[3:]] == [100.3, 100.4]  # the continued run's, not the killed one's
     assert [(row["step"], row["completion"]) for row in records.read_samples(tmp_path)] == [
-        (0, "c0"), (2, "c2"), (4, "again")]
+        (0, "c0"),
+        (2, "c2"),
+        (4, "again"),
+    ]
 
     with quiet_recorder(tmp_path):  # a fresh run starts empty records
         pass
@@ -147,7 +171,8 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
     assert {"train/reward", "train/reward_format", "train/kl_exact", "time/step_seconds"} <= set(scalars)
     assert [step for step, _ in scalars["train/reward"]] == list(range(8))  # each step once
     assert [value for _, value in scalars["train/reward"]] == pytest.approx(
-        [step / 10 for step in range(3)] + [step / 10 + 100.0 for step in range(3, 8)])
+        [step / 10 for step in range(3)] + [step / 10 + 100.0 for step in range(3, 8)]
+    )
     assert [step for step, _ in scalars["train/reward_format"]] == [1, 3, 5, 7]  # NaN steps left out
     # The evaluation of the discarded step 4 is purged too.
     assert all(not scalars[tag] for tag in ("eval/greedy_accuracy", "eval/pass_at_4", "time/eval_seconds"))
@@ -195,31 +220,73 @@ def scored_round() -> ScoredRound:
     prompts = ["1 + 1 =", [{"role": "user", "content": "2 + 2?"}], "3 + 3 ="]
     rows = 6
     rollouts = Rollouts(
-        prompt_tokens=np.zeros((3, 4), np.int32), prompt_mask=np.ones((3, 4), bool),
-        completion_tokens=np.zeros((rows, 4), np.int32), completion_mask=np.ones((rows, 4), bool), logprobs=np.zeros((rows, 4), np.float32),
-        lengths=np.array([3, 4, 2, 4, 1, 2], np.int32), truncated=np.array([0, 1, 0, 1, 0, 0], bool),
-        rewards=np.array([1.5, 0.0, 1.0, -0.2, 0.0, 0.0], np.float32))
+        prompt_tokens=np.zeros((3, 4), np.int32),
+        prompt_mask=np.ones((3, 4), bool),
+        completion_tokens=np.zeros((rows, 4), np.int32),
+        completion_mask=np.ones((rows, 4), bool),
+        logprobs=np.zeros((rows, 4), np.float32),
+        lengths=np.array([3, 4, 2, 4, 1, 2], np.int32),
+        truncated=np.array([0, 1, 0, 1, 0, 0], bool),
+        rewards=np.array([1.5, 0.0, 1.0, -0.2, 0.0, 0.0], np.float32),
+    )
     result = RewardResult(
         total=np.array([1.5, 0.0, 1.0, 0.0, 0.0, 0.0], np.float32),
-        values={"accuracy": np.array([1.0, 0.0, 1.0, 0.0, 0.0, 0.0], np.float32),
-                "format": np.array([0.5, np.nan, np.nan, 0.0, 0.0, 0.0], np.float32)},
-        errors={})
-    return ScoredRound(prompts=prompts, rollouts=rollouts, result=result,
-                       completions=["2", "11 wrong", "4", "5", "6", "6"], truncated_prompts=0, reward_seconds=0.0)
+        values={
+            "accuracy": np.array([1.0, 0.0, 1.0, 0.0, 0.0, 0.0], np.float32),
+            "format": np.array([0.5, np.nan, np.nan, 0.0, 0.0, 0.0], np.float32),
+        },
+        errors={},
+    )
+    return ScoredRound(
+        prompts=prompts,
+        rollouts=rollouts,
+        result=result,
+        completions=["2", "11 wrong", "4", "5", "6", "6"],
+        truncated_prompts=0,
+        reward_seconds=0.0,
+    )
 
 
 def test_sample_rows_take_the_first_prompts_groups(tmp_path):
     rows = records.sample_rows(scored_round(), step=7, max_prompts=2)
     chat = [{"role": "user", "content": "2 + 2?"}]
     assert rows == [
-        {"step": 7, "prompt": "1 + 1 =", "completion": "2", "reward": 1.5, "rewards": {"accuracy": 1.0, "format": 0.5},
-         "length": 3, "truncated": False},
-        {"step": 7, "prompt": "1 + 1 =", "completion": "11 wrong", "reward": 0.0,
-         "rewards": {"accuracy": 0.0, "format": None}, "length": 4, "truncated": True},
-        {"step": 7, "prompt": chat, "completion": "4", "reward": 1.0, "rewards": {"accuracy": 1.0, "format": None},
-         "length": 2, "truncated": False},
-        {"step": 7, "prompt": chat, "completion": "5", "reward": 0.0, "rewards": {"accuracy": 0.0, "format": 0.0},
-         "length": 4, "truncated": True},
+        {
+            "step": 7,
+            "prompt": "1 + 1 =",
+            "completion": "2",
+            "reward": 1.5,
+            "rewards": {"accuracy": 1.0, "format": 0.5},
+            "length": 3,
+            "truncated": False,
+        },
+        {
+            "step": 7,
+            "prompt": "1 + 1 =",
+            "completion": "11 wrong",
+            "reward": 0.0,
+            "rewards": {"accuracy": 0.0, "format": None},
+            "length": 4,
+            "truncated": True,
+        },
+        {
+            "step": 7,
+            "prompt": chat,
+            "completion": "4",
+            "reward": 1.0,
+            "rewards": {"accuracy": 1.0, "format": None},
+            "length": 2,
+            "truncated": False,
+        },
+        {
+            "step": 7,
+            "prompt": chat,
+            "completion": "5",
+            "reward": 0.0,
+            "rewards": {"accuracy": 0.0, "format": 0.0},
+            "length": 4,
+            "truncated": True,
+        },
     ]
     assert all(type(row["length"]) is int and type(row["reward"]) is float for row in rows)
     assert len(records.sample_rows(scored_round(), step=0, max_prompts=10)) == 6
@@ -265,8 +332,9 @@ class FakeWandb:
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
-        return types.SimpleNamespace(log=lambda metrics, step: self.logged.append((step, dict(metrics))),
-                                     finish=self.finish)
+        return types.SimpleNamespace(
+            log=lambda metrics, step: self.logged.append((step, dict(metrics))), finish=self.finish
+        )
 
     def finish(self):
         self.finished += 1

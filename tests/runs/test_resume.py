@@ -27,8 +27,21 @@ STEPS = 12
 
 
 def command(run_dir, *flags):
-    return [sys.executable, "-m", "jaxrl_llm", "train", "--config", "tiny", "--run-dir", str(run_dir),
-            "--steps", str(STEPS), "--progress", "off", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "jaxrl_llm",
+        "train",
+        "--config",
+        "tiny",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(STEPS),
+        "--progress",
+        "off",
+        *flags,
+    ]
 
 
 def environment(tmp_path):
@@ -69,8 +82,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_param
     assert saved and saved[-1] < STEPS, (saved, process.stderr.read().decode()[-2000:])
     assert saved[-1] < len(runs.read_metrics(killed)) < STEPS  # logged a step it had not saved; not at the end
 
-    process = subprocess.Popen(command(killed, "--resume"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        command(killed, "--resume"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert stop_after_a_checkpoint(process, signal.SIGINT, since=saved[-1]) == 130
     out, err = process.communicate()
     assert f"from its checkpoint of step {saved[-1]}" in out
@@ -103,13 +117,23 @@ def test_a_run_continues_on_another_mesh_where_the_single_device_run_goes(tmp_pa
     import dataclasses
 
     tiny = runs.load("tiny")
-    config = dataclasses.replace(tiny, steps=4, save_every=2, warm_start=dataclasses.replace(tiny.warm_start, steps=2),
-                                 train=dataclasses.replace(tiny.train, eval_every=0))
+    config = dataclasses.replace(
+        tiny,
+        steps=4,
+        save_every=2,
+        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
+        train=dataclasses.replace(tiny.train, eval_every=0),
+    )
     expected = run.train_run(config, tmp_path / "one", progress=False, stream=None).history
-    run.train_run(dataclasses.replace(config, steps=2, mesh=runs.MeshSpec(data=1, fsdp=4)), tmp_path / "moved",
-                  progress=False, stream=None)
-    continued = run.train_run(dataclasses.replace(config, mesh=runs.MeshSpec(data=2, fsdp=2)), tmp_path / "moved",
-                              progress=False, stream=None)
+    run.train_run(
+        dataclasses.replace(config, steps=2, mesh=runs.MeshSpec(data=1, fsdp=4)),
+        tmp_path / "moved",
+        progress=False,
+        stream=None,
+    )
+    continued = run.train_run(
+        dataclasses.replace(config, mesh=runs.MeshSpec(data=2, fsdp=2)), tmp_path / "moved", progress=False, stream=None
+    )
     q_proj = continued.state.params["layers"][0]["self_attn"]["q_proj"][...]
     assert tuple(q_proj.sharding.spec)[:1] == ("fsdp",) and len(q_proj.sharding.device_set) == 4
     rows = runs.read_metrics(tmp_path / "moved")
@@ -129,11 +153,16 @@ def test_a_checkpoint_with_a_reference_the_run_no_longer_keeps_still_restores(tm
 
     from jaxrl_llm import algorithms, models, training
 
-    model, params = models.init(models.ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
-                                                   num_heads=2, num_kv_heads=1, head_dim=4), jax.random.key(0))
+    model, params = models.init(
+        models.ModelConfig(
+            vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4
+        ),
+        jax.random.key(0),
+    )
     config = training.TrainConfig()
-    with_reference = training.init_state(model, params, algorithms.DAPO,
-                                         dataclasses.replace(config, reference_metrics=True))
+    with_reference = training.init_state(
+        model, params, algorithms.DAPO, dataclasses.replace(config, reference_metrics=True)
+    )
     with training.Checkpointer(tmp_path / "checkpoints") as checkpointer:
         checkpointer.save(3, with_reference._replace(step=jax.numpy.asarray(3, jax.numpy.int32)))
         like = jax.eval_shape(lambda p: training.init_state(model, p, algorithms.DAPO, config), params)
@@ -146,24 +175,33 @@ def test_a_checkpoint_with_a_reference_the_run_no_longer_keeps_still_restores(tm
 
 @pytest.mark.slow
 def test_a_run_stored_with_flat_train_settings_resumes(tmp_path):
-    """A run directory from before the grouped settings stores ``train.temperature``,
+    """A run directory with the flat layout stores ``train.temperature``,
     ``train.learning_rate``, ... in ``[train]`` itself: it loads to the same config and the
     same command continues it."""
     import dataclasses
 
     tiny = runs.load("tiny")
-    config = dataclasses.replace(tiny, steps=2, save_every=2, warm_start=dataclasses.replace(tiny.warm_start, steps=2),
-                                 train=dataclasses.replace(tiny.train, eval_every=0))
+    config = dataclasses.replace(
+        tiny,
+        steps=2,
+        save_every=2,
+        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
+        train=dataclasses.replace(tiny.train, eval_every=0),
+    )
     run.train_run(config, tmp_path / "run", progress=False, stream=None)
     path = tmp_path / "run" / run.CONFIG_FILE
     stored = json.loads(path.read_text())
     train = stored["train"]
-    stored["train"] = {**{k: v for k, v in train.items() if k not in ("sampling", "optimizer")},
-                       **train["sampling"], **train["optimizer"]}  # the layout before the groups
+    stored["train"] = {
+        **{k: v for k, v in train.items() if k not in ("sampling", "optimizer")},
+        **train["sampling"],
+        **train["optimizer"],
+    }  # the layout before the groups
     assert "temperature" in stored["train"] and "learning_rate" in stored["train"]
     path.write_text(json.dumps(stored))
     assert run.stored_config(tmp_path / "run") == run.absolute_paths(config)
-    continued = run.train_run(dataclasses.replace(config, steps=4), tmp_path / "run", resume=True, progress=False,
-                              stream=None)
+    continued = run.train_run(
+        dataclasses.replace(config, steps=4), tmp_path / "run", resume=True, progress=False, stream=None
+    )
     assert [row["step"] for row in runs.read_metrics(tmp_path / "run")] == [0, 1, 2, 3]
     assert len(continued.history) == 2 and int(continued.state.step) == 4

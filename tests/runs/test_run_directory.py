@@ -56,8 +56,11 @@ def test_a_run_directory_holding_other_files_is_not_replaced_and_a_clean_one_is(
     config = runs.load("tiny")
     kept = _fake_run(tmp_path / "kept")
     (kept / "notes.txt").write_text("mine")
-    with pytest.raises(run.RunDirectoryError, match=r"holds files that are not the run's \(notes.txt\); nothing was "
-                                                    r"deleted"):
+    with pytest.raises(
+        run.RunDirectoryError,
+        match=r"holds files that are not the run's \(notes.txt\); nothing was "
+        r"deleted",
+    ):
         run.check_run_directory(config, kept, overwrite=True)
     clean = _fake_run(tmp_path / "clean")
     assert run.check_run_directory(config, clean, overwrite=True) is None
@@ -79,10 +82,16 @@ def test_a_start_that_completed_no_step_is_not_a_run_yet(tmp_path):
 def test_one_process_at_a_time_and_a_killed_holder_does_not_block(tmp_path, capsys, monkeypatch):
     directory = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from jaxrl_llm.runs import run\n"
-                               f"with run.locked({str(directory)!r}):\n"
-                               "    print('locked', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from jaxrl_llm.runs import run\n"
+            f"with run.locked({str(directory)!r}):\n"
+            "    print('locked', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         monkeypatch.setattr(run.build, "model", lambda *a, **k: pytest.fail("compute started"))
@@ -97,13 +106,21 @@ def test_one_process_at_a_time_and_a_killed_holder_does_not_block(tmp_path, caps
         assert (directory / run.LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on host ")
 
 
-@pytest.mark.parametrize("error, reason", [
-    (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
-    (PermissionError(errno.EACCES, "Permission denied", "d"), f"permission denied ({os.path.abspath('d')})"),
-    (ValueError('RESOURCE_EXHAUSTED: Error writing "x": Failed to write 312 bytes: No space left on device '
-                "[os_error_code='28']"), "no space left on device"),
-    (RuntimeError("callback failed"), None),
-])
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
+        (PermissionError(errno.EACCES, "Permission denied", "d"), f"permission denied ({os.path.abspath('d')})"),
+        (
+            ValueError(
+                'RESOURCE_EXHAUSTED: Error writing "x": Failed to write 312 bytes: No space left on device '
+                "[os_error_code='28']"
+            ),
+            "no space left on device",
+        ),
+        (RuntimeError("callback failed"), None),
+    ],
+)
 def test_storage_failures_are_recognised_through_the_chain(error, reason):
     try:
         try:
@@ -132,12 +149,18 @@ def test_a_full_disk_mid_run_is_one_message_naming_the_intact_checkpoint(tmp_pat
     directory = tmp_path / "run"
     assert cli.main(["train", "--config", "tiny", "--run-dir", str(directory), "--progress", "off"]) == 1
     lines = capsys.readouterr().err.strip().split("\n")
-    assert lines[-2] == ("jaxrl-llm train: error: train stopped at step 4 (4 of 4 steps done): could not write the "
-                         "run's files: no space left on device.")
-    assert lines[-1] == (f"The checkpoint of step 2 in {directory} is intact; free space (or make it writable) and "
-                         f"continue with: jaxrl-llm train --run-dir {directory} --resume")
-    assert [line.split(":")[0] for line in lines[:-2]] == ["Could not save a checkpoint of step 4",
-                                                           "Could not close the records"]
+    assert lines[-2] == (
+        "jaxrl-llm train: error: train stopped at step 4 (4 of 4 steps done): could not write the "
+        "run's files: no space left on device."
+    )
+    assert lines[-1] == (
+        f"The checkpoint of step 2 in {directory} is intact; free space (or make it writable) and "
+        f"continue with: jaxrl-llm train --run-dir {directory} --resume"
+    )
+    assert [line.split(":")[0] for line in lines[:-2]] == [
+        "Could not save a checkpoint of step 4",
+        "Could not close the records",
+    ]
     assert training.Checkpointer(directory / run.CHECKPOINTS).all_steps() == [2]
 
 

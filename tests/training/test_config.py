@@ -1,12 +1,11 @@
 """TrainConfig's settings grouped by concern (SamplingConfig, OptimizerConfig), validated
-when built, and the flat names of before the groups still meaning their group's field."""
+when built, and the flat names that alias their group's fields."""
 
 import dataclasses
 import pickle
 
 import pytest
 
-from jaxrl_llm import training
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.training.config import GROUPED_FIELDS, OptimizerConfig, TrainConfig
 
@@ -35,14 +34,28 @@ def test_the_flat_names_build_read_and_replace_the_grouped_settings():
         TrainConfig(temprature=0.5)
 
 
-def test_every_setting_is_in_one_place():
-    names = [field.name for field in dataclasses.fields(TrainConfig)]
-    assert {"sampling", "optimizer"} <= set(names) and not set(GROUPED_FIELDS) & set(names)
-    assert set(GROUPED_FIELDS) == {f.name for f in dataclasses.fields(SamplingConfig)} | {
-        f.name for f in dataclasses.fields(OptimizerConfig)
-    }
+FLAT_SETTINGS = {  # every field of the flat TrainConfig, as stored runs and config files may hold them
+    "sampling": ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "max_prompt_length", "prompt_truncation"),
+    "optimizer": (
+        *("learning_rate", "critic_learning_rate", "warmup_steps", "lr_schedule", "decay_steps"),
+        *("end_learning_rate_fraction", "weight_decay", "adam_b1", "adam_b2", "adam_eps", "max_grad_norm"),
+    ),
+    None: (
+        *("num_prompts", "group_size", "minibatch_size", "on_reward_error", "eval_every", "eval_samples"),
+        *("chunk_size", "max_consecutive_skips", "max_refill_rounds", "seed", "share_prompts", "micro_batch_size"),
+        *("reference_metrics", "exact_kl"),
+    ),
+}
+
+
+def test_every_flat_setting_has_one_place():
+    names = {field.name for field in dataclasses.fields(TrainConfig)}
+    assert names == {*FLAT_SETTINGS[None], "sampling", "optimizer"}
+    for group, kind in (("sampling", SamplingConfig), ("optimizer", OptimizerConfig)):
+        assert {field.name for field in dataclasses.fields(kind)} == set(FLAT_SETTINGS[group])
+        for name in FLAT_SETTINGS[group]:  # its flat name reads and builds the group's field
+            assert GROUPED_FIELDS[name] == group and getattr(TrainConfig(), name) == getattr(kind(), name)
     assert TrainConfig().sampling == SamplingConfig() and TrainConfig().optimizer == OptimizerConfig()
-    assert training.TrainConfig is TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -55,6 +68,7 @@ def test_every_setting_is_in_one_place():
         ),
         (dict(temperature=0.0), r"TrainConfig: `sampling.temperature` must be a finite number > 0"),
         (dict(sampling=dict(temperature=0.7)), "TrainConfig: `sampling` must be of type SamplingConfig; got"),
+        (dict(sampling=dict(top_k=2), temperature=0.7), "TrainConfig: `sampling` must be of type SamplingConfig; got"),
         (dict(optimizer=None), "TrainConfig: `optimizer` must be of type OptimizerConfig; got None"),
     ],
 )

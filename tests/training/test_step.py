@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms, kl, models, ops, rewards, sharding, training
+from jaxrl_llm import algorithms, kl, models, ops, rewards, sampling, sharding, training
 from jaxrl_llm.tasks import DigitSumTask
 from tests import reference
 
@@ -33,7 +33,7 @@ def _batch(model, params, seed=0, run=RUN):
     prompts = TASK.prompts(rng, run.num_prompts)
     answers = np.asarray(prompts.columns["answer"])
     rollout = jax.device_get(
-        training.loop.sampling.sample(
+        sampling.sample(
             model,
             params,
             prompts.tokens,
@@ -89,9 +89,9 @@ def _rewards_reach_the_step(monkeypatch, values):
 
 def _step(algorithm, run=RUN, seed=0):
     model, params = models.init(CONFIG, jax.random.key(seed))
-    halves = training.make_train_step(model, algorithm, run)
+    train_step = training.make_train_step(model, algorithm, run)
     state = training.init_state(model, params, algorithm, run)
-    return model, params, jax.jit(halves.score), jax.jit(halves.update), state
+    return model, params, jax.jit(train_step.score), jax.jit(train_step.update), state
 
 
 def _changed(tree_a, tree_b) -> bool:
@@ -115,8 +115,8 @@ def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monk
     for mu, expected_score_passes in ((1, 1), (2, 2)):
         passes.clear()
         method = dataclasses.replace(algorithms.GRPO, num_iterations=mu)
-        halves = training.make_train_step(model, method, RUN)
-        jax.eval_shape(halves.score, training.init_state(model, params, method, RUN), batch)
+        train_step = training.make_train_step(model, method, RUN)
+        jax.eval_shape(train_step.score, training.init_state(model, params, method, RUN), batch)
         assert len(passes) == expected_score_passes, (mu, len(passes))
 
 
@@ -145,10 +145,10 @@ def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
     results = []
     for share in (False, True):
         run = dataclasses.replace(RUN, share_prompts=share)
-        halves = training.make_train_step(model, method, run)
+        train_step = training.make_train_step(model, method, run)
         state = training.init_state(model, params, method, run)
-        scored, score_metrics = jax.jit(halves.score)(state, batch)
-        state, metrics = jax.jit(halves.update)(state, scored)
+        scored, score_metrics = jax.jit(train_step.score)(state, batch)
+        state, metrics = jax.jit(train_step.update)(state, scored)
         results.append((scored, {**score_metrics, **metrics}, state.params, state.critic_params))
     (plain, plain_metrics, *plain_params), (shared, shared_metrics, *shared_params) = results
     for field in ("old_logp", "ref_logp", "advantages", "returns", "old_values"):
@@ -356,7 +356,7 @@ class _HalfSolvable(DigitSumTask):
 def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     model, params = models.init(CONFIG, jax.random.key(7))
     task = _HalfSolvable()
-    sampler = training.loop.sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id)
+    sampler = sampling.Sampler(model=model, eos_ids=(task.eos_id,), pad_id=task.pad_id)
     run = dataclasses.replace(RUN, max_refill_rounds=6)
     collected = training.collect.collect_batch(
         sampler, params, task, algorithms.DAPO, run, key=jax.random.key(0), position=0
@@ -387,7 +387,7 @@ def test_overlong_shaping_enters_the_rewards_the_advantages_and_the_group_metric
 
     run = dataclasses.replace(RUN, max_new_tokens=10)
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5, dynamic_sampling=False)
-    sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
+    sampler = sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
     collected = training.collect.collect_batch(
         sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0
     )
@@ -419,7 +419,7 @@ def test_dynamic_sampling_reads_the_tasks_rewards_not_the_length_shaping():
 
     run = dataclasses.replace(RUN, max_new_tokens=10, max_refill_rounds=1)
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5)
-    sampler = training.loop.sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
+    sampler = sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
     collected = training.collect.collect_batch(
         sampler, params, _Scored(zero), method, run, key=jax.random.key(0), position=0
     )

@@ -22,10 +22,10 @@ def _uneven(batch):
 
 
 def _one_update(model, params, algorithm, run, batch):
-    halves = training.make_train_step(model, algorithm, run)
+    train_step = training.make_train_step(model, algorithm, run)
     state = training.init_state(model, params, algorithm, run)
-    scored, _ = jax.jit(halves.score)(state, batch)
-    return jax.jit(halves.update)(state, scored)
+    scored, _ = jax.jit(train_step.score)(state, batch)
+    return jax.jit(train_step.update)(state, scored)
 
 
 @pytest.mark.parametrize(
@@ -81,8 +81,8 @@ def _score_passes(monkeypatch, model, algorithm, run, params, batch) -> int:
     real = models.functional.group_completion_hidden_states
     counting = lambda *a, **k: passes.append(1) or real(*a, **k)  # noqa: E731
     monkeypatch.setattr(models.functional, "group_completion_hidden_states", counting)
-    halves = training.make_train_step(model, algorithm, run)
-    jax.eval_shape(halves.score, training.init_state(model, params, algorithm, run), batch)
+    train_step = training.make_train_step(model, algorithm, run)
+    jax.eval_shape(train_step.score, training.init_state(model, params, algorithm, run), batch)
     monkeypatch.setattr(models.functional, "group_completion_hidden_states", real)
     return len(passes)
 
@@ -118,9 +118,9 @@ def test_the_exact_kl_is_the_full_vocabulary_kl_of_the_sampling_policy_to_the_re
         (algorithms.PPO, dataclasses.replace(RUN, minibatch_size=8)),
     ):  # old log-probs' pass
         run = dataclasses.replace(run, exact_kl=True, temperature=0.7)
-        halves = training.make_train_step(model, method, run)
+        train_step = training.make_train_step(model, method, run)
         state = training.init_state(model, params, method, run, ref_params=reference_params)
-        _, metrics = jax.jit(halves.score)(state, batch)
+        _, metrics = jax.jit(train_step.score)(state, batch)
         # Independently: full logits of both models at the sampling temperature, exact KL, token mean.
         tokens, mask = _rows(batch)
         n = run.max_new_tokens
@@ -135,16 +135,16 @@ def test_the_update_advances_the_key_baseline_stream_and_learning_rate_itself():
     """Every piece of state a step changes is changed inside the jitted halves."""
     model, params = models.init(CONFIG, jax.random.key(0))
     method = algorithms.REINFORCE_BASELINE
-    halves = training.make_train_step(model, method, RUN)
+    train_step = training.make_train_step(model, method, RUN)
     state = training.init_state(model, params, method, RUN)
     batch = _batch(model, params)._replace(prompts_drawn=jnp.asarray(12, jnp.int32))
-    scored, _ = jax.jit(halves.score)(state, batch)
+    scored, _ = jax.jit(train_step.score)(state, batch)
     first_key = np.asarray(jax.random.key_data(training.state.rollout_key(state)))
-    new, metrics = jax.jit(halves.update)(state, scored)
+    new, metrics = jax.jit(train_step.update)(state, scored)
     assert int(new.prompts_drawn) == 12 and int(new.step) == 1
     np.testing.assert_allclose(float(new.baseline.mean), float(jnp.mean(batch.rewards)), rtol=1e-6)  # first batch
     assert not np.array_equal(np.asarray(jax.random.key_data(training.state.rollout_key(new))), first_key)
     schedule = training.optim.learning_rate_schedule(learning_rate=RUN.learning_rate, warmup_steps=RUN.warmup_steps)
     np.testing.assert_allclose(float(metrics["learning_rate"]), float(schedule(0)), rtol=1e-6)
-    again, _ = jax.jit(halves.update)(new, jax.jit(halves.score)(new, batch)[0])
+    again, _ = jax.jit(train_step.update)(new, jax.jit(train_step.score)(new, batch)[0])
     assert int(again.prompts_drawn) == 24
