@@ -12,17 +12,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_llm import distributed, sharding
 from jaxrl_llm.advantages import RunningMeanState
-
-
-def _where_it_is(x, dtype=None):
-    """``x`` as an array of ``dtype`` where it is: a ``jax.Array`` on its devices, else on the host."""
-    if isinstance(x, jax.Array):
-        return x if dtype is None else x.astype(dtype)
-    return np.asarray(x, dtype)
 
 
 class Batch(NamedTuple):
@@ -49,17 +41,16 @@ class Batch(NamedTuple):
     ) -> Batch:
         """The batch of a :class:`jaxrl_llm.sampling.Rollout` of ``prompt_tokens`` /
         ``prompt_mask`` ``[P, S]`` with its ``rewards`` ``[B]``; ``prompts_drawn``
-        defaults to ``P``. Arrays stay where they are: ``jax.Array``s on their devices,
-        host arrays on the host, for the caller to place (on a mesh, split by rows) once."""
+        defaults to ``P``."""
         num_prompts = prompt_tokens.shape[0]
         return cls(
-            prompt_tokens=_where_it_is(prompt_tokens),
-            prompt_mask=_where_it_is(prompt_mask, bool),
-            completion_tokens=_where_it_is(rollout.completion_tokens),
-            completion_mask=_where_it_is(rollout.completion_mask),
-            sampling_logp=_where_it_is(rollout.logprobs),
-            rewards=_where_it_is(rewards, np.float32),
-            prompts_drawn=np.asarray(num_prompts if prompts_drawn is None else prompts_drawn, np.int32),
+            prompt_tokens=jnp.asarray(prompt_tokens),
+            prompt_mask=jnp.asarray(prompt_mask, bool),
+            completion_tokens=jnp.asarray(rollout.completion_tokens),
+            completion_mask=jnp.asarray(rollout.completion_mask),
+            sampling_logp=jnp.asarray(rollout.logprobs),
+            rewards=jnp.asarray(rewards, jnp.float32),
+            prompts_drawn=jnp.asarray(num_prompts if prompts_drawn is None else prompts_drawn, jnp.int32),
         )
 
 
