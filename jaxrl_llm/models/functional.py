@@ -6,6 +6,7 @@
     logits = models.forward(model, params, tokens, attention_mask=mask)     # [B, S, V]
     logits, cache = models.prefill(model, params, prompt, prompt_mask, cache_size=S + N)
     logits, cache = models.decode_step(model, params, next_tokens, cache)  # [B, V]
+    logits, cache = models.extend(model, params, tool_tokens, tool_mask, cache)  # [B, E, V]
 
 ``Model`` is a static pytree node (it has no array leaves), so it passes straight through
 ``jax.jit``; ``params`` is an ``nnx.State`` of ``nnx.Param`` leaves, a plain pytree for
@@ -480,6 +481,69 @@ def _prefill_hidden(
     return hidden, cache._replace(
         next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)
     )
+
+
+def extend(
+    model: Model,
+    params: Params,
+    tokens: jax.Array,
+    mask: jax.Array,
+    cache: KVCache,
+    *,
+    last_logits_only: bool = False,
+) -> tuple[jax.Array, KVCache]:
+    """Feeds ``E`` more tokens per sequence into ``cache`` and returns their logits and the cache.
+
+    The multi-token :func:`decode_step`: a tool's result, a chat template's tokens between
+    turns, or an episode's own opening appended to a conversation in the cache, computing
+    only the new tokens, never the conversation again. The tokens go into slots
+    ``cache.index ... cache.index + E - 1`` of every row; ``mask`` says which of them are
+    real for each row (rows feed different numbers, some none), and only those become
+    valid slots, each at its row's next RoPE position. So the cache afterwards holds, per
+    row, exactly the tokens a from-scratch pass over the row's whole conversation would
+    see, with gaps where other rows' tokens went: the next-token logits are that pass's,
+    up to float rounding.
+
+    Args:
+      tokens: ``[B, E]`` ids in ``[0, V)`` (ids under ``mask = 0`` are not read by any real
+        token; any id will do).
+      mask: ``[B, E]``, bool or 0/1: the real tokens, in any pattern (typically each row's
+        first ``n_b``).
+      cache: from :func:`prefill`, :func:`decode_step` or a previous call, with ``E`` free
+        slots. A call that overruns it returns NaN logits under ``jit`` (as
+        :func:`decode_step`); concrete inputs are refused.
+      last_logits_only: return ``[B, V]``, the logits at each row's last real token (the
+        next-token distribution; arbitrary for a row with none), instead of ``[B, E, V]``.
+
+    Sliding-window layers (``config.sliding_windows``) measure their window in cache slots,
+    which equals the distance in positions only where a row's slots have no gaps: with
+    gaps, keep the window at least the cache size.
+    """
+    fn = "extend"
+    ids = _checks.integer(fn, "tokens", tokens)
+    _checks.rank(fn, "tokens", ids, 2, "[B, E]")
+    _checks.nonempty(fn, "tokens", ids, "at least one sequence and one token")
+    _checks.token_ids(fn, "tokens", tokens, model.config.vocab_size)
+    mask = _checks.mask(fn, mask, "tokens", ids, name="mask")
+    tokens, width, slots = ids, ids.shape[1], cache.valid.shape[1]
+    index = _checks.host_values(cache.index)
+    if index is not None and int(index) + width > slots:
+        raise ValueError(
+            f"{fn}: {width} tokens do not fit the cache: {slots - int(index)} of its {slots} slots are free."
+        )
+    valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))  # [B, K]
+    query_slot = cache.index + jnp.arange(width)  # [E]
+    attention = valid[:, None, :] & (jnp.arange(slots)[None, None, :] <= query_slot[None, :, None])  # [B, E, K]
+    positions = cache.next_position[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)  # [B, E]
+    module = model.module(params)
+    hidden, cache = module.hidden_states(tokens, positions, attention, cache._replace(valid=valid))
+    overrun = cache.index + width > slots
+    count = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B]
+    cache = cache._replace(next_position=cache.next_position + count, index=cache.index + width)
+    if last_logits_only:
+        last = jnp.maximum(width - 1 - jnp.argmax(mask[:, ::-1], axis=1), 0)  # [B]: the last real token
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, E]
+    return jnp.where(overrun, jnp.nan, module.logits(hidden)), cache
 
 
 def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
