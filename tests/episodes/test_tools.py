@@ -1,0 +1,308 @@
+"""Checking tools and calling them: TRL's documented tools run unchanged."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jaxrl_llm.episodes.parsing import MalformedCall, ToolCall
+from jaxrl_llm.episodes.tools import ToolResult, call_tools, check_tools
+
+# The tools of TRL's GRPO documentation ("Agent Training" / "Tools"), as written there.
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Asynchronously adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum of the two integers.
+    """
+    return a + b
+
+
+def take_screenshot() -> list:
+    """
+    Takes a screenshot of the current screen.
+
+    Returns:
+        The screenshot image with a description.
+    """
+    return [{"type": "image", "image": "pixels"}, {"type": "text", "text": "Here is the screenshot."}]
+
+
+def divide(a: float, b: float) -> float:
+    """
+    Divides two numbers.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+TOOLBOX = {fn.__name__: fn for fn in (multiply, async_add, take_screenshot, divide)}
+
+
+class TestCheckTools:
+    def test_trl_tools_pass(self):
+        assert check_tools([multiply, async_add, take_screenshot], where="tools") == (
+            multiply,
+            async_add,
+            take_screenshot,
+        )
+
+    def test_bound_methods_pass(self):
+        class Counter:
+            def increment(self, step: int) -> int:
+                """
+                Increment the internal counter.
+
+                Args:
+                    step: Value to add to the counter.
+                """
+                return step
+
+        counter = Counter()
+        assert check_tools([counter.increment], where="tools") == (counter.increment,)
+
+    def test_not_callable(self):
+        with pytest.raises(TypeError, match="tools: tool 1 is not callable"):
+            check_tools([multiply, "divide"], where="tools")
+        with pytest.raises(TypeError, match="list of tool functions"):
+            check_tools(multiply, where="tools")
+
+    def test_duplicate_name(self):
+        def make():
+            def multiply(a: int) -> int:
+                """
+                Another.
+
+                Args:
+                    a: A number.
+                """
+                return a
+
+            return multiply
+
+        with pytest.raises(ValueError, match="environment 'game': two tools are named 'multiply'"):
+            check_tools([multiply, make()], where="environment 'game'")
+
+    def test_missing_type_hint(self):
+        def search(query):
+            """
+            Searches.
+
+            Args:
+                query: What to look for.
+            """
+
+        with pytest.raises(ValueError, match="tool 'search' .*missing a type hint.*Google-style docstring"):
+            check_tools([search], where="tools")
+
+    def test_missing_args_section(self):
+        def search(query: str) -> str:
+            """Searches the web."""
+
+        with pytest.raises(ValueError, match="tool 'search' .*no description for the argument 'query'.*Args:"):
+            check_tools([search], where="tools")
+
+    def test_no_name(self):
+        class Tool:
+            def __call__(self, a: int) -> int:
+                return a
+
+        with pytest.raises(ValueError, match="has no __name__"):
+            check_tools([Tool()], where="tools")
+
+
+def run(*calls, timeout=5.0, toolbox=TOOLBOX):
+    return call_tools([(toolbox, call) for call in calls], timeout=timeout)
+
+
+class TestCallTools:
+    def test_results_in_order(self):
+        results = run(
+            ToolCall("multiply", {"a": 3, "b": 4}),
+            ToolCall("async_add", {"a": 1, "b": 2}),
+            ToolCall("multiply", {"a": 5, "b": 6}),
+        )
+        assert results == [
+            ToolResult("multiply", "12", False, False),
+            ToolResult("async_add", "3", False, False),
+            ToolResult("multiply", "30", False, False),
+        ]
+
+    def test_list_result_kept(self):
+        (result,) = run(ToolCall("take_screenshot", {}))
+        assert result.content == take_screenshot() and not result.failed
+
+    def test_tool_that_raises(self):
+        (result,) = run(ToolCall("divide", {"a": 1, "b": 0}))
+        assert result == ToolResult("divide", "{'error': 'division by zero'}", True, False)
+
+    def test_unknown_tool(self):
+        (result,) = run(ToolCall("search", {"query": "x"}))
+        assert result == ToolResult("search", "{'error': 'Tool search not found.'}", True, False)
+
+    def test_malformed_call(self):
+        bad = MalformedCall('<tool_call>{"name": "multiply", "arguments": {</tool_call>', "the call is not valid JSON")
+        (named, unnamed) = run(bad, MalformedCall("<tool_call>{", "the call is not valid JSON"))
+        assert named.name == "multiply" and unnamed.name == "unknown"
+        assert named.failed and not named.timed_out and "not valid JSON" in named.content
+
+    def test_wrong_arguments(self):
+        sync, asynchronous = run(ToolCall("multiply", {"a": 3, "c": 4}), ToolCall("async_add", {"a": 1}))
+        assert sync.failed and "unexpected keyword argument 'c'" in sync.content
+        assert asynchronous.failed and "missing 1 required positional argument: 'b'" in asynchronous.content
+
+    def test_async_tool_that_raises(self):
+        async def fail(x: int) -> int:
+            raise RuntimeError(f"no {x}")
+
+        (result,) = run(ToolCall("fail", {"x": 7}), toolbox={"fail": fail})
+        assert result == ToolResult("fail", "{'error': 'no 7'}", True, False)
+
+    def test_async_tool_raising_timeout_error_is_not_a_timeout(self):
+        async def fetch(url: str) -> str:
+            raise TimeoutError("the server did not answer")
+
+        (result,) = run(ToolCall("fetch", {"url": "x"}), toolbox={"fetch": fetch})
+        assert result.failed and not result.timed_out and "did not answer" in result.content
+
+    def test_sync_tools_run_concurrently(self):
+        together = threading.Barrier(4, timeout=5)  # broken unless all four calls are in flight at once
+
+        def meet(x: int) -> int:
+            together.wait()
+            return x
+
+        results = run(*[ToolCall("meet", {"x": x}) for x in range(4)], toolbox={"meet": meet})
+        assert results == [ToolResult("meet", str(x), False, False) for x in range(4)]
+
+    def test_methods_of_one_object_run_in_order(self):
+        together = threading.Barrier(2, timeout=5)
+
+        class Env:
+            def __init__(self):
+                self.log = []
+
+            def act(self, label: str, meet: bool) -> int:
+                if meet:  # waits for the other object's call: the two objects run side by side
+                    together.wait()
+                self.log.append(label)
+                return len(self.log)
+
+        one, two = Env(), Env()
+        calls = [
+            ({"act": one.act}, ToolCall("act", {"label": "first", "meet": True})),
+            ({"act": two.act}, ToolCall("act", {"label": "other", "meet": True})),
+            ({"act": one.act}, ToolCall("act", {"label": "second", "meet": False})),
+        ]
+        results = call_tools(calls, timeout=5)
+        # Run side by side, "second" would finish while "first" waits at the barrier.
+        assert one.log == ["first", "second"] and [r.content for r in results] == ["1", "1", "2"]
+
+    def test_hung_sync_tool_times_out(self):
+        release = threading.Event()
+
+        def hang(x: int) -> int:
+            release.wait(10)
+            return x
+
+        toolbox = {"hang": hang, "multiply": multiply}
+        start = time.monotonic()
+        try:
+            hung, fine = run(
+                ToolCall("hang", {"x": 1}), ToolCall("multiply", {"a": 2, "b": 3}), timeout=0.5, toolbox=toolbox
+            )
+        finally:
+            release.set()
+        assert 0.5 <= time.monotonic() - start < 1.5
+        assert hung == ToolResult("hang", "{'error': 'Tool hang timed out after 0.5 s.'}", True, True)
+        assert fine == ToolResult("multiply", "6", False, False)
+
+    def test_hung_async_tool_is_cancelled(self):
+        cancelled = threading.Event()
+
+        async def wait_forever(x: int) -> int:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return x
+
+        toolbox = {"wait_forever": wait_forever, "async_add": async_add}
+        start = time.monotonic()
+        hung, fine = run(
+            ToolCall("wait_forever", {"x": 1}), ToolCall("async_add", {"a": 2, "b": 3}), timeout=0.5, toolbox=toolbox
+        )
+        assert 0.5 <= time.monotonic() - start < 1.5
+        assert hung.failed and hung.timed_out and "timed out after 0.5 s" in hung.content
+        assert fine == ToolResult("async_add", "5", False, False)
+        assert cancelled.wait(2)
+
+    def test_later_calls_of_a_hung_object_never_start(self):
+        release = threading.Event()
+
+        class Env:
+            def __init__(self):
+                self.calls = []
+
+            def step(self, wait: bool) -> str:
+                self.calls.append(wait)
+                if wait:
+                    release.wait(10)
+                return "ok"
+
+        env = Env()
+        try:
+            results = run(
+                ToolCall("step", {"wait": True}),
+                ToolCall("step", {"wait": False}),
+                timeout=0.3,
+                toolbox={"step": env.step},
+            )
+        finally:
+            release.set()
+        assert [r.timed_out for r in results] == [True, True]
+        time.sleep(0.1)
+        assert env.calls == [True]
+
+    def test_no_timeout_waits(self):
+        async def nap(seconds: float) -> str:
+            await asyncio.sleep(seconds)
+            return "awake"
+
+        (result,) = run(ToolCall("nap", {"seconds": 0.1}), timeout=None, toolbox={"nap": nap})
+        assert result == ToolResult("nap", "awake", False, False)
+
+    @pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), True, "5"])
+    def test_bad_timeout(self, timeout):
+        with pytest.raises(ValueError, match="`timeout` must be a finite number of seconds > 0, or None"):
+            call_tools([], timeout=timeout)
+
+    def test_not_a_call(self):
+        with pytest.raises(TypeError, match="call 0 must be a ToolCall or MalformedCall"):
+            call_tools([(TOOLBOX, {"name": "multiply"})], timeout=1)
