@@ -442,6 +442,44 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
     return jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0] - top - log_total
 
 
+def next_token(
+    logits: jax.Array,
+    uniform: jax.Array,
+    *,
+    temperature: jax.Array | float,
+    top_k: int | None = None,
+    top_p: jax.Array | float | None = None,
+    min_p: jax.Array | float | None = None,
+    greedy: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    r"""One decoding step's draw: ``(token, logp, sampling_logp)``, each ``[B]``.
+
+    ``token`` is drawn by :func:`draw` with ``uniform`` ``[B]`` from :math:`\pi_T =
+    \operatorname{softmax}(z / T)` of ``logits`` ``[B, V]``, truncated by
+    :func:`filter_logits` when any of ``top_k``, ``top_p``, ``min_p`` is set (``None``:
+    off), or is the argmax when ``greedy`` (``uniform`` unused). ``logp`` is
+    :math:`\log\pi_T` of the token (the module's log-prob convention), ``sampling_logp``
+    its log-prob under the truncated distribution it was drawn from."""
+    scaled = logits.astype(jnp.float32) / temperature  # [B, V]
+    # One exponential pass serves both the draw and log pi_T of the drawn token.
+    top = jnp.max(scaled, axis=-1)  # [B]
+    weights = jnp.exp(scaled - top[:, None])  # [B, V], softmax up to its normaliser
+    log_total = jnp.log(jnp.sum(weights, axis=-1))
+    truncated = not greedy and (top_k is not None or top_p is not None or min_p is not None)
+    if greedy:
+        token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+    else:
+        if truncated:
+            filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
+            weights = jnp.exp(filtered - top[:, None])  # 0 outside the kept set; the top token is kept
+        token = draw(uniform, weights)
+    logp = _logprob_of(scaled, top, log_total, token)
+    sampling_logp = logp
+    if truncated:
+        sampling_logp = _logprob_of(filtered, top, jnp.log(jnp.sum(weights, axis=-1)), token)
+    return token, logp, sampling_logp
+
+
 class _RowSplit(NamedTuple):
     """How a mesh shares a rollout: the specs of the prompts ``[P, S]`` and of the rows
     ``[B, ...]``, and ``row_blocks``, the ``fsdp`` blocks each device's prompts' rows are
@@ -572,26 +610,16 @@ def _decode(
     def sample_and_record(state: State) -> tuple[State, jax.Array]:
         """Draws each row's next token from ``state.logits`` and writes it at column
         ``state.step`` (pad, and log-prob 0, for finished rows)."""
-        scaled = state.logits.astype(jnp.float32) / temperature  # [B, V]
-        # One exponential pass serves both the draw and log pi_T of the drawn token.
-        top = jnp.max(scaled, axis=-1)  # [B]
-        weights = jnp.exp(scaled - top[:, None])  # [B, V], softmax up to its normaliser
-        log_total = jnp.log(jnp.sum(weights, axis=-1))
-        truncated = top_k is not None or use_top_p or use_min_p
-        if greedy:
-            token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
-        else:
-            uniform = jax.lax.dynamic_index_in_dim(uniforms, state.step, keepdims=False)  # [B]
-            if truncated:
-                filtered = filter_logits(
-                    scaled, top_k=top_k, top_p=top_p if use_top_p else None, min_p=min_p if use_min_p else None
-                )
-                weights = jnp.exp(filtered - top[:, None])  # 0 outside the kept set; the top token is kept
-            token = draw(uniform, weights)
-        logp = _logprob_of(scaled, top, log_total, token)
-        sampling_logp = logp
-        if truncated and not greedy:
-            sampling_logp = _logprob_of(filtered, top, jnp.log(jnp.sum(weights, axis=-1)), token)
+        uniform = jax.lax.dynamic_index_in_dim(uniforms, state.step, keepdims=False)  # [B]
+        token, logp, sampling_logp = next_token(
+            state.logits,
+            uniform,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p if use_top_p else None,
+            min_p=min_p if use_min_p else None,
+            greedy=greedy,
+        )
         active = ~state.finished
         token = jnp.where(active, token, pad_id)
         column = (0, state.step)
