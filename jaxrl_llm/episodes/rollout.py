@@ -1,0 +1,551 @@
+r"""Multi-turn rollouts: every row its own conversation, all rows decoded as one batch, the
+KV cache carried across turns.
+
+.. code-block:: text
+
+    prefill the P prompts once, copy the cache to their B = P G rows
+    feed each row's own opening (an environment's observation), if any
+    repeat:  decode a turn for the rows still going: each stops at an end-of-turn id
+             or at its budget                                   (jitted, on the device)
+             parse each turn; run the tools of the rows that called some, all at once
+                                                                (host threads)
+             feed each continuing row its end-of-turn id, the tool results and the
+             template ids before its next turn into the existing cache: only the new
+             tokens, never the conversation again               (jitted: models.extend)
+
+Rows share the cache's slot index, so a row that writes nothing in a turn leaves a gap
+(its slots stay invalid), and its keys never see another row's tokens. When the rows
+still going fit in half the batch, the batch shrinks to the next power of two holding
+them (the cache's rows gathered, and its slots compacted to each row's valid ones), so
+finished rows stop costing compute; the cache is compacted too whenever a turn or a
+tool result would not fit.
+
+**An episode as training data.** The completion is the row's opening, then its turns,
+each followed by the template's and tools' ids: everything after the prompt that a
+from-scratch pass over the conversation reads, in order and without gaps. The loss mask
+is 1 on the model's own tokens (each turn's tokens, its end-of-turn id included) and 0
+on the rest; their log-probs are the sampler's (:mod:`jaxrl_llm.sampling`'s
+convention), the old log-probs of an on-policy step. The group's ``G`` rows share the
+longest common prefix of their rendered prompts as their prompt (``[P, S]``); the rest
+of a row's prompt is its opening.
+
+**Limits** (TRL's): ``sampling.max_new_tokens`` bounds everything after the prompt, the
+tool results and template ids included (TRL's ``max_completion_length``); a tool result
+that would pass it is dropped with its messages and ends the episode, truncated.
+:attr:`EpisodeConfig.max_turns` bounds the tool-calling rounds (TRL's
+``max_tool_calling_iterations``); :attr:`EpisodeConfig.tool_timeout` cuts off a tool
+that hangs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import _checks, models, rollouts, sampling
+from jaxrl_llm.episodes import conversation, parsing
+from jaxrl_llm.episodes.environments import Environments, append_observation
+from jaxrl_llm.episodes.tools import call_tools, check_tools
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeConfig:
+    """How long episodes may run and how tool calls are read. The token budget of an
+    episode is the sampling's ``max_new_tokens`` (tool results included, as TRL's
+    ``max_completion_length``)."""
+
+    max_turns: int | None = None
+    """Tool-calling rounds per episode (TRL's ``max_tool_calling_iterations``): after this
+    many, a turn that calls tools ends the episode (``turn_limited``). ``None``: no limit
+    but the token budget."""
+    tool_timeout: float | None = 30.0
+    """Seconds a round's tool calls may take; a call still running is cut off with an
+    error result. ``None``: wait."""
+    tool_call_format: str = "auto"
+    """How the model writes tool calls: ``"auto"`` (from the tokenizer:
+    :func:`jaxrl_llm.episodes.parsing.detect_format`) or one of
+    :data:`jaxrl_llm.episodes.parsing.TOOL_CALL_FORMATS`."""
+
+    def __post_init__(self):
+        where = "EpisodeConfig"
+        if self.max_turns is not None:
+            _checks.nonnegative_int(where, "max_turns", self.max_turns)
+        if self.tool_timeout is not None:
+            _checks.finite_number(where, "tool_timeout", self.tool_timeout)
+            _checks.positive(where, "tool_timeout", self.tool_timeout)
+        _checks.one_of(where, "tool_call_format", self.tool_call_format, ("auto", *parsing.TOOL_CALL_FORMATS))
+
+
+@dataclasses.dataclass
+class Episodes:
+    """Host copies of ``B = P G`` episodes, prompt ``p``'s rows ``p G ... p G + G - 1``."""
+
+    prompt_tokens: np.ndarray  # [P, S] int32: each group's shared prompt, left-padded
+    prompt_mask: np.ndarray  # [P, S] bool
+    completion_tokens: np.ndarray  # [B, C] int32: opening, turns and tool results, pad after
+    completion_mask: np.ndarray  # [B, C] bool: the model's tokens (the loss mask)
+    logprobs: np.ndarray  # [B, C] float32: log pi_T of the model's tokens, 0 elsewhere
+    lengths: np.ndarray  # [B] int32: completion tokens of every kind
+    truncated: np.ndarray  # [B] bool: the budget ended the episode (mid-turn, or before a tool result)
+    turn_limited: np.ndarray  # [B] bool: max_turns ended it with tool calls unanswered
+    turns: np.ndarray  # [B] int32: the model's messages
+    tool_calls: np.ndarray  # [B] int32
+    tool_failures: np.ndarray  # [B] int32: calls whose result is an error (timeouts included)
+    tool_timeouts: np.ndarray  # [B] int32
+    prompts: list  # [B] each row's prompt messages (an environment's observation appended)
+    completions: list  # [B] each row's messages after the prompt, TRL's conversational format
+    completion_ids: list  # [B] each row's completion ids (lengths[b] of them)
+    environments: list | None  # [B] each row's environment instance, or None without environments
+
+    @property
+    def model_tokens(self) -> np.ndarray:
+        """``[B]`` the model's tokens per episode."""
+        return self.completion_mask.sum(axis=1).astype(np.int32)
+
+
+class _Turn(NamedTuple):
+    tokens: jax.Array  # [b, W] int32: this turn's tokens, 0 after a row's last
+    logprobs: jax.Array  # [b, W] float32
+    lengths: jax.Array  # [b] int32
+    stopped: jax.Array  # [b] bool: ended on an end-of-turn id
+    steps: jax.Array  # [] int32: decode steps taken (cache slots used)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "group", "cache_size"))
+def _prefill(model, params, tokens, mask, *, group: int, cache_size: int):
+    """``[P, S]`` prompts into a cache of ``cache_size`` slots, copied to ``P G`` rows."""
+    logits, cache = models.prefill(model, params, tokens, mask, cache_size=cache_size, last_logits_only=True)
+    return jnp.repeat(logits, group, axis=0), cache.repeat_rows(group)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("logits", "cache"))
+def _extend(model, params, tokens, mask, logits, cache):
+    """Feeds ``tokens`` ``[b, E]`` where ``mask``; rows fed nothing keep their ``logits``."""
+    new_logits, cache = models.extend(model, params, tokens, mask, cache, last_logits_only=True)
+    return jnp.where(jnp.any(mask, axis=1)[:, None], new_logits, logits), cache
+
+
+@jax.jit
+def _regather(cache: models.KVCache, logits, rows):
+    """The cache and logits of rows ``rows`` ``[b']``, each row's valid slots moved to the
+    front in order (its keys keep their positions): the slot index becomes the largest
+    count of valid slots."""
+    cache = cache.take_rows(rows)
+    order = jnp.argsort(~cache.valid, axis=1, stable=True)  # [b', K]: valid slots first, in order
+
+    def gather(kv):  # [b', KVH, K, D], or [L, b', KVH, K, D]
+        index = order[:, None, :, None] if kv.ndim == 4 else order[None, :, None, :, None]
+        return jnp.take_along_axis(kv, index, axis=kv.ndim - 2)
+
+    keys = tuple(map(gather, cache.keys)) if isinstance(cache.keys, tuple) else gather(cache.keys)
+    values = tuple(map(gather, cache.values)) if isinstance(cache.values, tuple) else gather(cache.values)
+    valid = jnp.take_along_axis(cache.valid, order, axis=1)
+    index = jnp.max(jnp.sum(valid, axis=1)).astype(jnp.int32)
+    return cache._replace(keys=keys, values=values, valid=valid, index=index), logits[rows]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "width", "top_k", "use_top_p", "use_min_p", "greedy", "stop_ids"),
+    donate_argnames=("logits", "cache"),
+)
+def _decode_turn(
+    model, params, logits, cache, budget, key, temperature, top_p, min_p, *, width, top_k, use_top_p, use_min_p, greedy,
+    stop_ids,
+):  # fmt: skip
+    """One turn of every row with ``budget > 0`` (``[b]`` tokens it may still write): sample,
+    record, and feed the token unless it ends the row's turn (an id of ``stop_ids``) or its
+    budget; the last token of a turn is recorded, not fed (the next round feeds it with
+    the tool results). Returns the :class:`_Turn`, the next-token logits and the cache."""
+    batch = logits.shape[0]
+    stops = jnp.asarray(stop_ids, jnp.int32)
+    uniforms = jax.random.uniform(key, (width, batch))
+
+    class State(NamedTuple):
+        step: jax.Array
+        logits: jax.Array  # [b, V]
+        cache: models.KVCache
+        tokens: jax.Array  # [b, W]
+        logprobs: jax.Array  # [b, W]
+        lengths: jax.Array  # [b]
+        stopped: jax.Array  # [b]
+        done: jax.Array  # [b]
+
+    def going(state: State) -> jax.Array:
+        return (state.step < width) & ~jnp.all(state.done)
+
+    def step(state: State) -> State:
+        token, logp, _ = sampling.next_token(
+            state.logits,
+            uniforms[state.step],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p if use_top_p else None,
+            min_p=min_p if use_min_p else None,
+            greedy=greedy,
+        )
+        live = ~state.done
+        token = jnp.where(live, token, 0)
+        column = (0, state.step)
+        lengths = state.lengths + live.astype(jnp.int32)
+        stopped = state.stopped | (live & jnp.any(token[:, None] == stops[None, :], axis=1))
+        done = state.done | stopped | (lengths >= budget)
+        feed = live & ~done
+        new_logits, cache = models.extend(
+            model, params, token[:, None], feed[:, None], state.cache, last_logits_only=True
+        )
+        return State(
+            step=state.step + 1,
+            logits=jnp.where(feed[:, None], new_logits, state.logits),
+            cache=cache,
+            tokens=jax.lax.dynamic_update_slice(state.tokens, token[:, None], column),
+            logprobs=jax.lax.dynamic_update_slice(state.logprobs, jnp.where(live, logp, 0.0)[:, None], column),
+            lengths=lengths,
+            stopped=stopped,
+            done=done,
+        )
+
+    init = State(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        cache=cache,
+        tokens=jnp.zeros((batch, width), jnp.int32),
+        logprobs=jnp.zeros((batch, width), jnp.float32),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        stopped=jnp.zeros((batch,), bool),
+        done=budget <= 0,
+    )
+    final = jax.lax.while_loop(going, step, init)
+    turn = _Turn(final.tokens, final.logprobs, final.lengths, final.stopped, final.step)
+    return turn, final.logits, final.cache
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _power_of_two(value: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(value, 1))))
+
+
+def _shared_prefix(rows: Sequence[list[int]]) -> int:
+    """The length of the longest common prefix of ``rows``."""
+    first, length = rows[0], min(map(len, rows))
+    for row in rows[1:]:
+        same = np.flatnonzero(np.asarray(row[:length]) != np.asarray(first[:length]))
+        length = int(same[0]) if len(same) else length
+    return length
+
+
+@dataclasses.dataclass
+class _Row:
+    """One episode's host state."""
+
+    prompt: list
+    toolbox: dict
+    tools: tuple
+    environment: Any
+    opening: int  # ids of the prompt's own part, at the start of the completion
+    ids: list = dataclasses.field(default_factory=list)  # completion ids so far
+    model: list = dataclasses.field(default_factory=list)  # bool per id: written by the model
+    logprobs: list = dataclasses.field(default_factory=list)
+    messages: list = dataclasses.field(default_factory=list)
+    finished: bool = False
+    truncated: bool = False
+    turn_limited: bool = False
+    rounds: int = 0  # tool-calling rounds
+    calls: int = 0
+    failures: int = 0
+    timeouts: int = 0
+    pending: tuple = ()  # the last turn's tool calls
+
+    def add(self, ids, *, model: bool, logprobs=None) -> None:
+        self.ids += [int(i) for i in ids]
+        self.model += [model] * len(ids)
+        self.logprobs += [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
+
+
+def sample_episodes(
+    model: models.Model,
+    params: models.Params,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[Mapping[str, Any]]],
+    key: jax.Array,
+    *,
+    num_samples: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    sampling_config: sampling.SamplingConfig | None = None,
+    tools: Sequence[Callable] = (),
+    environments: Environments | None = None,
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    config: EpisodeConfig | None = None,
+    prompt_bucket: int = 8,
+) -> Episodes:
+    """Runs ``num_samples`` episodes of each prompt (see the module docstring).
+
+    Args:
+      model, params: the policy.
+      tokenizer: a Hugging Face tokenizer with a chat template that renders tools and
+        tool calls (prompts are rendered with ``apply_chat_template``).
+      prompts: ``[P]`` conversations (lists of messages, TRL's conversational format).
+      key: a PRNG key; the same key, prompts and tool results give the same episodes.
+      num_samples: ``G`` episodes per prompt.
+      eos_ids: the ids that end a turn (the template's end-of-turn, the tokenizer's EOS).
+      pad_id: written after each completion.
+      sampling_config: temperature, top-k/p, min-p, the episode's token budget
+        (``max_new_tokens``) and the prompts' length limit (default: ``SamplingConfig()``).
+      tools: standalone tool functions (TRL's ``tools``).
+      environments: TRL's ``environment_factory``, built (one instance per episode).
+      columns: ``[P]`` values per name: each example's other columns (an environment's
+        ``reset`` gets them; a dict factory reads ``environment``).
+      config: the episode limits and the tool-call format (default: ``EpisodeConfig()``).
+      prompt_bucket: the narrowest prompt width (see :func:`jaxrl_llm.rollouts.prompt_width`).
+    """
+    sampling_config = sampling_config or sampling.SamplingConfig()
+    config = config or EpisodeConfig()
+    columns = dict(columns or {})
+    num_prompts, group = len(prompts), num_samples
+    batch = num_prompts * group
+    stop_ids = tuple(sorted({int(e) for e in eos_ids}))
+    tools = check_tools(tools, where="tools") if environments is None else environments.tools
+    format = config.tool_call_format
+    if format == "auto":
+        format = parsing.detect_format(tokenizer)
+    examples = [{name: values[p] for name, values in columns.items()} for p in range(num_prompts)]
+    row_examples = [copy.deepcopy(examples[b // group]) for b in range(batch)]
+    if environments is None:
+        instances = [None] * batch
+        observations = [None] * batch
+        row_tools = [tuple(tools)] * batch
+        toolboxes = [{tool.__name__: tool for tool in tools}] * batch
+    else:
+        names = environments.names({name: [e[name] for e in row_examples] for name in columns}, batch)
+        instances = environments.acquire(names)
+        observations = environments.reset(instances, row_examples)
+        row_tools = [environments.tools_for(name) for name in names]
+        toolboxes = [environments.toolbox(instance) for instance in instances]
+    rows = []
+    for b in range(batch):
+        prompt = [dict(m) for m in prompts[b // group]]
+        if observations[b] is not None:
+            prompt = append_observation(prompt, observations[b])
+        rows.append(_Row(prompt=prompt, toolbox=toolboxes[b], tools=row_tools[b], environment=instances[b], opening=0))
+    rendered = [conversation.render_prompt(tokenizer, row.prompt, row.tools) for row in rows]
+
+    # Each group's common prefix is its prompt; the rest of a row's is its opening.
+    shared = [_shared_prefix(rendered[p * group : (p + 1) * group]) for p in range(num_prompts)]
+    if min(shared) == 0:
+        raise ValueError(
+            "sample_episodes: the rows of a prompt share no first token; the chat template must begin alike."
+        )
+    limit = sampling_config.max_prompt_length
+    if (longest := max(len(r) for r in rendered)) > limit:
+        raise ValueError(
+            f"sample_episodes: a rendered prompt (tools' schemas and observation included) has {longest} tokens, more "
+            f"than max_prompt_length={limit}. Raise max_prompt_length or shorten the prompt or the tools' docstrings."
+        )
+    width = rollouts.prompt_width(max(shared), bucket=prompt_bucket, max_length=limit)
+    prompt_tokens = np.full((num_prompts, width), pad_id, np.int32)
+    prompt_mask = np.zeros((num_prompts, width), bool)
+    for p, length in enumerate(shared):
+        prompt_tokens[p, width - length :] = rendered[p * group][:length]
+        prompt_mask[p, width - length :] = True
+    openings = [rendered[b][shared[b // group] :] for b in range(batch)]
+    for row, opening in zip(rows, openings, strict=True):
+        row.opening = len(opening)
+        row.add(opening, model=False)
+
+    budget = sampling_config.max_new_tokens
+    completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
+    cache_size = width + 2 * _round_up(completion_width, 16)
+    if cache_size > model.config.max_position_embeddings:
+        raise ValueError(
+            f"sample_episodes: prompts of {width} tokens and episodes of {completion_width} need a cache of "
+            f"{cache_size} slots (twice the episode, for its turns' gaps), more than the model's "
+            f"max_position_embeddings ({model.config.max_position_embeddings})."
+        )
+    if any(w is not None and w < cache_size for w in (model.config.window(i) for i in range(model.config.num_layers))):
+        raise ValueError(
+            f"sample_episodes: sliding-window attention narrower than the episode's cache ({cache_size} slots) is not "
+            f"supported: a window counts cache slots, and an episode's rows have gaps between their turns."
+        )
+
+    logits, cache = _prefill(model, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
+                             cache_size=cache_size)  # fmt: skip
+    on_device = np.arange(batch)  # the episode row of each device row (-1: padding)
+    index = width  # the cache's next slot (the host's copy)
+
+    def feed(extensions: dict[int, list[int]]) -> None:
+        nonlocal logits, cache, index
+        length = _power_of_two(max(map(len, extensions.values())))
+        ensure_room(length)
+        tokens = np.zeros((len(on_device), length), np.int32)
+        mask = np.zeros((len(on_device), length), bool)
+        for slot, row in enumerate(on_device):
+            if (ids := extensions.get(int(row))) is not None:
+                tokens[slot, : len(ids)], mask[slot, : len(ids)] = ids, True
+        logits, cache = _extend(model, params, jnp.asarray(tokens), jnp.asarray(mask), logits, cache)
+        index += length
+
+    def regather(keep: np.ndarray) -> None:
+        """Keeps device rows ``keep`` (padding repeats the first), slots compacted."""
+        nonlocal logits, cache, index, on_device
+        cache, logits = _regather(cache, logits, jnp.asarray(keep, jnp.int32))
+        index = int(cache.index)
+        on_device = on_device[keep]
+
+    def ensure_room(slots: int) -> None:
+        nonlocal on_device
+        if index + slots > cache_size:
+            regather(np.arange(len(on_device)))
+
+    if any(openings):
+        feed({b: ids for b, ids in enumerate(openings) if ids})
+    settings = sampling_config
+    greedy = settings.temperature == 0 or settings.top_k == 1
+    turn_index = 0
+    while True:
+        for row in rows:  # a tool result that used up the budget leaves no room for a turn
+            if not row.finished and len(row.ids) - row.opening >= budget:
+                row.finished = row.truncated = True
+        going = [slot for slot, row in enumerate(on_device) if row >= 0 and not rows[row].finished]
+        if not going:
+            break
+        size = _power_of_two(len(going))
+        if size < len(on_device):  # shrink: finished rows stop costing compute
+            keep = np.array(going + [going[0]] * (size - len(going)))
+            padding = np.arange(size) >= len(going)
+            regather(keep)
+            on_device = np.where(padding, -1, on_device)
+        remaining = np.array(
+            [
+                0 if row < 0 or rows[row].finished else budget - (len(rows[row].ids) - rows[row].opening)
+                for row in on_device
+            ],
+            np.int32,
+        )
+        ensure_room(int(remaining.max()))
+        turn, logits, cache = _decode_turn(
+            model,
+            params,
+            logits,
+            cache,
+            jnp.asarray(remaining),
+            jax.random.fold_in(key, turn_index),
+            jnp.asarray(settings.temperature if settings.temperature > 0 else 1.0, jnp.float32),
+            jnp.asarray(1.0 if settings.top_p is None else settings.top_p, jnp.float32),
+            jnp.asarray(0.0 if settings.min_p is None else settings.min_p, jnp.float32),
+            width=completion_width,
+            top_k=None if greedy else settings.top_k,
+            use_top_p=settings.top_p is not None and not greedy,
+            use_min_p=settings.min_p is not None and not greedy,
+            greedy=greedy,
+            stop_ids=stop_ids,
+        )
+        turn = jax.device_get(turn)
+        index += int(turn.steps)
+        calling = _record_turn(rows, on_device, turn, tokenizer, format=format, max_turns=config.max_turns,
+                               stop_ids=stop_ids)  # fmt: skip
+        if calling:
+            extensions = _run_tools(rows, calling, tokenizer, timeout=config.tool_timeout, budget=budget)
+            if extensions:
+                feed(extensions)
+        turn_index += 1
+    return _episodes(rows, prompt_tokens, prompt_mask, completion_width, pad_id, environments is not None)
+
+
+def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, format, max_turns, stop_ids) -> dict[int, int]:
+    """Appends each row's turn to its episode and parses it; returns ``{row: end-of-turn
+    id}`` of the rows whose turn called tools they may run (the others are finished)."""
+    calling = {}
+    for slot, row_index in enumerate(on_device):
+        length = int(turn.lengths[slot])
+        if row_index < 0 or length == 0:
+            continue
+        row = rows[row_index]
+        ids = turn.tokens[slot, :length].tolist()
+        row.add(ids, model=True, logprobs=turn.logprobs[slot, :length])
+        stopped = bool(turn.stopped[slot])
+        text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+        prefix = None
+        if format == "response_template":
+            prefix = tokenizer.decode(row.ids[: len(row.ids) - length], skip_special_tokens=False)
+        parsed = parsing.parse_turn(text, format=format, tokenizer=tokenizer, prefix=prefix, tools=list(row.tools))
+        row.messages.append(parsed.message)
+        row.pending = parsed.calls
+        if not stopped:
+            row.finished = row.truncated = True
+        elif not parsed.calls:
+            row.finished = True
+        elif max_turns is not None and row.rounds >= max_turns:
+            row.finished = row.turn_limited = True
+        else:
+            calling[int(row_index)] = ids[-1]
+    return calling
+
+
+def _run_tools(rows, calling: dict[int, int], tokenizer, *, timeout, budget: int) -> dict[int, list[int]]:
+    """Runs the pending calls of the rows in ``calling`` (all at once), appends the tool
+    messages and returns ``{row: ids to feed}`` (the end-of-turn id, then the template's
+    ids around the results); a row whose results do not fit its budget is finished."""
+    jobs = [(row, call) for row in calling for call in rows[row].pending]
+    results = call_tools([(rows[row].toolbox, call) for row, call in jobs], timeout=timeout)
+    by_row: dict[int, list] = {}
+    for (row, _), result in zip(jobs, results, strict=True):
+        by_row.setdefault(row, []).append(result)
+    extensions = {}
+    for row_index, end_of_turn in calling.items():
+        row, results = rows[row_index], by_row[row_index]
+        row.rounds += 1
+        row.calls += len(results)
+        row.failures += sum(r.failed for r in results)
+        row.timeouts += sum(r.timed_out for r in results)
+        messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        suffix = conversation.tool_suffix_ids(tokenizer, messages, end_of_turn=end_of_turn)
+        if len(row.ids) - row.opening + len(suffix) > budget:  # TRL: the results are dropped, the episode ends
+            row.finished = row.truncated = True
+            continue
+        row.messages += messages
+        row.add(suffix, model=False)
+        extensions[row_index] = [end_of_turn, *suffix]
+    return extensions
+
+
+def _episodes(rows, prompt_tokens, prompt_mask, width: int, pad_id: int, with_environments: bool) -> Episodes:
+    batch = len(rows)
+    tokens = np.full((batch, width), pad_id, np.int32)
+    model_mask = np.zeros((batch, width), bool)
+    logprobs = np.zeros((batch, width), np.float32)
+    for b, row in enumerate(rows):
+        n = len(row.ids)
+        tokens[b, :n], model_mask[b, :n], logprobs[b, :n] = row.ids, row.model, row.logprobs
+    counts = {
+        name: np.array([getattr(row, name) for row in rows], np.int32) for name in ("calls", "failures", "timeouts")
+    }
+    return Episodes(
+        prompt_tokens=prompt_tokens,
+        prompt_mask=prompt_mask,
+        completion_tokens=tokens,
+        completion_mask=model_mask,
+        logprobs=logprobs,
+        lengths=np.array([len(row.ids) for row in rows], np.int32),
+        truncated=np.array([row.truncated for row in rows]),
+        turn_limited=np.array([row.turn_limited for row in rows]),
+        turns=np.array([sum(m["role"] == "assistant" for m in row.messages) for row in rows], np.int32),
+        tool_calls=counts["calls"],
+        tool_failures=counts["failures"],
+        tool_timeouts=counts["timeouts"],
+        prompts=[row.prompt for row in rows],
+        completions=[row.messages for row in rows],
+        completion_ids=[list(row.ids) for row in rows],
+        environments=[row.environment for row in rows] if with_environments else None,
+    )
