@@ -6,6 +6,7 @@ their modules (``tasks.base.draw``, the trainer's prompt stream; ``tasks.base.en
 """
 
 from jaxrl_llm.tasks.base import PromptBatch, RewardFn, Task, check_task
+from jaxrl_llm.tasks.calculator import CalculatorTask
 from jaxrl_llm.tasks.char_tokenizer import DIGITS_AND_OPERATORS, build_char_tokenizer
 from jaxrl_llm.tasks.digits import DigitSumTask
 from jaxrl_llm.tasks.expressions import arithmetic
@@ -14,6 +15,7 @@ from jaxrl_llm.tasks.text import TextTask, from_dataset, from_jsonl, from_record
 
 __all__ = [
     "DIGITS_AND_OPERATORS",
+    "CalculatorTask",
     "DigitSumTask",
     "PromptBatch",
     "RewardFn",
