@@ -141,6 +141,7 @@ class ScoredRound:
     completions: list[str]  # [R] decoded
     truncated_prompts: int  # prompts that lost their first tokens
     reward_seconds: float  # host time in decoding and reward functions
+    episode_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # multi-turn runs' statistics
 
 
 def rollout_and_score(

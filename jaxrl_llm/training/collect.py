@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import algorithms, models, rewards, sampling, tasks
+from jaxrl_llm.episodes import scoring
 from jaxrl_llm.rollouts import Rollouts, ScoredRound, rollout_and_score
 from jaxrl_llm.training.config import TrainConfig
 
@@ -51,6 +52,7 @@ def collect_batch(
     key: jax.Array,
     position: int,
     prompt_bucket: int = 8,
+    toolset: scoring.Toolset | None = None,
 ) -> CollectedBatch:
     """Rollouts and rewards for one train step, from the task's train stream at ``position``.
 
@@ -61,7 +63,8 @@ def collect_batch(
     extra rounds are spent; the batch is the first ``P`` groups with signal, then groups
     without it with an all-zero completion mask (padding rows: they change no loss).
     DAPO's soft overlong punishment (:func:`jaxrl_llm.rewards.soft_overlong_punishment`)
-    is added to the rewards the advantages see.
+    is added to the rewards the advantages see. With a ``toolset`` the rollouts are
+    multi-turn episodes (:func:`jaxrl_llm.episodes.scoring.rollout_and_score`).
     """
     settings = config.sampling
     algorithm = fit_overlong_buffer(algorithm, settings.max_new_tokens)
@@ -81,20 +84,29 @@ def collect_batch(
         batch = tasks.base.draw(
             task, "train", seed=config.seed, start=position + round_index * num_prompts, count=num_prompts
         )
-        scored = rollout_and_score(
-            backend,
-            params,
-            task,
-            batch,
-            jax.random.fold_in(key, round_index),
+        round_key = jax.random.fold_in(key, round_index)
+        common = dict(
             num_samples=group,
             max_new_tokens=settings.max_new_tokens,
-            max_prompt_length=settings.max_prompt_length,
-            prompt_truncation=settings.prompt_truncation,
             prompt_bucket=prompt_bucket,
             on_reward_error=config.on_reward_error,
             shaping=shaping,
         )
+        if toolset is None:
+            scored = rollout_and_score(
+                backend,
+                params,
+                task,
+                batch,
+                round_key,
+                max_prompt_length=settings.max_prompt_length,
+                prompt_truncation=settings.prompt_truncation,
+                **common,
+            )
+        else:
+            scored = scoring.rollout_and_score(
+                backend, params, task, batch, round_key, toolset=toolset, config=config.episodes, **common
+            )
         rounds.append(scored)
         grouped = scored.result.total.reshape(num_prompts, group)  # the task's rewards: shaping is no signal
         informative = np.concatenate([informative, grouped.max(1) > grouped.min(1)])

@@ -4,7 +4,9 @@
   are drawn and how long they may be, shared with the sampler and the evaluation;
 * :class:`OptimizerConfig` (``TrainConfig.optimizer``): AdamW, its clip and its
   learning-rate schedule;
-* :class:`TrainConfig`: the batch's shape, those two, the held-out evaluations, fault
+* :class:`~jaxrl_llm.episodes.config.EpisodeConfig` (``TrainConfig.episodes``): the limits
+  of multi-turn episodes (runs with tools or environments);
+* :class:`TrainConfig`: the batch's shape, those three, the held-out evaluations, fault
   tolerance and memory.
 
 **Flat names.** Each grouped setting also goes by its flat name, an alias of its group's field (:data:`GROUPED_FIELDS`):
@@ -24,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl_llm import _checks
+from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.rewards.combine import ON_ERROR
 from jaxrl_llm.sampling import SamplingConfig
 
@@ -86,7 +89,7 @@ class OptimizerConfig:
             _checks.in_range(where, field, getattr(self, field), 0.0, 1.0, closed=closed)
 
 
-GROUPS: dict[str, type] = {"sampling": SamplingConfig, "optimizer": OptimizerConfig}
+GROUPS: dict[str, type] = {"sampling": SamplingConfig, "optimizer": OptimizerConfig, "episodes": EpisodeConfig}
 """TrainConfig's groups of settings: field name -> its dataclass."""
 
 GROUPED_FIELDS: dict[str, str] = {
@@ -164,6 +167,10 @@ class TrainConfig:
     the method's ``num_iterations`` passes visits every minibatch once, in a fresh order."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """The policy's (and the critic's) AdamW and learning-rate schedule (:class:`OptimizerConfig`)."""
+    episodes: EpisodeConfig = EpisodeConfig()
+    """Runs with tools or environments: the tool-calling rounds, the tools' timeout and the
+    tool-call format (:class:`~jaxrl_llm.episodes.config.EpisodeConfig`); the episode's
+    token budget is ``sampling.max_new_tokens``."""
     on_reward_error: str = "raise"
     """A reward function that raises: ``"raise"`` stops the run naming the function and the
     example; ``"zero"`` scores those completions 0 (counted in ``reward_errors``)."""

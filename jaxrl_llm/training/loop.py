@@ -38,7 +38,7 @@ import functools
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
+from jaxrl_llm.episodes import scoring
 from jaxrl_llm.rewards.combine import called_in
 from jaxrl_llm.training.batch import Batch, batch_shardings
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
@@ -359,6 +360,7 @@ class _Run:
     prompt_bucket: int
     rollout_mesh: jax.sharding.Mesh | None
     callback: Callable[[StepEnd], Any] | None
+    toolset: scoring.Toolset | None = None  # multi-turn runs: the tools and environments
 
 
 class _Scored(NamedTuple):
@@ -386,6 +388,7 @@ def _rollout_and_score(run: _Run, state: TrainState) -> _Scored:
             key=rollout_key(state),
             position=int(state.prompts_drawn),
             prompt_bucket=run.prompt_bucket,
+            toolset=run.toolset,
         )
     rollouts = collected.rollouts
     batch = Batch.from_rollout(
@@ -422,6 +425,7 @@ def _rollout_metrics(collected: CollectedBatch, config: TrainConfig) -> dict[str
         truncated_fraction=float(np.mean(first.rollouts.truncated)),
         identical_reward_groups=float(np.mean(grouped.max(1) == grouped.min(1))),
         refill_rounds=float(collected.refill_rounds),
+        **first.episode_metrics,
     )
 
 
@@ -543,6 +547,8 @@ def train(
     rules: sharding.Rules | None = None,
     callback=None,
     compilation_cache: bool = True,
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
 
@@ -585,6 +591,14 @@ def train(
         ``$JAXRL_LLM_COMPILATION_CACHE``; ``off`` there disables it), so that a restarted
         run loads its programs instead of compiling them again. A cache directory you
         configured in JAX is used as it is.
+      tools: TRL's ``tools``: functions the model may call (sync or async, with type
+        hints and a Google-style docstring), added to the task's own ``tools`` if it has
+        any. With tools or environments the rollouts are multi-turn episodes
+        (:mod:`jaxrl_llm.episodes`; limits in ``config.episodes``), the task's prompts
+        conversations, and the loss covers the model's tokens only.
+      environment_factory: TRL's ``environment_factory``: a callable returning an
+        environment (``reset(**example)``, public methods as tools, optional
+        ``get_reward()``), or a dict of them chosen by the examples' ``environment`` column.
 
     Returns:
       The final state and one dict of float metrics per step. The state's reference (and
@@ -616,9 +630,18 @@ def train(
     state, compiled = _compile(
         model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh, rules=rules
     )
+    toolset = scoring.Toolset.build(
+        tools=(*getattr(task, "tools", ()), *(tools or ())), environment_factory=environment_factory
+    )
+    if toolset is not None and rollout is not None:
+        raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     if rollout is None:
         rollout = sampling.Sampler(
-            model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=config.sampling, mesh=rollout_mesh
+            model=model,
+            eos_ids=task.eos_ids,
+            pad_id=task.pad_id,
+            sampling=config.sampling,
+            mesh=None if toolset is not None else rollout_mesh,
         )
     run = _Run(
         model=model,
@@ -630,5 +653,6 @@ def train(
         prompt_bucket=prompt_bucket,
         rollout_mesh=rollout_mesh,
         callback=callback,
+        toolset=toolset,
     )
     return _run_steps(run, state, steps)

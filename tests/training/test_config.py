@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 
+from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.training.config import GROUPED_FIELDS, OptimizerConfig, TrainConfig
 
@@ -40,6 +41,7 @@ FLAT_SETTINGS = {  # every field of the flat TrainConfig, as stored runs and con
         *("learning_rate", "critic_learning_rate", "warmup_steps", "lr_schedule", "decay_steps"),
         *("end_learning_rate_fraction", "weight_decay", "adam_b1", "adam_b2", "adam_eps", "max_grad_norm"),
     ),
+    "episodes": ("max_turns", "tool_timeout", "tool_call_format"),
     None: (
         *("num_prompts", "group_size", "minibatch_size", "on_reward_error", "eval_every", "eval_samples"),
         *("chunk_size", "max_consecutive_skips", "max_refill_rounds", "seed", "share_prompts", "micro_batch_size"),
@@ -50,12 +52,13 @@ FLAT_SETTINGS = {  # every field of the flat TrainConfig, as stored runs and con
 
 def test_every_flat_setting_has_one_place():
     names = {field.name for field in dataclasses.fields(TrainConfig)}
-    assert names == {*FLAT_SETTINGS[None], "sampling", "optimizer"}
-    for group, kind in (("sampling", SamplingConfig), ("optimizer", OptimizerConfig)):
+    assert names == {*FLAT_SETTINGS[None], "sampling", "optimizer", "episodes"}
+    for group, kind in (("sampling", SamplingConfig), ("optimizer", OptimizerConfig), ("episodes", EpisodeConfig)):
         assert {field.name for field in dataclasses.fields(kind)} == set(FLAT_SETTINGS[group])
         for name in FLAT_SETTINGS[group]:  # its flat name reads and builds the group's field
             assert GROUPED_FIELDS[name] == group and getattr(TrainConfig(), name) == getattr(kind(), name)
     assert TrainConfig().sampling == SamplingConfig() and TrainConfig().optimizer == OptimizerConfig()
+    assert TrainConfig(max_turns=3).episodes == EpisodeConfig(max_turns=3)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,166 @@
+"""From a task's prompts to scored episodes: the multi-turn counterpart of
+:func:`jaxrl_llm.rollouts.rollout_and_score`, which the trainer and the evaluator call
+when a run has tools or environments.
+
+Reward functions are called as TRL calls them in a multi-turn run: ``prompts`` are each
+row's prompt messages (an environment's observation appended), ``completions`` each
+row's messages after it (the model's, with their ``tool_calls``, and the tools'),
+``completion_ids`` its ids (tool results included), the example's columns, and
+``environments`` (each row's instance) when the run has environments. An environment
+class with ``get_reward`` adds a reward function under its name, weight 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jaxrl_llm import models, sampling, tasks
+from jaxrl_llm.episodes.config import EpisodeConfig
+from jaxrl_llm.episodes.environments import Environments
+from jaxrl_llm.episodes.rollout import Episodes, sample_episodes
+from jaxrl_llm.episodes.tools import check_tools
+from jaxrl_llm.rollouts import Rollouts, ScoredRound, rewards_by_process
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolset:
+    """What a run's episodes may call: standalone tools and environments (TRL's ``tools``
+    and ``environment_factory``)."""
+
+    tools: tuple[Callable, ...] = ()
+    environments: Environments | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        tools: Sequence[Callable] | None = None,
+        environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
+    ) -> Toolset | None:
+        """The toolset of ``tools`` and ``environment_factory`` (checked), or ``None`` when
+        both are empty: a single-turn run."""
+        tools = check_tools(tools or (), where="tools")
+        if environment_factory is None:
+            return cls(tools=tools) if tools else None
+        return cls(tools=tools, environments=Environments(environment_factory, tools=tools))
+
+    def reward_functions(self) -> list[Callable]:
+        """The environments' ``get_reward`` as reward functions (weight 1 each)."""
+        return [] if self.environments is None else self.environments.reward_functions()
+
+
+def _conversational(batch: tasks.PromptBatch) -> list:
+    if bad := [i for i, p in enumerate(batch.prompts) if isinstance(p, str)]:
+        raise ValueError(
+            f"Tools and environments need conversational prompts (lists of messages, rendered by the tokenizer's "
+            f"chat template with the tools' schemas); example {int(batch.indices[bad[0]])}'s prompt is a string. "
+            f"Give the task a `prompt` of messages, e.g. [{{'role': 'user', 'content': ...}}]."
+        )
+    return list(batch.prompts)
+
+
+def rollout_and_score(
+    sampler: sampling.Sampler,
+    params: models.Params,
+    task: tasks.Task,
+    batch: tasks.PromptBatch,
+    key: jax.Array,
+    *,
+    toolset: Toolset,
+    config: EpisodeConfig,
+    num_samples: int,
+    max_new_tokens: int,
+    prompt_bucket: int = 8,
+    on_reward_error: str = "raise",
+    shaping: Any = None,
+) -> ScoredRound:
+    """Runs ``G = num_samples`` episodes of each prompt of ``batch`` and scores them.
+
+    ``sampler`` gives the model, the stop ids and the sampling settings (its ``sampling``,
+    with ``max_new_tokens``, the episode's token budget); ``shaping`` is added to the
+    rewards as in :func:`jaxrl_llm.rollouts.rollout_and_score`. The returned round's
+    rollouts are the episodes (completion mask: the model's tokens; ``lengths``: the
+    model's tokens, as TRL counts them), its ``completions`` each episode's text and its
+    ``episode_metrics`` :func:`episode_metrics`.
+    """
+    if not isinstance(sampler, sampling.Sampler):
+        raise TypeError(
+            "Episodes need the built-in sampler (they continue its KV cache across turns); "
+            f"got {type(sampler).__name__}."
+        )
+    episodes = sample_episodes(
+        sampler.model,
+        params,
+        task.tokenizer,
+        _conversational(batch),
+        key,
+        num_samples=num_samples,
+        eos_ids=sampler.eos_ids,
+        pad_id=sampler.pad_id,
+        sampling_config=dataclasses.replace(sampler.sampling, max_new_tokens=max_new_tokens),
+        tools=toolset.tools,
+        environments=toolset.environments,
+        columns=batch.columns,
+        config=config,
+        prompt_bucket=prompt_bucket,
+    )
+    started = time.perf_counter()
+    columns = {
+        name: [copy.deepcopy(v) for v in values for _ in range(num_samples)] for name, values in batch.columns.items()
+    }
+    if episodes.environments is not None:
+        columns["environments"] = episodes.environments
+    arguments = dict(
+        prompts=copy.deepcopy(episodes.prompts),
+        completions=copy.deepcopy(episodes.completions),
+        completion_ids=episodes.completion_ids,
+        columns=columns,
+    )
+    reward_fns = (*task.reward_fns, *toolset.reward_functions())
+    weights = (*task.reward_weights, *[1.0] * (len(reward_fns) - len(task.reward_fns)))
+    result = rewards_by_process(reward_fns, weights, on_error=on_reward_error, **arguments)
+    total = result.total
+    if shaping is not None:
+        total = total + rewards_by_process([shaping], [1.0], **arguments).total
+    texts = [task.tokenizer.decode(ids, skip_special_tokens=False) for ids in episodes.completion_ids]
+    return ScoredRound(
+        prompts=list(batch.prompts),
+        rollouts=Rollouts(
+            prompt_tokens=episodes.prompt_tokens,
+            prompt_mask=episodes.prompt_mask,
+            completion_tokens=episodes.completion_tokens,
+            completion_mask=episodes.completion_mask,
+            logprobs=episodes.logprobs,
+            lengths=episodes.model_tokens,
+            truncated=episodes.truncated,
+            rewards=total,
+        ),
+        result=result,
+        completions=texts,
+        truncated_prompts=0,
+        reward_seconds=time.perf_counter() - started,
+        episode_metrics=episode_metrics(episodes),
+    )
+
+
+def episode_metrics(episodes: Episodes) -> dict[str, float]:
+    """A batch of episodes' statistics: turns, tool calls (TRL's ``tools/call_frequency``,
+    calls per episode, and ``tools/failure_frequency``, failed calls per call), the
+    model's tokens against the rest, and the episodes the limits ended."""
+    calls = int(episodes.tool_calls.sum())
+    return {
+        "episodes/turns": float(episodes.turns.mean()),
+        "episodes/model_tokens": float(episodes.model_tokens.mean()),
+        "episodes/tool_tokens": float((episodes.lengths - episodes.model_tokens).mean()),
+        "episodes/truncated": float(episodes.truncated.mean()),
+        "episodes/turn_limited": float(episodes.turn_limited.mean()),
+        "tools/call_frequency": float(episodes.tool_calls.mean()),
+        "tools/failure_frequency": float(episodes.tool_failures.sum() / calls) if calls else 0.0,
+        "tools/timeouts": float(episodes.tool_timeouts.sum()),
+    }

@@ -1,0 +1,123 @@
+"""Training on episodes through training.train: tools and environments as TRL takes them,
+every preset, the loss over the model's tokens only."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import algorithms, objectives, training
+from jaxrl_llm.tasks.base import PromptBatch, check_split
+from tests.episodes.test_rollout import CALL, AdderEnv, add, chain, run, scripted_model, tokenizer
+
+
+def answered(completions, **kwargs) -> list[float]:
+    """1 when the episode's last message answers 5 (TRL's conversational completions)."""
+    return [float(c[-1]["role"] == "assistant" and c[-1]["content"] == "5") for c in completions]
+
+
+@dataclasses.dataclass(frozen=True)
+class AddTask:
+    """Conversational prompts over the scripted tokenizer; rewarded for answering 5."""
+
+    stop_strings: tuple = ()
+    reward_weights: tuple = (1.0,)
+
+    @property
+    def tokenizer(self):
+        return tokenizer()
+
+    @property
+    def eos_ids(self):
+        return (tokenizer().eos_token_id,)
+
+    @property
+    def pad_id(self):
+        return tokenizer().pad_token_id
+
+    @property
+    def reward_fns(self):
+        return (answered,)
+
+    def split_size(self, split):
+        check_split(split)
+        return None if split == "train" else 4
+
+    def examples(self, split, indices, *, seed):
+        prompts = [[{"role": "user", "content": f"{i % 5}+{5 - i % 5}="}] for i in indices]
+        tokens = np.ones((len(indices), 1), np.int32)  # unused: episodes render the prompts themselves
+        return PromptBatch(
+            tokens=tokens,
+            mask=np.ones_like(tokens, bool),
+            prompts=prompts,
+            columns={"answer": [5] * len(indices)},
+            indices=np.asarray(indices),
+        )
+
+
+CONFIG = training.TrainConfig(num_prompts=2, group_size=4, max_new_tokens=32, learning_rate=1e-3, warmup_steps=1)
+
+
+def test_every_preset_trains_on_episodes():
+    model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0, "5": 20.0}))
+    for name in algorithms.PRESETS:
+        algorithm = algorithms.get(name)
+        _, history = training.train(model, params, algorithm, CONFIG, steps=1, task=AddTask(), tools=[add])
+        (metrics,) = history
+        assert np.isfinite(metrics["loss"]), name
+        assert metrics["skipped_updates"] == 0, name
+        assert 1 < metrics["episodes/turns"] and metrics["tools/call_frequency"] > 0, (name, metrics)
+        assert metrics["tools/failure_frequency"] == 0 and metrics["episodes/tool_tokens"] > 0, name
+
+
+def test_environments_rewards_and_metrics():
+    model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0, "5": 20.0}))
+    _, history = training.train(
+        model, params, algorithms.get("grpo"), CONFIG, steps=2, task=AddTask(), environment_factory=AdderEnv
+    )
+    for metrics in history:
+        # get_reward (calls made) is a reward function logged under the class name, weight 1.
+        assert metrics["reward_AdderEnv"] == pytest.approx(metrics["tools/call_frequency"])
+        assert metrics["reward"] == pytest.approx(metrics["reward_answered"] + metrics["reward_AdderEnv"], abs=1e-5)
+
+
+def test_text_prompts_are_refused_with_tools():
+    model, params = scripted_model({})
+
+    class TextTask(AddTask):
+        def examples(self, split, indices, *, seed):
+            batch = super().examples(split, indices, seed=seed)
+            return dataclasses.replace(batch, prompts=["2+3="] * len(indices))
+
+    with pytest.raises(training.RunStopped) as caught:
+        training.train(model, params, algorithms.get("grpo"), CONFIG, steps=1, task=TextTask(), tools=[add])
+    assert "conversational prompts" in str(caught.value.__cause__)
+
+
+def test_tool_tokens_get_no_gradient_and_the_loss_is_the_model_tokens():
+    """The clipped surrogate over an episode batch against a loop over each row's model tokens."""
+    model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0, "5": 20.0}))
+    episodes = run(model, params, group=4, budget=48)
+    mask = episodes.completion_mask
+    assert (~mask & (np.arange(mask.shape[1]) < episodes.lengths[:, None])).any()  # tool tokens in the batch
+    rng = np.random.default_rng(0)
+    old = jnp.asarray(episodes.logprobs)
+    logp = old + 0.3 * jnp.asarray(rng.normal(size=mask.shape), jnp.float32)
+    advantages = jnp.asarray(rng.normal(size=mask.shape[0]), jnp.float32)
+
+    def loss(logp):
+        value, _ = objectives.ppo_clip(logp, old, advantages, jnp.asarray(mask), eps_low=0.2, agg="token-mean")
+        return value
+
+    gradient = np.asarray(jax.grad(loss)(logp))
+    assert (gradient[~mask] == 0).all()  # tool results and template ids: exactly zero
+    assert (gradient[mask] != 0).any()
+    terms = []
+    for b in range(mask.shape[0]):
+        for t in np.flatnonzero(mask[b]):  # the model's tokens only
+            ratio = float(np.exp(logp[b, t] - old[b, t]))
+            a = float(advantages[b])
+            terms.append(-min(ratio * a, float(np.clip(ratio, 0.8, 1.2)) * a))
+    np.testing.assert_allclose(float(loss(logp)), np.mean(terms), rtol=1e-5)
