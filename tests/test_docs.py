@@ -199,12 +199,36 @@ def _mesh_check(namespace: dict, code: str):
     assert any(not leaf.sharding.is_fully_replicated for leaf in leaves)  # FSDP splits the matrices
 
 
+def _environment(tmp_path) -> dict:
+    from jaxrl_llm.tasks import CalculatorTask
+
+    task = CalculatorTask()
+    config = models.ModelConfig(
+        vocab_size=len(task.tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
+    model, params = models.init(config, jax.random.key(0))
+    return dict(model=model, params=params, task=task)
+
+
+def _environment_check(namespace: dict, code: str):
+    (metrics,) = namespace["history"]
+    assert {"reward_CounterEnv", "tools/call_frequency", "episodes/turns"} <= metrics.keys()
+
+
 GIVEN: dict[tuple[str, str], tuple[Callable[[pathlib.Path], dict], Callable[[dict, str], None]]] = {
     ("docs/library.md", "core-grpo-update"): (_core, _core_check),
     ("docs/library.md", "model"): (_model, _model_check),
     ("docs/library.md", "rollout"): (_rollout, _rollout_check),
     ("docs/training.md", "train"): (lambda tmp_path: {}, _train_check),
     ("docs/scale-out.md", "mesh"): (_mesh, _mesh_check),
+    ("docs/episodes.md", "environment"): (_environment, _environment_check),
 }
 """Each Python example run here: what the test gives it, and what it checks after."""
 
