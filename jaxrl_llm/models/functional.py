@@ -531,6 +531,14 @@ def extend(
         raise ValueError(
             f"{fn}: {width} tokens do not fit the cache: {slots - int(index)} of its {slots} slots are free."
         )
+    return _feed(model, params, tokens, mask, cache, last_logits_only=last_logits_only)
+
+
+def _feed(model: Model, params: Params, tokens, mask, cache: KVCache, *, last_logits_only: bool):
+    """:func:`extend` and :func:`decode_step` on checked inputs: ``[B, E]`` tokens into slots
+    ``cache.index ...``, the real ones (``mask``) valid at their rows' next positions; NaN
+    logits when they overrun the cache."""
+    width, slots = tokens.shape[1], cache.valid.shape[1]
     valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))  # [B, K]
     query_slot = cache.index + jnp.arange(width)  # [E]
     attention = valid[:, None, :] & (jnp.arange(slots)[None, None, :] <= query_slot[None, :, None])  # [B, E, K]
@@ -540,9 +548,11 @@ def extend(
     overrun = cache.index + width > slots
     count = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B]
     cache = cache._replace(next_position=cache.next_position + count, index=cache.index + width)
-    if last_logits_only:
+    if last_logits_only and width == 1:
+        hidden = hidden[:, 0]
+    elif last_logits_only:
         last = jnp.maximum(width - 1 - jnp.argmax(mask[:, ::-1], axis=1), 0)  # [B]: the last real token
-        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, E]
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, H]
     return jnp.where(overrun, jnp.nan, module.logits(hidden)), cache
 
 
@@ -563,13 +573,4 @@ def decode_step(model: Model, params: Params, tokens: jax.Array, cache: KVCache)
     ids = _checks.integer("decode_step", "tokens", tokens)
     _checks.rank("decode_step", "tokens", ids, 1, "[B]")
     _checks.token_ids("decode_step", "tokens", tokens, model.config.vocab_size)
-    tokens = ids
-    slots = cache.valid.shape[1]
-    valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((tokens.shape[0], 1), bool), (0, cache.index))
-    cache = cache._replace(valid=valid)
-    mask = (valid & (jnp.arange(slots) <= cache.index)[None])[:, None, :]  # [B, 1, K]
-    module = model.module(params)
-    hidden, cache = module.hidden_states(tokens[:, None], cache.next_position[:, None], mask, cache)
-    full = cache.index >= slots
-    cache = cache._replace(next_position=cache.next_position + 1, index=cache.index + 1)
-    return jnp.where(full, jnp.nan, module.logits(hidden[:, 0])), cache
+    return _feed(model, params, ids[:, None], jnp.ones((ids.shape[0], 1), bool), cache, last_logits_only=True)
