@@ -623,6 +623,11 @@ def train(
     task = tasks.DigitSumTask() if task is None else task
     tasks.check_task(task)
     check_evaluation(task, config)
+    toolset = scoring.Toolset.build(
+        tools=(*getattr(task, "tools", ()), *(tools or ())), environment_factory=environment_factory
+    )
+    if toolset is not None and rollout is not None:
+        raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)
     state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
     if compilation_cache:
@@ -630,18 +635,9 @@ def train(
     state, compiled = _compile(
         model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh, rules=rules
     )
-    toolset = scoring.Toolset.build(
-        tools=(*getattr(task, "tools", ()), *(tools or ())), environment_factory=environment_factory
-    )
-    if toolset is not None and rollout is not None:
-        raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     if rollout is None:
         rollout = sampling.Sampler(
-            model=model,
-            eos_ids=task.eos_ids,
-            pad_id=task.pad_id,
-            sampling=config.sampling,
-            mesh=None if toolset is not None else rollout_mesh,
+            model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=config.sampling, mesh=rollout_mesh
         )
     run = _Run(
         model=model,

@@ -96,6 +96,25 @@ def test_text_prompts_are_refused_with_tools():
     assert "conversational prompts" in str(caught.value.__cause__)
 
 
+def test_bad_tools_are_refused_before_any_compute(monkeypatch):
+    model, params = scripted_model({})
+
+    def compile_nothing(*args, **kwargs):
+        raise AssertionError("the train step was compiled before the tools were checked")
+
+    monkeypatch.setattr(training.loop, "_compile", compile_nothing)
+
+    def undocumented(a: int) -> int:
+        return a
+
+    with pytest.raises(ValueError, match="tools: tool 'undocumented' has no JSON schema"):
+        training.train(model, params, algorithms.get("grpo"), CONFIG, steps=1, task=AddTask(), tools=[undocumented])
+    with pytest.raises(ValueError, match="built-in sampler"):
+        training.train(
+            model, params, algorithms.get("grpo"), CONFIG, steps=1, task=AddTask(), tools=[add], rollout=lambda: None
+        )
+
+
 def test_tool_tokens_get_no_gradient_and_the_loss_is_the_model_tokens():
     """The clipped surrogate over an episode batch against a loop over each row's model tokens."""
     model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0, "5": 20.0}))
