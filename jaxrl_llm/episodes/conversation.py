@@ -13,29 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-
-def _ids(rendered: Any) -> list[int]:
-    """``apply_chat_template(..., tokenize=True)``'s ids as a flat list (transformers 5
-    returns a ``BatchEncoding`` or a list, depending on ``return_dict``)."""
-    if isinstance(rendered, Mapping):
-        rendered = rendered["input_ids"]
-    if rendered and isinstance(rendered[0], list):
-        (rendered,) = rendered
-    return [int(i) for i in rendered]
+from jaxrl_llm.tasks.base import render_chat
 
 
 def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Callable] = ()) -> list[int]:
     """The ids of ``messages`` with ``tools``' schemas, ending with the template's start of
     an assistant turn (``add_generation_prompt=True``), as TRL renders a prompt."""
-    return _ids(
-        tokenizer.apply_chat_template(
-            list(messages),
-            tools=list(tools) or None,  # as TRL: some templates render tool boilerplate for tools=[]
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-    )
+    return render_chat(tokenizer, messages, tools, generation_prompt=True)
 
 
 def tool_suffix_ids(tokenizer: Any, tool_messages: Sequence[Mapping[str, Any]], *, end_of_turn: int) -> list[int]:
@@ -54,12 +38,8 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: Sequence[Mapping[str, Any]], 
     """
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    prefix = _ids(tokenizer.apply_chat_template(head, tokenize=True, return_dict=False))
-    full = _ids(
-        tokenizer.apply_chat_template(
-            head + [dict(m) for m in tool_messages], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
+    prefix = render_chat(tokenizer, head, generation_prompt=False)
+    full = render_chat(tokenizer, head + [dict(m) for m in tool_messages], generation_prompt=True)
     ends = [i for i, token in enumerate(prefix) if token == end_of_turn]
     if ends:
         prefix = prefix[: ends[-1] + 1]

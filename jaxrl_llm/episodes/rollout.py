@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import models, rollouts, sampling
+from jaxrl_llm import models, rollouts, sampling, tasks
 from jaxrl_llm.episodes import conversation, parsing
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments, append_observation
@@ -240,6 +240,11 @@ class _Row:
     timeouts: int = 0
     pending: tuple = ()  # the last turn's tool calls
 
+    @property
+    def used(self) -> int:
+        """Tokens of the episode's budget used: everything after its opening."""
+        return len(self.ids) - self.opening
+
     def add(self, ids, *, model: bool, logprobs=None) -> None:
         self.ids += [int(i) for i in ids]
         self.model += [model] * len(ids)
@@ -327,11 +332,9 @@ def sample_episodes(
             f"than max_prompt_length={limit}. Raise max_prompt_length or shorten the prompt or the tools' docstrings."
         )
     width = rollouts.prompt_width(max(shared), bucket=prompt_bucket, max_length=limit)
-    prompt_tokens = np.full((num_prompts, width), pad_id, np.int32)
-    prompt_mask = np.zeros((num_prompts, width), bool)
-    for p, length in enumerate(shared):
-        prompt_tokens[p, width - length :] = rendered[p * group][:length]
-        prompt_mask[p, width - length :] = True
+    prompt_tokens, prompt_mask = tasks.base.left_pad(
+        [rendered[p * group][:length] for p, length in enumerate(shared)], pad_id=pad_id, width=width
+    )
     openings = [rendered[b][shared[b // group] :] for b in range(batch)]
     for row, opening in zip(rows, openings, strict=True):
         row.opening = len(opening)
@@ -377,18 +380,16 @@ def sample_episodes(
         on_device = on_device[keep]
 
     def ensure_room(slots: int) -> None:
-        nonlocal on_device
         if index + slots > cache_size:
             regather(np.arange(len(on_device)))
 
     if any(openings):
         feed({b: ids for b, ids in enumerate(openings) if ids})
-    settings = sampling_config
-    greedy = settings.temperature == 0 or settings.top_k == 1
+    greedy = sampling_config.temperature == 0 or sampling_config.top_k == 1
     turn_index = 0
     while True:
         for row in rows:  # a tool result that used up the budget leaves no room for a turn
-            if not row.finished and len(row.ids) - row.opening >= budget:
+            if not row.finished and row.used >= budget:
                 row.finished = row.truncated = True
         going = [slot for slot, row in enumerate(on_device) if row >= 0 and not rows[row].finished]
         if not going:
@@ -400,10 +401,7 @@ def sample_episodes(
             regather(keep)
             on_device = np.where(padding, -1, on_device)
         remaining = np.array(
-            [
-                0 if row < 0 or rows[row].finished else budget - (len(rows[row].ids) - rows[row].opening)
-                for row in on_device
-            ],
+            [0 if row < 0 or rows[row].finished else budget - rows[row].used for row in on_device],
             np.int32,
         )
         ensure_room(int(remaining.max()))
@@ -414,13 +412,13 @@ def sample_episodes(
             cache,
             jnp.asarray(remaining),
             jax.random.fold_in(key, turn_index),
-            jnp.asarray(settings.temperature if settings.temperature > 0 else 1.0, jnp.float32),
-            jnp.asarray(1.0 if settings.top_p is None else settings.top_p, jnp.float32),
-            jnp.asarray(0.0 if settings.min_p is None else settings.min_p, jnp.float32),
+            jnp.asarray(sampling_config.temperature if sampling_config.temperature > 0 else 1.0, jnp.float32),
+            jnp.asarray(1.0 if sampling_config.top_p is None else sampling_config.top_p, jnp.float32),
+            jnp.asarray(0.0 if sampling_config.min_p is None else sampling_config.min_p, jnp.float32),
             width=completion_width,
-            top_k=None if greedy else settings.top_k,
-            use_top_p=settings.top_p is not None and not greedy,
-            use_min_p=settings.min_p is not None and not greedy,
+            top_k=None if greedy else sampling_config.top_k,
+            use_top_p=sampling_config.top_p is not None and not greedy,
+            use_min_p=sampling_config.min_p is not None and not greedy,
             greedy=greedy,
             stop_ids=stop_ids,
         )
@@ -484,7 +482,7 @@ def _run_tools(rows, calling: dict[int, int], tokenizer, *, timeout, budget: int
         row.timeouts += sum(r.timed_out for r in results)
         messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         suffix = conversation.tool_suffix_ids(tokenizer, messages, end_of_turn=end_of_turn)
-        if len(row.ids) - row.opening + len(suffix) > budget:  # TRL: the results are dropped, the episode ends
+        if row.used + len(suffix) > budget:  # TRL: the results are dropped, the episode ends
             row.finished = row.truncated = True
             continue
         row.messages += messages

@@ -199,13 +199,45 @@ def encode_prompts(
     encoded = tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
     if empty := [i for i, ids in enumerate(encoded) if not ids]:
         raise ValueError(f"Prompt {empty[0]} encodes to no tokens: {texts[empty[0]]!r}.")
-    width = max(len(ids) for ids in encoded)
-    tokens = np.full((len(encoded), width), pad_id, np.int32)
-    mask = np.zeros((len(encoded), width), bool)
-    for row, ids in enumerate(encoded):
-        tokens[row, width - len(ids) :] = ids
-        mask[row, width - len(ids) :] = True
+    return left_pad(encoded, pad_id=pad_id)
+
+
+def left_pad(rows: Sequence[Sequence[int]], *, pad_id: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token id lists as ``tokens`` ``[P, W]`` int32 and ``mask`` ``[P, W]`` bool, each row
+    right-aligned after ``pad_id`` padding; ``W`` is ``width``, or the longest row."""
+    width = max((len(ids) for ids in rows), default=0) if width is None else width
+    tokens = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), bool)
+    for row, ids in enumerate(rows):
+        if len(ids):
+            tokens[row, width - len(ids) :] = ids
+            mask[row, width - len(ids) :] = True
     return tokens, mask
+
+
+def render_chat(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] = (),
+    *,
+    generation_prompt: bool,
+) -> list[int]:
+    """The ids of ``messages`` by the tokenizer's chat template, with ``tools``' schemas
+    (none: ``tools=None``, as TRL passes them, since some templates render tool
+    boilerplate for ``tools=[]``), ending with the start of an assistant turn when
+    ``generation_prompt``."""
+    ids = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tools=list(tools) or None,
+        add_generation_prompt=generation_prompt,
+        tokenize=True,
+        return_dict=False,
+    )
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding or a list, by version and arguments
+        ids = ids["input_ids"]
+    if ids and isinstance(ids[0], list):
+        (ids,) = ids
+    return [int(i) for i in ids]
 
 
 def _id_list(value: Any) -> list[int]:

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import transformers
 
-from jaxrl_llm.tasks.base import PromptBatch, RewardFn, check_split
+from jaxrl_llm.tasks.base import PromptBatch, RewardFn, check_split, left_pad, render_chat
 from jaxrl_llm.tasks.char_tokenizer import build_chat_tokenizer
 
 CALCULATOR_ALPHABET = "0123456789+abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]\":,_() '.-"
@@ -168,7 +168,7 @@ class CalculatorTask:
         streams = [(0, seed, int(i)) if size is None else (1, int(i)) for i in indices]
         sums = [self._draw(np.random.default_rng(stream)) for stream in streams]
         prompts = [[{"role": "user", "content": f"{a}+{b}"}] for a, b, _ in sums]
-        tokens, mask = _left_padded([self._render(p, generation=True) for p in prompts], pad_id=self.pad_id)
+        tokens, mask = left_pad([self._render(p, generation=True) for p in prompts], pad_id=self.pad_id)
         return PromptBatch(
             tokens=tokens,
             mask=mask,
@@ -239,7 +239,7 @@ class CalculatorTask:
         return a, b, True
 
     def _render(self, messages: Sequence[Mapping[str, Any]], *, generation: bool) -> list[int]:
-        return _render(self.tokenizer, messages, self.tools, generation=generation)
+        return render_chat(self.tokenizer, messages, self.tools, generation_prompt=generation)
 
 
 def sft_arrays(
@@ -285,7 +285,7 @@ def sft_arrays(
     rows = []  # (prompt ids, rest ids, rest mask)
     for index, messages in enumerate(conversations):
         messages = [dict(m) for m in messages]
-        full = _render(tokenizer, messages, tools, generation=False)
+        full = render_chat(tokenizer, messages, tools, generation_prompt=False)
         spans = []
         for k, message in enumerate(messages):
             if message.get("role") != "assistant":
@@ -295,8 +295,8 @@ def sft_arrays(
                     f"sft_arrays: conversation {index} opens with an assistant message; it needs a prompt (a user "
                     f"message) before the assistant's first turn."
                 )
-            start = _render(tokenizer, messages[:k], tools, generation=True)
-            end = _render(tokenizer, messages[: k + 1], tools, generation=False)
+            start = render_chat(tokenizer, messages[:k], tools, generation_prompt=True)
+            end = render_chat(tokenizer, messages[: k + 1], tools, generation_prompt=False)
             for part, head in ((start, k), (end, k + 1)):
                 if full[: len(part)] != part:
                     raise ValueError(
@@ -318,7 +318,7 @@ def sft_arrays(
         rows.append((full[:cut], full[cut:], mask))
     if not rows:
         raise ValueError("sft_arrays: no conversations.")
-    prompt_tokens, prompt_mask = _left_padded([prompt for prompt, _, _ in rows], pad_id=pad_id)  # [D, S]
+    prompt_tokens, prompt_mask = left_pad([prompt for prompt, _, _ in rows], pad_id=pad_id)  # [D, S]
     width = max(len(rest) for _, rest, _ in rows)
     rest_tokens = np.full((len(rows), width), pad_id, np.int32)  # [D, N]
     rest_mask = np.zeros((len(rows), width), bool)
@@ -330,36 +330,6 @@ def sft_arrays(
     tokens = np.concatenate([prompt_tokens, rest_tokens], axis=1)
     attention_mask = np.concatenate([prompt_mask, rest_mask], axis=1)
     return tokens, attention_mask, completion_mask
-
-
-def _render(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any], *, generation: bool
-) -> list[int]:
-    """The template's ids of ``messages`` with ``tools`` (none: ``tools=None``, as TRL passes them)."""
-    ids = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tools=list(tools) or None,
-        add_generation_prompt=generation,
-        tokenize=True,
-        return_dict=False,
-    )
-    if isinstance(ids, Mapping):
-        ids = ids["input_ids"]
-    if ids and isinstance(ids[0], list):
-        (ids,) = ids
-    return [int(i) for i in ids]
-
-
-def _left_padded(rows: Sequence[Sequence[int]], *, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[P, S]`` int32 ids and bool mask, each row right-aligned (``S`` the longest row)."""
-    width = max((len(ids) for ids in rows), default=0)
-    tokens = np.full((len(rows), width), pad_id, np.int32)
-    mask = np.zeros((len(rows), width), bool)
-    for row, ids in enumerate(rows):
-        if ids:
-            tokens[row, width - len(ids) :] = ids
-            mask[row, width - len(ids) :] = True
-    return tokens, mask
 
 
 def _role(message: Any) -> Any:
