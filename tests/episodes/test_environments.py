@@ -10,6 +10,7 @@ from jaxrl_llm.episodes.environments import Environments, append_observation
 from jaxrl_llm.episodes.parsing import ToolCall, parse_turn
 from jaxrl_llm.episodes.tools import ToolResult, call_tools
 from jaxrl_llm.rewards import compute_rewards
+from tests.episodes.test_tools import multiply  # TRL's documented tool
 
 # The environments of TRL's GRPO documentation ("Agent Training" / "Environments"), as written there.
 
@@ -71,20 +72,6 @@ class GameEnv:
         """
         self.moves = getattr(self, "moves", 0) + 1
         return f"moved {action}"
-
-
-def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
-    return a * b
 
 
 def names_of(tools):

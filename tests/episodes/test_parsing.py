@@ -12,20 +12,7 @@ from jaxrl_llm.episodes.parsing import (
     parse_turn,
 )
 from jaxrl_llm.tasks import build_char_tokenizer
-
-
-def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
-    return a * b
+from tests.episodes.test_tools import multiply  # TRL's documented tool
 
 
 def entry(name, arguments):

@@ -1,6 +1,7 @@
 """Tokens fed into an existing KV cache (a tool's result between turns) give the next-token
 logits of a from-scratch pass over each row's whole conversation."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,23 +10,15 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models
+from tests.models.test_cache import CONFIGS
 
-TINY = dict(
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-)
+BASE = dataclasses.replace(CONFIGS["llama-gqa"], max_position_embeddings=64)
 FAMILIES = {
-    "llama": models.ModelConfig(**TINY),
-    "mistral": models.ModelConfig(architecture="mistral", sliding_windows=(64, 64), **TINY),
-    "qwen2": models.ModelConfig(architecture="qwen2", attention_bias=True, **TINY),
-    "qwen3": models.ModelConfig(architecture="qwen3", qk_norm=True, tie_word_embeddings=True, **TINY),
-    "llama-scanned": models.ModelConfig(scan_layers=True, **TINY),
+    "llama": BASE,
+    "mistral": dataclasses.replace(BASE, architecture="mistral", sliding_windows=(64, 64)),
+    "qwen2": dataclasses.replace(BASE, architecture="qwen2", attention_bias=True),
+    "qwen3": dataclasses.replace(BASE, architecture="qwen3", qk_norm=True, tie_word_embeddings=True),
+    "llama-scanned": dataclasses.replace(BASE, scan_layers=True),
 }
 PROMPTS, GROUP, PROMPT_LEN, CACHE = 2, 3, 6, 40
 
