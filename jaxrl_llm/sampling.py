@@ -307,7 +307,7 @@ def sample(
     padded_length = min(_round_up(length, bucket), limit - max_new_tokens)
     slots = min(_round_up(max_new_tokens, bucket), limit - padded_length)
     padding = ((0, 0), (padded_length - length, 0))
-    greedy = temperature == 0 or top_k == 1
+    traced, static = draw_settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if padded_length > length:
         prompt_tokens = jnp.pad(prompt_tokens.astype(jnp.int32), padding, constant_values=pad_id)
         prompt_mask = jnp.pad(prompt_mask, padding)
@@ -318,15 +318,10 @@ def sample(
         prompt_mask,
         key,
         jnp.asarray(max_new_tokens, jnp.int32),
-        jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
-        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-        jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
+        *traced,
         num_samples=num_samples,
         slots=slots,
-        top_k=None if greedy else top_k,
-        use_top_p=top_p is not None and not greedy,
-        use_min_p=min_p is not None and not greedy,
-        greedy=greedy,
+        **static,
         eos_ids=eos_ids,
         pad_id=int(pad_id),
         mesh=mesh,
@@ -440,6 +435,28 @@ def _logprob_of(scaled: jax.Array, top: jax.Array, log_total: jax.Array, token: 
     r"""``[B]`` log-softmax of ``scaled`` ``[B, V]`` at ``token`` ``[B]``, given the row
     maximum ``top`` ``[B]`` and :math:`\log \sum_v e^{z_v - top}` ``log_total`` ``[B]``."""
     return jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0] - top - log_total
+
+
+def draw_settings(
+    *, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], dict]:
+    """The sampling settings as a jitted decoder takes them: ``(temperature, top_p, min_p)``
+    as float32 scalars, traced (a change does not recompile; 1, 1, 0 where unused), and the
+    static ``top_k``, ``use_top_p``, ``use_min_p`` and ``greedy`` (``temperature = 0`` or
+    ``top_k = 1``, which turns the others off)."""
+    greedy = temperature == 0 or top_k == 1
+    traced = (
+        jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
+        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+        jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
+    )
+    static = dict(
+        top_k=None if greedy else top_k,
+        use_top_p=top_p is not None and not greedy,
+        use_min_p=min_p is not None and not greedy,
+        greedy=greedy,
+    )
+    return traced, static
 
 
 def next_token(

@@ -385,7 +385,12 @@ def sample_episodes(
 
     if any(openings):
         feed({b: ids for b, ids in enumerate(openings) if ids})
-    greedy = sampling_config.temperature == 0 or sampling_config.top_k == 1
+    traced, static = sampling.draw_settings(
+        temperature=sampling_config.temperature,
+        top_k=sampling_config.top_k,
+        top_p=sampling_config.top_p,
+        min_p=sampling_config.min_p,
+    )
     turn_index = 0
     while True:
         for row in rows:  # a tool result that used up the budget leaves no room for a turn
@@ -412,15 +417,10 @@ def sample_episodes(
             cache,
             jnp.asarray(remaining),
             jax.random.fold_in(key, turn_index),
-            jnp.asarray(sampling_config.temperature if sampling_config.temperature > 0 else 1.0, jnp.float32),
-            jnp.asarray(1.0 if sampling_config.top_p is None else sampling_config.top_p, jnp.float32),
-            jnp.asarray(0.0 if sampling_config.min_p is None else sampling_config.min_p, jnp.float32),
+            *traced,
             width=completion_width,
-            top_k=None if greedy else sampling_config.top_k,
-            use_top_p=sampling_config.top_p is not None and not greedy,
-            use_min_p=sampling_config.min_p is not None and not greedy,
-            greedy=greedy,
             stop_ids=stop_ids,
+            **static,
         )
         turn = jax.device_get(turn)
         index += int(turn.steps)
