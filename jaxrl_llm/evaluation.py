@@ -29,13 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl_llm import _checks, distributed, models, rewards, rollouts, tasks
+from jaxrl_llm import _checks, distributed, models, rewards, tasks
+from jaxrl_llm.episodes import scoring
+from jaxrl_llm.episodes.config import EpisodeConfig
+from jaxrl_llm.rollouts import ScoredRound
 from jaxrl_llm.sampling import Sampler, SamplingConfig
 
 
@@ -156,6 +160,9 @@ def evaluate(
     on_reward_error: str = "raise",
     progress: bool = True,
     mesh: jax.sharding.Mesh | None = None,
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Any = None,
+    episodes: EpisodeConfig | None = None,
     **sampling_fields: Any,
 ) -> dict[str, float]:
     r"""Greedy accuracy, mean rewards and pass@k of ``params`` over every example of a split.
@@ -214,6 +221,11 @@ def evaluate(
       mesh: decode each batch over this mesh's devices (:func:`jaxrl_llm.sampling.sample`);
         needed when ``params`` are split over several processes, each of which then calls
         this with the same arguments, scores its share of the rows and gets every metric.
+      tools, environment_factory: as in :func:`jaxrl_llm.training.train` (TRL's), added to
+        the task's own ``tools``: the rollouts are then multi-turn episodes
+        (:mod:`jaxrl_llm.episodes`), greedy and sampled alike, limited by ``episodes``
+        (default ``EpisodeConfig()``), and the metrics also hold the greedy episodes'
+        mean turns and tool calls.
 
     Returns:
       A flat dict of floats:
@@ -223,6 +235,8 @@ def evaluate(
       - ``"greedy_reward"``: the mean task reward of the greedy completions;
       - with ``num_samples > 0``: ``"reward"``, the mean task reward of all ``M n``
         samples, and ``"pass@k"`` for each ``k`` of :func:`pass_at_k_values`;
+      - with tools or environments: ``"greedy_turns"`` and ``"greedy_tool_calls"``, the
+        greedy episodes' mean model turns and tool calls;
       - with ``prompt_truncation="left"``: ``"truncated_prompts"``, prompts that lost
         their first tokens;
       - with ``on_reward_error="zero"``: ``"reward_errors"``, completions (greedy and
@@ -249,6 +263,7 @@ def evaluate(
         on_reward_error=on_reward_error,
         progress=progress,
     )
+    toolset = scoring.Toolset.build(task, tools=tools, environment_factory=environment_factory)
     correct = _correct_name(task, correct_reward)
     size = _split_size(task, split)
     greedy_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=None, top_p=None, min_p=None)
@@ -260,9 +275,9 @@ def evaluate(
             (Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=sampling, mesh=mesh), num_samples)
         )
     settings = dict(
-        max_new_tokens=sampling.max_new_tokens,
-        max_prompt_length=sampling.max_prompt_length,
-        prompt_truncation=sampling.prompt_truncation,
+        toolset=toolset,
+        episodes=episodes or EpisodeConfig(),
+        sampling_config=sampling,
         prompt_bucket=prompt_bucket,
         on_reward_error=on_reward_error,
     )
@@ -274,7 +289,7 @@ def evaluate(
             batch = _examples(task, split, np.arange(start, min(start + batch_size, size), dtype=np.int64), seed=seed)
             batch_key = jax.random.fold_in(key, number)
             for index, (backend, samples) in enumerate(backends):  # greedy (key 0), then sampled (key 1)
-                scored = rollouts.rollout_and_score(
+                scored = scoring.score_prompts(
                     backend, params, task, batch, jax.random.fold_in(batch_key, index), num_samples=samples, **settings
                 )
                 tally.add(scored, samples=samples, sampled=index > 0)
@@ -371,8 +386,10 @@ class _Tally:
     solved_counts: list = dataclasses.field(default_factory=list)  # per batch: [P] int, solved samples per example
     truncated_prompts: int = 0
     reward_errors: int = 0
+    greedy_turns: float = 0.0  # sums over the greedy episodes (runs with tools or environments)
+    greedy_tool_calls: float = 0.0
 
-    def add(self, scored: rollouts.ScoredRound, *, samples: int, sampled: bool) -> None:
+    def add(self, scored: ScoredRound, *, samples: int, sampled: bool) -> None:
         """One batch's greedy rollout (``samples = 1``) or its ``samples`` samples per prompt."""
         # [P n], prompt p's rows p n .. p n + n - 1; NaN (None: "does not apply") is unsolved.
         solved = scored.result.values[self.correct] >= self.threshold
@@ -384,6 +401,9 @@ class _Tally:
             self.greedy_solved += int(solved.sum())
             self.greedy_reward += total
             self.truncated_prompts += scored.truncated_prompts
+            if episodes := scored.episode_metrics:
+                self.greedy_turns += episodes["episodes/turns"] * len(solved)
+                self.greedy_tool_calls += episodes["tools/call_frequency"] * len(solved)
         self.reward_errors += sum(scored.result.errors.values())
 
     def metrics(self, size: int, *, num_samples: int, truncation: str, on_reward_error: str) -> dict[str, float]:
@@ -393,6 +413,8 @@ class _Tally:
             "greedy_accuracy": self.greedy_solved / size,
             "greedy_reward": self.greedy_reward / size,
         }
+        if self.greedy_turns:  # episodes: every one has a turn
+            metrics.update(greedy_turns=self.greedy_turns / size, greedy_tool_calls=self.greedy_tool_calls / size)
         if num_samples:
             counts = np.concatenate(self.solved_counts)  # [M]
             metrics["reward"] = self.sample_reward / (size * num_samples)

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm import models, sampling, tasks
+from jaxrl_llm import models, rollouts, sampling, tasks
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments
 from jaxrl_llm.episodes.rollout import Episodes, sample_episodes
@@ -39,20 +39,65 @@ class Toolset:
     @classmethod
     def build(
         cls,
+        task: tasks.Task,
         *,
         tools: Sequence[Callable] | None = None,
-        environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
+        environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | Environments | None = None,
     ) -> Toolset | None:
-        """The toolset of ``tools`` and ``environment_factory`` (checked), or ``None`` when
-        both are empty: a single-turn run."""
-        tools = check_tools(tools or (), where="tools")
+        """The toolset of ``task``'s own ``tools`` (if it has any), ``tools`` and
+        ``environment_factory`` (checked; built :class:`Environments` are taken as they
+        are, their pool shared), or ``None`` when there is none of them: a single-turn run."""
+        tools = (*getattr(task, "tools", ()), *(tools or ()))
+        tools = check_tools(list(dict.fromkeys(tools)), where="tools")  # one function given twice is one tool
         if environment_factory is None:
             return cls(tools=tools) if tools else None
+        if isinstance(environment_factory, Environments):
+            return cls(tools=environment_factory.tools, environments=environment_factory)
         return cls(tools=tools, environments=Environments(environment_factory, tools=tools))
 
     def reward_functions(self) -> list[Callable]:
         """The environments' ``get_reward`` as reward functions (weight 1 each)."""
         return [] if self.environments is None else self.environments.reward_functions()
+
+
+def score_prompts(
+    backend: sampling.RolloutBackend,
+    params: models.Params,
+    task: tasks.Task,
+    batch: tasks.PromptBatch,
+    key: jax.Array,
+    *,
+    toolset: Toolset | None,
+    episodes: EpisodeConfig,
+    num_samples: int,
+    sampling_config: sampling.SamplingConfig,
+    prompt_bucket: int = 8,
+    on_reward_error: str = "raise",
+    shaping: Any = None,
+) -> ScoredRound:
+    """``G = num_samples`` scored rollouts of each prompt of ``batch``: single-turn
+    completions (:func:`jaxrl_llm.rollouts.rollout_and_score`) without a ``toolset``,
+    episodes (:func:`rollout_and_score`) with one; the budget and prompt settings from
+    ``sampling_config``. The trainer and the evaluator both call this."""
+    common = dict(
+        num_samples=num_samples,
+        max_new_tokens=sampling_config.max_new_tokens,
+        prompt_bucket=prompt_bucket,
+        on_reward_error=on_reward_error,
+        shaping=shaping,
+    )
+    if toolset is None:
+        return rollouts.rollout_and_score(
+            backend,
+            params,
+            task,
+            batch,
+            key,
+            max_prompt_length=sampling_config.max_prompt_length,
+            prompt_truncation=sampling_config.prompt_truncation,
+            **common,
+        )
+    return rollout_and_score(backend, params, task, batch, key, toolset=toolset, config=episodes, **common)
 
 
 def _conversational(batch: tasks.PromptBatch) -> list:

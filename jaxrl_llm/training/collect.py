@@ -1,9 +1,10 @@
 r"""One train step's rollouts: a batch of ``P`` groups of ``G`` scored completions from the
 task's train stream, with DAPO's dynamic sampling.
 
-Each round of prompts goes through :func:`jaxrl_llm.rollouts.rollout_and_score`, the path
-from prompts to rewards that the evaluator takes too (prompt widths, stop strings,
-decoding, reward functions: see :mod:`jaxrl_llm.rollouts`).
+Each round of prompts goes through :func:`jaxrl_llm.episodes.scoring.score_prompts`, the
+path from prompts to rewards that the evaluator takes too: single-turn completions
+(prompt widths, stop strings, decoding, reward functions: see :mod:`jaxrl_llm.rollouts`),
+or multi-turn episodes in runs with tools or environments.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from jaxrl_llm import algorithms, models, rewards, sampling, tasks
 from jaxrl_llm.episodes import scoring
-from jaxrl_llm.rollouts import Rollouts, ScoredRound, rollout_and_score
+from jaxrl_llm.rollouts import Rollouts, ScoredRound
 from jaxrl_llm.training.config import TrainConfig
 
 
@@ -84,29 +85,20 @@ def collect_batch(
         batch = tasks.base.draw(
             task, "train", seed=config.seed, start=position + round_index * num_prompts, count=num_prompts
         )
-        round_key = jax.random.fold_in(key, round_index)
-        common = dict(
+        scored = scoring.score_prompts(
+            backend,
+            params,
+            task,
+            batch,
+            jax.random.fold_in(key, round_index),
+            toolset=toolset,
+            episodes=config.episodes,
             num_samples=group,
-            max_new_tokens=settings.max_new_tokens,
+            sampling_config=settings,
             prompt_bucket=prompt_bucket,
             on_reward_error=config.on_reward_error,
             shaping=shaping,
         )
-        if toolset is None:
-            scored = rollout_and_score(
-                backend,
-                params,
-                task,
-                batch,
-                round_key,
-                max_prompt_length=settings.max_prompt_length,
-                prompt_truncation=settings.prompt_truncation,
-                **common,
-            )
-        else:
-            scored = scoring.rollout_and_score(
-                backend, params, task, batch, round_key, toolset=toolset, config=config.episodes, **common
-            )
         rounds.append(scored)
         grouped = scored.result.total.reshape(num_prompts, group)  # the task's rewards: shaping is no signal
         informative = np.concatenate([informative, grouped.max(1) > grouped.min(1)])

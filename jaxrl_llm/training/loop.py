@@ -208,10 +208,12 @@ def evaluation_metrics(
     *,
     prompt_bucket: int = 8,
     mesh: jax.sharding.Mesh | None = None,
+    toolset: scoring.Toolset | None = None,
 ) -> dict[str, float]:
     """What ``train`` adds to the metrics every ``config.eval_every`` steps: the task's test
     split evaluated with the run's sampling settings (:func:`jaxrl_llm.evaluation.evaluate`,
-    decoded over ``mesh``), as ``eval_*`` metrics and ``eval_seconds``."""
+    decoded over ``mesh``; episodes with the run's ``toolset``), as ``eval_*`` metrics and
+    ``eval_seconds``."""
     started = time.perf_counter()
     results = evaluation.evaluate(
         model,
@@ -224,6 +226,9 @@ def evaluation_metrics(
         on_reward_error=config.on_reward_error,
         progress=False,
         mesh=mesh,
+        tools=None if toolset is None else toolset.tools,
+        environment_factory=None if toolset is None else toolset.environments,
+        episodes=config.episodes,
     )
     return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
@@ -463,7 +468,13 @@ def _end_step(
         with called_in(f"the held-out evaluation after train step {step}"):
             metrics.update(
                 evaluation_metrics(
-                    run.model, state.params, run.task, config, prompt_bucket=run.prompt_bucket, mesh=run.rollout_mesh
+                    run.model,
+                    state.params,
+                    run.task,
+                    config,
+                    prompt_bucket=run.prompt_bucket,
+                    mesh=run.rollout_mesh,
+                    toolset=run.toolset,
                 )
             )
     if run.callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
@@ -623,9 +634,7 @@ def train(
     task = tasks.DigitSumTask() if task is None else task
     tasks.check_task(task)
     check_evaluation(task, config)
-    toolset = scoring.Toolset.build(
-        tools=(*getattr(task, "tools", ()), *(tools or ())), environment_factory=environment_factory
-    )
+    toolset = scoring.Toolset.build(task, tools=tools, environment_factory=environment_factory)
     if toolset is not None and rollout is not None:
         raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import algorithms, objectives, training
+from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.tasks.base import PromptBatch, check_split
 from tests.episodes.test_rollout import CALL, AdderEnv, add, chain, run, scripted_model, tokenizer
 
@@ -140,3 +141,24 @@ def test_tool_tokens_get_no_gradient_and_the_loss_is_the_model_tokens():
             a = float(advantages[b])
             terms.append(-min(ratio * a, float(np.clip(ratio, 0.8, 1.2)) * a))
     np.testing.assert_allclose(float(loss(logp)), np.mean(terms), rtol=1e-5)
+
+
+def test_evaluation_runs_episodes_greedy_and_sampled():
+    from jaxrl_llm import evaluation
+
+    model, params = scripted_model(chain(CALL, {"5": 20.0, "<tool_call>": 19.0}))  # greedy answers at once
+    results = evaluation.evaluate(
+        model,
+        params,
+        AddTask(),
+        max_new_tokens=32,
+        num_samples=4,
+        tools=[add],
+        progress=False,
+        episodes=EpisodeConfig(max_turns=3),
+    )
+    assert results["greedy_accuracy"] == 1.0 and results["greedy_turns"] == 1.0 and results["greedy_tool_calls"] == 0
+    assert 0 < results["pass@1"] <= results["pass@4"] == 1.0  # samples call the tool, then answer (or run out)
+    config = dataclasses.replace(CONFIG, eval_every=1)
+    _, history = training.train(model, params, algorithms.get("grpo"), config, steps=1, task=AddTask(), tools=[add])
+    assert history[0]["eval_greedy_accuracy"] == 1.0 and history[0]["eval_greedy_tool_calls"] == 0
