@@ -382,8 +382,7 @@ def evaluate(argv: Sequence[str]) -> int:
                 )
             )
             try:
-                tokenizer = build.tokenizer(config.model)
-                task = build.task(config.task, tokenizer, checkpoint=config.model.path)
+                task = build.run_task(config)
                 model, params = build.model(config, task)
             except (ValueError, FileNotFoundError) as error:
                 raise UsageError(str(error)) from error

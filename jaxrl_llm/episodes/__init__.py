@@ -6,3 +6,24 @@ plain Python functions with type hints and a Google-style docstring, environment
 objects with ``reset(**example)``, public methods that are their tools and an optional
 ``get_reward()``.
 """
+
+from jaxrl_llm.episodes import config, conversation, environments, parsing, rollout, scoring, tools
+from jaxrl_llm.episodes.config import EpisodeConfig
+from jaxrl_llm.episodes.environments import Environments
+from jaxrl_llm.episodes.rollout import Episodes, sample_episodes
+from jaxrl_llm.episodes.scoring import Toolset
+
+__all__ = [
+    "EpisodeConfig",
+    "Environments",
+    "Episodes",
+    "Toolset",
+    "config",
+    "conversation",
+    "environments",
+    "parsing",
+    "rollout",
+    "sample_episodes",
+    "scoring",
+    "tools",
+]

@@ -209,6 +209,19 @@ def _power_of_two(value: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(value, 1))))
 
 
+def _cache_slots(prompt_width: int, completion_width: int) -> int:
+    """The episodes' KV cache: the prompt and twice the completion, room for the gaps
+    that rows finishing their turns at different times leave (compacted when full)."""
+    return prompt_width + 2 * _round_up(completion_width, 16)
+
+
+def max_cache_slots(*, max_prompt_length: int, max_new_tokens: int) -> int:
+    """The most cache slots (positions the model must allow) :func:`sample_episodes` needs
+    with these settings: prompts up to ``max_prompt_length`` tokens, and an episode's
+    completion of ``max_new_tokens`` after an opening as long as a whole prompt."""
+    return _cache_slots(max_prompt_length, _round_up(max_new_tokens + max_prompt_length, 16))
+
+
 def _shared_prefix(rows: Sequence[list[int]]) -> int:
     """The length of the longest common prefix of ``rows``."""
     first, length = rows[0], min(map(len, rows))
@@ -342,7 +355,7 @@ def sample_episodes(
 
     budget = sampling_config.max_new_tokens
     completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
-    cache_size = width + 2 * _round_up(completion_width, 16)
+    cache_size = _cache_slots(width, completion_width)
     if cache_size > model.config.max_position_embeddings:
         raise ValueError(
             f"sample_episodes: prompts of {width} tokens and episodes of {completion_width} need a cache of "

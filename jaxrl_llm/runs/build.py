@@ -19,7 +19,7 @@ import numpy as np
 import transformers
 
 import jaxrl_llm
-from jaxrl_llm import models, rewards, sharding, tasks, training
+from jaxrl_llm import episodes, models, rewards, sharding, tasks, training
 from jaxrl_llm.runs.config import BUILTIN_ALPHABET, BUILTIN_CHAT_TEMPLATE, DEMO_TASKS, ModelSpec, RunConfig, TaskSpec
 
 REWARDS: dict[str, Callable[..., Any]] = {
@@ -67,9 +67,13 @@ def check_positions(config: RunConfig) -> None:
         )
 
 
-def tokenizer(spec: ModelSpec) -> transformers.PreTrainedTokenizerBase:
-    """The model directory's tokenizer, or the built-in character tokenizer with its chat template."""
+def tokenizer(spec: ModelSpec, *, tool_calling: bool = False) -> transformers.PreTrainedTokenizerBase:
+    """The model directory's tokenizer, or the built-in character tokenizer with its chat
+    template: with ``tool_calling`` (a task with tools or an environment), the character
+    tokenizer's tool-calling one (:func:`jaxrl_llm.tasks.build_chat_tokenizer`)."""
     if spec.path is None:
+        if tool_calling:
+            return tasks.build_chat_tokenizer(BUILTIN_ALPHABET)
         built = tasks.build_char_tokenizer(BUILTIN_ALPHABET)
         built.chat_template = BUILTIN_CHAT_TEMPLATE
         return built
@@ -109,7 +113,12 @@ def model(
     options = dict(scan_layers=spec.scan_layers, remat=spec.remat, attention=spec.attention)
     if spec.path is None:
         sampling = config.train.sampling
-        built = model_config(spec, task, sampling.max_prompt_length + sampling.max_new_tokens)
+        positions = sampling.max_prompt_length + sampling.max_new_tokens
+        if config.task.tools or config.task.environment or getattr(task, "tools", ()):
+            positions = episodes.rollout.max_cache_slots(
+                max_prompt_length=sampling.max_prompt_length, max_new_tokens=sampling.max_new_tokens
+            )  # an episode's cache has room for gaps between turns
+        built = model_config(spec, task, positions)
         model_, params = models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
     else:
         check_model_path(spec)
@@ -182,45 +191,71 @@ def _import_file(path: pathlib.Path):
 
 
 def reward_function(name: str) -> Callable[..., Any]:
-    """A built-in reward function by name, a ``module:function`` imported (from
-    ``sys.path``; :func:`~jaxrl_llm.runs.config.reward_source` first turns one in the
-    current directory or beside the config file into its path), or a
-    ``path/to/file.py:function``.
+    """A built-in reward function by name, or a ``module:function`` / ``path/to/file.py:function``
+    (:func:`imported`).
 
     Raises ValueError naming the entry: unknown, not found (saying where it looked), an
     error while importing the module (the original is its ``__cause__``), or no such
     callable in it."""
     if name in REWARDS:
         return REWARDS[name]
-    module_name, colon, attribute = name.rpartition(":")
-    if not colon:
+    if not name.rpartition(":")[1]:
         raise ValueError(
             f"task.rewards: unknown reward {name!r}; the built-in ones are {', '.join(REWARDS)}, "
             "or give `module:function` or `path/to/file.py:function`."
         )
+    return imported(name, where="task.rewards")
+
+
+def tools(spec: TaskSpec) -> list[Callable[..., Any]]:
+    """The task's ``tools`` entries, imported (:func:`imported`)."""
+    return [imported(name, where="task.tools") for name in spec.tools]
+
+
+def environment_factory(spec: TaskSpec) -> Callable[[], Any] | None:
+    """The task's ``environment`` factory, imported (:func:`imported`), or ``None``."""
+    return None if spec.environment is None else imported(spec.environment, where="task.environment")
+
+
+def imported(name: str, *, where: str) -> Callable[..., Any]:
+    """The callable ``module:attribute`` imported (from ``sys.path``;
+    :func:`~jaxrl_llm.runs.config.code_source` first turns a module in the current directory
+    or beside the config file into its path), or ``path/to/file.py:attribute``.
+
+    Raises ValueError naming ``where`` and the entry: not found (saying where it looked), an
+    error while importing the module (the original is its ``__cause__``), or no such
+    callable in it."""
+    module_name, _, attribute = name.rpartition(":")
     is_file = module_name.endswith(".py")
     path = pathlib.Path(module_name).expanduser().resolve() if is_file else None
     if is_file and not path.is_file():
-        raise ValueError(f"task.rewards: cannot import {name!r}: there is no file {module_name!r}.")
+        raise ValueError(f"{where}: cannot import {name!r}: there is no file {module_name!r}.")
     try:
         module = _import_file(path) if is_file else importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if is_file or not error.name or not (module_name + ".").startswith(error.name + "."):
-            raise ValueError(f"task.rewards: importing {name!r} failed: {type(error).__name__}: {error}.") from error
+            raise ValueError(f"{where}: importing {name!r} failed: {type(error).__name__}: {error}.") from error
         raise ValueError(
-            f"task.rewards: cannot import {name!r}: {error} (looked for "
+            f"{where}: cannot import {name!r}: {error} (looked for "
             f"{module_name.replace('.', '/')}.py in the current directory {os.getcwd()}, beside the "
             f"config file, and among the installed modules; or write the file's path, "
             f"'path/to/{module_name.split('.')[-1]}.py:{attribute}')."
         ) from None
     except Exception as error:  # noqa: BLE001 (the user's module failed: shown with its frames)
-        raise ValueError(f"task.rewards: importing {name!r} failed: {type(error).__name__}: {error}") from error
+        raise ValueError(f"{where}: importing {name!r} failed: {type(error).__name__}: {error}") from error
     found = getattr(module, attribute, None)
     if found is None:
-        raise ValueError(f"task.rewards: {name!r}: {module.__name__} has no {attribute!r}.")
+        raise ValueError(f"{where}: {name!r}: {module.__name__} has no {attribute!r}.")
     if not callable(found):
-        raise ValueError(f"task.rewards: {name!r} is not callable.")
+        raise ValueError(f"{where}: {name!r} is not callable.")
     return found
+
+
+def run_task(config: RunConfig) -> tasks.Task:
+    """The task of a run: its :class:`TaskSpec` over the model's tokenizer (the tool-calling
+    one for a task with tools or an environment)."""
+    tool_calling = bool(config.task.tools or config.task.environment)
+    return task(config.task, tokenizer(config.model, tool_calling=tool_calling), checkpoint=config.model.path)
 
 
 def task(
@@ -235,6 +270,12 @@ def task(
     text: dict[str, Any] = dict(
         common, system_prompt=spec.system_prompt, stop_strings=spec.stop_strings, checkpoint=checkpoint
     )
+    if spec.name == "calculator":
+        if reward_fns is not None:
+            raise ValueError(
+                "task 'calculator' scores with its own rewards (correct, calls); leave task.rewards empty."
+            )
+        return tasks.CalculatorTask()
     if spec.name == "digits":
         return tasks.DigitSumTask() if reward_fns is None else tasks.DigitSumTask(reward_fns=reward_fns)
     if spec.name == "arithmetic":
@@ -267,7 +308,7 @@ def task(
 
 def _demonstration_count(config: RunConfig, task_: tasks.Task) -> int:
     """The warm start's example count; raises ValueError if the task cannot give them."""
-    if not isinstance(task_, tasks.TextTask):
+    if not isinstance(task_, (tasks.TextTask, tasks.CalculatorTask)):
         raise ValueError(
             f"warm_start.steps: the {type(task_).__name__} has no text demonstrations; set "
             "warm_start.steps = 0 and warm_start.anneal_steps = 0."
@@ -291,9 +332,15 @@ def demonstrations(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The warm start's solved examples: ``examples`` train prompts (default: all; at most
     ``limit``) with their ``completion`` column, ``off_by_one_fraction`` of the integer
-    answers replaced by ``answer + 1``. Raises ValueError for more examples than the train
-    split holds, a missing column, or a non-integer answer to shift."""
+    answers replaced by ``answer + 1``; for the calculator task, its demonstration
+    episodes (the assistant's turns learned, the tool results read). Raises ValueError for
+    more examples than the train split holds, a missing column, or a non-integer answer to
+    shift."""
     warm = config.warm_start
+    if isinstance(task_, tasks.CalculatorTask):
+        count = _demonstration_count(config, task_)
+        conversations = task_.demonstrations(count if limit is None else min(count, limit), seed=config.train.seed)
+        return tasks.calculator.sft_arrays(task_.tokenizer, conversations, tools=task_.tools)
     rng = np.random.default_rng(config.train.seed)
 
     def target(record) -> str:

@@ -67,6 +67,7 @@ TASKS = {
     "jsonl": "a JSON-lines file (task.path, task.prompt: a column or a format string, task.test_path)",
     "dataset": "a local datasets dataset: Parquet, Arrow or a save_to_disk directory (task.path)",
     "reasoning_gym": "one of reasoning-gym's procedural datasets (task.dataset), scored by its own checker",
+    "calculator": "sums, the hard ones through an `add` tool (multi-turn episodes), for the built-in character model",
 }
 """The task sources a config can name, as ``jaxrl-llm tasks`` lists them."""
 
@@ -138,7 +139,7 @@ class ModelSpec:
 class TaskSpec:
     """The prompts and their rewards (:mod:`jaxrl_llm.tasks`)."""
 
-    name: Literal["arithmetic", "digits", "jsonl", "dataset", "reasoning_gym"] = "arithmetic"
+    name: Literal["arithmetic", "digits", "jsonl", "dataset", "reasoning_gym", "calculator"] = "arithmetic"
     """The source of prompts and rewards (``jaxrl-llm tasks`` describes each)."""
     path: str | None = None
     """``jsonl`` / ``dataset``: the training data (``jsonl``: one JSON object per line)."""
@@ -175,6 +176,14 @@ class TaskSpec:
     """One weight per reward function (default: all 1)."""
     stop_strings: tuple[str, ...] = ()
     """Text tasks: completions end after any of these strings."""
+    tools: tuple[str, ...] = ()
+    """Tools the model may call, TRL's ``tools``: functions as ``module:function`` or
+    ``path/to/file.py:function`` (found as ``rewards`` are). With tools or an
+    ``environment`` the rollouts are multi-turn episodes (``train.episodes`` sets their
+    limits) and the prompts must be conversations."""
+    environment: str | None = None
+    """TRL's ``environment_factory`` as ``module:Factory`` (or ``path/to/file.py:Factory``):
+    a class or function returning an environment, one per episode."""
     seed: int = 0
     """Seeds the procedural splits (``reasoning_gym``'s items, the held-out fraction)."""
 
@@ -197,6 +206,12 @@ class TaskSpec:
                 f"{where}: `reward_weights` needs one weight per reward function "
                 f"({len(self.rewards)} given in `rewards`); got {len(self.reward_weights)}."
             )
+        for field, entry in [*(("tools", tool) for tool in self.tools), ("environment", self.environment)]:
+            if entry is not None and (not isinstance(entry, str) or not entry.rpartition(":")[0]):
+                raise ValueError(
+                    f"{where}: a `{field}` entry is code to import, `module:name` or `path/to/file.py:name`; "
+                    f"got {entry!r}."
+                )
 
 
 DEMO_TASKS = ("arithmetic",)
@@ -519,20 +534,31 @@ def read(name_or_path: str | os.PathLike) -> tuple[dict, pathlib.Path]:
 def load(name_or_path: str | os.PathLike, *, method: str | None = None, conventions: str | None = None) -> RunConfig:
     """The :class:`RunConfig` of a TOML or JSON file, or of a named config (:func:`find`);
     ``method`` and ``conventions`` replace the file's (its ``[algorithm]`` overrides then
-    apply to that preset). A ``module:function`` reward in the current directory or beside
-    the file is stored as its file's path (:func:`reward_source`)."""
+    apply to that preset). A ``module:function`` reward, tool or environment in the current
+    directory or beside the file is stored as its file's path (:func:`code_sources`)."""
     data, path = read(name_or_path)
     if method is not None:
         data["method"] = method
     if conventions is not None:
         data["conventions"] = conventions
     config = from_dict(data, where=str(path))
-    found = tuple(reward_source(name, [os.getcwd(), path.parent]) for name in config.task.rewards)
-    return dataclasses.replace(config, task=dataclasses.replace(config.task, rewards=found))
+    return dataclasses.replace(config, task=code_sources(config.task, [os.getcwd(), path.parent]))
 
 
-def reward_source(name: str, directories: Sequence[str | os.PathLike]) -> str:
-    """``name`` (a ``task.rewards`` entry) with its file's absolute path: a
+def code_sources(task: TaskSpec, directories: Sequence[str | os.PathLike]) -> TaskSpec:
+    """``task`` with its rewards, tools and environment given by their files' paths where
+    found in ``directories`` (:func:`code_source`)."""
+    return dataclasses.replace(
+        task,
+        rewards=tuple(code_source(name, directories) for name in task.rewards),
+        tools=tuple(code_source(name, directories) for name in task.tools),
+        environment=None if task.environment is None else code_source(task.environment, directories),
+    )
+
+
+def code_source(name: str, directories: Sequence[str | os.PathLike]) -> str:
+    """``name`` (a ``task.rewards`` or ``task.tools`` entry, or ``task.environment``) with
+    its file's absolute path: a
     ``path/to/file.py:function`` made absolute (from the current directory), a
     ``module:function`` whose module is a file in one of ``directories`` (first match)
     written as ``/abs/dir/module.py:function``, as ``python -m`` would import it from

@@ -329,19 +329,18 @@ def check_run_directory(
 
 
 def absolute_paths(config: RunConfig) -> RunConfig:
-    """``config`` with its model, data and reward-module paths absolute (a
+    """``config`` with its model, data, reward, tool and environment paths absolute (a
     ``module:function`` in the current directory as its file's path): a run continues
     from anywhere."""
 
     def absolute(path: str | None) -> str | None:
         return None if path is None else os.path.abspath(os.path.expanduser(path))
 
-    task = config.task
-    rewards = tuple(run_config.reward_source(name, [os.getcwd()]) for name in task.rewards)
+    task = run_config.code_sources(config.task, [os.getcwd()])
     return dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, path=absolute(config.model.path)),
-        task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path), rewards=rewards),
+        task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path)),
     )
 
 
@@ -460,6 +459,8 @@ def _train_run(
             mesh=mesh,
             rules=rules,
             compilation_cache=config.compilation_cache,
+            tools=build.tools(config.task),
+            environment_factory=build.environment_factory(config.task),
         )
     except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
         steps.keep(stopped, start=start, stream=stream)
@@ -487,7 +488,7 @@ def _checked_start(
             f"wandb_project={config.wandb_project!r} logs to Weights & Biases, which needs `wandb`: "
             "`pip install wandb`, or leave wandb_project unset."
         )
-    task = build.task(config.task, build.tokenizer(config.model), checkpoint=config.model.path)
+    task = build.run_task(config)
     training.loop.check_evaluation(task, config.train)
     if config.warm_start.enabled:
         build.check_demonstrations(config, task)
@@ -771,7 +772,7 @@ def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
     if config is None:
         raise RunDirectoryError(f"{str(run_dir)!r} holds no run.")
     build.check_model_path(config.model)
-    task = build.task(config.task, build.tokenizer(config.model), checkpoint=config.model.path)
+    task = build.run_task(config)
     model, abstract_params = build.model(config, task, abstract=True)
     with training.Checkpointer(run_dir / CHECKPOINTS) as checkpointer:
         if not checkpointer.all_steps():
@@ -805,6 +806,9 @@ def evaluate_model(
         on_reward_error=train.on_reward_error,
         progress=False,
         mesh=mesh,
+        tools=build.tools(config.task),
+        environment_factory=build.environment_factory(config.task),
+        episodes=train.episodes,
     )
     return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 

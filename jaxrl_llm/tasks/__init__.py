@@ -7,7 +7,7 @@ their modules (``tasks.base.draw``, the trainer's prompt stream; ``tasks.base.en
 
 from jaxrl_llm.tasks.base import PromptBatch, RewardFn, Task, check_task
 from jaxrl_llm.tasks.calculator import CalculatorTask
-from jaxrl_llm.tasks.char_tokenizer import DIGITS_AND_OPERATORS, build_char_tokenizer
+from jaxrl_llm.tasks.char_tokenizer import DIGITS_AND_OPERATORS, build_char_tokenizer, build_chat_tokenizer
 from jaxrl_llm.tasks.digits import DigitSumTask
 from jaxrl_llm.tasks.expressions import arithmetic
 from jaxrl_llm.tasks.reasoning_gym_tasks import reasoning_gym
@@ -23,6 +23,7 @@ __all__ = [
     "TextTask",
     "arithmetic",
     "build_char_tokenizer",
+    "build_chat_tokenizer",
     "check_task",
     "from_dataset",
     "from_jsonl",
