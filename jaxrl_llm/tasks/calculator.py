@@ -177,7 +177,7 @@ class CalculatorTask:
             indices=indices,
         )
 
-    def demonstrations(self, count: int, *, seed: int) -> list[list[dict]]:
+    def demonstrations(self, count: int, *, seed: int, tool_fraction: float | None = None) -> list[list[dict]]:
         """``count`` solved conversations for a supervised warm start, example ``i`` drawn from
         ``(seed, i)`` (a stream apart from the splits'): an easy sum answered directly,
 
@@ -187,16 +187,24 @@ class CalculatorTask:
 
         ``[user "4821+937", assistant (call add(a=4821, b=937)), tool "5758", assistant "5758"]``.
 
-        :func:`sft_arrays` turns them into training arrays.
+        With ``tool_fraction`` (in ``[0, 1]``) the choice ignores the difficulty: each sum goes
+        through the tool with that probability, so a model fitted to them knows both forms but
+        not when each pays, which RL then learns. :func:`sft_arrays` turns them into training
+        arrays.
         """
         if not (_integer(count) and count >= 0):
             raise ValueError(f"CalculatorTask.demonstrations: `count` must be an int >= 0; got {count!r}.")
+        if tool_fraction is not None and not (_real(tool_fraction) and 0 <= tool_fraction <= 1):
+            raise ValueError(
+                f"CalculatorTask.demonstrations: `tool_fraction` must be None or in [0, 1]; got {tool_fraction!r}."
+            )
         conversations = []
         for i in range(count):
-            a, b, hard = self._draw(np.random.default_rng((2, seed, i)))
+            rng = np.random.default_rng((2, seed, i))
+            a, b, hard = self._draw(rng)
             user = {"role": "user", "content": f"{a}+{b}"}
             answer = {"role": "assistant", "content": str(a + b)}
-            if hard:
+            if hard if tool_fraction is None else rng.random() < tool_fraction:
                 arguments = {"a": a, "b": b}
                 call = {"type": "function", "function": {"name": add.__name__, "arguments": arguments}}
                 conversations.append(

@@ -293,3 +293,20 @@ def test_sft_arrays_fit_supervised_finetune(task):
 def test_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):
         CalculatorTask(**settings)
+
+
+def test_demonstrations_can_call_the_tool_whatever_the_sum():
+    task = CalculatorTask()
+
+    def calls(conversations, hard):
+        return [len(c) == 4 for c, h in zip(conversations, hard) if h]
+
+    for fraction in (0.0, 1.0):
+        conversations = task.demonstrations(64, seed=0, tool_fraction=fraction)
+        assert all((len(c) == 4) == bool(fraction) for c in conversations)
+    mixed = task.demonstrations(400, seed=0, tool_fraction=0.5)
+    hard = [len(c[0]["content"]) > 4 for c in mixed]  # 3- and 4-digit operands
+    assert 0.35 < np.mean(calls(mixed, hard)) < 0.65
+    assert 0.35 < np.mean(calls(mixed, [not h for h in hard])) < 0.65  # easy sums too
+    with pytest.raises(ValueError, match="tool_fraction"):
+        task.demonstrations(4, seed=0, tool_fraction=1.5)
