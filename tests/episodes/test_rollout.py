@@ -4,6 +4,8 @@ weights everywhere, so every logit depends on the whole context and the sampler'
 log-probs can be checked against a teacher-forced pass over the finished episodes."""
 
 import functools
+import pathlib
+import sys
 import threading
 
 import jax
@@ -15,6 +17,9 @@ from jaxrl_llm import models
 from jaxrl_llm.episodes import rollout
 from jaxrl_llm.episodes.environments import Environments
 from jaxrl_llm.tasks import build_char_tokenizer
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
+import episodes as episodes_bench  # noqa: E402
 
 CALL = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
 BAD_CALL = '{"name": "add", "arguments": '  # unterminated JSON
@@ -48,7 +53,8 @@ def tokenizer():
 
 def scripted_model(transitions: dict[str, dict[str, float]], *, noise: float = 0.01, seed: int = 0):
     """A decoder whose next-token logits are ``transitions[current][next]`` (0 for others;
-    the end-of-turn ``<eos>`` after any token not listed), plus small random weights."""
+    the end-of-turn ``<eos>`` after any token not listed), plus small random weights:
+    ``benchmarks/episodes.py``'s scripted policy with every token of the vocabulary in its script."""
     tok = tokenizer()
     vocab = len(tok)
     config = models.ModelConfig(
@@ -61,22 +67,15 @@ def scripted_model(transitions: dict[str, dict[str, float]], *, noise: float = 0
         head_dim=16,
         max_position_embeddings=512,
     )
-    model, params = models.init(config, jax.random.key(seed))
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    params = jax.tree.unflatten(tree, [noise * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
-    # Token t's embedding is e_t, so the last position's state is about sqrt(H) e_t.
-    params["embed_tokens"][...] = params["embed_tokens"][...] + jnp.eye(vocab, 32)
-    params["norm"][...] = jnp.ones(32)
-    head = np.zeros((32, vocab), np.float32)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.get_vocab()}
-    for token in tok.get_vocab():
-        head[ids[token], ids["<eos>"]] = 20.0
-        for nxt, logit in transitions.get(token, {}).items():
-            head[ids[token], ids["<eos>"]] = 0.0
-            head[ids[token], ids[nxt]] = logit
-    params["lm_head"][...] = jnp.asarray(head / np.sqrt(32))
-    return model, params
+    ids = tok.convert_tokens_to_ids
+    return episodes_bench.scripted_policy(
+        config,
+        {ids(token): {ids(n): logit for n, logit in row.items()} for token, row in transitions.items()},
+        tokens=range(vocab),
+        default={tok.eos_token_id: 20.0},
+        noise=noise,
+        seed=seed,
+    )
 
 
 def chain(first: str, branch: dict[str, float]) -> dict[str, dict[str, float]]:
