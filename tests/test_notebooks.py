@@ -27,10 +27,11 @@ def errors_of(notebook) -> list[str]:
 
 
 def test_there_are_notebooks():
-    assert [p.name for p in NOTEBOOKS][:3] == [
+    assert [p.name for p in NOTEBOOKS][:4] == [
         "01_core_methods.ipynb",
         "02_training_a_language_model.ipynb",
         "03_your_own_data.ipynb",
+        "04_tools_and_environments.ipynb",
     ]
 
 
