@@ -23,14 +23,7 @@ import episodes as episodes_bench  # noqa: E402
 
 CALL = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
 BAD_CALL = '{"name": "add", "arguments": '  # unterminated JSON
-TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}<|assistant|>{{ m.content }}"
-    "{%- for c in m.tool_calls or [] -%}<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor -%}<eos>"
-    "{%- else -%}<|{{ m.role }}|>{{ m.content }}<eos>{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
-)
+TEMPLATE = episodes_bench.TEMPLATE  # a hermes-style template, one end-of-turn <eos> per message
 
 
 def add(a: int, b: int) -> int:
