@@ -23,14 +23,17 @@ last layer's MLP, which holds the bigram table.
 
 Shapes: ``tiny`` (``grpo_step.py``'s: 4 layers, d_model 256, vocab 512; 8 prompts x 4)
 and ``qwen05b`` (Qwen2.5-0.5B's: 24 layers, hidden 896, 14 / 2 heads of 64, MLP 4864,
-vocab 151,936, tied embeddings, q/k/v biases; 2 prompts x 2), float32. Times are the
+vocab 151,936, tied embeddings, q/k/v biases; 2 prompts x 2), float32; ``--batch``
+changes the prompts and rows. ``--system N`` puts a system message of ``N`` tokens before
+every prompt, as a tool-calling template's preamble does (Qwen2.5's, with one small tool's
+schema, is about 190 tokens): the re-prefilled method reads it again every turn. Times are the
 median of ``--repeats`` calls (default 5 at ``tiny``, 1 at ``qwen05b``) after one
 untimed call (compilation excluded), the two methods' calls interleaved; episodes/s and
 generated (model) tokens/s are per rollout of the whole batch, and the speedup is the
 continued method's throughput over the re-prefilled one's.
 
-    python benchmarks/episodes.py [--shapes tiny,qwen05b] [--turns 4] [--filler 32]
-                                  [--result-len 14] [--repeats R]
+    python benchmarks/episodes.py [--shapes tiny,qwen05b] [--batch PxG] [--turns 4] [--filler 32]
+                                  [--result-len 14] [--system 0] [--repeats R]
 """
 
 from __future__ import annotations
@@ -169,15 +172,16 @@ class Workload:
 
 
 def workload(
-    config: models.ModelConfig, *, prompts: int, group: int, turns: int, filler: int, result_len: int
+    config: models.ModelConfig, *, prompts: int, group: int, turns: int, filler: int, result_len: int, system: int = 0
 ) -> Workload:
-    """``prompts`` user prompts (digits, 8-14 of them) and the policy that answers each
-    with ``filler`` distinct filler tokens then a ``lookup`` call, every turn; the tool's
-    result has ``result_len`` digits."""
+    """``prompts`` user prompts (digits, 8-14 of them), after a system message of ``system``
+    digits if ``system > 0``, and the policy that answers each with ``filler`` distinct
+    filler tokens then a ``lookup`` call, every turn; the tool's result has ``result_len``
+    digits."""
     tokenizer = build_char_tokenizer("0123456789")
     fillers = [f"<f{i}>" for i in range(filler)]
     tokenizer.add_tokens(
-        ["<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>", LOOKUP_CALL, *fillers]
+        ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>", LOOKUP_CALL, *fillers]
     )
     tokenizer.chat_template = TEMPLATE
     ids = tokenizer.convert_tokens_to_ids
@@ -185,8 +189,10 @@ def workload(
     transitions = {ids(a): {ids(b): 20.0} for a, b in zip(turn[:-1], turn[1:])}
     model, params = scripted_policy(config, transitions)
     rng = np.random.default_rng(0)
+    preamble = [{"role": "system", "content": "".join(map(str, rng.integers(0, 10, system)))}] if system else []
     conversations = [
-        [{"role": "user", "content": "".join(map(str, rng.integers(0, 10, 8 + 2 * (p % 4))))}] for p in range(prompts)
+        [*preamble, {"role": "user", "content": "".join(map(str, rng.integers(0, 10, 8 + 2 * (p % 4))))}]
+        for p in range(prompts)
     ]
 
     def lookup(key: int) -> str:
@@ -317,12 +323,17 @@ def main(argv=None) -> None:
     parser.add_argument("--turns", type=int, default=4, help="tool-calling rounds per episode")
     parser.add_argument("--filler", type=int, default=32, help="filler tokens per turn, before the tool call")
     parser.add_argument("--result-len", type=int, default=14, help="characters (tokens) of each tool result")
+    parser.add_argument(
+        "--system", type=int, default=0, help="tokens of a system message before each prompt (a tool preamble's)"
+    )
+    parser.add_argument("--batch", default=None, help="prompts x rows per prompt, e.g. 4x4 (default: the shape's)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default: the shape's)")
     args = parser.parse_args(argv)
 
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, float32, greedy; {args.turns} tool-calling rounds of "
-        f"{args.filler} filler tokens + a call, tool results of {args.result_len} characters"
+        f"{args.filler} filler tokens + a call, tool results of {args.result_len} characters, a system message of "
+        f"{args.system} tokens"
     )
     header = (
         f"{'shape':<8} {'batch':>5} {'method':<13} {'rounds/turns':>12} {'tokens (model/all)':>18} {'median s':>9} "
@@ -332,13 +343,15 @@ def main(argv=None) -> None:
     print("-" * len(header))
     for name in args.shapes.split(","):
         shape = SHAPES[name]
+        prompts, group = map(int, args.batch.split("x")) if args.batch else (shape["prompts"], shape["group"])
         work = workload(
             shape["config"](),
-            prompts=shape["prompts"],
-            group=shape["group"],
+            prompts=prompts,
+            group=group,
             turns=args.turns,
             filler=args.filler,
             result_len=args.result_len,
+            system=args.system,
         )
         times, done = compare(work, repeats=args.repeats or shape["repeats"])
         batch, generated = len(done.ids), int(done.model_tokens.sum())

@@ -6,7 +6,7 @@ KV cache carried across turns.
     prefill the P prompts once, copy the cache to their B = P G rows
     feed each row's own opening (an environment's observation), if any
     repeat:  decode a turn for the rows still going: each stops at an end-of-turn id
-             or at its budget                                   (jitted, on the device)
+             or at its budget                 (jitted, on the device, by segments of steps)
              parse each turn; run the tools of the rows that called some, all at once
                                                                 (host threads)
              feed each continuing row its end-of-turn id, the tool results and the
@@ -17,8 +17,15 @@ Rows share the cache's slot index, so a row that writes nothing in a turn leaves
 (its slots stay invalid), and its keys never see another row's tokens. When the rows
 still going fit in half the batch, the batch shrinks to the next power of two holding
 them (the cache's rows gathered, and its slots compacted to each row's valid ones), so
-finished rows stop costing compute; the cache is compacted too whenever a turn or a
-tool result would not fit.
+finished rows stop costing compute.
+
+**The cache follows the episode.** Every step attends over all the cache's slots, so the
+cache is not allocated for the whole episode up front: it starts with the prompt and one
+segment (an eighth of the episode's width, at least 32 slots) and grows by segments. A
+turn is decoded by calls of at most a segment of steps; before each call, and before each
+feed of tool results (padded to 8, 12, 16, 24, 32, 48, ... ids), the rows' slots are
+compacted if they have gaps, and the cache grows if that does not make room. A turn's
+tokens do not depend on how it is cut into calls.
 
 **An episode as training data.** The completion is the row's opening, then its turns,
 each followed by the template's and tools' ids: everything after the prompt that a
@@ -85,11 +92,13 @@ class Episodes:
 
 
 class _Turn(NamedTuple):
-    tokens: jax.Array  # [b, W] int32: this turn's tokens, 0 after a row's last
-    logprobs: jax.Array  # [b, W] float32
-    lengths: jax.Array  # [b] int32
-    stopped: jax.Array  # [b] bool: ended on an end-of-turn id
-    steps: jax.Array  # [] int32: decode steps taken (cache slots used)
+    """One turn's tokens, or a segment of it."""
+
+    tokens: Any  # [b, W] int32: the turn's tokens, 0 after a row's last
+    logprobs: Any  # [b, W] float32
+    lengths: Any  # [b] int32
+    stopped: Any  # [b] bool: ended on an end-of-turn id
+    steps: Any  # [] int32: decode steps taken (cache slots used)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "group", "cache_size"))
@@ -125,22 +134,39 @@ def _regather(cache: models.KVCache, logits, rows):
     return cache._replace(keys=keys, values=values, valid=valid, index=index), logits[rows]
 
 
+@functools.partial(jax.jit, static_argnames=("slots",))
+def _grow(cache: models.KVCache, *, slots: int) -> models.KVCache:
+    """The cache with ``slots`` slots, the new ones empty (invalid) after the old."""
+
+    def pad(kv):  # [B, KVH, K, D], or [L, B, KVH, K, D]: slots are axis -2
+        return jnp.pad(kv, [(0, 0)] * (kv.ndim - 2) + [(0, slots - kv.shape[-2]), (0, 0)])
+
+    keys = tuple(map(pad, cache.keys)) if isinstance(cache.keys, tuple) else pad(cache.keys)
+    values = tuple(map(pad, cache.values)) if isinstance(cache.values, tuple) else pad(cache.values)
+    valid = jnp.pad(cache.valid, [(0, 0), (0, slots - cache.valid.shape[1])])
+    return cache._replace(keys=keys, values=values, valid=valid)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "width", "top_k", "use_top_p", "use_min_p", "greedy", "stop_ids"),
+    static_argnames=("model", "width", "draws", "top_k", "use_top_p", "use_min_p", "greedy", "stop_ids"),
     donate_argnames=("logits", "cache"),
 )
-def _decode_turn(
-    model, params, logits, cache, budget, key, temperature, top_p, min_p, *, width, top_k, use_top_p, use_min_p, greedy,
-    stop_ids,
+def _decode_segment(
+    model, params, logits, cache, budget, key, offset, temperature, top_p, min_p, *, width, draws, top_k, use_top_p,
+    use_min_p, greedy, stop_ids,
 ):  # fmt: skip
-    """One turn of every row with ``budget > 0`` (``[b]`` tokens it may still write): sample,
-    record, and feed the token unless it ends the row's turn (an id of ``stop_ids``) or its
-    budget; the last token of a turn is recorded, not fed (the next round feeds it with
-    the tool results). Returns the :class:`_Turn`, the next-token logits and the cache."""
+    """Up to ``width`` steps of the turn of every row with ``budget > 0`` (``[b]`` tokens it
+    may still write): sample, record, and feed the token unless it ends the row's turn (an
+    id of ``stop_ids``) or its budget; the last token of a turn is recorded, not fed (the
+    next round feeds it with the tool results). Step ``offset + s`` of a turn draws the
+    uniforms of row ``offset + s`` of ``uniform(key, [draws, b])``, so a turn's tokens do
+    not depend on how it is cut into segments. Returns the :class:`_Turn` segment, the
+    next-token logits and the cache."""
     batch = logits.shape[0]
     stops = jnp.asarray(stop_ids, jnp.int32)
-    uniforms = jax.random.uniform(key, (width, batch))
+    uniforms = jnp.pad(jax.random.uniform(key, (draws, batch)), [(0, width), (0, 0)])  # [draws + W, b]
+    uniforms = jax.lax.dynamic_slice_in_dim(uniforms, offset, width)  # [W, b]: never clamped
 
     class State(NamedTuple):
         step: jax.Array
@@ -209,9 +235,26 @@ def _power_of_two(value: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(value, 1))))
 
 
+def _feed_width(value: int) -> int:
+    """The padded width of a feed of ``value`` ids: the next of 8, 12, 16, 24, 32, 48, ...
+    (at most a third wasted, and few widths to compile)."""
+    width = 8
+    while width < value:
+        width = width * 3 // 2 if width & (width - 1) == 0 else width * 4 // 3
+    return width
+
+
+def _segment(completion_width: int) -> int:
+    """Decode steps per call, and the cache's growth step: an eighth of the episode's
+    width, at least 32 (the cache stays within a segment of the episode's length, and has
+    at most about 16 sizes to compile)."""
+    return min(completion_width, max(32, _power_of_two(completion_width) // 8))
+
+
 def _cache_slots(prompt_width: int, completion_width: int) -> int:
-    """The episodes' KV cache: the prompt and twice the completion, room for the gaps
-    that rows finishing their turns at different times leave (compacted when full)."""
+    """The most slots the episodes' KV cache grows to: the prompt and twice the
+    completion, room for the gaps that rows finishing their turns at different times
+    leave (compacted when full)."""
     return prompt_width + 2 * _round_up(completion_width, 16)
 
 
@@ -240,6 +283,7 @@ class _Row:
     tools: tuple
     environment: Any
     opening: int  # ids of the prompt's own part, at the start of the completion
+    head: list = dataclasses.field(default_factory=list)  # the group's shared prompt ids
     ids: list = dataclasses.field(default_factory=list)  # completion ids so far
     model: list = dataclasses.field(default_factory=list)  # bool per id: written by the model
     logprobs: list = dataclasses.field(default_factory=list)
@@ -349,41 +393,48 @@ def sample_episodes(
         [rendered[p * group][:length] for p, length in enumerate(shared)], pad_id=pad_id, width=width
     )
     openings = [rendered[b][shared[b // group] :] for b in range(batch)]
-    for row, opening in zip(rows, openings, strict=True):
-        row.opening = len(opening)
+    for b, (row, opening) in enumerate(zip(rows, openings, strict=True)):
+        row.head, row.opening = rendered[b][: shared[b // group]], len(opening)
         row.add(opening, model=False)
 
     budget = sampling_config.max_new_tokens
     completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
-    cache_size = _cache_slots(width, completion_width)
-    if cache_size > model.config.max_position_embeddings:
+    max_slots = _cache_slots(width, completion_width)
+    if max_slots > model.config.max_position_embeddings:
         raise ValueError(
-            f"sample_episodes: prompts of {width} tokens and episodes of {completion_width} need a cache of "
-            f"{cache_size} slots (twice the episode, for its turns' gaps), more than the model's "
+            f"sample_episodes: prompts of {width} tokens and episodes of {completion_width} need a cache of up to "
+            f"{max_slots} slots (twice the episode, for its turns' gaps), more than the model's "
             f"max_position_embeddings ({model.config.max_position_embeddings})."
         )
-    if any(w is not None and w < cache_size for w in (model.config.window(i) for i in range(model.config.num_layers))):
+    if any(w is not None and w < max_slots for w in (model.config.window(i) for i in range(model.config.num_layers))):
         raise ValueError(
-            f"sample_episodes: sliding-window attention narrower than the episode's cache ({cache_size} slots) is not "
+            f"sample_episodes: sliding-window attention narrower than the episode's cache ({max_slots} slots) is not "
             f"supported: a window counts cache slots, and an episode's rows have gaps between their turns."
         )
 
+    # The cache starts with room for the openings and one decode segment and grows by
+    # segments: every step attends over the slots allocated, so they follow the episode.
+    segment = _segment(completion_width)
+
+    def slots_for(needed: int) -> int:
+        return width + _round_up(needed - width, segment)
+
+    first_feed = _feed_width(max(map(len, openings))) if any(openings) else 0
     logits, cache = _prefill(model, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
-                             cache_size=cache_size)  # fmt: skip
+                             cache_size=slots_for(width + first_feed + segment))  # fmt: skip
     on_device = np.arange(batch)  # the episode row of each device row (-1: padding)
     index = width  # the cache's next slot (the host's copy)
 
-    def feed(extensions: dict[int, list[int]]) -> None:
-        nonlocal logits, cache, index
-        length = _power_of_two(max(map(len, extensions.values())))
-        ensure_room(length)
-        tokens = np.zeros((len(on_device), length), np.int32)
-        mask = np.zeros((len(on_device), length), bool)
-        for slot, row in enumerate(on_device):
-            if (ids := extensions.get(int(row))) is not None:
-                tokens[slot, : len(ids)], mask[slot, : len(ids)] = ids, True
-        logits, cache = _extend(model, params, jnp.asarray(tokens), jnp.asarray(mask), logits, cache)
-        index += length
+    def room(slots: int) -> None:
+        """Makes room for ``slots`` more: compacts the rows' slots if they have gaps, then
+        grows the cache if that is not enough."""
+        nonlocal cache
+        if index + slots <= cache.valid.shape[1]:
+            return
+        if int(jnp.max(jnp.sum(cache.valid, axis=1))) < index:
+            regather(np.arange(len(on_device)))
+        if index + slots > cache.valid.shape[1]:
+            cache = _grow(cache, slots=slots_for(index + slots))
 
     def regather(keep: np.ndarray) -> None:
         """Keeps device rows ``keep`` (padding repeats the first), slots compacted."""
@@ -392,18 +443,52 @@ def sample_episodes(
         index = int(cache.index)
         on_device = on_device[keep]
 
-    def ensure_room(slots: int) -> None:
-        if index + slots > cache_size:
-            regather(np.arange(len(on_device)))
+    def feed(extensions: dict[int, list[int]]) -> None:
+        nonlocal logits, cache, index
+        length = _feed_width(max(map(len, extensions.values())))
+        room(length)
+        tokens = np.zeros((len(on_device), length), np.int32)
+        mask = np.zeros((len(on_device), length), bool)
+        for slot, row in enumerate(on_device):
+            if (ids := extensions.get(int(row))) is not None:
+                tokens[slot, : len(ids)], mask[slot, : len(ids)] = ids, True
+        logits, cache = _extend(model, params, jnp.asarray(tokens), jnp.asarray(mask), logits, cache)
+        index += length
 
-    if any(openings):
-        feed({b: ids for b, ids in enumerate(openings) if ids})
     traced, static = sampling.draw_settings(
         temperature=sampling_config.temperature,
         top_k=sampling_config.top_k,
         top_p=sampling_config.top_p,
         min_p=sampling_config.min_p,
     )
+
+    def decode_turn(remaining: np.ndarray, turn_key: jax.Array) -> _Turn:
+        """Every device row's turn, ``remaining`` ``[b]`` tokens at most, decoded by
+        segments with room made before each: the segments' host copies joined."""
+        nonlocal logits, cache, index
+        parts, left, offset = [], remaining, 0
+        while (left > 0).any():
+            room(min(segment, int(left.max())))
+            part, logits, cache = _decode_segment(
+                model, params, logits, cache, jnp.asarray(left), turn_key, offset, *traced, width=segment,
+                draws=completion_width, stop_ids=stop_ids, **static,
+            )  # fmt: skip
+            part = jax.device_get(part)
+            steps = int(part.steps)
+            index += steps
+            offset += steps
+            parts.append(part._replace(tokens=part.tokens[:, :steps], logprobs=part.logprobs[:, :steps]))
+            left = np.where(part.stopped, 0, left - part.lengths)
+        return _Turn(
+            tokens=np.concatenate([p.tokens for p in parts], axis=1),
+            logprobs=np.concatenate([p.logprobs for p in parts], axis=1),
+            lengths=sum(p.lengths for p in parts),
+            stopped=np.any([p.stopped for p in parts], axis=0),
+            steps=offset,
+        )
+
+    if any(openings):
+        feed({b: ids for b, ids in enumerate(openings) if ids})
     turn_index = 0
     while True:
         for row in rows:  # a tool result that used up the budget leaves no room for a turn
@@ -422,21 +507,7 @@ def sample_episodes(
             [0 if row < 0 or rows[row].finished else budget - rows[row].used for row in on_device],
             np.int32,
         )
-        ensure_room(int(remaining.max()))
-        turn, logits, cache = _decode_turn(
-            model,
-            params,
-            logits,
-            cache,
-            jnp.asarray(remaining),
-            jax.random.fold_in(key, turn_index),
-            *traced,
-            width=completion_width,
-            stop_ids=stop_ids,
-            **static,
-        )
-        turn = jax.device_get(turn)
-        index += int(turn.steps)
+        turn = decode_turn(remaining, jax.random.fold_in(key, turn_index))
         calling = _record_turn(rows, on_device, turn, tokenizer, format=format, max_turns=config.max_turns,
                                stop_ids=stop_ids)  # fmt: skip
         if calling:
@@ -462,7 +533,8 @@ def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, format, max_turns, 
         text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
         prefix = None
         if format == "response_template":
-            prefix = tokenizer.decode(row.ids[: len(row.ids) - length], skip_special_tokens=False)
+            # The whole conversation before the turn: a template may pre-write part of it.
+            prefix = tokenizer.decode(row.head + row.ids[: len(row.ids) - length], skip_special_tokens=False)
         parsed = parsing.parse_turn(text, format=format, tokenizer=tokenizer, prefix=prefix, tools=list(row.tools))
         row.messages.append(parsed.message)
         row.pending = parsed.calls

@@ -13,7 +13,7 @@ from layer_scan import qwen25_05b  # noqa: E402
 
 def test_both_methods_write_the_scripted_episodes():
     # Qwen2's structure at toy widths: tied embeddings (the script read through them), q/k/v biases.
-    work = bench.workload(qwen25_05b(2, tiny=True), prompts=2, group=2, turns=2, filler=3, result_len=5)
+    work = bench.workload(qwen25_05b(2, tiny=True), prompts=2, group=2, turns=2, filler=3, result_len=5, system=6)
     continued, reprefilled = bench.continued(work), bench.reprefilled(work)
     assert continued.ids == reprefilled.ids
     np.testing.assert_array_equal(continued.model_tokens, reprefilled.model_tokens)

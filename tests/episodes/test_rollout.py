@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models
-from jaxrl_llm.episodes import rollout
+from jaxrl_llm.episodes import parsing, rollout
 from jaxrl_llm.episodes.environments import Environments
 from jaxrl_llm.tasks import build_char_tokenizer
 
@@ -44,11 +44,13 @@ def tokenizer():
     return tok
 
 
-def scripted_model(transitions: dict[str, dict[str, float]], *, noise: float = 0.01, seed: int = 0):
+def scripted_model(
+    transitions: dict[str, dict[str, float]], *, noise: float = 0.01, seed: int = 0, tok=None, end_of_turn="<eos>"
+):
     """A decoder whose next-token logits are ``transitions[current][next]`` (0 for others;
-    the end-of-turn ``<eos>`` after any token not listed), plus small random weights:
+    ``end_of_turn`` after any token not listed), plus small random weights:
     ``benchmarks/episodes.py``'s scripted policy with every token of the vocabulary in its script."""
-    tok = tokenizer()
+    tok = tok or tokenizer()
     vocab = len(tok)
     config = models.ModelConfig(
         vocab_size=vocab,
@@ -65,7 +67,7 @@ def scripted_model(transitions: dict[str, dict[str, float]], *, noise: float = 0
         config,
         {ids(token): {ids(n): logit for n, logit in row.items()} for token, row in transitions.items()},
         tokens=range(vocab),
-        default={tok.eos_token_id: 20.0},
+        default={ids(end_of_turn): 20.0},
         noise=noise,
         seed=seed,
     )
@@ -80,17 +82,20 @@ def chain(first: str, branch: dict[str, float]) -> dict[str, dict[str, float]]:
 PROMPTS = [[{"role": "user", "content": "2+3="}], [{"role": "user", "content": "1+1="}]]
 
 
-def run(model, params, *, group=3, budget=48, temperature=1.0, tools=(add,), seed=0, **options):
-    config = rollout.EpisodeConfig(**{k: options.pop(k) for k in ("max_turns", "tool_timeout") if k in options})
+def run(model, params, *, group=3, budget=48, temperature=1.0, tools=(add,), seed=0, tok=None, **options):
+    tok = tok or tokenizer()
+    config = rollout.EpisodeConfig(
+        **{k: options.pop(k) for k in ("max_turns", "tool_timeout", "tool_call_format") if k in options}
+    )
     return rollout.sample_episodes(
         model,
         params,
-        tokenizer(),
+        tok,
         options.pop("prompts", PROMPTS),
         jax.random.key(seed),
         num_samples=group,
-        eos_ids=(tokenizer().eos_token_id,),
-        pad_id=tokenizer().pad_token_id,
+        eos_ids=(tok.convert_tokens_to_ids(options.pop("end_of_turn", tok.eos_token)),),
+        pad_id=tok.pad_token_id,
         sampling_config=rollout.sampling.SamplingConfig(max_new_tokens=budget, temperature=temperature),
         tools=tools,
         config=config,
@@ -136,6 +141,136 @@ def test_episodes_continue_the_cache_and_record_the_policy_log_probs():
         model_text = tok.decode([i for i, m in zip(ids, model_tokens[b]) if m], skip_special_tokens=False)
         assert "<|tool|>" not in model_text and "<|assistant|>" not in model_text
     assert episodes.prompts[0] == PROMPTS[0] and episodes.prompts[4] == PROMPTS[1]
+
+
+def counting(monkeypatch, name: str) -> list:
+    """Replaces ``rollout.<name>`` by a wrapper recording its calls; returns the record."""
+    calls, fn = [], getattr(rollout, name)
+    monkeypatch.setattr(rollout, name, lambda *args, **kwargs: calls.append(kwargs) or fn(*args, **kwargs))
+    return calls
+
+
+def test_long_turns_grow_and_compact_the_cache_without_changing_the_episodes(monkeypatch):
+    # Turns of 10, 20, 30, ... digits, then a call or the end (a coin flip after every 0):
+    # turns cross the 32-step decode segments, rows end turns and episodes at different
+    # times, so the cache grows, leaves gaps and is compacted.
+    digits = "1234567890"
+    script = {a: {b: 20.0} for a, b in zip(digits[:-1], digits[1:])}
+    script["0"] = {"1": 20.0, "<tool_call>": 19.5, "<eos>": 19.0}
+    model, params = scripted_model({**chain(CALL, {"1": 20.0}), **script})
+    grown, compacted = counting(monkeypatch, "_grow"), counting(monkeypatch, "_regather")
+    segments = counting(monkeypatch, "_decode_segment")
+    episodes = run(model, params, group=4, budget=160, max_turns=3, seed=3)
+    assert rollout._segment(160) == 32 and max(map(len, (m["content"] for c in episodes.completions for m in c))) > 32
+    assert grown and compacted and len(segments) > max(episodes.turns)
+    assert len(set(episodes.turns.tolist())) > 1 and len(set(episodes.lengths.tolist())) > 4
+    expected = teacher_forced_logprobs(model, params, episodes, 4)
+    mask = episodes.completion_mask
+    np.testing.assert_allclose(episodes.logprobs[mask], expected[mask], atol=2e-4)
+
+    # One decode call per turn, in a cache that never grows: the same episodes.
+    monkeypatch.setattr(rollout, "_segment", lambda completion_width: completion_width)
+    whole = run(model, params, group=4, budget=160, max_turns=3, seed=3)
+    assert whole.completion_ids == episodes.completion_ids
+    np.testing.assert_array_equal(whole.completion_mask, episodes.completion_mask)
+    np.testing.assert_allclose(whole.logprobs, episodes.logprobs, atol=1e-5)
+
+
+LLAMA3_CALL = '{"name": "add", "parameters": {"a": 2, "b": 3}}'
+LLAMA3_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}<|assistant|>"
+    "{%- for c in m.tool_calls or [] -%}<|python_tag|>{{ {'name': c.function.name, 'parameters': c.function.arguments}"
+    " | tojson }}{%- else -%}{{ m.content }}{%- endfor -%}<|eot_id|>"
+    "{%- elif m.role == 'tool' -%}<|ipython|>{{ m.content }}<|eot_id|>"
+    "{%- else -%}<|{{ m.role }}|>{{ m.content }}<|eot_id|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+"""Llama 3.1's way with custom tools, shortened: a call is ``<|python_tag|>`` and one JSON
+object with ``parameters``, a result an ``ipython`` message, every message ends ``<|eot_id|>``."""
+
+
+def test_llama3_calls_through_a_rollout():
+    tok = build_char_tokenizer("0123456789+= ")
+    tok.add_tokens(["<|user|>", "<|assistant|>", "<|ipython|>", "<|eot_id|>", "<|python_tag|>", LLAMA3_CALL])
+    tok.chat_template = LLAMA3_TEMPLATE
+    script = {"<|assistant|>": {"<|python_tag|>": 20.0, "5": 20.0}, "<|python_tag|>": {LLAMA3_CALL: 20.0}}
+    model, params = scripted_model(script, tok=tok, end_of_turn="<|eot_id|>")
+    episodes = run(model, params, group=4, budget=48, tok=tok, end_of_turn="<|eot_id|>")
+    assert len(set(episodes.turns.tolist())) > 1 and episodes.tool_calls.sum() > 0
+    assert not episodes.tool_failures.any()
+    for b, messages in enumerate(episodes.completions):
+        calls = [m for m in messages if m.get("tool_calls")]
+        assert all(m["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+                   and m["content"] == "" for m in calls)  # fmt: skip
+        assert [m for m in messages if m["role"] == "tool"] == [{"role": "tool", "name": "add", "content": "5"}] * len(
+            calls
+        ) or episodes.truncated[b]
+        # Each result's ids are the template's: what a from-scratch rendering of the episode puts there.
+        rendered = tok.apply_chat_template(episodes.prompts[b] + messages, tokenize=True, return_dict=False)
+        prompt = tok.apply_chat_template(
+            episodes.prompts[b], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        if not episodes.truncated[b]:
+            assert prompt + episodes.completion_ids[b] == rendered
+    expected = teacher_forced_logprobs(model, params, episodes, 4)
+    mask = episodes.completion_mask
+    np.testing.assert_allclose(episodes.logprobs[mask], expected[mask], atol=2e-4)
+
+
+def response_template_tokenizer(*, thinking: bool):
+    """The test tokenizer with a response template for its hermes-style turns; with
+    ``thinking``, the generation prompt pre-writes ``<think>`` (as Qwen3's may), which the
+    model closes with ``</think>`` before its answer or call."""
+    tok = build_char_tokenizer("0123456789+= ")
+    tok.add_tokens(["<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>", CALL, BAD_CALL])
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = (
+        TEMPLATE.replace("<|assistant|>{%- endif -%}", "<|assistant|><think>{%- endif -%}") if thinking else TEMPLATE
+    )
+    thoughts = {"reasoning_content": {"open": "<think>", "close_pattern": r"</think>", "content": "text"}}
+    tok.response_template = {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|assistant|>",
+        "fields": {
+            **thoughts,
+            "tool_calls": {
+                "open_pattern": r"\s*<tool_call>",
+                "close_pattern": r"</tool_call>\s*",
+                "repeats": True,
+                "content": "json",
+                "transform": {"type": "function", "function": "{content}"},
+            },
+            "content": {"close_pattern": r"\s*<eos>", "content": "text"},
+        },
+    }
+    return tok
+
+
+def test_a_response_template_parses_a_rollout_as_the_hermes_format_does():
+    tok = response_template_tokenizer(thinking=False)
+    model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0, "5": 20.0}), tok=tok)
+    parsed = run(model, params, group=4, budget=64, tok=tok)
+    assert parsing.detect_format(tok) == "response_template"
+    assert len(set(parsed.turns.tolist())) > 2 and parsed.tool_calls.sum() > 0
+    hermes = run(model, params, group=4, budget=64, tok=tok, tool_call_format="hermes")
+    assert parsed.completions == hermes.completions and parsed.completion_ids == hermes.completion_ids
+
+
+def test_a_response_template_reads_what_the_generation_prompt_pre_writes():
+    # Every turn begins inside a <think> the template wrote: the parser must see it (the
+    # conversation before the turn is its prefix) to read "</think>5" as empty reasoning
+    # and the answer 5.
+    tok = response_template_tokenizer(thinking=True)
+    script = {"<think>": {"</think>": 20.0}, **chain(CALL, {}), "</think>": {"<tool_call>": 20.0, "5": 20.0}}
+    model, params = scripted_model(script, tok=tok)
+    episodes = run(model, params, group=4, budget=64, tok=tok)
+    assert episodes.tool_calls.sum() > 0 and not episodes.tool_failures.any()
+    for messages in episodes.completions:
+        for message in (m for m in messages if m["role"] == "assistant"):
+            assert message.get("reasoning_content", "") == ""  # an empty region is left out
+            assert message["content"] == ("" if message.get("tool_calls") else "5"), message
 
 
 def test_max_turns_ends_episodes_with_calls_unanswered():

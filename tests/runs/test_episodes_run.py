@@ -4,6 +4,9 @@ episodes, evaluates them, and a run stopped and continued ends where the straigh
 
 import json
 import re
+import signal
+import subprocess
+import sys
 import textwrap
 
 import chex
@@ -11,6 +14,7 @@ import pytest
 
 from jaxrl_llm import cli, runs
 from jaxrl_llm.runs import run
+from tests.runs.test_resume import complete_checkpoints, environment, stop_after_a_checkpoint, without_timings
 
 MODULE = textwrap.dedent('''\
     def add(a: int, b: int) -> int:
@@ -119,6 +123,36 @@ def test_tools_and_an_environment_from_a_module_beside_the_config(project, tmp_p
     *_, continued_params, step = runs.restore_policy(tmp_path / "stopped")
     assert step == 4
     chex.assert_trees_all_equal(continued_params, straight_params)  # bitwise
+
+
+@pytest.mark.slow
+def test_a_run_with_environments_killed_mid_run_resumes_exactly(project, tmp_path):
+    # Real processes: one runs straight through, the other is killed with SIGKILL after a
+    # checkpoint and resumed. The environments are built anew and every episode's state
+    # stays in its episode, so the resumed run ends where the straight one does.
+    steps, env = 8, environment(tmp_path)
+    config = project(steps)
+
+    def command(run_dir, *flags):
+        return [sys.executable, "-m", "jaxrl_llm", "train", "--config", config, "--run-dir", str(run_dir),
+                "--progress", "off", *flags]  # fmt: skip
+
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run(command(reference), env=env, check=True, capture_output=True, timeout=600)
+    process = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert stop_after_a_checkpoint(process, killed, signal.SIGKILL) == -signal.SIGKILL
+    saved = complete_checkpoints(killed)
+    assert saved and saved[-1] < len(runs.read_metrics(killed)) < steps, process.stderr.read().decode()[-2000:]
+    resumed = subprocess.run(command(killed, "--resume"), env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"from its checkpoint of step {saved[-1]}" in resumed.stdout
+    got = runs.read_metrics(killed)
+    assert without_timings(got) == without_timings(runs.read_metrics(reference))
+    assert [row["step"] for row in got] == list(range(steps)) and "reward_CounterEnv" in got[0]
+    *_, reference_params, _ = runs.restore_policy(reference)
+    *_, resumed_params, step = runs.restore_policy(killed)
+    assert step == steps
+    chex.assert_trees_all_equal(resumed_params, reference_params)  # bitwise
 
 
 @pytest.mark.parametrize(

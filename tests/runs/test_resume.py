@@ -59,25 +59,27 @@ def complete_checkpoints(run_dir):
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
+def stop_after_a_checkpoint(process, run_dir, sig, since=0):
+    """Sends ``sig`` once a checkpoint after step ``since`` exists in ``run_dir`` and a step
+    after it is logged; returns the exit status."""
+    deadline = time.monotonic() + 600
+    while process.poll() is None and time.monotonic() < deadline:
+        saved = [s for s in complete_checkpoints(run_dir) if s > since]
+        if saved and len(runs.read_metrics(run_dir)) > saved[-1]:
+            break
+        time.sleep(0.01)
+    os.kill(process.pid, sig)
+    return process.wait(timeout=600)
+
+
 @pytest.mark.slow
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_params_and_metrics(tmp_path):
     env = environment(tmp_path)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     subprocess.run(command(reference), env=env, check=True, capture_output=True, timeout=600)
 
-    def stop_after_a_checkpoint(process, sig, since=0):
-        """Sends ``sig`` once a checkpoint after step ``since`` exists and a step after it is logged."""
-        deadline = time.monotonic() + 600
-        while process.poll() is None and time.monotonic() < deadline:
-            saved = [s for s in complete_checkpoints(killed) if s > since]
-            if saved and len(runs.read_metrics(killed)) > saved[-1]:
-                break
-            time.sleep(0.01)
-        os.kill(process.pid, sig)
-        return process.wait(timeout=600)
-
     process = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert stop_after_a_checkpoint(process, signal.SIGKILL) == -signal.SIGKILL
+    assert stop_after_a_checkpoint(process, killed, signal.SIGKILL) == -signal.SIGKILL
     saved = complete_checkpoints(killed)
     assert saved and saved[-1] < STEPS, (saved, process.stderr.read().decode()[-2000:])
     assert saved[-1] < len(runs.read_metrics(killed)) < STEPS  # logged a step it had not saved; not at the end
@@ -85,7 +87,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_param
     process = subprocess.Popen(
         command(killed, "--resume"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert stop_after_a_checkpoint(process, signal.SIGINT, since=saved[-1]) == 130
+    assert stop_after_a_checkpoint(process, killed, signal.SIGINT, since=saved[-1]) == 130
     out, err = process.communicate()
     assert f"from its checkpoint of step {saved[-1]}" in out
     interrupted = complete_checkpoints(killed)[-1]
