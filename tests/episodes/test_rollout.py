@@ -17,6 +17,7 @@ from jaxrl_llm import models
 from jaxrl_llm.episodes import parsing, rollout
 from jaxrl_llm.episodes.environments import Environments
 from jaxrl_llm.tasks import build_char_tokenizer
+from tests.episodes.test_parsing import HERMES_TEMPLATE
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
 import episodes as episodes_bench  # noqa: E402
@@ -229,22 +230,9 @@ def response_template_tokenizer(*, thinking: bool):
     tok.chat_template = (
         TEMPLATE.replace("<|assistant|>{%- endif -%}", "<|assistant|><think>{%- endif -%}") if thinking else TEMPLATE
     )
-    thoughts = {"reasoning_content": {"open": "<think>", "close_pattern": r"</think>", "content": "text"}}
-    tok.response_template = {
-        "defaults": {"role": "assistant"},
-        "start_anchor": "<|assistant|>",
-        "fields": {
-            **thoughts,
-            "tool_calls": {
-                "open_pattern": r"\s*<tool_call>",
-                "close_pattern": r"</tool_call>\s*",
-                "repeats": True,
-                "content": "json",
-                "transform": {"type": "function", "function": "{content}"},
-            },
-            "content": {"close_pattern": r"\s*<eos>", "content": "text"},
-        },
-    }
+    # Qwen's parser, anchored at this template's turns, which end with <eos>.
+    fields = {**HERMES_TEMPLATE["fields"], "content": {"close_pattern": r"\s*<eos>", "content": "text"}}
+    tok.response_template = {**HERMES_TEMPLATE, "start_anchor": "<|assistant|>", "fields": fields}
     return tok
 
 
