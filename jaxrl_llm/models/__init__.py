@@ -9,6 +9,8 @@
     models.save_pretrained("path/to/out", model, params, tokenizer=tokenizer)
     # Execution options for the same params: layers in one scan, rematerialised per layer.
     model = models.with_options(model, scan_layers=True, remat="dots")
+    # Low-rank adapters over the frozen base (models.lora): the adapters a pytree of their own.
+    lora_model, adapters = models.lora.add_adapters(model, models.LoraConfig(rank=16), key)
 
 ``model`` is static (config and graph definition); ``params`` is an immutable pytree.
 
@@ -17,7 +19,8 @@ The package exports what a user calls; the library's own helpers stay in their m
 ``models.config.EXECUTION_OPTIONS``, ...).
 """
 
-from jaxrl_llm.models.config import ModelConfig, RopeConfig
+from jaxrl_llm.models import lora
+from jaxrl_llm.models.config import LoraConfig, ModelConfig, RopeConfig
 from jaxrl_llm.models.decoder import KVCache
 from jaxrl_llm.models.functional import (
     Model,
@@ -42,6 +45,7 @@ from jaxrl_llm.sharding import logical_axes  # the names the params carry: the s
 
 __all__ = [
     "KVCache",
+    "LoraConfig",
     "Model",
     "ModelConfig",
     "Params",
@@ -59,6 +63,7 @@ __all__ = [
     "load_tokenizer",
     "logical_axes",
     "logits_from_hidden",
+    "lora",
     "output_kernel",
     "prefill",
     "save_pretrained",

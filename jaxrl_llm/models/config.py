@@ -27,6 +27,67 @@ effect on the parameters or (up to float rounding) the outputs, never written to
 Hugging Face config."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections LoRA can adapt, by PEFT's names (``"all-linear"`` is all of them: PEFT's
+all-linear leaves the output layer out, as here)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    r"""Low-rank adapters (Hu et al., 2021) on the projections ``targets``, PEFT's way.
+
+    A targeted projection :math:`W` (``[in, out]``) gains :math:`A` (``[in, r]``) and
+    :math:`B` (``[r, out]``), and computes :math:`y = x W + s\,(x A) B` with the scale
+    :math:`s = lpha / r`, or :math:`lpha / \sqrt{r}` with ``rslora`` (Kalajdzievski,
+    2023). :math:`A` starts Kaiming-uniform (bound :math:`1/\sqrt{in}`, PEFT's default) and
+    :math:`B` at zero, so at initialisation the adapted model is the base exactly.
+    """
+
+    rank: int = 16
+    """``r``, PEFT's ``r``."""
+    alpha: float = 32.0
+    """PEFT's ``lora_alpha``."""
+    targets: tuple[str, ...] | str = "all-linear"
+    """Projection names from :data:`LORA_TARGETS`, or ``"all-linear"`` (PEFT's ``target_modules``);
+    normalised to a tuple in :data:`LORA_TARGETS`' order."""
+    rslora: bool = False
+    r"""Scale by :math:`\alpha / \sqrt{r}` (PEFT's ``use_rslora``)."""
+    dtype: Any = jnp.float32
+    """Storage dtype of the adapters (the trained weights; the base keeps its own)."""
+
+    def __post_init__(self):
+        _checks.positive_int("LoraConfig", "rank", self.rank)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"LoraConfig: `alpha` must be a number > 0; got {self.alpha!r}.")
+        targets = self.targets
+        if targets == "all-linear":
+            targets = LORA_TARGETS
+        elif isinstance(targets, str):
+            targets = (targets,)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
+            raise ValueError(
+                f"LoraConfig: `targets` must be 'all-linear' or names from {', '.join(map(repr, LORA_TARGETS))}; "
+                f"got {self.targets!r}."
+            )
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
+        if not isinstance(self.rslora, bool):
+            raise ValueError(f"LoraConfig: `rslora` must be True or False; got {self.rslora!r}.")
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in [jnp.dtype(d) for d in _DTYPES.values()]:
+            raise ValueError(f"LoraConfig: `dtype` must be one of {', '.join(_DTYPES)}; got {self.dtype!r}.")
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+    @property
+    def scale(self) -> float:
+        """:math:`s`: ``alpha / rank``, or ``alpha / sqrt(rank)`` with ``rslora``."""
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeConfig:
     """Rotary position embedding (Su et al., 2021) in the Hugging Face half-split layout."""
@@ -111,6 +172,9 @@ class ModelConfig:
     """Storage dtype of the parameters."""
     dtype: Any = jnp.float32
     """Compute dtype of matmuls and activations (norms, softmax and RoPE run in float32)."""
+    lora: LoraConfig | None = None
+    """Low-rank adapters on the projections (:mod:`jaxrl_llm.models.lora`): their weights
+    are params of the model beside the base's. Not part of a Hugging Face config."""
     scan_layers: bool = False
     """Run the decoder layers as one ``jax.lax.scan`` in every pass: teacher-forced ones,
     both passes of :func:`jaxrl_llm.models.functional.group_completion_hidden_states`, the prefill and
@@ -209,6 +273,8 @@ class ModelConfig:
             fail(f"`scan_layers` must be True or False; got {self.scan_layers!r}.")
         _checks.one_of("ModelConfig", "remat", self.remat, REMAT_POLICIES)
         _checks.one_of("ModelConfig", "attention", self.attention, ATTENTION_IMPLEMENTATIONS)
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            fail(f"`lora` must be a LoraConfig or None; got {type(self.lora).__name__}.")
         if self.attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             fail(f"attention='cudnn' (cuDNN flash attention) computes in bfloat16 or float16; got dtype {self.dtype}.")
 

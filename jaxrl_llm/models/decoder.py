@@ -48,6 +48,49 @@ def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...],
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+class LoraParam(nnx.Param):
+    """A LoRA adapter's weight (:mod:`jaxrl_llm.models.lora`): a parameter the filters
+    ``nnx.split(module, LoraParam, ...)`` and :func:`jaxrl_llm.models.lora.split` tell apart
+    from the base's."""
+
+
+def _lora_pair(module: nnx.Module, rngs, config: ModelConfig, target: str, inputs, outputs) -> None:
+    """Gives ``module`` the adapter of projection ``target`` if ``config.lora`` targets it:
+    ``{target}_lora_a`` ``[*in, r]`` (Kaiming-uniform, bound ``1/sqrt(in)``: PEFT's default)
+    and ``{target}_lora_b`` ``[r, *out]`` (zeros). ``inputs``, ``outputs``: ``(shape, axes)``."""
+    lora = config.lora
+    if lora is None or target not in lora.targets:
+        return
+    (in_shape, in_axes), (out_shape, out_axes) = inputs, outputs
+    a_shape = (*in_shape, lora.rank)
+    if rngs is None:
+        a = jnp.zeros(a_shape, lora.dtype)
+    else:
+        bound = 1.0 / np.sqrt(np.prod(in_shape))
+        a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound).astype(lora.dtype)
+    b = jnp.zeros((lora.rank, *out_shape), lora.dtype)
+    setattr(module, f"{target}_lora_a", LoraParam(a, out_sharding=(*in_axes, "lora"), eager_sharding=False))
+    setattr(module, f"{target}_lora_b", LoraParam(b, out_sharding=("lora", *out_axes), eager_sharding=False))
+
+
+def _lora_delta(module: nnx.Module, target: str, x: jax.Array, config: ModelConfig) -> jax.Array | None:
+    r""":math:`s\,(x A) B` ``[..., out]`` of ``target``'s adapter on ``x`` ``[..., in]`` (flat
+    features), in ``config.dtype``; ``None`` when ``target`` has no adapter."""
+    a = getattr(module, f"{target}_lora_a", None)
+    if a is None:
+        return None
+    b = getattr(module, f"{target}_lora_b")[...]
+    a = a[...].reshape(-1, b.shape[0]).astype(config.dtype)  # [in, r]
+    b = b.reshape(b.shape[0], -1).astype(config.dtype)  # [r, out]
+    return (config.lora.scale * dense(dense(x, a), b)).astype(config.dtype)
+
+
+def _with_lora(module: nnx.Module, target: str, x: jax.Array, out: jax.Array, config: ModelConfig) -> jax.Array:
+    """``out`` ``[..., out]`` (``x W``) plus ``target``'s adapter's share, if it has one."""
+    delta = _lora_delta(module, target, x, config)
+    return out if delta is None else out + delta
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     r""":math:`x / \sqrt{\overline{x^2} + \epsilon} \cdot g`, in float32, back to ``x``'s dtype."""
     x32 = x.astype(jnp.float32)
@@ -267,6 +310,11 @@ class Attention(nnx.Module):
         self.k_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
         self.v_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
         self.o_proj = _param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd)
+        embed = ((c.hidden_size,), ("embed",))
+        for target, heads, axis in (("q_proj", c.num_heads, "heads"), ("k_proj", c.num_kv_heads, "kv_heads"),
+                                    ("v_proj", c.num_kv_heads, "kv_heads")):  # fmt: skip
+            _lora_pair(self, rngs, c, target, embed, ((heads, c.head_dim), (axis, "head_dim")))
+        _lora_pair(self, rngs, c, "o_proj", ((c.num_heads, c.head_dim), ("heads", "head_dim")), embed)
         if c.attention_bias:
             self.q_bias = _param(None, (c.num_heads, c.head_dim), ("heads", "head_dim"), pd)
             self.k_bias = _param(None, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
@@ -289,16 +337,17 @@ class Attention(nnx.Module):
         c, dtype = self.config, self.config.dtype
         x = x.astype(dtype)
 
-        def project(kernel: nnx.Param, bias_name: str) -> jax.Array:
+        def project(kernel: nnx.Param, bias_name: str, target: str) -> jax.Array:
             w = kernel[...].astype(dtype)  # [E, heads, D]
-            out = dense(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:2], *w.shape[1:])  # [B, S, heads, D]
+            out = _with_lora(self, target, x, dense(x, w.reshape(w.shape[0], -1)), c)  # [B, S, heads * D]
+            out = out.reshape(*x.shape[:2], *w.shape[1:])  # [B, S, heads, D]
             if c.attention_bias:
                 out = out + getattr(self, bias_name)[...].astype(dtype)[None, None]
             return out
 
-        q = project(self.q_proj, "q_bias")  # [B, S, H, D]
-        k = project(self.k_proj, "k_bias")  # [B, S, KVH, D]
-        v = project(self.v_proj, "v_bias")
+        q = project(self.q_proj, "q_bias", "q_proj")  # [B, S, H, D]
+        k = project(self.k_proj, "k_bias", "k_proj")  # [B, S, KVH, D]
+        v = project(self.v_proj, "v_bias", "v_proj")
         if c.qk_norm:
             q = rms_norm(q, self.q_norm[...], c.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], c.rms_norm_eps)
@@ -324,7 +373,8 @@ class Attention(nnx.Module):
         batch, length, heads, head_dim = q.shape
         out = _attention(attention_implementation(c), q, k.astype(dtype), v.astype(dtype), mask)  # [B, S, H, D]
         o_proj = self.o_proj[...].astype(dtype)  # [H, D, E]
-        out = dense(out.reshape(batch, length, heads * head_dim), o_proj.reshape(heads * head_dim, -1))  # [B, S, E]
+        out = out.reshape(batch, length, heads * head_dim)
+        out = _with_lora(self, "o_proj", out, dense(out, o_proj.reshape(heads * head_dim, -1)), c)  # [B, S, E]
         if c.output_bias:
             out = out + self.o_bias[...].astype(dtype)[None, None]
         return out, cache
@@ -339,12 +389,19 @@ class MLP(nnx.Module):
         self.gate_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
         self.up_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pd)
+        self.config = c
+        embed, mlp = ((c.hidden_size,), ("embed",)), ((c.intermediate_size,), ("mlp",))
+        _lora_pair(self, rngs, c, "gate_proj", embed, mlp)
+        _lora_pair(self, rngs, c, "up_proj", embed, mlp)
+        _lora_pair(self, rngs, c, "down_proj", mlp, embed)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
+        c = self.config
         x = x.astype(self.dtype)
-        gate = dense(x, self.gate_proj[...].astype(self.dtype))  # [B, S, F]
-        up = dense(x, self.up_proj[...].astype(self.dtype))
-        return dense(swiglu(gate, up), self.down_proj[...].astype(self.dtype))
+        gate = _with_lora(self, "gate_proj", x, dense(x, self.gate_proj[...].astype(self.dtype)), c)  # [B, S, F]
+        up = _with_lora(self, "up_proj", x, dense(x, self.up_proj[...].astype(self.dtype)), c)
+        hidden = swiglu(gate, up)
+        return _with_lora(self, "down_proj", hidden, dense(hidden, self.down_proj[...].astype(self.dtype)), c)
 
 
 class DecoderLayer(nnx.Module):

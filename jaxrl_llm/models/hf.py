@@ -419,7 +419,10 @@ def save_pretrained(
 
     Args:
       path: the checkpoint directory; created if missing.
-      model, params: from :func:`from_pretrained` or :func:`jaxrl_llm.models.init`.
+      model, params: from :func:`from_pretrained` or :func:`jaxrl_llm.models.init`. A model
+        with LoRA adapters is saved merged (:func:`jaxrl_llm.models.lora.merge`, in the
+        base's dtype): a checkpoint of full weights that needs no ``peft`` to load. For the
+        adapters alone, :func:`jaxrl_llm.models.lora.save_adapter`.
       tokenizer: a ``transformers`` tokenizer whose ids lie in ``[0, vocab_size)`` (one from
         ``AutoTokenizer`` or :func:`jaxrl_llm.tasks.build_char_tokenizer`, with its
         ``chat_template`` if set); ``None`` writes none and keeps the directory's.
@@ -439,6 +442,10 @@ def save_pretrained(
         ``tokenizer`` is not a transformers tokenizer.
       NotADirectoryError: ``path`` exists and is not a directory.
     """
+    if model.config.lora is not None:
+        from jaxrl_llm.models import lora
+
+        model, params = lora.merge(model, params)
     target = pathlib.Path(path).resolve()
     if not target.name:
         raise ValueError(f"Cannot save a checkpoint as the file system root {target}; pass a directory below it.")

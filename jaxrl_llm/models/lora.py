@@ -1,0 +1,318 @@
+r"""LoRA: low-rank adapters over a frozen base, the adapters a params pytree of their own.
+
+.. code-block:: python
+
+    model, base = models.from_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
+    lora_model, adapters = lora.add_adapters(model, models.LoraConfig(rank=16), key)
+    params = lora.combine(base, adapters)  # the adapted policy's params: base and adapters
+    logits = models.forward(lora_model, params, tokens)  # the base's exactly, at initialisation
+    reference = models.forward(model, base, tokens)  # the adapters off: the base itself, no copy
+    merged_model, merged = lora.merge(lora_model, params)  # W + s A B: a plain model, for decoding
+
+A targeted projection :math:`W` (``[in, out]``, its axes as the kernel stores them) gains
+:math:`A` (``[in, r]``) and :math:`B` (``[r, out]``) and computes
+
+.. math::
+    y = x W + s\,(x A) B, \qquad s = \alpha / r \quad (\text{rsLoRA: } \alpha / \sqrt{r})
+
+unmerged: the base's weights are read as they are, and only :math:`A` and :math:`B` are
+differentiated when the loss is taken with respect to the adapters
+(:class:`~jaxrl_llm.models.config.LoraConfig`). The adapters are the model's
+:class:`~jaxrl_llm.models.decoder.LoraParam` leaves, named ``{target}_lora_a`` and
+``{target}_lora_b`` beside the kernel they adapt; :func:`split` and :func:`combine` take a
+LoRA model's params apart into the base's (the params of the model without adapters, the
+same tree as ``model``'s) and the adapters, and put them back together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_llm.models.config import LoraConfig, ModelConfig
+from jaxrl_llm.models.decoder import CausalLM, LoraParam
+from jaxrl_llm.models.functional import Model, Params, abstract
+
+__all__ = [
+    "LoraConfig",
+    "LoraParam",
+    "add_adapters",
+    "base_model",
+    "combine",
+    "init_adapters",
+    "load_adapter",
+    "merge",
+    "save_adapter",
+    "split",
+]
+
+
+def _adapted(config: ModelConfig, lora: LoraConfig) -> ModelConfig:
+    if not isinstance(lora, LoraConfig):
+        raise TypeError(f"lora: expected a LoraConfig; got {type(lora).__name__}.")
+    if config.lora is not None:
+        raise ValueError(
+            f"lora: the model already has adapters ({config.lora}); merge them first (lora.merge) or start from "
+            "its base (lora.base_model, lora.split)."
+        )
+    return dataclasses.replace(config, lora=lora)
+
+
+def init_adapters(config: ModelConfig, key: jax.Array) -> Params:
+    """The adapters of a model with ``config`` (``config.lora`` set), initialised as PEFT
+    does by default: every ``A`` uniform in :math:`\\pm 1/\\sqrt{in}` (Kaiming-uniform with
+    :math:`a = \\sqrt 5`), every ``B`` zero. Only the adapters are allocated."""
+    if config.lora is None:
+        raise ValueError("init_adapters: the config has no `lora` (a LoraConfig) to initialise adapters for.")
+    module = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
+    shapes = nnx.state(module, LoraParam)
+    paths = [path for path, _ in nnx.to_flat_state(shapes)]
+    keys = dict(zip(paths, jax.random.split(key, len(paths)), strict=True))
+
+    def initial(path, leaf):
+        if path[-1].endswith("_lora_b"):
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        bound = 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
+        return jax.random.uniform(keys[path], leaf.shape, jnp.float32, -bound, bound).astype(leaf.dtype)
+
+    return nnx.from_flat_state(
+        {path: leaf.replace(initial(path, leaf.get_value())) for path, leaf in nnx.to_flat_state(shapes)}
+    )
+
+
+def add_adapters(model: Model, config: LoraConfig, key: jax.Array) -> tuple[Model, Params]:
+    """``model`` with adapters on ``config.targets``: the LoRA model and its initialised
+    adapters (:func:`init_adapters`). Its params are ``combine(base, adapters)``, with
+    ``base`` ``model``'s params, unchanged and not copied.
+
+    Raises:
+      ValueError: ``model`` has adapters already.
+    """
+    adapted = _adapted(model.config, config)
+    return abstract(adapted)[0], init_adapters(adapted, key)
+
+
+def base_model(model: Model) -> Model:
+    """The model without its adapters (``model`` itself if it has none): the model the
+    base params of :func:`split` belong to."""
+    if model.config.lora is None:
+        return model
+    return abstract(dataclasses.replace(model.config, lora=None))[0]
+
+
+def split(params: Params) -> tuple[Params, Params]:
+    """A LoRA model's params -> ``(base, adapters)``: the base's params (the tree of the model
+    without adapters) and the :class:`LoraParam` leaves."""
+    adapters, base = nnx.split_state(params, LoraParam, ...)
+    return base, adapters
+
+
+def combine(base: Params, adapters: Params) -> Params:
+    """The params of the LoRA model from its base's params and its adapters (:func:`split`'s
+    inverse). The leaves are the given arrays, not copies."""
+    return nnx.merge_state(base, adapters)
+
+
+def merge(model: Model, params: Params, *, dtype=None) -> tuple[Model, Params]:
+    r"""The adapters folded into the base: every targeted kernel becomes
+    :math:`W + s\,A B` (computed in float32, stored in ``dtype``, by default the kernel's),
+    the other leaves are the base's own arrays. Returns the model without adapters
+    (:func:`base_model`) and its params: the same function up to float rounding, at the
+    cost of a copy of the targeted kernels.
+
+    Raises:
+      ValueError: ``model`` has no adapters.
+    """
+    lora = model.config.lora
+    if lora is None:
+        raise ValueError("merge: the model has no adapters (its config's `lora` is None).")
+    base, adapters = split(params)
+    flat = dict(nnx.to_flat_state(adapters))
+
+    def merged(path, leaf):
+        a = flat.get((*path[:-1], f"{path[-1]}_lora_a"))
+        if a is None:
+            return leaf
+        b = flat[(*path[:-1], f"{path[-1]}_lora_b")][...]
+        kernel = leaf[...]
+        delta = a[...].astype(jnp.float32).reshape(-1, lora.rank) @ b.astype(jnp.float32).reshape(lora.rank, -1)
+        value = kernel.astype(jnp.float32) + lora.scale * delta.reshape(kernel.shape)
+        return leaf.replace(value.astype(dtype or kernel.dtype))
+
+    merged_params = nnx.from_flat_state({path: merged(path, leaf) for path, leaf in nnx.to_flat_state(base)})
+    return base_model(model), merged_params
+
+
+# --- PEFT's adapter format --------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+
+
+def peft_name(path: tuple) -> str:
+    """An adapter's path (``("layers", i, "self_attn", "q_proj_lora_a")``) -> its tensor name
+    in a PEFT checkpoint (``base_model.model.model.layers.i.self_attn.q_proj.lora_A.weight``)."""
+    match path:
+        case ("layers", layer, module, name) if name.endswith(("_lora_a", "_lora_b")):
+            target, which = name[: -len("_lora_a")], name[-1].upper()
+            if _MODULES.get(target) == module:
+                return f"base_model.model.model.layers.{layer}.{module}.{target}.lora_{which}.weight"
+    raise KeyError(f"No PEFT name for adapter {'/'.join(map(str, path))}.")
+
+
+def peft_tensors(adapters: Params) -> dict[str, np.ndarray]:
+    """The adapters as PEFT stores them: ``lora_A.weight`` ``[r, in]`` and ``lora_B.weight``
+    ``[out, r]`` (torch ``Linear`` layouts, the in and out features flattened as the Hugging
+    Face kernels flatten them)."""
+    tensors = {}
+    for path, leaf in nnx.to_flat_state(adapters):
+        value = np.asarray(jax.device_get(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf))
+        flat = value.reshape(-1, value.shape[-1]) if path[-1].endswith("_lora_a") else value.reshape(value.shape[0], -1)
+        tensors[peft_name(path)] = np.ascontiguousarray(flat.T)
+    return tensors
+
+
+def save_adapter(
+    path: str | os.PathLike, model: Model, params: Params, *, base_model_name_or_path: str | None = None
+) -> None:
+    """Writes the adapters of ``model`` (a LoRA model; ``params`` its params, or its adapters
+    alone) as a PEFT adapter directory: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` with PEFT's tensor names, which
+    ``peft.PeftModel.from_pretrained(base, path)`` loads. The directory is written aside and
+    swapped in whole (as :func:`jaxrl_llm.models.save_pretrained` does): never half-written.
+
+    Raises:
+      ValueError: ``model`` has no adapters.
+    """
+    from jaxrl_llm.models import hf
+
+    lora = model.config.lora
+    if lora is None:
+        raise ValueError("save_adapter: the model has no adapters (its config's `lora` is None); save_pretrained.")
+    adapters = split(params)[1]
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lora.rank,
+        "lora_alpha": int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(lora.targets),
+        "use_rslora": lora.rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": False,
+    }
+    target = pathlib.Path(path).resolve()
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"Cannot save an adapter to {target}: it is a file, not a directory.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = hf._sibling(target, "saving")
+    staging.mkdir()
+    try:
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(peft_tensors(adapters), staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        for file in staging.iterdir():
+            os.chmod(file, 0o666 & ~hf._umask())
+        hf._swap_in(staging, target, replaced={ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin"})
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _lora_config_from_peft(config: dict, where: pathlib.Path, dtype) -> LoraConfig:
+    """A :class:`LoraConfig` from a PEFT ``adapter_config.json``; what it cannot represent is refused."""
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"load_adapter: {where / ADAPTER_CONFIG}: {what}")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type {config.get('peft_type')!r} is not supported; only 'LORA'.")
+    unsupported = {
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    for key, allowed in unsupported.items():
+        value = config.get(key, allowed)
+        if value != allowed and not (allowed is None and value == []) and not (allowed == {} and value is None):
+            raise refuse(f"{key}={value!r} is not supported (only {allowed!r}).")
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        targets = [targets]
+    try:
+        return LoraConfig(
+            rank=int(config["r"]),
+            alpha=float(config.get("lora_alpha", 8)),
+            targets=targets if isinstance(targets, str) else tuple(targets or ()),
+            rslora=bool(config.get("use_rslora", False)),
+            dtype=dtype,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise refuse(f"not a LoRA config this library can use ({error}).") from error
+
+
+def load_adapter(path: str | os.PathLike, model: Model, *, dtype=jnp.float32) -> tuple[Model, Params]:
+    """Reads a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+    for ``model`` (the base the adapter was trained on): the LoRA model and its adapters, in
+    ``dtype``. Someone's SFT adapter becomes a starting policy: ``combine(base, adapters)``.
+
+    Raises:
+      FileNotFoundError: a file is missing.
+      ValueError: what this library cannot run (DoRA, biases, other modules, rank patterns),
+        or tensors that do not fit ``model`` (names missing or extra, shapes), named.
+    """
+    if model.config.lora is not None:
+        raise ValueError("load_adapter: `model` has adapters already; pass its base (lora.base_model).")
+    where = pathlib.Path(path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (where / name).is_file():
+            raise FileNotFoundError(f"load_adapter: {where} has no {name} (a PEFT adapter directory has both).")
+    lora = _lora_config_from_peft(json.loads((where / ADAPTER_CONFIG).read_text()), where, dtype)
+    lora_model = abstract(_adapted(model.config, lora))[0]
+    module = nnx.eval_shape(lambda: CausalLM(lora_model.config, rngs=nnx.Rngs(params=0)))
+    specs = dict(nnx.to_flat_state(nnx.state(module, LoraParam)))  # path -> abstract LoraParam
+    with safe_open(where / ADAPTER_WEIGHTS, framework="numpy") as file:
+        # PEFT names a tensor by its module path, with the adapter's name (".default") or without.
+        stored = {name.replace(".default.", "."): name for name in file.keys()}
+        expected = {peft_name(path): path for path in specs}
+        missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+        if missing or extra:
+            found = [f"{len(missing)} missing ({', '.join(missing[:3])})" if missing else "",
+                     f"{len(extra)} unexpected ({', '.join(extra[:3])})" if extra else ""]  # fmt: skip
+            raise ValueError(
+                f"load_adapter: the tensors of {where / ADAPTER_WEIGHTS} do not fit the model with {lora}: "
+                f"{'; '.join(part for part in found if part)}."
+            )
+        leaves = {}
+        for name, path in expected.items():
+            shape = specs[path].get_value().shape
+            tensor = file.get_tensor(stored[name])  # [r, in] or [out, r]
+            is_a = path[-1].endswith("_lora_a")
+            flat = (int(np.prod(shape[:-1])), shape[-1]) if is_a else (shape[0], int(np.prod(shape[1:])))
+            if tensor.T.shape != flat:
+                raise ValueError(f"load_adapter: {name} has shape {tuple(tensor.shape)}; the model needs {flat[::-1]}.")
+            leaves[path] = specs[path].replace(jnp.asarray(tensor.T.reshape(shape), dtype))
+    return lora_model, nnx.from_flat_state(leaves)

@@ -1,0 +1,202 @@
+"""LoRA adapters over a frozen base: the adapted model is the base at initialisation, the
+merged model computes what the unmerged one does, and gradients reach the adapters as the
+chain rule through :math:`W' = W + s A B` says they should."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_llm import models, sharding
+from jaxrl_llm.models import lora
+from tests.models.test_cache import CONFIGS
+
+BASE = dataclasses.replace(CONFIGS["llama-gqa"], max_position_embeddings=64)
+FAMILIES = {
+    "llama": BASE,
+    "mistral": dataclasses.replace(BASE, architecture="mistral", sliding_windows=(64, 64)),
+    "qwen2": dataclasses.replace(BASE, architecture="qwen2", attention_bias=True),
+    "qwen3": dataclasses.replace(BASE, architecture="qwen3", qk_norm=True, tie_word_embeddings=True),
+    "llama-scanned": dataclasses.replace(BASE, scan_layers=True),
+}
+KERNELS = {  # target -> (module, its kernel's [in..., out...] split: how many leading axes are inputs)
+    "q_proj": ("self_attn", 1),
+    "k_proj": ("self_attn", 1),
+    "v_proj": ("self_attn", 1),
+    "o_proj": ("self_attn", 2),
+    "gate_proj": ("mlp", 1),
+    "up_proj": ("mlp", 1),
+    "down_proj": ("mlp", 1),
+}
+
+
+def tokens(vocab, batch=3, length=9, seed=0):
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, vocab)
+
+
+def perturbed(adapters, scale=0.05, seed=3):
+    """The adapters with every leaf moved off its initial value (B is zero at first)."""
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(
+        treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    )
+
+
+def numpy_merged(config, base, adapters, lora_config):
+    """The base's params with every targeted kernel replaced by W + s A B, in float64 NumPy."""
+    merged = jax.tree.map(np.asarray, nnx.to_pure_dict(base))
+    pure = nnx.to_pure_dict(adapters)
+    for i in range(config.num_layers):
+        for target in lora_config.targets:
+            module, _ = KERNELS[target]
+            a = np.asarray(pure["layers"][i][module][f"{target}_lora_a"], np.float64)
+            b = np.asarray(pure["layers"][i][module][f"{target}_lora_b"], np.float64)
+            kernel = merged["layers"][i][module][target]
+            delta = a.reshape(-1, lora_config.rank) @ b.reshape(lora_config.rank, -1)
+            merged["layers"][i][module][target] = (
+                kernel.astype(np.float64) + lora_config.scale * delta.reshape(kernel.shape)
+            ).astype(np.float32)
+    state = jax.tree.map(jnp.asarray, base)
+    nnx.replace_by_pure_dict(state, merged)
+    return state
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_at_initialisation_the_adapted_model_is_the_base_exactly(family):
+    config = FAMILIES[family]
+    model, base = models.init(config, jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, models.LoraConfig(rank=4), jax.random.key(1))
+    params = lora.combine(base, adapters)
+    ids = tokens(config.vocab_size)
+    np.testing.assert_array_equal(models.forward(lora_model, params, ids), models.forward(model, base, ids))
+    # Decoding too: the prefill's and a decode step's logits.
+    mask = jnp.ones(ids.shape, bool)
+    expected, cache = models.prefill(model, base, ids, mask, cache_size=12)
+    got, lora_cache = models.prefill(lora_model, params, ids, mask, cache_size=12)
+    np.testing.assert_array_equal(got, expected)
+    step = ids[:, 0]
+    np.testing.assert_array_equal(
+        models.decode_step(lora_model, params, step, lora_cache)[0], models.decode_step(model, base, step, cache)[0]
+    )
+    # B starts at zero, A does not; only the adapters are LoraParams.
+    a_leaves = [v for p, v in nnx.to_flat_state(adapters) if p[-1].endswith("_lora_a")]
+    b_leaves = [v for p, v in nnx.to_flat_state(adapters) if p[-1].endswith("_lora_b")]
+    assert len(a_leaves) == len(b_leaves) == 7 * config.num_layers
+    assert all(not np.any(b[...]) for b in b_leaves) and all(np.all(np.abs(a[...]) > 0) for a in a_leaves[:3])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merged_and_unmerged_adapters_compute_the_same_logits(family):
+    config = FAMILIES[family]
+    model, base = models.init(config, jax.random.key(0))
+    lora_config = models.LoraConfig(rank=4, alpha=12.0)
+    lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(1))
+    adapters = perturbed(adapters)
+    params = lora.combine(base, adapters)
+    ids = tokens(config.vocab_size)
+    unmerged = models.forward(lora_model, params, ids)
+    assert float(jnp.max(jnp.abs(unmerged - models.forward(model, base, ids)))) > 1e-2  # the adapters matter
+    merged_model, merged = lora.merge(lora_model, params)
+    assert merged_model.config == config
+    np.testing.assert_allclose(models.forward(merged_model, merged, ids), unmerged, atol=2e-5, rtol=1e-5)
+    reference = numpy_merged(config, base, adapters, lora_config)  # an independent merge, in float64
+    np.testing.assert_allclose(models.forward(model, reference, ids), unmerged, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "lora_config",
+    [
+        models.LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj")),
+        models.LoraConfig(rank=3, alpha=5.0, targets="down_proj", rslora=True),
+        models.LoraConfig(rank=4, targets=("o_proj", "gate_proj", "up_proj", "k_proj")),
+    ],
+    ids=["q-v", "down-rslora", "o-gate-up-k"],
+)
+def test_some_targets_and_rslora(lora_config):
+    model, base = models.init(FAMILIES["qwen2"], jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(1))
+    names = {path[-1] for path, _ in nnx.to_flat_state(adapters)}
+    assert names == {f"{t}_lora_{ab}" for t in lora_config.targets for ab in "ab"}
+    adapters = perturbed(adapters)
+    ids = tokens(model.config.vocab_size)
+    got = models.forward(lora_model, lora.combine(base, adapters), ids)
+    reference = numpy_merged(model.config, base, adapters, lora_config)
+    np.testing.assert_allclose(models.forward(model, reference, ids), got, atol=2e-5, rtol=1e-5)
+
+
+def test_the_scale_is_alpha_over_rank_or_its_square_root():
+    assert models.LoraConfig(rank=16, alpha=32).scale == 2.0
+    assert models.LoraConfig(rank=16, alpha=32, rslora=True).scale == 8.0
+    assert models.LoraConfig().targets == models.config.LORA_TARGETS  # all-linear
+
+
+def test_gradients_reach_the_adapters_through_the_chain_rule():
+    # dL/dA = s dL/dW' B^T and dL/dB = s A^T dL/dW', with dL/dW' the merged model's gradient.
+    config = FAMILIES["qwen3"]
+    model, base = models.init(config, jax.random.key(0))
+    lora_config = models.LoraConfig(rank=3, alpha=6.0)
+    lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(1))
+    adapters = perturbed(adapters)
+    ids = tokens(config.vocab_size)
+    weights = jax.random.normal(jax.random.key(5), (*ids.shape, config.vocab_size))
+
+    def loss(model, params):
+        return jnp.sum(weights * jax.nn.log_softmax(models.forward(model, params, ids)))
+
+    grads = nnx.to_pure_dict(jax.grad(lambda a: loss(lora_model, lora.combine(base, a)))(adapters))
+    merged_model, merged = lora.merge(lora_model, lora.combine(base, adapters))
+    merged_grads = nnx.to_pure_dict(jax.grad(lambda p: loss(merged_model, p))(merged))
+    pure, s, r = nnx.to_pure_dict(adapters), lora_config.scale, lora_config.rank
+    for i in range(config.num_layers):
+        for target, (module, _) in KERNELS.items():
+            layer, grad = pure["layers"][i][module], grads["layers"][i][module]
+            d_kernel = np.asarray(merged_grads["layers"][i][module][target]).reshape(
+                np.prod(layer[f"{target}_lora_a"].shape[:-1]), -1
+            )
+            a = np.asarray(layer[f"{target}_lora_a"]).reshape(-1, r)
+            b = np.asarray(layer[f"{target}_lora_b"]).reshape(r, -1)
+            np.testing.assert_allclose(
+                np.asarray(grad[f"{target}_lora_a"]).reshape(-1, r), s * d_kernel @ b.T, rtol=2e-4, atol=2e-5
+            )
+            np.testing.assert_allclose(
+                np.asarray(grad[f"{target}_lora_b"]).reshape(r, -1), s * a.T @ d_kernel, rtol=2e-4, atol=2e-5
+            )
+
+
+def test_split_and_combine_take_the_params_apart_without_copies():
+    model, base = models.init(FAMILIES["llama"], jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, models.LoraConfig(rank=2), jax.random.key(1))
+    params = lora.combine(base, adapters)
+    again_base, again_adapters = lora.split(params)
+    assert jax.tree.structure(again_base) == jax.tree.structure(base)
+    assert all(x is y for x, y in zip(jax.tree.leaves(again_base), jax.tree.leaves(base), strict=True))
+    assert all(x is y for x, y in zip(jax.tree.leaves(again_adapters), jax.tree.leaves(adapters), strict=True))
+    assert lora.base_model(lora_model).config == model.config and lora.base_model(model) is model
+    # The adapters' rank axis stays whole on any mesh; their other axes follow the rules.
+    logical = nnx.to_pure_dict(sharding.logical_axes(adapters))["layers"][0]["self_attn"]
+    assert tuple(logical["q_proj_lora_a"]) == ("embed", "lora") and tuple(logical["o_proj_lora_b"]) == ("lora", "embed")
+
+
+def test_bad_settings_are_refused():
+    for bad, message in [
+        (dict(rank=0), "rank"),
+        (dict(alpha=0), "alpha"),
+        (dict(targets=("q_proj", "lm_head")), "targets"),
+        (dict(targets=()), "targets"),
+        (dict(rslora="yes"), "rslora"),
+        (dict(dtype="int8"), "dtype"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            models.LoraConfig(**bad)
+    model, base = models.init(FAMILIES["llama"], jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, models.LoraConfig(rank=2), jax.random.key(1))
+    with pytest.raises(ValueError, match="already has adapters"):
+        lora.add_adapters(lora_model, models.LoraConfig(rank=2), jax.random.key(1))
+    with pytest.raises(ValueError, match="no adapters"):
+        lora.merge(model, base)
+    with pytest.raises(TypeError, match="LoraConfig"):
+        lora.add_adapters(model, {"rank": 2}, jax.random.key(1))
