@@ -211,6 +211,7 @@ def state_shardings(state, mesh: Mesh, rules: Rules, *, optimizer, critic_optimi
         opt_state=optimizer_state(state.opt_state, state.params, policy, optimizer),
         critic_params=critic,
         critic_opt_state=critic_opt,
+        frozen=param_shardings(state.frozen, mesh, rules),
         **rest,
     )
 

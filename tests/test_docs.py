@@ -222,6 +222,29 @@ def _environment_check(namespace: dict, code: str):
     assert {"reward_CounterEnv", "tools/call_frequency", "episodes/turns"} <= metrics.keys()
 
 
+def _lora(tmp_path) -> dict:
+    task = DigitSumTask()
+    config = models.ModelConfig(
+        vocab_size=len(task.tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
+    model, params = models.init(config, jax.random.key(0))
+    return dict(model=model, params=params, task=task)
+
+
+def _lora_check(namespace: dict, code: str):
+    assert len(namespace["history"]) == 2
+    assert (pathlib.Path("my-adapter") / "adapter_config.json").is_file()
+    assert namespace["merged_model"].config.lora is None
+    assert all(x is y for x, y in zip(jax.tree.leaves(namespace["state"].frozen), jax.tree.leaves(namespace["params"])))
+
+
 GIVEN: dict[tuple[str, str], tuple[Callable[[pathlib.Path], dict], Callable[[dict, str], None]]] = {
     ("docs/library.md", "core-grpo-update"): (_core, _core_check),
     ("docs/library.md", "model"): (_model, _model_check),
@@ -229,6 +252,7 @@ GIVEN: dict[tuple[str, str], tuple[Callable[[pathlib.Path], dict], Callable[[dic
     ("docs/training.md", "train"): (lambda tmp_path: {}, _train_check),
     ("docs/scale-out.md", "mesh"): (_mesh, _mesh_check),
     ("docs/episodes.md", "environment"): (_environment, _environment_check),
+    ("docs/lora.md", "lora-train"): (_lora, _lora_check),
 }
 """Each Python example run here: what the test gives it, and what it checks after."""
 

@@ -31,7 +31,7 @@ from jaxrl_llm.training.config import OptimizerConfig, TrainConfig
 from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, StepEnd, train
 from jaxrl_llm.training.optim import make_optimizer
 from jaxrl_llm.training.sft import supervised_finetune
-from jaxrl_llm.training.state import TrainState, init_state, state_shardings
+from jaxrl_llm.training.state import TrainState, init_state, policy_params, state_shardings
 from jaxrl_llm.training.step import TrainStep, make_train_step
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "init_state",
     "make_optimizer",
     "make_train_step",
+    "policy_params",
     "state_shardings",
     "supervised_finetune",
     "train",

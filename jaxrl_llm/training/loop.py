@@ -51,7 +51,15 @@ from jaxrl_llm.rewards.combine import called_in
 from jaxrl_llm.training.batch import Batch, batch_shardings
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
-from jaxrl_llm.training.state import TrainState, check_params, check_state, init_state, rollout_key, state_shardings
+from jaxrl_llm.training.state import (
+    TrainState,
+    check_params,
+    check_state,
+    init_state,
+    policy_params,
+    rollout_key,
+    state_shardings,
+)
 from jaxrl_llm.training.step import make_train_step
 
 
@@ -290,13 +298,38 @@ def _initial_state(
     return state
 
 
+def _lora_state(
+    model: models.Model,
+    params: models.Params,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    lora: models.LoraConfig,
+    *,
+    state: TrainState | None,
+    ref_params: models.Params | None,
+) -> tuple[models.Model, TrainState]:
+    """The LoRA model and the state of a LoRA run on the base ``params``: fresh, or the
+    caller's ``state`` (of a LoRA run with this config) once checked, its base ``params``."""
+    if ref_params is not None:
+        raise ValueError("train: with `lora`, the reference is the base `params` itself: do not pass `ref_params`.")
+    check_params(model, params)
+    lora_model, adapters = models.lora.add_adapters(model, lora, jax.random.fold_in(jax.random.key(config.seed), 1))
+    if state is None:
+        return lora_model, init_state(lora_model, adapters, algorithm, config, frozen=params)
+    if not isinstance(state, TrainState) or state.frozen is None:
+        raise ValueError("train: with `lora`, `state` must be a LoRA run's state (its `frozen` base set).")
+    check_state(state, lora_model, adapters, algorithm, config, frozen=params)
+    return lora_model, state._replace(frozen=params)
+
+
 class _Compiled(NamedTuple):
     """The jitted halves of a run's train step, and where its batches go."""
 
     score: Callable
     """``score(state, batch) -> (scored, metrics)``, jitted."""
     donating_update: Callable
-    """``update(state, scored) -> (state, metrics)``, jitted, donating a state without its reference."""
+    """``update(state, scored, frozen) -> (state, metrics)``, jitted, donating a state without
+    its reference and frozen base (:meth:`update` calls it)."""
     place_batch: Callable[[Batch], Batch]
     """Puts a host batch where ``score`` takes it (one device, or split over the mesh)."""
     traces: dict[str, int]
@@ -304,10 +337,23 @@ class _Compiled(NamedTuple):
 
     def update(self, state: TrainState, scored) -> tuple[TrainState, dict]:
         """The donating update on the state without its reference (the caller's ``params`` or
-        ``ref_params``, which ``update`` never reads), put back after."""
-        reference = state.ref_params
-        state, metrics = self.donating_update(state._replace(ref_params=None), scored)
-        return state._replace(ref_params=reference), metrics
+        ``ref_params``, which ``update`` never reads) and without LoRA's frozen base (the
+        caller's ``params``, passed beside it), both put back after."""
+        reference, frozen = state.ref_params, state.frozen
+        state, metrics = self.donating_update(state._replace(ref_params=None, frozen=None), scored, frozen)
+        return state._replace(ref_params=reference, frozen=frozen), metrics
+
+
+def _with_frozen(update: Callable) -> Callable:
+    """``update(state, scored)`` as ``(state, scored, frozen) -> (state, metrics)`` whose state
+    comes and goes without ``frozen``: the donated state never holds the frozen base, and the
+    output does not copy it."""
+
+    def with_frozen(state, scored, frozen):
+        state, metrics = update(state._replace(frozen=frozen), scored)
+        return state._replace(frozen=None), metrics
+
+    return with_frozen
 
 
 def _counting_traces(fn: Callable, traces: dict[str, int], name: str) -> Callable:
@@ -342,11 +388,13 @@ def _compile(
             state, algorithm, config, mesh, sharding.RULES["fsdp_tensor"] if rules is None else rules
         )
         state = distributed.put(state, shardings)
-        placement = {"out_shardings": (shardings._replace(ref_params=None), None)}
+        placement = {"out_shardings": (shardings._replace(ref_params=None, frozen=None), None)}
         place_batch = functools.partial(distributed.put, shardings=batch_shardings(mesh))
     return state, _Compiled(
         score=jax.jit(_counting_traces(train_step.score, traces, "score")),
-        donating_update=jax.jit(_counting_traces(train_step.update, traces, "update"), donate_argnums=0, **placement),
+        donating_update=jax.jit(
+            _with_frozen(_counting_traces(train_step.update, traces, "update")), donate_argnums=0, **placement
+        ),
         place_batch=place_batch,
         traces=traces,
     )
@@ -386,7 +434,7 @@ def _rollout_and_score(run: _Run, state: TrainState) -> _Scored:
     with called_in(f"the rollout of train step {int(state.step)}"):
         collected = collect_batch(
             run.rollout,
-            state.params,
+            policy_params(state),
             run.task,
             run.algorithm,
             run.config,
@@ -469,7 +517,7 @@ def _end_step(
             metrics.update(
                 evaluation_metrics(
                     run.model,
-                    state.params,
+                    policy_params(state),
                     run.task,
                     config,
                     prompt_bucket=run.prompt_bucket,
@@ -560,6 +608,7 @@ def train(
     compilation_cache: bool = True,
     tools: Sequence[Callable] | None = None,
     environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
+    lora: models.LoraConfig | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
 
@@ -610,6 +659,14 @@ def train(
       environment_factory: TRL's ``environment_factory``: a callable returning an
         environment (``reset(**example)``, public methods as tools, optional
         ``get_reward()``), or a dict of them chosen by the examples' ``environment`` column.
+      lora: train low-rank adapters (:mod:`jaxrl_llm.models.lora`) on ``model`` instead of
+        its weights: ``params`` become the state's ``frozen`` base (used as they are, never
+        copied, changed or donated), the adapters (initialised as PEFT does, from
+        ``config.seed``) the state's ``params``, the only leaves with optimizer state; the
+        reference is the base itself. The rollouts decode the LoRA model unmerged, and
+        :func:`jaxrl_llm.training.policy_params` of the returned state is the policy's whole
+        params (``lora.merge`` makes them a plain model); a ``state`` to continue from is a
+        LoRA run's. Methods with a critic (GAE) are not available with it yet.
 
     Returns:
       The final state and one dict of float metrics per step. The state's reference (and
@@ -638,7 +695,10 @@ def train(
     if toolset is not None and rollout is not None:
         raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)
-    state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
+    if lora is None:
+        state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
+    else:
+        model, state = _lora_state(model, params, algorithm, config, lora, state=state, ref_params=ref_params)
     if compilation_cache:
         compilation_cache_lib.enable()
     state, compiled = _compile(

@@ -109,6 +109,38 @@ class DecoderTeacherForcing:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class AdaptedTeacherForcing:
+    """:class:`TeacherForcing` of a LoRA policy whose params are its adapters alone: ``inner``
+    (the LoRA model's) runs on ``lora.combine(frozen, adapters)``. Built inside a traced step
+    around the state's ``frozen`` base, so gradients with respect to the params reach the
+    adapters only and the base is read, never differentiated."""
+
+    inner: TeacherForcing
+    frozen: models.Params
+
+    def states(self, params: models.Params, rows: Rows) -> jax.Array:
+        return self.inner.states(models.lora.combine(self.frozen, params), rows)
+
+    def head(self, params: models.Params) -> Any:
+        return self.inner.head(models.lora.combine(self.frozen, params))
+
+    def logprobs(self, states: jax.Array, head: Any, rows: Rows, *, with_entropy: bool = False):
+        return self.inner.logprobs(states, head, rows, with_entropy=with_entropy)
+
+    def categorical_kl(self, states: jax.Array, head: Any, other_states: jax.Array, other_head: Any) -> jax.Array:
+        return self.inner.categorical_kl(states, head, other_states, other_head)
+
+    def values(self, critic_params: Any, rows: Rows) -> jax.Array:
+        return self.inner.values(critic_params, rows)
+
+
+def adapted(policy: TeacherForcing, frozen: models.Params | None) -> TeacherForcing:
+    """``policy`` over params that are adapters of the base ``frozen`` (LoRA), or ``policy``
+    itself when ``frozen`` is None."""
+    return policy if frozen is None else AdaptedTeacherForcing(policy, frozen)
+
+
 def is_on_policy(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
     """Whether the step's one gradient is taken at the params that sampled the batch
     (``num_iterations = 1`` and one minibatch): then the old log-probs are the policy's own."""

@@ -10,6 +10,12 @@ consumed, the optimizer's step, so a step is a function of ``(state, batch)`` al
 method's KL term (in the loss or the reward), or by the metrics
 ``TrainConfig.reference_metrics`` (``kl_k3``) and ``TrainConfig.exact_kl``. Otherwise
 ``state.ref_params`` is ``None``.
+
+**LoRA** (:mod:`jaxrl_llm.models.lora`): ``state.frozen`` is the base's params, which no step
+changes, and ``state.params`` the adapters alone, so the optimizer holds state for the
+adapters only. The policy is ``lora.combine(frozen, params)`` (:func:`policy_params`), and
+the reference is the base itself: adapters of zeros, whose share :math:`s (x 0) 0` is exactly
+0, so no copy of the weights is kept.
 """
 
 from __future__ import annotations
@@ -40,12 +46,19 @@ class TrainState(NamedTuple):
     skipped_updates: jax.Array  # [] int32: non-finite minibatch updates skipped in all
     consecutive_skips: jax.Array  # [] int32: train steps in a row with a skipped update
     prompts_drawn: jax.Array  # [] int32: positions of the task's train stream consumed (tasks.base.draw)
+    frozen: models.Params | None = None  # LoRA: the base the adapters (params) adapt, never changed; else None
 
 
 def uses_reference(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
     """Whether the run keeps and runs the reference model: for the method's KL term (in
     the loss or the reward) or for the KL metrics the config asks for."""
     return algorithm.needs_reference or config.reference_metrics or config.exact_kl
+
+
+def policy_params(state: TrainState) -> models.Params:
+    """The policy's whole params: ``state.params``, or with LoRA the base and the adapters
+    together (``lora.combine(state.frozen, state.params)``, no copy), for the LoRA model."""
+    return state.params if state.frozen is None else models.lora.combine(state.frozen, state.params)
 
 
 def rollout_key(state: TrainState) -> jax.Array:
@@ -68,6 +81,7 @@ def init_state(
     ref_params: models.Params | None = None,
     copy_reference: bool = True,
     critic_params: Any = None,
+    frozen: models.Params | None = None,
 ) -> TrainState:
     """The state at step 0: policy and reference copied from ``params`` (or the given
     ``ref_params``), a critic when the method has one: ``critic_params``, by default
@@ -79,9 +93,21 @@ def init_state(
     ``copy_reference=False`` makes the reference ``ref_params`` (or ``params``) itself,
     not a copy: one params-sized buffer less (2 GB at 0.5B parameters in float32). Then
     whatever donates the state must leave the reference out, as :func:`jaxrl_llm.training.train` does
-    (``update`` never reads it); donating it would delete the caller's arrays."""
+    (``update`` never reads it); donating it would delete the caller's arrays.
+
+    ``frozen``: LoRA's base params (kept as they are, never copied or donated), with
+    ``model`` the LoRA model and ``params`` its adapters; the reference is then adapters of
+    zeros (the base itself), and ``ref_params`` must not be given. A critic over a frozen
+    base is not available yet: methods with GAE raise ValueError."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     optimizers = run_optimizers(algorithm, config, decay_steps=1)
+    if frozen is not None and algorithm.needs_critic:
+        raise ValueError(
+            f"init_state: algorithm {algorithm.name!r} trains a critic (GAE), which LoRA runs do not have yet; use a "
+            "critic-free advantage (grpo, rloo, reinforce-baseline, ...) with LoRA, or full training."
+        )
+    if frozen is not None and ref_params is not None:
+        raise ValueError("init_state: with LoRA (`frozen`) the reference is the base itself; do not pass `ref_params`.")
     if not algorithm.needs_critic:
         critic_params = None
     elif critic_params is None:
@@ -96,7 +122,9 @@ def init_state(
             "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it."
         )
     reference = None
-    if with_reference:
+    if with_reference and frozen is not None:  # the base: every adapter's share exactly 0
+        reference = jax.tree.map(jnp.zeros_like, params)
+    elif with_reference:
         reference = params if ref_params is None else ref_params
         reference = _copy(reference) if copy_reference else jax.tree.map(jnp.asarray, reference)
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
@@ -112,6 +140,7 @@ def init_state(
         skipped_updates=zero(),
         consecutive_skips=zero(),
         prompts_drawn=zero(),
+        frozen=frozen,
     )
 
 
@@ -141,16 +170,23 @@ def check_params(model: models.Model, params: models.Params, *, name: str = "par
 
 
 def check_state(
-    state: TrainState, model: models.Model, params: models.Params, algorithm: algorithms.Algorithm, config: TrainConfig
+    state: TrainState,
+    model: models.Model,
+    params: models.Params,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    *,
+    frozen: models.Params | None = None,
 ) -> None:
     """Raises ValueError, naming the first field, path, shape or dtype that differs, when
     ``state`` is not a state of this run: made for another method (a critic or an
-    optimizer it lacks), another model size, or another optimizer."""
+    optimizer it lacks), another model size, or another optimizer. With LoRA, ``model`` is
+    the LoRA model, ``params`` its adapters and ``frozen`` the base (see :func:`init_state`)."""
     if not isinstance(state, TrainState):
         raise ValueError(
             f"`state` must be a TrainState (from init_state or a previous train); got {type(state).__name__}."
         )
-    expected = jax.eval_shape(lambda p: init_state(model, p, algorithm, config), params)
+    expected = jax.eval_shape(lambda p, f: init_state(model, p, algorithm, config, frozen=f), params, frozen)
     for field in TrainState._fields:
         check_tree(
             f"state.{field}",

@@ -134,6 +134,7 @@ def score(
 ) -> tuple[ScoredBatch, Metrics]:
     """The batch with its old and reference log-probs, values and advantages, and the
     metrics of scoring it (the advantages', ``kl_exact``)."""
+    policy = losses.adapted(policy, state.frozen)
     mask = batch.completion_mask
     metrics = {}
     ref_logp = ref_states = policy_states = None
@@ -350,6 +351,7 @@ def update(
 ) -> tuple[TrainState, Metrics]:
     """The state after training on ``scored``: past the rollout's key, with the batch's
     baseline and prompt count, then :func:`optax_update` or TRPO's step."""
+    policy = losses.adapted(policy, state.frozen)
     key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
     state = state._replace(key=key, baseline=scored.baseline, prompts_drawn=state.prompts_drawn + scored.prompts_drawn)
     if algorithm.update == "trpo":

@@ -1,0 +1,132 @@
+"""Training LoRA adapters over a frozen base: only the adapters move and hold optimizer state,
+the base is the caller's arrays, bit for bit, the reference is the base, and a step's
+gradient is the chain rule of the full model's through :math:`W' = W + s A B`."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_llm import algorithms, models, training
+from jaxrl_llm.models import lora
+from jaxrl_llm.training import losses
+from tests.models.test_lora import KERNELS, perturbed
+from tests.training.test_step import CONFIG, RUN, TASK, _batch
+
+LORA = models.LoraConfig(rank=4, alpha=8.0)
+
+
+def _leaves_equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base():
+    model, params = models.init(CONFIG, jax.random.key(0))
+    before = jax.tree.map(np.array, params)
+    config = dataclasses.replace(RUN, learning_rate=3e-2, reference_metrics=True)
+    state, history = training.train(
+        model, params, algorithms.get("grpo"), config, steps=4, task=TASK, lora=LORA, compilation_cache=False
+    )
+    assert all(x is y for x, y in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(params), strict=True))
+    assert _leaves_equal(params, before)  # bit for bit
+    adapter_names = {path[-1] for path, _ in nnx.to_flat_state(state.params)}
+    assert adapter_names == {f"{t}_lora_{ab}" for t in LORA.targets for ab in "ab"}
+    # Optimizer state: Adam's two moments of every adapter leaf, and counters; nothing base-sized.
+    adapter_sizes = sum(x.size for x in jax.tree.leaves(state.params))
+    assert sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim) == 2 * adapter_sizes
+    assert all(not np.any(x) for x in jax.tree.leaves(state.ref_params))  # adapters of zeros: the base
+    assert any(np.any(x) for path, x in nnx.to_flat_state(state.params) if path[-1].endswith("_lora_b"))
+    assert history[-1]["kl_k3"] > 0  # the policy left the base, which the KL measures
+    lora_model = lora.add_adapters(model, LORA, jax.random.key(0))[0]
+    tokens = jnp.asarray(TASK.prompts(np.random.default_rng(0), 2).tokens)
+    base_logits = models.forward(model, params, tokens)
+    reference = lora.combine(params, state.ref_params)
+    np.testing.assert_array_equal(models.forward(lora_model, reference, tokens), base_logits)
+    assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
+
+
+def test_a_step_takes_the_chain_rule_of_the_full_models_gradient():
+    # One Adam step from perturbed adapters: its first moment is (1 - b1) g. The reference g
+    # is the full-parameter loss's gradient at the merged kernels, carried to A and B by
+    # dA = s dW' B^T and dB = s A^T dW'.
+    model, base = models.init(CONFIG, jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(1))
+    adapters = perturbed(adapters, scale=0.1)
+    config = dataclasses.replace(RUN, max_grad_norm=1e9, reference_metrics=True)
+    algorithm = algorithms.get("grpo")
+    state = training.init_state(lora_model, adapters, algorithm, config, frozen=base)
+    step = training.make_train_step(lora_model, algorithm, config)
+    batch = _batch(lora_model, lora.combine(base, adapters), run=config)
+    scored, _ = jax.jit(step.score)(state, batch)
+    after, _ = jax.jit(step.update)(state, scored)
+    assert _leaves_equal(after.frozen, base)
+    mu = optax.tree_utils.tree_get(after.opt_state, "mu")
+    gradient = nnx.to_pure_dict(jax.tree.map(lambda m: m / (1 - config.optimizer.adam_b1), mu))
+
+    merged_model, merged = lora.merge(lora_model, lora.combine(base, adapters))
+    full = losses.DecoderTeacherForcing(merged_model, config)
+    merged_grads = jax.grad(
+        lambda p: losses.policy_loss(p, scored, policy=full, algorithm=algorithm, on_policy=True)[0]
+    )(merged)
+    merged_grads, pure = nnx.to_pure_dict(merged_grads), nnx.to_pure_dict(adapters)
+    s, r = LORA.scale, LORA.rank
+    for i in range(CONFIG.num_layers):
+        for target, (module, _) in KERNELS.items():
+            layer, got = pure["layers"][i][module], gradient["layers"][i][module]
+            a = np.asarray(layer[f"{target}_lora_a"]).reshape(-1, r)
+            b = np.asarray(layer[f"{target}_lora_b"]).reshape(r, -1)
+            d_kernel = np.asarray(merged_grads["layers"][i][module][target]).reshape(a.shape[0], -1)
+            scale = np.abs(s * a.T @ d_kernel).max()
+            np.testing.assert_allclose(
+                np.asarray(got[f"{target}_lora_a"]).reshape(-1, r), s * d_kernel @ b.T, rtol=1e-3, atol=1e-4 * scale
+            )
+            np.testing.assert_allclose(
+                np.asarray(got[f"{target}_lora_b"]).reshape(r, -1), s * a.T @ d_kernel, rtol=1e-3, atol=1e-4 * scale
+            )
+
+
+def test_a_stopped_lora_run_continues_where_the_straight_one_goes():
+    model, params = models.init(CONFIG, jax.random.key(0))
+    config = dataclasses.replace(RUN, learning_rate=1e-2, reference_metrics=True)
+    run = dict(task=TASK, lora=LORA, compilation_cache=False)
+    straight, straight_history = training.train(model, params, algorithms.get("grpo"), config, steps=4, **run)
+    half, first = training.train(model, params, algorithms.get("grpo"), config, steps=2, **run)
+    resumed, second = training.train(model, params, algorithms.get("grpo"), config, steps=2, state=half, **run)
+    assert _leaves_equal(resumed.params, straight.params) and _leaves_equal(resumed.opt_state, straight.opt_state)
+    assert [h["reward"] for h in first + second] == [h["reward"] for h in straight_history]
+
+
+@pytest.mark.parametrize("name", list(algorithms.PRESETS))
+def test_every_critic_free_preset_trains_adapters(name):
+    algorithm = algorithms.get(name)
+    model, params = models.init(CONFIG, jax.random.key(0))
+    before = jax.tree.map(np.array, params)
+    run = dict(steps=1, task=TASK, lora=LORA, compilation_cache=False)
+    if algorithm.needs_critic:
+        with pytest.raises(ValueError, match="critic"):
+            training.train(model, params, algorithm, RUN, **run)
+        return
+    state, history = training.train(model, params, algorithm, RUN, **run)
+    assert np.isfinite(history[0]["grad_norm"]) and int(state.skipped_updates) == 0
+    assert _leaves_equal(params, before)
+
+
+def test_what_lora_runs_cannot_take_is_refused():
+    model, params = models.init(CONFIG, jax.random.key(0))
+    run = dict(steps=1, task=TASK, lora=LORA, compilation_cache=False)
+    with pytest.raises(ValueError, match="ref_params"):
+        training.train(model, params, algorithms.get("grpo"), RUN, ref_params=params, **run)
+    state = training.init_state(model, params, algorithms.get("grpo"), RUN)
+    with pytest.raises(ValueError, match="LoRA run's state"):
+        training.train(model, params, algorithms.get("grpo"), RUN, state=state, **run)
+    lora_state, _ = training.train(model, params, algorithms.get("grpo"), RUN, **run)
+    other = dataclasses.replace(LORA, rank=2)
+    with pytest.raises(ValueError, match="state.params"):
+        training.train(model, params, algorithms.get("grpo"), RUN, state=lora_state, **{**run, "lora": other})
+    lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(0))
+    with pytest.raises(ValueError, match="already has adapters"):
+        training.train(lora_model, lora.combine(params, adapters), algorithms.get("grpo"), RUN, **run)
