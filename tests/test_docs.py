@@ -199,10 +199,8 @@ def _mesh_check(namespace: dict, code: str):
     assert any(not leaf.sharding.is_fully_replicated for leaf in leaves)  # FSDP splits the matrices
 
 
-def _environment(tmp_path) -> dict:
-    from jaxrl_llm.tasks import CalculatorTask
-
-    task = CalculatorTask()
+def _tiny_model(task, *, max_positions: int) -> dict:
+    """A one-layer model over ``task``'s tokenizer, with the task: what a training example is given."""
     config = models.ModelConfig(
         vocab_size=len(task.tokenizer),
         hidden_size=16,
@@ -211,10 +209,16 @@ def _environment(tmp_path) -> dict:
         num_heads=2,
         num_kv_heads=1,
         head_dim=8,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
     )
     model, params = models.init(config, jax.random.key(0))
     return dict(model=model, params=params, task=task)
+
+
+def _environment(tmp_path) -> dict:
+    from jaxrl_llm.tasks import CalculatorTask
+
+    return _tiny_model(CalculatorTask(), max_positions=256)
 
 
 def _environment_check(namespace: dict, code: str):
@@ -223,19 +227,7 @@ def _environment_check(namespace: dict, code: str):
 
 
 def _lora(tmp_path) -> dict:
-    task = DigitSumTask()
-    config = models.ModelConfig(
-        vocab_size=len(task.tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position_embeddings=32,
-    )
-    model, params = models.init(config, jax.random.key(0))
-    return dict(model=model, params=params, task=task)
+    return _tiny_model(DigitSumTask(), max_positions=32)
 
 
 def _lora_check(namespace: dict, code: str):

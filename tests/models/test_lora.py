@@ -2,8 +2,6 @@
 merged model computes what the unmerged one does, and gradients reach the adapters as the
 chain rule through :math:`W' = W + s A B` says they should."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,24 +10,16 @@ from flax import nnx
 
 from jaxrl_llm import models, sharding
 from jaxrl_llm.models import lora
-from tests.models.test_cache import CONFIGS
+from tests.models.test_extend import FAMILIES  # llama, mistral, qwen2, qwen3 and llama with scanned layers
 
-BASE = dataclasses.replace(CONFIGS["llama-gqa"], max_position_embeddings=64)
-FAMILIES = {
-    "llama": BASE,
-    "mistral": dataclasses.replace(BASE, architecture="mistral", sliding_windows=(64, 64)),
-    "qwen2": dataclasses.replace(BASE, architecture="qwen2", attention_bias=True),
-    "qwen3": dataclasses.replace(BASE, architecture="qwen3", qk_norm=True, tie_word_embeddings=True),
-    "llama-scanned": dataclasses.replace(BASE, scan_layers=True),
-}
-KERNELS = {  # target -> (module, its kernel's [in..., out...] split: how many leading axes are inputs)
-    "q_proj": ("self_attn", 1),
-    "k_proj": ("self_attn", 1),
-    "v_proj": ("self_attn", 1),
-    "o_proj": ("self_attn", 2),
-    "gate_proj": ("mlp", 1),
-    "up_proj": ("mlp", 1),
-    "down_proj": ("mlp", 1),
+KERNELS = {  # each target's module
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
 }
 
 
@@ -52,7 +42,7 @@ def numpy_merged(config, base, adapters, lora_config):
     pure = nnx.to_pure_dict(adapters)
     for i in range(config.num_layers):
         for target in lora_config.targets:
-            module, _ = KERNELS[target]
+            module = KERNELS[target]
             a = np.asarray(pure["layers"][i][module][f"{target}_lora_a"], np.float64)
             b = np.asarray(pure["layers"][i][module][f"{target}_lora_b"], np.float64)
             kernel = merged["layers"][i][module][target]
@@ -152,7 +142,7 @@ def test_gradients_reach_the_adapters_through_the_chain_rule():
     merged_grads = nnx.to_pure_dict(jax.grad(lambda p: loss(merged_model, p))(merged))
     pure, s, r = nnx.to_pure_dict(adapters), lora_config.scale, lora_config.rank
     for i in range(config.num_layers):
-        for target, (module, _) in KERNELS.items():
+        for target, module in KERNELS.items():
             layer, grad = pure["layers"][i][module], grads["layers"][i][module]
             d_kernel = np.asarray(merged_grads["layers"][i][module][target]).reshape(
                 np.prod(layer[f"{target}_lora_a"].shape[:-1]), -1

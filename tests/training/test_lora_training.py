@@ -75,7 +75,7 @@ def test_a_step_takes_the_chain_rule_of_the_full_models_gradient():
     merged_grads, pure = nnx.to_pure_dict(merged_grads), nnx.to_pure_dict(adapters)
     s, r = LORA.scale, LORA.rank
     for i in range(CONFIG.num_layers):
-        for target, (module, _) in KERNELS.items():
+        for target, module in KERNELS.items():
             layer, got = pure["layers"][i][module], gradient["layers"][i][module]
             a = np.asarray(layer[f"{target}_lora_a"]).reshape(-1, r)
             b = np.asarray(layer[f"{target}_lora_b"]).reshape(r, -1)
