@@ -127,8 +127,7 @@ def _regather(cache: models.KVCache, logits, rows):
         index = order[:, None, :, None] if kv.ndim == 4 else order[None, :, None, :, None]
         return jnp.take_along_axis(kv, index, axis=kv.ndim - 2)
 
-    keys = tuple(map(gather, cache.keys)) if isinstance(cache.keys, tuple) else gather(cache.keys)
-    values = tuple(map(gather, cache.values)) if isinstance(cache.values, tuple) else gather(cache.values)
+    keys, values = jax.tree.map(gather, (cache.keys, cache.values))  # per-layer tuples or stacked arrays
     valid = jnp.take_along_axis(cache.valid, order, axis=1)
     index = jnp.max(jnp.sum(valid, axis=1)).astype(jnp.int32)
     return cache._replace(keys=keys, values=values, valid=valid, index=index), logits[rows]
@@ -141,8 +140,7 @@ def _grow(cache: models.KVCache, *, slots: int) -> models.KVCache:
     def pad(kv):  # [B, KVH, K, D], or [L, B, KVH, K, D]: slots are axis -2
         return jnp.pad(kv, [(0, 0)] * (kv.ndim - 2) + [(0, slots - kv.shape[-2]), (0, 0)])
 
-    keys = tuple(map(pad, cache.keys)) if isinstance(cache.keys, tuple) else pad(cache.keys)
-    values = tuple(map(pad, cache.values)) if isinstance(cache.values, tuple) else pad(cache.values)
+    keys, values = jax.tree.map(pad, (cache.keys, cache.values))  # per-layer tuples or stacked arrays
     valid = jnp.pad(cache.valid, [(0, 0), (0, slots - cache.valid.shape[1])])
     return cache._replace(keys=keys, values=values, valid=valid)
 
