@@ -54,41 +54,39 @@ class LoraParam(nnx.Param):
     from the base's."""
 
 
+def lora_a_init(key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:
+    r"""A LoRA ``A`` ``[*in, r]`` as PEFT initialises it: uniform in :math:`\pm 1/\sqrt{in}`
+    (Kaiming-uniform with :math:`a = \sqrt 5`); zeros without a ``key`` (to be loaded)."""
+    if key is None:
+        return jnp.zeros(shape, dtype)
+    bound = 1.0 / np.sqrt(np.prod(shape[:-1]))
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
 def _lora_pair(module: nnx.Module, rngs, config: ModelConfig, target: str, inputs, outputs) -> None:
     """Gives ``module`` the adapter of projection ``target`` if ``config.lora`` targets it:
-    ``{target}_lora_a`` ``[*in, r]`` (Kaiming-uniform, bound ``1/sqrt(in)``: PEFT's default)
-    and ``{target}_lora_b`` ``[r, *out]`` (zeros). ``inputs``, ``outputs``: ``(shape, axes)``."""
+    ``{target}_lora_a`` ``[*in, r]`` (:func:`lora_a_init`) and ``{target}_lora_b``
+    ``[r, *out]`` (zeros). ``inputs``, ``outputs``: ``(shape, axes)``."""
     lora = config.lora
     if lora is None or target not in lora.targets:
         return
     (in_shape, in_axes), (out_shape, out_axes) = inputs, outputs
-    a_shape = (*in_shape, lora.rank)
-    if rngs is None:
-        a = jnp.zeros(a_shape, lora.dtype)
-    else:
-        bound = 1.0 / np.sqrt(np.prod(in_shape))
-        a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound).astype(lora.dtype)
+    a = lora_a_init(None if rngs is None else rngs.params(), (*in_shape, lora.rank), lora.dtype)
     b = jnp.zeros((lora.rank, *out_shape), lora.dtype)
     setattr(module, f"{target}_lora_a", LoraParam(a, out_sharding=(*in_axes, "lora"), eager_sharding=False))
     setattr(module, f"{target}_lora_b", LoraParam(b, out_sharding=("lora", *out_axes), eager_sharding=False))
 
 
-def _lora_delta(module: nnx.Module, target: str, x: jax.Array, config: ModelConfig) -> jax.Array | None:
-    r""":math:`s\,(x A) B` ``[..., out]`` of ``target``'s adapter on ``x`` ``[..., in]`` (flat
-    features), in ``config.dtype``; ``None`` when ``target`` has no adapter."""
+def _with_lora(module: nnx.Module, target: str, x: jax.Array, out: jax.Array, config: ModelConfig) -> jax.Array:
+    r"""``out`` ``[..., out]`` (:math:`x W`, ``x`` ``[..., in]`` with flat features) plus
+    :math:`s\,(x A) B` in ``config.dtype`` when ``target`` has an adapter."""
     a = getattr(module, f"{target}_lora_a", None)
     if a is None:
-        return None
+        return out
     b = getattr(module, f"{target}_lora_b")[...]
     a = a[...].reshape(-1, b.shape[0]).astype(config.dtype)  # [in, r]
     b = b.reshape(b.shape[0], -1).astype(config.dtype)  # [r, out]
-    return (config.lora.scale * dense(dense(x, a), b)).astype(config.dtype)
-
-
-def _with_lora(module: nnx.Module, target: str, x: jax.Array, out: jax.Array, config: ModelConfig) -> jax.Array:
-    """``out`` ``[..., out]`` (``x W``) plus ``target``'s adapter's share, if it has one."""
-    delta = _lora_delta(module, target, x, config)
-    return out if delta is None else out + delta
+    return out + (config.lora.scale * dense(dense(x, a), b)).astype(config.dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

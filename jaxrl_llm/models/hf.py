@@ -458,12 +458,11 @@ def save_pretrained(
         if tokenizer is None and generation_config is None
         else _generation_config(model.config, generation_config=generation_config, tokenizer=tokenizer)
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _recover(target)
-    file_mode = 0o666 & ~_umask()
-    staging = _sibling(target, "saving")
-    staging.mkdir()  # 0o777 & ~umask
-    try:
+
+    def replaced() -> set[str]:  # the previous checkpoint's files, read once the staging directory is written
+        return _replaced_names(target) | ({*TOKENIZER_FILES} if tokenizer is not None else set())
+
+    with staged_directory(target, replaced=replaced) as staging:
         model.config.to_hf().save_pretrained(staging)
         if generation is not None:
             generation.save_pretrained(staging)
@@ -489,11 +488,26 @@ def save_pretrained(
                 weight_map.update({name: file for name in shard})
             index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+@contextlib.contextmanager
+def staged_directory(target: pathlib.Path, *, replaced: Callable[[], set[str]]) -> Iterator[pathlib.Path]:
+    """A hidden staging directory beside ``target`` (``.{name}.saving.*``) to write into; when
+    the block ends without an exception, its files get ``0o666 & ~umask`` and it is swapped
+    in for ``target`` (:func:`_swap_in`, dropping ``target``'s ``replaced()`` names), else it
+    is removed. First cleans up after dead saves to ``target`` (:func:`_recover`). What
+    :func:`save_pretrained` and :func:`jaxrl_llm.models.lora.save_adapter` write through."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _recover(target)
+    file_mode = 0o666 & ~_umask()
+    staging = _sibling(target, "saving")
+    staging.mkdir()  # 0o777 & ~umask
+    try:
+        yield staging
         for file in staging.iterdir():
             if file.is_file():  # not a tokenizer's template directory
                 os.chmod(file, file_mode)  # safetensors creates its files 0o600
-        replaced = _replaced_names(target) | ({*TOKENIZER_FILES} if tokenizer is not None else set())
-        _swap_in(staging, target, replaced=replaced)
+        _swap_in(staging, target, replaced=replaced())
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

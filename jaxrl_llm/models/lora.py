@@ -30,7 +30,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +39,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm.models.config import LoraConfig, ModelConfig
-from jaxrl_llm.models.decoder import CausalLM, LoraParam
+from jaxrl_llm.models.decoder import CausalLM, LoraParam, lora_a_init
 from jaxrl_llm.models.functional import Model, Params, abstract
 
 __all__ = [
@@ -68,26 +67,28 @@ def _adapted(config: ModelConfig, lora: LoraConfig) -> ModelConfig:
     return dataclasses.replace(config, lora=lora)
 
 
+def _adapter_shapes(config: ModelConfig) -> dict[tuple, LoraParam]:
+    """Path -> abstract :class:`LoraParam` of every adapter of a model with ``config``
+    (nothing allocated)."""
+    module = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
+    return dict(nnx.to_flat_state(nnx.state(module, LoraParam)))
+
+
 def init_adapters(config: ModelConfig, key: jax.Array) -> Params:
     """The adapters of a model with ``config`` (``config.lora`` set), initialised as PEFT
-    does by default: every ``A`` uniform in :math:`\\pm 1/\\sqrt{in}` (Kaiming-uniform with
-    :math:`a = \\sqrt 5`), every ``B`` zero. Only the adapters are allocated."""
+    does by default (every ``A`` by :func:`~jaxrl_llm.models.decoder.lora_a_init`, every
+    ``B`` zero). Only the adapters are allocated."""
     if config.lora is None:
         raise ValueError("init_adapters: the config has no `lora` (a LoraConfig) to initialise adapters for.")
-    module = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
-    shapes = nnx.state(module, LoraParam)
-    paths = [path for path, _ in nnx.to_flat_state(shapes)]
-    keys = dict(zip(paths, jax.random.split(key, len(paths)), strict=True))
+    specs = _adapter_shapes(config)
+    keys = dict(zip(specs, jax.random.split(key, len(specs)), strict=True))
 
-    def initial(path, leaf):
+    def initial(path, spec):
         if path[-1].endswith("_lora_b"):
-            return jnp.zeros(leaf.shape, leaf.dtype)
-        bound = 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
-        return jax.random.uniform(keys[path], leaf.shape, jnp.float32, -bound, bound).astype(leaf.dtype)
+            return jnp.zeros(spec.shape, spec.dtype)
+        return lora_a_init(keys[path], spec.shape, spec.dtype)
 
-    return nnx.from_flat_state(
-        {path: leaf.replace(initial(path, leaf.get_value())) for path, leaf in nnx.to_flat_state(shapes)}
-    )
+    return nnx.from_flat_state({path: leaf.replace(initial(path, leaf.get_value())) for path, leaf in specs.items()})
 
 
 def add_adapters(model: Model, config: LoraConfig, key: jax.Array) -> tuple[Model, Params]:
@@ -224,18 +225,10 @@ def save_adapter(
     target = pathlib.Path(path).resolve()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"Cannot save an adapter to {target}: it is a file, not a directory.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = hf._sibling(target, "saving")
-    staging.mkdir()
-    try:
+    previous = {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin"}  # a previous adapter's files (PEFT's too)
+    with hf.staged_directory(target, replaced=lambda: previous) as staging:
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(peft_tensors(adapters), staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        for file in staging.iterdir():
-            os.chmod(file, 0o666 & ~hf._umask())
-        hf._swap_in(staging, target, replaced={ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin"})
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _lora_config_from_peft(config: dict, where: pathlib.Path, dtype) -> LoraConfig:
@@ -292,8 +285,7 @@ def load_adapter(path: str | os.PathLike, model: Model, *, dtype=jnp.float32) ->
             raise FileNotFoundError(f"load_adapter: {where} has no {name} (a PEFT adapter directory has both).")
     lora = _lora_config_from_peft(json.loads((where / ADAPTER_CONFIG).read_text()), where, dtype)
     lora_model = abstract(_adapted(model.config, lora))[0]
-    module = nnx.eval_shape(lambda: CausalLM(lora_model.config, rngs=nnx.Rngs(params=0)))
-    specs = dict(nnx.to_flat_state(nnx.state(module, LoraParam)))  # path -> abstract LoraParam
+    specs = _adapter_shapes(lora_model.config)
     with safe_open(where / ADAPTER_WEIGHTS, framework="numpy") as file:
         # PEFT names a tensor by its module path, with the adapter's name (".default") or without.
         stored = {name.replace(".default.", "."): name for name in file.keys()}
