@@ -38,7 +38,7 @@ class LoraConfig:
 
     A targeted projection :math:`W` (``[in, out]``) gains :math:`A` (``[in, r]``) and
     :math:`B` (``[r, out]``), and computes :math:`y = x W + s\,(x A) B` with the scale
-    :math:`s = lpha / r`, or :math:`lpha / \sqrt{r}` with ``rslora`` (Kalajdzievski,
+    :math:`s = \alpha / r`, or :math:`\alpha / \sqrt{r}` with ``rslora`` (Kalajdzievski,
     2023). :math:`A` starts Kaiming-uniform (bound :math:`1/\sqrt{in}`, PEFT's default) and
     :math:`B` at zero, so at initialisation the adapted model is the base exactly.
     """
