@@ -7,7 +7,7 @@
                      [--mesh.fsdp 8] [--distributed | --coordinator-address H:P --num-processes N --process-id I]
     jaxrl-llm eval   --run-dir DIR [--step N] [--num-samples K]
     jaxrl-llm eval   --model HF_DIR [--config NAME_OR_PATH] [--task.name jsonl --task.path data.jsonl ...]
-    jaxrl-llm export --run-dir DIR --out OUT_DIR [--step N]
+    jaxrl-llm export --run-dir DIR --out OUT_DIR [--step N] [--adapter]
     jaxrl-llm presets | tasks
 
 A run's settings are one :class:`~jaxrl_llm.runs.RunConfig`: the embedded default, or
@@ -412,18 +412,23 @@ def export(argv: Sequence[str]) -> int:
     parser.add_argument("--out", required=True, help="the directory to write")
     parser.add_argument("--step", type=int, help="the checkpoint (default: the latest)")
     parser.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write its adapters alone, in PEFT's format (default: the model with them merged)",
+    )
     if {"-h", "--help"} & set(argv):
         _help(parser, settings=False)
     args, rest = parser.parse_known_args(argv)
     if rest:
         parser.exit(2, f"{parser.prog}: error: unrecognized arguments: {' '.join(rest)}\n")
     try:
-        step = run.export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite)
+        step = run.export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite, adapter=args.adapter)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except OSError as error:  # a full or read-only disk
         parser.exit(1, f"{parser.prog}: error: could not write {args.out}: {run.storage_failure(error) or error}.\n")
-    print(f"Exported step {step} of {args.run_dir} to {args.out}")
+    print(f"Exported {'the adapters of ' if args.adapter else ''}step {step} of {args.run_dir} to {args.out}")
     return 0
 
 

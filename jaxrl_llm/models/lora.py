@@ -45,6 +45,7 @@ from jaxrl_llm.models.functional import Model, Params, abstract
 __all__ = [
     "LoraConfig",
     "LoraParam",
+    "adapted",
     "add_adapters",
     "base_model",
     "combine",
@@ -99,8 +100,19 @@ def add_adapters(model: Model, config: LoraConfig, key: jax.Array) -> tuple[Mode
     Raises:
       ValueError: ``model`` has adapters already.
     """
-    adapted = _adapted(model.config, config)
-    return abstract(adapted)[0], init_adapters(adapted, key)
+    lora_model = adapted(model, config)
+    return lora_model, init_adapters(lora_model.config, key)
+
+
+def adapted(model: Model, config: LoraConfig) -> Model:
+    """``model`` with adapters on ``config.targets``, nothing allocated: the LoRA model whose
+    params are ``combine(base, adapters)`` (for adapters restored from a checkpoint or
+    :func:`load_adapter`; :func:`add_adapters` also initialises them).
+
+    Raises:
+      ValueError: ``model`` has adapters already.
+    """
+    return abstract(_adapted(model.config, config))[0]
 
 
 def base_model(model: Model) -> Model:

@@ -8,7 +8,7 @@ The package exports what a user calls; the library's own helpers stay in their m
 :class:`jaxrl_llm.sampling.SamplingConfig` and :class:`jaxrl_llm.training.OptimizerConfig`.
 """
 
-from jaxrl_llm.runs.config import MeshSpec, ModelSpec, RunConfig, TaskSpec, WarmStartConfig, load
+from jaxrl_llm.runs.config import LoraSpec, MeshSpec, ModelSpec, RunConfig, TaskSpec, WarmStartConfig, load
 from jaxrl_llm.runs.records import RunRecorder, read_metrics, read_samples
 from jaxrl_llm.runs.run import (
     RunDirectoryError,
@@ -16,11 +16,13 @@ from jaxrl_llm.runs.run import (
     evaluate_model,
     evaluate_run,
     export_run,
+    load_base,
     restore_policy,
     train_run,
 )
 
 __all__ = [
+    "LoraSpec",
     "MeshSpec",
     "ModelSpec",
     "RunConfig",
@@ -33,6 +35,7 @@ __all__ = [
     "evaluate_run",
     "export_run",
     "load",
+    "load_base",
     "read_metrics",
     "read_samples",
     "restore_policy",

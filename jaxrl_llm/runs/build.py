@@ -411,5 +411,15 @@ def warm_start(
 
 def abstract_state(config: RunConfig, model_: models.Model, params: models.Params) -> training.TrainState:
     """The run's :class:`~jaxrl_llm.training.TrainState` as shapes and dtypes: what a
-    checkpoint restores into."""
-    return jax.eval_shape(lambda p: training.init_state(model_, p, config.algorithm, config.train), params)
+    checkpoint restores into. A LoRA run's (``config.lora``) has the adapters as ``params``
+    and no ``frozen`` base, as its checkpoints store it."""
+    lora = config.lora.build()
+    if lora is None:
+        return jax.eval_shape(lambda p: training.init_state(model_, p, config.algorithm, config.train), params)
+    lora_model = models.lora.adapted(model_, lora)
+
+    def initial(base):
+        adapters = models.lora.init_adapters(lora_model.config, jax.random.key(0))
+        return training.init_state(lora_model, adapters, config.algorithm, config.train, frozen=base)
+
+    return jax.eval_shape(initial, params)._replace(frozen=None)

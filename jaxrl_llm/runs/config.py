@@ -53,7 +53,7 @@ import typing
 from collections.abc import Sequence
 from typing import Literal
 
-from jaxrl_llm import _checks, algorithms, sharding, training
+from jaxrl_llm import _checks, algorithms, models, sharding, training
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.training.config import GROUPED_FIELDS, OptimizerConfig, nest_flat_settings
 
@@ -297,6 +297,48 @@ class MeshSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """Low-rank adapters trained over the frozen model instead of its weights
+    (:class:`jaxrl_llm.models.LoraConfig`, ``training.train(..., lora=)``). ``rank = 0`` (the
+    default): none, every weight trained. The base is the model after the warm start; the
+    reference is the base itself. Methods with a critic (GAE) are not available with it."""
+
+    rank: int = 0
+    """``r``, PEFT's ``r`` (0: no adapters)."""
+    alpha: float = 32.0
+    """PEFT's ``lora_alpha``: the adapters' output is scaled by ``alpha / rank``."""
+    targets: tuple[str, ...] = ("all-linear",)
+    """The projections adapted, by PEFT's names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
+    ``gate_proj``, ``up_proj``, ``down_proj``), or ``["all-linear"]``."""
+    rslora: bool = False
+    """Scale by ``alpha / sqrt(rank)`` (PEFT's ``use_rslora``)."""
+    dtype: Dtype = "float32"
+    """The adapters' dtype (the base keeps ``model.param_dtype``)."""
+
+    def __post_init__(self):
+        where = "LoraSpec"
+        _checks.nonnegative_int(where, "rank", self.rank)
+        if "all-linear" in self.targets and len(self.targets) > 1:
+            raise ValueError(
+                f"{where}: `targets` is ['all-linear'] or projection names, not both; got {list(self.targets)}."
+            )
+        _checks.one_of(where, "dtype", self.dtype, typing.get_args(Dtype))
+        try:
+            self.build()
+        except ValueError as error:
+            raise ValueError(str(error).replace("LoraConfig:", f"{where}:", 1)) from None
+
+    def build(self) -> models.LoraConfig | None:
+        """The adapters' :class:`~jaxrl_llm.models.LoraConfig`; ``None`` for rank 0."""
+        if not self.rank:
+            return None
+        targets = "all-linear" if self.targets == ("all-linear",) else self.targets
+        return models.LoraConfig(
+            rank=self.rank, alpha=self.alpha, targets=targets, rslora=self.rslora, dtype=self.dtype
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a run does: model, task, warm start, method, training settings, steps,
     and what it records."""
@@ -319,6 +361,8 @@ class RunConfig:
         eval_samples=8,
     )
     mesh: MeshSpec = MeshSpec()
+    lora: LoraSpec = LoraSpec()
+    """Train low-rank adapters over the frozen model (``[lora] rank = 16``) instead of its weights."""
     steps: int = 40
     """Train steps (rollout batches) of the whole run."""
     save_every: int = 10
@@ -351,6 +395,13 @@ class RunConfig:
         _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
         algorithms.get(self.method)  # a preset's name (the error lists them)
         training.step.check_supported(self.algorithm, self.train)
+        if self.lora.rank and self.algorithm.needs_critic:
+            raise ValueError(
+                f"{where}: LoRA (lora.rank = {self.lora.rank}) trains adapters over a frozen base, and "
+                f"method {self.method!r} trains a critic (GAE), which LoRA runs do not have; choose a "
+                f"critic-free method ({', '.join(n for n, a in algorithms.PRESETS.items() if not a.needs_critic)}) "
+                "or lora.rank = 0."
+            )
         sampling = self.train.sampling
         positions = sampling.max_prompt_length + sampling.max_new_tokens
         if self.model.path is None and positions > self.model.max_positions:

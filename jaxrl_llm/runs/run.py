@@ -17,7 +17,11 @@ These are what ``jaxrl-llm train | eval | export`` call; each takes a
     samples.jsonl        every `samples_every` steps: prompts, completions, rewards
     metrics.png          reward, held-out accuracy, KL, length, clip fraction, entropy
     tensorboard/         TensorBoard event files
-    checkpoints/<step>/  orbax checkpoints of the whole TrainState (the last `keep_checkpoints`)
+    checkpoints/<step>/  orbax checkpoints of the whole TrainState (the last `keep_checkpoints`);
+                         a LoRA run's hold the adapters and their optimizer state, not the base
+    base.json            a LoRA run's base: where it is and the digest of each of its arrays
+    base/                a LoRA run's base when it is not model.path's weights as they are (the
+                         built-in model, a warm start): one orbax checkpoint, written once
     eval/step-<s>.json   what `jaxrl-llm eval` measured
 
 **Resuming.** Training into a directory that holds a run continues it from its latest
@@ -26,7 +30,8 @@ complete checkpoint, provided the config is the same except for the settings of
 checkpoint (a killed run logs steps it had not saved) are dropped and run again. The
 prompts, PRNG keys and counters live in the state, so a resumed run's parameters and
 metrics (timings aside) are those of the uninterrupted run, bit for bit (tested with
-SIGKILL on CPU).
+SIGKILL on CPU). A LoRA run (``[lora]``) reads its base again, from ``model.path`` or
+``base/``, and refuses to continue if an array's digest differs from ``base.json``'s.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ from jaxrl_llm.runs.config import RunConfig, differences, from_dict, to_dict
 CONFIG_FILE = "config.json"
 WARM_START_FILE = "warm_start.json"
 CHECKPOINTS = "checkpoints"
+BASE_FILE = "base.json"
+BASE_CHECKPOINT = "base"
 
 RUN_MANAGEMENT = (
     "steps",
@@ -94,6 +101,8 @@ RUN_ENTRIES = frozenset(
         CONFIG_FILE,
         WARM_START_FILE,
         CHECKPOINTS,
+        BASE_FILE,
+        BASE_CHECKPOINT,
         "eval",
         MARKER_FILE,
         LOCK_FILE,
@@ -431,8 +440,10 @@ def _train_run(
     checkpointer = training.Checkpointer(run_dir / CHECKPOINTS, max_to_keep=config.keep_checkpoints)
     state, start = None, 0
     if stored is not None and checkpointer.latest_step() is not None:
-        model, state, warm = _continued(config, task, checkpointer, run_dir, mesh, rules, main=main, stream=stream)
-        params, start = state.params, int(state.step)
+        model, params, state, warm = _continued(
+            config, task, checkpointer, run_dir, mesh, rules, main=main, stream=stream
+        )
+        start = int(state.step)
     else:
         model, params, warm = _warm_started(config, task, run_dir, mesh, main=main, stream=stream)
     if start >= config.steps:
@@ -444,7 +455,8 @@ def _train_run(
             stream,
         )
         return RunResult(run_dir, config, None, [], warm, summary)
-    recorder = _recorder(config, run_dir, start, model, params, task, mesh, main=main, progress=progress)
+    policy = policy_of(config, model, params, state)
+    recorder = _recorder(config, run_dir, start, *policy, task, mesh, main=main, progress=progress)
     steps = _RunSteps(config, recorder, checkpointer)
     try:
         state, history = training.train(
@@ -461,6 +473,7 @@ def _train_run(
             compilation_cache=config.compilation_cache,
             tools=build.tools(config.task),
             environment_factory=build.environment_factory(config.task),
+            lora=config.lora.build(),
         )
     except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
         steps.keep(stopped, start=start, stream=stream)
@@ -518,10 +531,11 @@ def _continued(
     *,
     main: bool,
     stream,
-) -> tuple[models.Model, training.TrainState, dict[str, Any]]:
-    """``(model, state, warm_start)`` of a run continued from its latest readable checkpoint
-    (restored straight into its shards on ``mesh``); the checkpoints after it that cannot be
-    used are moved aside, so their steps are saved again."""
+) -> tuple[models.Model, models.Params, training.TrainState, dict[str, Any]]:
+    """``(model, params, state, warm_start)`` of a run continued from its latest readable
+    checkpoint (restored straight into its shards on ``mesh``): ``params`` are the state's,
+    or a LoRA run's base (:func:`load_base`). The checkpoints after it that cannot be used
+    are moved aside, so their steps are saved again."""
     model, abstract_params = build.model(config, task, abstract=True)
     like = build.abstract_state(config, model, abstract_params)
     if mesh is not None:
@@ -530,6 +544,7 @@ def _continued(
             like,
             training.state_shardings(like, config.algorithm, config.train, mesh, rules),
         )
+    params = None if config.lora.build() is None else load_base(run_dir, config, task, mesh=mesh)
     state = _restore(checkpointer, like)
     start = int(state.step)
     for unreadable in (s for s in checkpointer.all_steps() if s > start):
@@ -544,7 +559,7 @@ def _continued(
     checkpointer.reload()  # without those moved aside: their steps are saved again, not counted to keep
     warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
     _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
-    return model, state, warm
+    return model, state.params if params is None else params, state, warm
 
 
 def _warm_started(
@@ -564,12 +579,81 @@ def _warm_started(
     if config.train.eval_every:
         with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
             warm.update(evaluate_model(model, params, task, config, mesh=mesh))
+    if config.lora.build() is not None:
+        _save_base(run_dir, config, params, stored=bool(losses) or config.model.path is None, main=main)
     if main:
         _write_json(run_dir / WARM_START_FILE, warm)
     if "eval_greedy_accuracy" in warm:
         before = f"After the warm start ({warm['steps']} steps)" if warm["steps"] else "Before training"
         _print(f"{before}: held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.", stream)
     return model, params, warm
+
+
+def _save_base(run_dir: pathlib.Path, config: RunConfig, params: models.Params, *, stored: bool, main: bool) -> None:
+    """Records a LoRA run's base before its first step: ``base.json`` (``model.path``, or
+    ``None`` when the base is ``stored`` in ``base/``, and the digest of every array) and,
+    when ``stored``, the base itself (the built-in model, or weights a warm start changed)."""
+    if stored:
+        with training.Checkpointer(run_dir / BASE_CHECKPOINT, max_to_keep=None) as checkpointer:
+            checkpointer.save(0, params)
+    digests = training.checkpoint.digests(params)
+    if main:
+        _write_json(run_dir / BASE_FILE, {"path": None if stored else config.model.path, "digests": digests})
+
+
+def load_base(
+    run_dir: str | os.PathLike, config: RunConfig, task, *, mesh: jax.sharding.Mesh | None = None
+) -> models.Params:
+    """A LoRA run's base, as its first step had it: ``model.path``'s weights, or those
+    stored in ``base/``; read straight into their shards on ``mesh``.
+
+    Raises RunDirectoryError: no ``base.json``, or an array whose digest differs from the
+    one recorded (the model directory's weights changed since the run started)."""
+    run_dir = pathlib.Path(run_dir)
+    try:
+        record = json.loads((run_dir / BASE_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise RunDirectoryError(
+            f"{str(run_dir)!r} holds a LoRA run without a readable {BASE_FILE} (its base's place and digests): {error}."
+        ) from None
+    if record["path"] is None:
+        _, like = build.model(config, task, abstract=True)
+        if mesh is not None:
+            like = jax.tree.map(
+                lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+                like,
+                sharding.param_shardings(like, mesh, sharding.RULES[config.mesh.rules]),
+            )
+        with training.Checkpointer(run_dir / BASE_CHECKPOINT) as checkpointer:
+            params = checkpointer.restore(0, like=like)
+        where = f"{run_dir / BASE_CHECKPOINT}"
+    else:
+        _, params = build.model(config, task, mesh=mesh)
+        where = f"model.path {record['path']!r}"
+    digests, expected = training.checkpoint.digests(params), record["digests"]
+    changed = sorted(name for name in digests.keys() | expected.keys() if digests.get(name) != expected.get(name))
+    if changed:
+        listed = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise RunDirectoryError(
+            f"the base of the LoRA run in {str(run_dir)!r} ({where}) is not the one it started from: "
+            f"{len(changed)} of its arrays differ from the digests in {BASE_FILE} ({listed}). Put back "
+            "the weights it trained over, or start a new run."
+        )
+    return params
+
+
+def policy_of(
+    config: RunConfig, model: models.Model, params: models.Params, state: training.TrainState | None
+) -> tuple[models.Model, models.Params]:
+    """The policy of a run at ``state`` (``None``: before its first step, ``params`` itself):
+    ``model`` over ``state.params``, or for a LoRA run the LoRA model over the base ``params``
+    and the state's adapters."""
+    lora = config.lora.build()
+    if state is None:
+        return model, params
+    if lora is None:
+        return model, state.params
+    return models.lora.adapted(model, lora), models.lora.combine(params, state.params)
 
 
 def _recorder(
@@ -766,7 +850,8 @@ def _summary(run_dir: pathlib.Path, warm: dict[str, Any], wall_seconds: float) -
 
 def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
     """``(config, task, model, params, step)`` of checkpoint ``step`` of a run (default: the
-    latest readable one)."""
+    latest readable one); of a LoRA run, the LoRA model and its base and adapters together
+    (``models.lora.split`` takes them apart, ``models.lora.merge`` makes a plain model)."""
     run_dir = pathlib.Path(run_dir)
     config = stored_config(run_dir)
     if config is None:
@@ -778,7 +863,8 @@ def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
         if not checkpointer.all_steps():
             raise RunDirectoryError(f"{str(run_dir)!r} has no complete checkpoint yet.")
         state = checkpointer.restore(step, like=build.abstract_state(config, model, abstract_params))
-    return config, task, model, state.params, int(state.step)
+    base = None if config.lora.build() is None else load_base(run_dir, config, task)
+    return config, task, *policy_of(config, model, base, state), int(state.step)
 
 
 def evaluate_model(
@@ -830,15 +916,26 @@ def evaluate_run(
 
 
 def export_run(
-    run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, overwrite: bool = False
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    adapter: bool = False,
 ) -> int:
     """Writes checkpoint ``step``'s policy (default: the latest) as a Hugging Face directory
     with its tokenizer and a generation config holding the task's stop ids and the run's
     sampling settings (the policy trained is the one sampled at ``train.sampling.temperature``);
-    returns the step. ``out`` must not hold anything unless ``overwrite`` (its model and
-    tokenizer files are then replaced, other files kept), nor lie in the run directory.
+    returns the step. A LoRA run's policy is written merged (``W + s A B``), or with
+    ``adapter`` as its adapters alone in PEFT's format (``adapter_config.json``,
+    ``adapter_model.safetensors``), naming its base: ``model.path``, or, for a base that is
+    not a model directory's weights as they are (the built-in model, a warm start), the
+    Hugging Face directory ``out/base`` written beside them. ``out`` must not hold anything
+    unless ``overwrite`` (its model and tokenizer files are then replaced, other files
+    kept), nor lie in the run directory.
 
-    Raises RunDirectoryError for such an ``out``, before reading the checkpoint."""
+    Raises RunDirectoryError for such an ``out``, or ``adapter`` for a run without LoRA,
+    before reading the checkpoint."""
     out_path, run_path = pathlib.Path(out).resolve(), pathlib.Path(run_dir).resolve()
     if out_path == run_path or run_path in out_path.parents:
         raise RunDirectoryError(f"--out {str(out)!r} lies in the run directory {str(run_dir)!r}; export elsewhere.")
@@ -852,6 +949,13 @@ def export_run(
             f"--out {str(out)!r} exists and is not empty; choose another directory, or pass "
             "--overwrite to replace the model and tokenizer files there."
         )
+    if adapter:
+        stored = stored_config(run_dir)
+        if stored is not None and stored.lora.build() is None:
+            raise RunDirectoryError(
+                f"--adapter writes a LoRA run's adapters; the run in {str(run_dir)!r} trained every weight "
+                "(lora.rank = 0). Export it without --adapter."
+            )
     config, task, model, params, step = restore_policy(run_dir, step)
     sampling = config.train.sampling
     truncation = {"top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p}
@@ -862,7 +966,17 @@ def export_run(
         "temperature": sampling.temperature,
         **{k: v for k, v in truncation.items() if v is not None},
     }
-    models.save_pretrained(out, model, params, tokenizer=task.tokenizer, generation_config=generation)
+    if not adapter:
+        models.save_pretrained(out, model, params, tokenizer=task.tokenizer, generation_config=generation)
+        return step
+    base_path = json.loads((pathlib.Path(run_dir) / BASE_FILE).read_text(encoding="utf-8"))["path"]
+    if base_path is None:
+        base_path = str(out_path / BASE_CHECKPOINT)
+        base, _ = models.lora.split(params)
+        models.save_pretrained(
+            base_path, models.lora.base_model(model), base, tokenizer=task.tokenizer, generation_config=generation
+        )
+    models.lora.save_adapter(out, model, params, base_model_name_or_path=base_path)
     return step
 
 

@@ -309,17 +309,22 @@ def _lora_state(
     ref_params: models.Params | None,
 ) -> tuple[models.Model, TrainState]:
     """The LoRA model and the state of a LoRA run on the base ``params``: fresh, or the
-    caller's ``state`` (of a LoRA run with this config) once checked, its base ``params``."""
+    caller's ``state`` (of a LoRA run with this config, its ``frozen`` base set or, as a
+    checkpoint restores it, ``None``) once checked, its base ``params``."""
     if ref_params is not None:
         raise ValueError("train: with `lora`, the reference is the base `params` itself: do not pass `ref_params`.")
     check_params(model, params)
-    lora_model, adapters = models.lora.add_adapters(model, lora, jax.random.fold_in(jax.random.key(config.seed), 1))
+    lora_model = models.lora.adapted(model, lora)
     if state is None:
+        adapters = models.lora.init_adapters(lora_model.config, jax.random.fold_in(jax.random.key(config.seed), 1))
         return lora_model, init_state(lora_model, adapters, algorithm, config, frozen=params)
-    if not isinstance(state, TrainState) or state.frozen is None:
-        raise ValueError("train: with `lora`, `state` must be a LoRA run's state (its `frozen` base set).")
+    if isinstance(state, TrainState):
+        if not jax.tree.leaves(models.lora.split(state.params)[1]):
+            raise ValueError("train: with `lora`, `state` must be a LoRA run's state (adapters as its params).")
+        state = state._replace(frozen=params)
+    adapters = jax.eval_shape(lambda: models.lora.init_adapters(lora_model.config, jax.random.key(0)))
     check_state(state, lora_model, adapters, algorithm, config, frozen=params)
-    return lora_model, state._replace(frozen=params)
+    return lora_model, state
 
 
 class _Compiled(NamedTuple):
