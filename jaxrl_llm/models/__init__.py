@@ -11,6 +11,8 @@
     model = models.with_options(model, scan_layers=True, remat="dots")
     # Low-rank adapters over the frozen base (models.lora): the adapters a pytree of their own.
     lora_model, adapters = models.lora.add_adapters(model, models.LoraConfig(rank=16), key)
+    # An int8 base for LoRA (models.quantize): projections a byte per weight, quantized as read.
+    model, params = models.from_pretrained("path/to/checkpoint", jnp.bfloat16, quantization="int8")
 
 ``model`` is static (config and graph definition); ``params`` is an immutable pytree.
 
@@ -19,7 +21,7 @@ The package exports what a user calls; the library's own helpers stay in their m
 ``models.config.EXECUTION_OPTIONS``, ...).
 """
 
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import lora, quantize
 from jaxrl_llm.models.config import LoraConfig, ModelConfig, RopeConfig
 from jaxrl_llm.models.decoder import KVCache
 from jaxrl_llm.models.functional import (
@@ -66,6 +68,7 @@ __all__ = [
     "lora",
     "output_kernel",
     "prefill",
+    "quantize",
     "save_pretrained",
     "save_tokenizer",
     "with_options",

@@ -32,6 +32,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 all-linear leaves the output layer out, as here)."""
 
 
+QUANTIZATIONS = ("int8",)
+"""How a frozen base's projections may be stored (:mod:`jaxrl_llm.models.quantize`)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     r"""Low-rank adapters (Hu et al., 2021) on the projections ``targets``, PEFT's way.
@@ -175,6 +179,12 @@ class ModelConfig:
     lora: LoraConfig | None = None
     """Low-rank adapters on the projections (:mod:`jaxrl_llm.models.lora`): their weights
     are params of the model beside the base's. Not part of a Hugging Face config."""
+    quantization: str | None = None
+    r"""``"int8"``: the seven projections (:data:`LORA_TARGETS`) are stored as int8 with a
+    float32 scale per output channel, ``{name}_scale``, and computed as :math:`(x Q) \cdot s`
+    (:mod:`jaxrl_llm.models.quantize`): a base a byte per projection weight, for LoRA over
+    it; such params are not trained. ``None``: ``param_dtype``. Not part of a Hugging Face
+    config."""
     scan_layers: bool = False
     """Run the decoder layers as one ``jax.lax.scan`` in every pass: teacher-forced ones,
     both passes of :func:`jaxrl_llm.models.functional.group_completion_hidden_states`, the prefill and
@@ -273,6 +283,8 @@ class ModelConfig:
             fail(f"`scan_layers` must be True or False; got {self.scan_layers!r}.")
         _checks.one_of("ModelConfig", "remat", self.remat, REMAT_POLICIES)
         _checks.one_of("ModelConfig", "attention", self.attention, ATTENTION_IMPLEMENTATIONS)
+        if self.quantization is not None:
+            _checks.one_of("ModelConfig", "quantization", self.quantization, (None, *QUANTIZATIONS))
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             fail(f"`lora` must be a LoraConfig or None; got {type(self.lora).__name__}.")
         if self.attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

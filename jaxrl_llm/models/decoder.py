@@ -25,6 +25,7 @@ the attention softmax in float32, matmuls in ``config.dtype``.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -46,6 +47,43 @@ def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...],
     else:
         value = (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+@functools.partial(jax.jit, static_argnames="inputs")
+def quantize_kernel(kernel: jax.Array, *, inputs: int = 1) -> tuple[jax.Array, jax.Array]:
+    r"""``(Q, s)``: ``kernel`` ``[*in, *out]`` (``inputs`` leading axes) as int8 and its
+    float32 scales ``[*out]``, one per output channel, symmetric:
+    :math:`s_j = \max_i |W_{ij}| / 127` (1 for a column of zeros),
+    :math:`Q_{ij} = \operatorname{round}(W_{ij} / s_j)` (:mod:`jaxrl_llm.models.quantize`)."""
+    w = kernel.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(w), axis=tuple(range(inputs)), keepdims=True)  # [1, ..., *out]
+    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+    return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale.reshape(w.shape[inputs:])
+
+
+def _projection(module: nnx.Module, name: str, rngs, config: ModelConfig, shape, axes, *, inputs: int = 1) -> None:
+    """Gives ``module`` the kernel of projection ``name`` ``[*in, *out]`` (``inputs`` leading
+    axes): in ``param_dtype``, or with ``config.quantization`` as int8 with its float32
+    scales ``{name}_scale`` ``[*out]`` (:func:`quantize_kernel` of the same initialisation)."""
+    if config.quantization is None:
+        setattr(module, name, _param(rngs, shape, axes, config.param_dtype))
+        return
+    q, scale = quantize_kernel(_param(rngs, shape, axes, jnp.float32)[...], inputs=inputs)
+    setattr(module, name, nnx.Param(q, out_sharding=axes, eager_sharding=False))
+    setattr(module, f"{name}_scale", nnx.Param(scale, out_sharding=axes[inputs:], eager_sharding=False))
+
+
+def _linear(module: nnx.Module, name: str, x: jax.Array, config: ModelConfig, *, inputs: int = 1) -> jax.Array:
+    r"""``x`` ``[..., in]`` (flat features) through projection ``name`` and its adapter:
+    :math:`x W + s_{lora}\,(x A) B`, ``[..., out]`` flat, in ``config.dtype``. An int8 kernel
+    :math:`Q` with scales :math:`s` computes :math:`(x Q) \odot s` (:mod:`jaxrl_llm.models.quantize`)."""
+    w = getattr(module, name)[...]
+    kernel = w.astype(config.dtype).reshape(math.prod(w.shape[:inputs]), -1)  # [in, out]
+    out = dense(x, kernel)
+    scale = getattr(module, f"{name}_scale", None)
+    if scale is not None:
+        out = out * scale[...].reshape((1,) * (out.ndim - 1) + (-1,)).astype(config.dtype)  # [..., out]
+    return _with_lora(module, name, x, out, config)
 
 
 class LoraParam(nnx.Param):
@@ -304,10 +342,14 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
         c, pd = config, config.param_dtype
         self.config = config
-        self.q_proj = _param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), pd)
-        self.k_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
-        self.v_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
-        self.o_proj = _param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd)
+        _projection(self, "q_proj", rngs, c, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"))
+        for name in ("k_proj", "v_proj"):
+            _projection(
+                self, name, rngs, c, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim")
+            )
+        _projection(
+            self, "o_proj", rngs, c, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), inputs=2
+        )
         embed = ((c.hidden_size,), ("embed",))
         for target, heads, axis in (("q_proj", c.num_heads, "heads"), ("k_proj", c.num_kv_heads, "kv_heads"),
                                     ("v_proj", c.num_kv_heads, "kv_heads")):  # fmt: skip
@@ -336,9 +378,8 @@ class Attention(nnx.Module):
         x = x.astype(dtype)
 
         def project(kernel: nnx.Param, bias_name: str, target: str) -> jax.Array:
-            w = kernel[...].astype(dtype)  # [E, heads, D]
-            out = _with_lora(self, target, x, dense(x, w.reshape(w.shape[0], -1)), c)  # [B, S, heads * D]
-            out = out.reshape(*x.shape[:2], *w.shape[1:])  # [B, S, heads, D]
+            out = _linear(self, target, x, c)  # [B, S, heads * D]
+            out = out.reshape(*x.shape[:2], *kernel[...].shape[1:])  # [B, S, heads, D]
             if c.attention_bias:
                 out = out + getattr(self, bias_name)[...].astype(dtype)[None, None]
             return out
@@ -370,9 +411,7 @@ class Attention(nnx.Module):
 
         batch, length, heads, head_dim = q.shape
         out = _attention(attention_implementation(c), q, k.astype(dtype), v.astype(dtype), mask)  # [B, S, H, D]
-        o_proj = self.o_proj[...].astype(dtype)  # [H, D, E]
-        out = out.reshape(batch, length, heads * head_dim)
-        out = _with_lora(self, "o_proj", out, dense(out, o_proj.reshape(heads * head_dim, -1)), c)  # [B, S, E]
+        out = _linear(self, "o_proj", out.reshape(batch, length, heads * head_dim), c, inputs=2)  # [B, S, E]
         if c.output_bias:
             out = out + self.o_bias[...].astype(dtype)[None, None]
         return out, cache
@@ -382,11 +421,11 @@ class MLP(nnx.Module):
     r"""SwiGLU: :math:`W_{down}(\operatorname{silu}(x W_{gate}) \odot x W_{up})`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
-        c, pd = config, config.param_dtype
+        c = config
         self.dtype = c.dtype
-        self.gate_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
-        self.up_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
-        self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pd)
+        for name in ("gate_proj", "up_proj"):
+            _projection(self, name, rngs, c, (c.hidden_size, c.intermediate_size), ("embed", "mlp"))
+        _projection(self, "down_proj", rngs, c, (c.intermediate_size, c.hidden_size), ("mlp", "embed"))
         self.config = c
         embed, mlp = ((c.hidden_size,), ("embed",)), ((c.intermediate_size,), ("mlp",))
         _lora_pair(self, rngs, c, "gate_proj", embed, mlp)
@@ -396,10 +435,9 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
         c = self.config
         x = x.astype(self.dtype)
-        gate = _with_lora(self, "gate_proj", x, dense(x, self.gate_proj[...].astype(self.dtype)), c)  # [B, S, F]
-        up = _with_lora(self, "up_proj", x, dense(x, self.up_proj[...].astype(self.dtype)), c)
-        hidden = swiglu(gate, up)
-        return _with_lora(self, "down_proj", hidden, dense(hidden, self.down_proj[...].astype(self.dtype)), c)
+        gate = _linear(self, "gate_proj", x, c)  # [B, S, F]
+        up = _linear(self, "up_proj", x, c)
+        return _linear(self, "down_proj", swiglu(gate, up), c)
 
 
 class DecoderLayer(nnx.Module):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import numbers
 import os
@@ -43,7 +44,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm import sharding as sharding_lib
-from jaxrl_llm.models.config import ModelConfig, dtype_from_name
+from jaxrl_llm.models import quantize
+from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig, dtype_from_name
+from jaxrl_llm.models.decoder import quantize_kernel
 from jaxrl_llm.models.functional import Model, Params, abstract
 
 if TYPE_CHECKING:
@@ -190,6 +193,7 @@ def from_pretrained(
     compute_dtype: Any | None = None,
     mesh: jax.sharding.Mesh | None = None,
     rules: sharding_lib.Rules | None = None,
+    quantization: str | None = None,
 ) -> tuple[Model, Params]:
     """Loads a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3).
 
@@ -219,6 +223,10 @@ def from_pretrained(
       rules: the logical-axis rules that place them (default
         ``sharding.RULES["fsdp_tensor"]``, as :func:`jaxrl_llm.training.train` uses);
         only with ``mesh``.
+      quantization: ``"int8"``: each projection quantized as it is read
+        (:mod:`jaxrl_llm.models.quantize`; equal to ``quantize.quantize`` of the float load,
+        bit for bit), so no device holds more than one float projection at a time: a frozen
+        base for LoRA at a byte per projection weight.
 
     Returns:
       ``(model, params)`` for :func:`jaxrl_llm.models.forward` and friends.
@@ -239,6 +247,7 @@ def from_pretrained(
     hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     dtype = dtype_from_name(dtype)
     config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype_from_name(compute_dtype or dtype))
+    config = dataclasses.replace(config, quantization=quantization)
     model, params, _ = read_weights(directory, config, mesh=mesh, rules=rules)
     return model, params
 
@@ -303,6 +312,12 @@ def read_weights(
             open_files[file] = safe_open(file, framework="numpy").__enter__()
         return open_files[file]
 
+    scales = {}  # int8 kernels' paths -> their scale's abstract leaf, filled with the kernel
+    if config.quantization is not None:
+        flat_shapes = dict(nnx.to_flat_state(shapes))
+        scales = {path[:-1] + (path[-1][: -len("_scale")],): flat_shapes.pop(path) for path in list(flat_shapes)
+                  if path[-1].endswith("_scale") and path[-1][: -len("_scale")] in LORA_TARGETS}  # fmt: skip
+        shapes = nnx.from_flat_state(flat_shapes)
     try:
         for path_, variable in nnx.to_flat_state(shapes):
             name, layout = hf_name(path_)
@@ -317,12 +332,24 @@ def read_weights(
                     f"Tensor {name!r} has shape {list(tensor.get_shape())} in the checkpoint, but the config implies "
                     f"{list(expected)}."
                 )
+            scale = scales.get(path_)
+            stored = dtype if scale is None else jnp.float32  # an int8 kernel: quantized from float32
             if mesh is None:
-                value = jnp.asarray(to_ours(opened(name).get_tensor(name), shape), dtype=dtype)
+                value = jnp.asarray(to_ours(opened(name).get_tensor(name), shape), dtype=stored)
             else:
                 placement = placements[path_]
                 placement = placement.get_value() if isinstance(placement, nnx.Variable) else placement
-                value = _sharded(tensor, layout, shape, dtype, placement)
+                value = _sharded(tensor, layout, shape, stored, placement)
+            if scale is not None:
+                value, scale_value = quantize_kernel(value, inputs=quantize.input_axes(path_[-1]))
+                scale_path = path_[:-1] + (f"{path_[-1]}_scale",)
+                if mesh is not None:
+                    where = placements[scale_path]
+                    scale_value = jax.device_put(
+                        scale_value, where.get_value() if isinstance(where, nnx.Variable) else where
+                    )
+                    value = jax.device_put(value, placement)
+                loaded.append((scale_path, scale.replace(scale_value)))
             loaded.append((path_, variable.replace(value)))
             used.add(name)
         extras = {name: opened(name).get_tensor(name) for name in extra}
@@ -422,7 +449,8 @@ def save_pretrained(
       model, params: from :func:`from_pretrained` or :func:`jaxrl_llm.models.init`. A model
         with LoRA adapters is saved merged (:func:`jaxrl_llm.models.lora.merge`, in the
         base's dtype): a checkpoint of full weights that needs no ``peft`` to load. For the
-        adapters alone, :func:`jaxrl_llm.models.lora.save_adapter`.
+        adapters alone, :func:`jaxrl_llm.models.lora.save_adapter`. An int8 model is saved
+        dequantized (:func:`jaxrl_llm.models.quantize.dequantize`, in ``param_dtype``).
       tokenizer: a ``transformers`` tokenizer whose ids lie in ``[0, vocab_size)`` (one from
         ``AutoTokenizer`` or :func:`jaxrl_llm.tasks.build_char_tokenizer`, with its
         ``chat_template`` if set); ``None`` writes none and keeps the directory's.
@@ -446,6 +474,7 @@ def save_pretrained(
         from jaxrl_llm.models import lora
 
         model, params = lora.merge(model, params)
+    model, params = quantize.dequantize(model, params)
     target = pathlib.Path(path).resolve()
     if not target.name:
         raise ValueError(f"Cannot save a checkpoint as the file system root {target}; pass a directory below it.")

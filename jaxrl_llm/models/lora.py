@@ -41,6 +41,7 @@ from safetensors.numpy import save_file
 from jaxrl_llm.models.config import LoraConfig, ModelConfig
 from jaxrl_llm.models.decoder import CausalLM, LoraParam, lora_a_init
 from jaxrl_llm.models.functional import Model, Params, abstract
+from jaxrl_llm.models.quantize import dequantize
 
 __all__ = [
     "LoraConfig",
@@ -138,7 +139,8 @@ def combine(base: Params, adapters: Params) -> Params:
 
 def merge(model: Model, params: Params, *, dtype=None) -> tuple[Model, Params]:
     r"""The adapters folded into the base: every targeted kernel becomes
-    :math:`W + s\,A B` (computed in float32, stored in ``dtype``, by default the kernel's),
+    :math:`W + s\,A B` (computed in float32, stored in ``dtype``, by default the kernel's;
+    an int8 base's :math:`W` is its dequantized :math:`s \odot Q` in ``param_dtype``),
     the other leaves are the base's own arrays. Returns the model without adapters
     (:func:`base_model`) and its params: the same function up to float rounding, at the
     cost of a copy of the targeted kernels.
@@ -149,6 +151,7 @@ def merge(model: Model, params: Params, *, dtype=None) -> tuple[Model, Params]:
     lora = model.config.lora
     if lora is None:
         raise ValueError("merge: the model has no adapters (its config's `lora` is None).")
+    model, params = dequantize(model, params)  # an int8 base: s Q in param_dtype first
     base, adapters = split(params)
     flat = dict(nnx.to_flat_state(adapters))
 

@@ -3,6 +3,7 @@ functions, the warm start and the abstract train state a checkpoint restores int
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -106,7 +107,7 @@ def model(
 ) -> tuple[models.Model, models.Params]:
     """The policy before training: the model directory's weights, or the built-in decoder
     initialised from ``config.train.seed``, with the spec's execution options (layer scan,
-    remat, attention). ``abstract``: shapes and dtypes only (``jax.ShapeDtypeStruct``
+    remat, attention), int8 with ``model.quantization``. ``abstract``: shapes and dtypes only (``jax.ShapeDtypeStruct``
     leaves), nothing read or computed. ``mesh``: a model directory's tensors are read
     straight into their shards by ``config.mesh.rules``."""
     spec = config.model
@@ -118,14 +119,15 @@ def model(
             positions = episodes.rollout.max_cache_slots(
                 max_prompt_length=sampling.max_prompt_length, max_new_tokens=sampling.max_new_tokens
             )  # an episode's cache has room for gaps between turns
-        built = model_config(spec, task, positions)
+        built = dataclasses.replace(model_config(spec, task, positions), quantization=spec.quantization)
         model_, params = models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
     else:
         check_model_path(spec)
         dtype, compute = _DTYPES[spec.param_dtype], _DTYPES[spec.dtype or spec.param_dtype]
         if abstract:
             hf_config = transformers.AutoConfig.from_pretrained(spec.path, local_files_only=True)
-            model_, params = models.abstract(models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute))
+            built = models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute)
+            model_, params = models.abstract(dataclasses.replace(built, quantization=spec.quantization))
         else:
             model_, params = models.from_pretrained(
                 spec.path,
@@ -133,6 +135,7 @@ def model(
                 compute_dtype=compute,
                 mesh=mesh,
                 rules=None if mesh is None else sharding.RULES[config.mesh.rules],
+                quantization=spec.quantization,
             )
     return models.with_options(model_, **options), params
 

@@ -110,6 +110,11 @@ class ModelSpec:
     """Built-in model only: the most positions a run may ask of it, ``train.sampling.max_prompt_length
     + train.sampling.max_new_tokens`` (it is built with exactly those; its KV cache and
     attention grow with them). A model directory's limit is its ``max_position_embeddings``."""
+    quantization: Literal["int8"] | None = None
+    """``"int8"``: a LoRA run's frozen base stores its projections as int8 with a scale per
+    output channel (:mod:`jaxrl_llm.models.quantize`; a byte per weight, QLoRA's memory),
+    quantized as read, or after the warm start, which trains in ``param_dtype``. Needs
+    ``lora.rank > 0``: int8 weights are not trained."""
     scan_layers: bool = False
     """Run the decoder layers in one ``lax.scan`` in every pass, decoding included
     (``models.ModelConfig.scan_layers``): with ``remat``, far less activation memory."""
@@ -395,6 +400,11 @@ class RunConfig:
         _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
         algorithms.get(self.method)  # a preset's name (the error lists them)
         training.step.check_supported(self.algorithm, self.train)
+        if self.model.quantization is not None and not self.lora.rank:
+            raise ValueError(
+                f"{where}: model.quantization = {self.model.quantization!r} stores a frozen base, which only "
+                "LoRA adapters train over; set lora.rank (e.g. 16), or leave model.quantization out."
+            )
         if self.lora.rank and self.algorithm.needs_critic:
             raise ValueError(
                 f"{where}: LoRA (lora.rank = {self.lora.rank}) trains adapters over a frozen base, and "

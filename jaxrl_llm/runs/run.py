@@ -566,10 +566,17 @@ def _warm_started(
     config: RunConfig, task, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, main: bool, stream
 ) -> tuple[models.Model, models.Params, dict[str, Any]]:
     """``(model, params, warm_start)`` of a new run: the model built, warm-started
-    (``config.warm_start``) and evaluated when the run evaluates; ``warm_start.json`` written."""
-    model, params = build.model(config, task, mesh=mesh)
+    (``config.warm_start``), quantized after it (``model.quantization``, which the warm start
+    trains without), and evaluated when the run evaluates; ``warm_start.json`` written."""
+    quantization = config.model.quantization
+    trained = config  # the warm start trains the unquantized model
+    if quantization is not None and config.warm_start.enabled:
+        trained = dataclasses.replace(config, model=dataclasses.replace(config.model, quantization=None))
+    model, params = build.model(trained, task, mesh=mesh)
     started = time.perf_counter()
     params, losses = build.warm_start(config, model, params, task)
+    if quantization is not None and model.config.quantization is None:
+        model, params = models.quantize.quantize(model, params, quantization=quantization)
     warm = {
         "steps": len(losses),
         "first_loss": losses[0] if losses else None,

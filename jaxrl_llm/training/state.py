@@ -106,6 +106,12 @@ def init_state(
             f"init_state: algorithm {algorithm.name!r} trains a critic (GAE), which LoRA runs do not have yet; use a "
             "critic-free advantage (grpo, rloo, reinforce-baseline, ...) with LoRA, or full training."
         )
+    if frozen is None and model.config.quantization is not None:
+        raise ValueError(
+            f"init_state: the model's projections are {model.config.quantization} (quantization="
+            f"{model.config.quantization!r}), which are not trained; train LoRA adapters over it "
+            "(training.train(..., lora=models.LoraConfig(...))), or load it unquantized."
+        )
     if frozen is not None and ref_params is not None:
         raise ValueError("init_state: with LoRA (`frozen`) the reference is the base itself; do not pass `ref_params`.")
     if not algorithm.needs_critic:

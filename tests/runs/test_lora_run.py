@@ -17,6 +17,7 @@ from jaxrl_llm import cli, models, runs, training
 from jaxrl_llm.models import lora
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
+from tests.models.test_lora import KERNELS
 from tests.runs.test_resume import (
     command,
     complete_checkpoints,
@@ -232,3 +233,34 @@ def test_a_lora_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_
     *_, resumed_params, step = runs.restore_policy(killed)
     assert step == 12
     chex.assert_trees_all_equal(resumed_params, reference_params)  # bitwise, adapters and base
+
+
+# ----------------------------------------------------------------------------------------
+# An int8 base
+
+
+def test_an_int8_base_without_lora_is_refused_before_any_compute(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nquantization = "int8"\n')
+    with pytest.raises(ValueError, match=r"model.quantization = 'int8' stores a frozen base, .* set lora.rank"):
+        run_config.load(path)
+
+
+@pytest.mark.slow
+def test_a_lora_run_over_an_int8_base_quantizes_after_the_warm_start_and_reads_it_back(tmp_path, reward):
+    config = tiny(reward, steps=2)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, quantization="int8"))
+    run_dir = tmp_path / "run"
+    result = runs.train_run(config, run_dir, progress=False, stream=None)
+    kernels = {path: leaf for path, leaf in nnx.to_flat_state(result.state.frozen) if path[-1] in KERNELS}
+    assert kernels and all(leaf[...].dtype == jnp.int8 for leaf in kernels.values())
+    assert json.loads((run_dir / run.BASE_FILE).read_text())["path"] is None  # warm-started, then quantized
+    _, task, model, params, _ = runs.restore_policy(run_dir)
+    assert model.config.quantization == "int8"
+    chex.assert_trees_all_equal(lora.split(params)[0], result.state.frozen)
+
+    # The merged export is the dequantized base plus s A B: the same logits up to rounding.
+    assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "merged")]) == 0
+    merged_model, merged = models.from_pretrained(tmp_path / "merged", jnp.float32)
+    ids = jnp.asarray(task.tokenizer(["u:Solve 1 + 2\na:3"])["input_ids"])
+    np.testing.assert_allclose(models.forward(merged_model, merged, ids), models.forward(model, params, ids), atol=1e-4)

@@ -49,11 +49,14 @@ def test_only_the_adapters_train_and_the_reference_is_the_base():
     assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
 
 
-def test_a_step_takes_the_chain_rule_of_the_full_models_gradient():
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_step_takes_the_chain_rule_of_the_full_models_gradient(quantization):
     # One Adam step from perturbed adapters: its first moment is (1 - b1) g. The reference g
     # is the full-parameter loss's gradient at the merged kernels, carried to A and B by
-    # dA = s dW' B^T and dB = s A^T dW'.
+    # dA = s dW' B^T and dB = s A^T dW'. Over an int8 base, W is the dequantized s Q.
     model, base = models.init(CONFIG, jax.random.key(0))
+    if quantization:
+        model, base = models.quantize.quantize(model, base, quantization=quantization)
     lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(1))
     adapters = perturbed(adapters, scale=0.1)
     config = dataclasses.replace(RUN, max_grad_norm=1e9, reference_metrics=True)
@@ -130,3 +133,25 @@ def test_what_lora_runs_cannot_take_is_refused():
     lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(0))
     with pytest.raises(ValueError, match="already has adapters"):
         training.train(lora_model, lora.combine(params, adapters), algorithms.get("grpo"), RUN, **run)
+
+
+def test_adapters_train_over_an_int8_base_that_stays_as_it_was():
+    model, params = models.quantize.quantize(*models.init(CONFIG, jax.random.key(0)))
+    before = jax.tree.map(np.array, params)
+    config = dataclasses.replace(RUN, learning_rate=3e-2, reference_metrics=True)
+    state, history = training.train(
+        model, params, algorithms.get("grpo"), config, steps=3, task=TASK, lora=LORA, compilation_cache=False
+    )
+    assert all(x is y for x, y in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(params), strict=True))
+    assert _leaves_equal(params, before)
+    assert {x.dtype for path, x in nnx.to_flat_state(state.frozen) if path[-1] in KERNELS} == {jnp.dtype(jnp.int8)}
+    assert any(np.any(x[...]) for path, x in nnx.to_flat_state(state.params) if path[-1].endswith("_lora_b"))
+    assert all(np.isfinite(h["loss"]) for h in history) and int(state.skipped_updates) == 0
+    tokens = jnp.asarray(TASK.prompts(np.random.default_rng(0), 2).tokens)
+    lora_model = lora.adapted(model, LORA)
+    reference = lora.combine(params, state.ref_params)
+    base_logits = models.forward(model, params, tokens)
+    np.testing.assert_array_equal(models.forward(lora_model, reference, tokens), base_logits)
+    assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
+    with pytest.raises(ValueError, match="projections are int8"):
+        training.train(model, params, algorithms.get("grpo"), config, steps=1, task=TASK, compilation_cache=False)
