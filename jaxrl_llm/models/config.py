@@ -56,6 +56,10 @@ class LoraConfig:
     normalised to a tuple in :data:`LORA_TARGETS`' order."""
     rslora: bool = False
     r"""Scale by :math:`\alpha / \sqrt{r}` (PEFT's ``use_rslora``)."""
+    dropout: float = 0.0
+    """PEFT's ``lora_dropout``: the probability of zeroing each input of an adapter (the
+    survivors scaled by ``1 / (1 - dropout)``) in the update's training pass; never in
+    decoding or in the log-probs the update compares against."""
     dtype: Any = jnp.float32
     """Storage dtype of the adapters (the trained weights; the base keeps its own)."""
 
@@ -75,6 +79,9 @@ class LoraConfig:
                 f"got {self.targets!r}."
             )
         object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoraConfig: `dropout` must be a number in [0, 1); got {self.dropout!r}.")
+        object.__setattr__(self, "dropout", float(self.dropout))
         if not isinstance(self.rslora, bool):
             raise ValueError(f"LoraConfig: `rslora` must be True or False; got {self.rslora!r}.")
         try:

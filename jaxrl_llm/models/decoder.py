@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_llm.models.config import ModelConfig, RopeConfig
+from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig, RopeConfig
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for these families
 
@@ -73,7 +73,9 @@ def _projection(module: nnx.Module, name: str, rngs, config: ModelConfig, shape,
     setattr(module, f"{name}_scale", nnx.Param(scale, out_sharding=axes[inputs:], eager_sharding=False))
 
 
-def _linear(module: nnx.Module, name: str, x: jax.Array, config: ModelConfig, *, inputs: int = 1) -> jax.Array:
+def _linear(
+    module: nnx.Module, name: str, x: jax.Array, config: ModelConfig, *, inputs: int = 1, dropout_key=None
+) -> jax.Array:
     r"""``x`` ``[..., in]`` (flat features) through projection ``name`` and its adapter:
     :math:`x W + s_{lora}\,(x A) B`, ``[..., out]`` flat, in ``config.dtype``. An int8 kernel
     :math:`Q` with scales :math:`s` computes :math:`(x Q) \odot s` (:mod:`jaxrl_llm.models.quantize`)."""
@@ -83,7 +85,7 @@ def _linear(module: nnx.Module, name: str, x: jax.Array, config: ModelConfig, *,
     scale = getattr(module, f"{name}_scale", None)
     if scale is not None:
         out = out * scale[...].reshape((1,) * (out.ndim - 1) + (-1,)).astype(config.dtype)  # [..., out]
-    return _with_lora(module, name, x, out, config)
+    return _with_lora(module, name, x, out, config, dropout_key=dropout_key)
 
 
 class LoraParam(nnx.Param):
@@ -115,12 +117,21 @@ def _lora_pair(module: nnx.Module, rngs, config: ModelConfig, target: str, input
     setattr(module, f"{target}_lora_b", LoraParam(b, out_sharding=("lora", *out_axes), eager_sharding=False))
 
 
-def _with_lora(module: nnx.Module, target: str, x: jax.Array, out: jax.Array, config: ModelConfig) -> jax.Array:
+def _with_lora(
+    module: nnx.Module, target: str, x: jax.Array, out: jax.Array, config: ModelConfig, *, dropout_key=None
+) -> jax.Array:
     r"""``out`` ``[..., out]`` (:math:`x W`, ``x`` ``[..., in]`` with flat features) plus
-    :math:`s\,(x A) B` in ``config.dtype`` when ``target`` has an adapter."""
+    :math:`s\,(x A) B` in ``config.dtype`` when ``target`` has an adapter. With a
+    ``dropout_key`` and ``config.lora.dropout`` :math:`p > 0`, the adapter reads
+    :math:`x \odot m / (1 - p)`, :math:`m_i \sim \text{Bernoulli}(1 - p)` (PEFT's
+    ``lora_dropout``; the base's :math:`x W` reads :math:`x` as it is)."""
     a = getattr(module, f"{target}_lora_a", None)
     if a is None:
         return out
+    rate = config.lora.dropout
+    if dropout_key is not None and rate > 0:
+        keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, LORA_TARGETS.index(target)), 1 - rate, x.shape)
+        x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
     b = getattr(module, f"{target}_lora_b")[...]
     a = a[...].reshape(-1, b.shape[0]).astype(config.dtype)  # [in, r]
     b = b.reshape(b.shape[0], -1).astype(config.dtype)  # [r, out]
@@ -373,12 +384,13 @@ class Attention(nnx.Module):
         cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D]), or [L, ...] each
         cache_index: jax.Array | int = 0,
         layer: jax.Array | int | None = None,  # with a stacked [L, ...] cache: this layer's index in it
+        dropout_key: jax.Array | None = None,  # LoRA dropout on the adapters' inputs (_with_lora)
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         c, dtype = self.config, self.config.dtype
         x = x.astype(dtype)
 
         def project(kernel: nnx.Param, bias_name: str, target: str) -> jax.Array:
-            out = _linear(self, target, x, c)  # [B, S, heads * D]
+            out = _linear(self, target, x, c, dropout_key=dropout_key)  # [B, S, heads * D]
             out = out.reshape(*x.shape[:2], *kernel[...].shape[1:])  # [B, S, heads, D]
             if c.attention_bias:
                 out = out + getattr(self, bias_name)[...].astype(dtype)[None, None]
@@ -411,7 +423,8 @@ class Attention(nnx.Module):
 
         batch, length, heads, head_dim = q.shape
         out = _attention(attention_implementation(c), q, k.astype(dtype), v.astype(dtype), mask)  # [B, S, H, D]
-        out = _linear(self, "o_proj", out.reshape(batch, length, heads * head_dim), c, inputs=2)  # [B, S, E]
+        out = out.reshape(batch, length, heads * head_dim)
+        out = _linear(self, "o_proj", out, c, inputs=2, dropout_key=dropout_key)  # [B, S, E]
         if c.output_bias:
             out = out + self.o_bias[...].astype(dtype)[None, None]
         return out, cache
@@ -432,12 +445,12 @@ class MLP(nnx.Module):
         _lora_pair(self, rngs, c, "up_proj", embed, mlp)
         _lora_pair(self, rngs, c, "down_proj", mlp, embed)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
-        c = self.config
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:  # [B, S, E] -> [B, S, E]
+        c, dropout = self.config, dict(dropout_key=dropout_key)  # LoRA dropout (_with_lora)
         x = x.astype(self.dtype)
-        gate = _linear(self, "gate_proj", x, c)  # [B, S, F]
-        up = _linear(self, "up_proj", x, c)
-        return _linear(self, "down_proj", swiglu(gate, up), c)
+        gate = _linear(self, "gate_proj", x, c, **dropout)  # [B, S, F]
+        up = _linear(self, "up_proj", x, c, **dropout)
+        return _linear(self, "down_proj", swiglu(gate, up), c, **dropout)
 
 
 class DecoderLayer(nnx.Module):
@@ -459,13 +472,15 @@ class DecoderLayer(nnx.Module):
         cache: tuple[jax.Array, jax.Array] | None = None,  # ([B, KVH, K, D], [B, KVH, K, D]), or [L, ...] each
         cache_index: jax.Array | int = 0,
         layer: jax.Array | int | None = None,  # with a stacked cache: this layer's index in it
+        dropout_key: jax.Array | None = None,  # this layer's LoRA dropout key (_with_lora)
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         mask = _window(mask, window, cache_index)
+        attention_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         attended, cache = self.self_attn(
-            rms_norm(x, self.input_layernorm[...], self.eps), rope, mask, cache, cache_index, layer
+            rms_norm(x, self.input_layernorm[...], self.eps), rope, mask, cache, cache_index, layer, attention_key
         )
         x = x + attended.astype(x.dtype)
-        x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], self.eps)).astype(x.dtype)
+        x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], self.eps), mlp_key).astype(x.dtype)
         return x, cache
 
 
@@ -542,6 +557,7 @@ class CausalLM(nnx.Module):
         scan: bool | None = None,
         carry_cache: bool = True,
         stacked_layers: nnx.State | None = None,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-norm hidden states ``[B, S, E]`` (and the updated cache, in its layout).
 
@@ -552,6 +568,8 @@ class CausalLM(nnx.Module):
         copy per call whose gradient stays per layer (a differentiated pass).
         ``stacked_layers``: :meth:`stack_layers`, when several scanned passes share them (their
         gradients then add up stacked, and are sliced onto the layers once).
+        ``dropout_key``: LoRA dropout (``config.lora.dropout``) on the adapters' inputs, layer
+        ``l`` drawing from ``fold_in(dropout_key, l)``; ``None``: none (decoding, scoring).
 
         ``tokens`` are not checked here (they may be traced): the embedding lookup is a
         JAX gather, so an id outside ``[0, V)`` reads another row (a negative id counts
@@ -565,18 +583,28 @@ class CausalLM(nnx.Module):
         rope = rope_angles(positions, inverse_frequencies(c.rope, c.head_dim))  # shared by layers
         cache_index = 0 if cache is None else cache.index
         kv = None if cache is None else (cache.keys, cache.values)
+        layer_keys = _layer_keys(dropout_key, c.num_layers)
         if scan:
             x, kv = self.scanned_layers(
-                x, rope, mask, kv, cache_index, carry_cache=carry_cache, stacked_layers=stacked_layers
+                x,
+                rope,
+                mask,
+                kv,
+                cache_index,
+                carry_cache=carry_cache,
+                stacked_layers=stacked_layers,
+                layer_keys=layer_keys,
             )
         elif cache is not None and cache.stacked:  # each layer updates its slice of the stacked cache in place
             for i, layer in enumerate(self.layers):
-                x, kv = _remat(layer, c.remat, layer_index=i)(x, rope, mask, c.window(i), kv, cache_index)
+                call = _remat(layer, c.remat, layer_index=i)
+                x, kv = call(x, rope, mask, c.window(i), kv, cache_index, _key_of(layer_keys, i))
         else:
             new_keys, new_values = [], []
             for i, layer in enumerate(self.layers):
                 layer_cache = None if kv is None else (kv[0][i], kv[1][i])
-                x, layer_cache = _remat(layer, c.remat)(x, rope, mask, c.window(i), layer_cache, cache_index)
+                call = _remat(layer, c.remat)
+                x, layer_cache = call(x, rope, mask, c.window(i), layer_cache, cache_index, _key_of(layer_keys, i))
                 if kv is not None:
                     new_keys.append(layer_cache[0])
                     new_values.append(layer_cache[1])
@@ -595,6 +623,7 @@ class CausalLM(nnx.Module):
         *,
         carry_cache: bool = True,
         stacked_layers: nnx.State | None = None,
+        layer_keys: jax.Array | None = None,  # [L] LoRA dropout keys, one per layer (_layer_keys)
     ) -> tuple[jax.Array, tuple | None]:
         r"""The decoder layers as one ``jax.lax.scan`` over their stacked weights.
 
@@ -640,12 +669,13 @@ class CausalLM(nnx.Module):
         if per_layer:
             kv = (jnp.stack(kv[0]), jnp.stack(kv[1]))  # [L, B, KVH, K, D] each
 
-        def apply(state, x, layer_window, layer_kv, layer):
+        def apply(state, x, layer_window, layer_kv, layer, layer_key):
             module = nnx.merge(graphdef, state)
-            return module(x, rope, mask, window if layer_window is None else layer_window, layer_kv, cache_index, layer)
+            layer_window = window if layer_window is None else layer_window
+            return module(x, rope, mask, layer_window, layer_kv, cache_index, layer, layer_key)
 
         apply = _checkpoint(apply, c.remat, prevent_cse=False)  # no CSE to guard against inside a scan
-        xs = dict(state=stacked, layer_window=layer_windows)
+        xs = dict(state=stacked, layer_window=layer_windows, layer_key=layer_keys)
         if kv is not None and carry_cache:
 
             def step(carry, per_layer):
@@ -707,13 +737,24 @@ def _remat(layer: DecoderLayer, remat: str, *, layer_index: int | None = None):
     ``jax.checkpoint`` must see as inputs) with the window kept static; the call itself
     for ``none``. ``layer_index``: the layer's index in a stacked cache (static)."""
     if remat == "none":
-        return functools.partial(layer, layer=layer_index)
+        return lambda x, rope, mask, window, cache, cache_index, key: layer(
+            x, rope, mask, window, cache, cache_index, layer_index, key
+        )
     graphdef, state = nnx.split(layer)
 
-    def call(x, rope, mask, window, cache, cache_index):
-        def apply(state, x, rope, mask, cache, cache_index):
-            return nnx.merge(graphdef, state)(x, rope, mask, window, cache, cache_index, layer_index)
+    def call(x, rope, mask, window, cache, cache_index, key):
+        def apply(state, x, rope, mask, cache, cache_index, key):
+            return nnx.merge(graphdef, state)(x, rope, mask, window, cache, cache_index, layer_index, key)
 
-        return _checkpoint(apply, remat)(state, x, rope, mask, cache, cache_index)
+        return _checkpoint(apply, remat)(state, x, rope, mask, cache, cache_index, key)
 
     return call
+
+
+def _layer_keys(key: jax.Array | None, num_layers: int) -> jax.Array | None:
+    """``[L]`` keys, ``fold_in(key, l)`` for layer ``l`` (``None`` without ``key``)."""
+    return None if key is None else jax.vmap(lambda layer: jax.random.fold_in(key, layer))(jnp.arange(num_layers))
+
+
+def _key_of(keys: jax.Array | None, layer: int) -> jax.Array | None:
+    return None if keys is None else keys[layer]

@@ -178,6 +178,7 @@ def completion_hidden_states(
     completion_len: int,
     *,
     group_size: int = 1,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     r"""``[B, N, E]`` hidden states of the states before each of the last ``N`` tokens.
 
@@ -204,6 +205,7 @@ def completion_hidden_states(
         (checked as in :func:`hidden_states`).
       completion_len: ``N``, at most ``S + N - 1``.
       group_size: ``G``, consecutive rows that share a prompt; must divide ``B``.
+      dropout_key: LoRA dropout for a training pass (:func:`group_completion_hidden_states`).
     """
     fn = "completion_hidden_states"
     _checks.positive_int(fn, "completion_len", completion_len)
@@ -217,11 +219,13 @@ def completion_hidden_states(
         )
     if group_size == 1:
         module = model.module(params)
-        hidden, _ = module.hidden_states(tokens, positions, _causal(mask))  # [B, S + N, E]
+        hidden, _ = module.hidden_states(tokens, positions, _causal(mask), dropout_key=dropout_key)  # [B, S + N, E]
         return hidden[:, -completion_len - 1 : -1]
     if batch % group_size:
         raise ValueError(f"{fn}: `group_size` ({group_size}) must divide the batch ({batch} rows).")
-    return _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size)
+    return _shared_prompt_hidden_states(
+        model, params, tokens, mask, positions, completion_len, group_size, dropout_key=dropout_key
+    )
 
 
 def rows_share_group_prompt(
@@ -240,7 +244,7 @@ def rows_share_group_prompt(
     return jnp.all((mask == first(mask[::group_size])) & same_tokens, axis=1)
 
 
-def _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size):
+def _shared_prompt_hidden_states(model, params, tokens, mask, positions, completion_len, group_size, *, dropout_key):
     """:func:`completion_hidden_states` with one prompt pass per group of ``G`` rows: each
     group's first prompt (its first row's, by striding) through
     :func:`group_completion_hidden_states`, NaN for rows whose prompt differs from it.
@@ -249,7 +253,12 @@ def _shared_prompt_hidden_states(model, params, tokens, mask, positions, complet
     del positions  # left padding: the grouped pass derives the same ones
     prompt_len = tokens.shape[1] - completion_len
     hidden = group_completion_hidden_states(
-        model, params, tokens[::group_size, :prompt_len], mask[::group_size, :prompt_len], tokens[:, prompt_len:]
+        model,
+        params,
+        tokens[::group_size, :prompt_len],
+        mask[::group_size, :prompt_len],
+        tokens[:, prompt_len:],
+        dropout_key=dropout_key,
     )
     same_prompt = rows_share_group_prompt(tokens, mask, completion_len, group_size)  # [B]: the contract, checked
     return jnp.where(same_prompt[:, None, None], hidden, jnp.nan)
@@ -263,6 +272,7 @@ def group_completion_hidden_states(
     completion_tokens: jax.Array,
     *,
     share_prompts: bool = True,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     r"""``[B, N, E]`` hidden states before each completion token, for ``P`` prompts carried
     once and their ``G = B / P`` completions each: row ``b`` continues prompt ``b // G``.
@@ -285,6 +295,9 @@ def group_completion_hidden_states(
         real tokens (each prompt at least one).
       completion_tokens: ``[B, N]`` ids, ``B`` a multiple of ``P``, ``N >= 1``.
       share_prompts: run each prompt once (above) or once per completion.
+      dropout_key: LoRA dropout (``config.lora.dropout``) on the adapters' inputs, for a
+        training pass (:meth:`~jaxrl_llm.models.decoder.CausalLM.hidden_states`); a shared
+        prompt's mask is its group's. ``None``: none.
     """
     fn = "group_completion_hidden_states"
     prompt_tokens, prompt_mask, _ = _inputs(fn, model, prompt_tokens, prompt_mask, None)
@@ -307,7 +320,8 @@ def group_completion_hidden_states(
     if not share_prompts or group == 1:
         tokens = jnp.concatenate([copies(prompt_tokens), completion_tokens], axis=1)  # [B, S + N]
         mask = jnp.concatenate([copies(prompt_mask), jnp.ones(completion_tokens.shape, bool)], axis=1)
-        return completion_hidden_states(model, params, tokens, mask, completion_len)
+        return completion_hidden_states(model, params, tokens, mask, completion_len, dropout_key=dropout_key)
+    prompt_key, completion_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     inputs = completion_len - 1  # the last token is never an input
     slots = prompt_len + inputs
     module = model.module(params)
@@ -318,7 +332,15 @@ def group_completion_hidden_states(
     # carried cache's gradient would cost a whole-cache array per layer.
     layers = module.stack_layers() if module.config.scan_layers else None
     prompt_hidden, cache = _prefill_hidden(
-        model, module, prompt_tokens, prompt_mask, prompt_positions, slots, carry_cache=False, stacked_layers=layers
+        model,
+        module,
+        prompt_tokens,
+        prompt_mask,
+        prompt_positions,
+        slots,
+        carry_cache=False,
+        stacked_layers=layers,
+        dropout_key=prompt_key,
     )  # [P, S, E]
     hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
     if inputs:
@@ -329,7 +351,13 @@ def group_completion_hidden_states(
         attention = keys[:, None, :] & (jnp.arange(slots)[None, :] <= query_slot)[None]  # [B, N - 1, S + N - 1]
         positions = copies(jnp.sum(prompt_mask, axis=1))[:, None] + jnp.arange(inputs)[None, :]  # [B, N - 1]
         completion_hidden, _ = module.hidden_states(
-            completion_tokens[:, :inputs], positions, attention, cache, carry_cache=False, stacked_layers=layers
+            completion_tokens[:, :inputs],
+            positions,
+            attention,
+            cache,
+            carry_cache=False,
+            stacked_layers=layers,
+            dropout_key=completion_key,
         )
         hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
     return hidden
@@ -466,6 +494,7 @@ def _prefill_hidden(
     *,
     carry_cache: bool = True,
     stacked_layers=None,
+    dropout_key=None,
 ):
     """Validated ``[B, S]`` prompt inputs through the decoder into a fresh cache of
     ``cache_size`` slots (:func:`init_cache`'s layout): ``[B, S, E]`` hidden states and the
@@ -476,7 +505,13 @@ def _prefill_hidden(
     cache = cache._replace(valid=cache.valid.at[:, :length].set(mask))
     full_mask = jnp.zeros((batch, length, cache_size), bool).at[:, :, :length].set(_causal(mask))  # [B, S, K]
     hidden, cache = module.hidden_states(
-        tokens, positions, full_mask, cache, carry_cache=carry_cache, stacked_layers=stacked_layers
+        tokens,
+        positions,
+        full_mask,
+        cache,
+        carry_cache=carry_cache,
+        stacked_layers=stacked_layers,
+        dropout_key=dropout_key,
     )
     return hidden, cache._replace(
         next_position=jnp.sum(mask, axis=1).astype(jnp.int32), index=jnp.asarray(length, jnp.int32)

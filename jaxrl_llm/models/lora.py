@@ -224,7 +224,7 @@ def save_adapter(
         "base_model_name_or_path": base_model_name_or_path,
         "r": lora.rank,
         "lora_alpha": int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,
         "target_modules": list(lora.targets),
         "use_rslora": lora.rslora,
         "bias": "none",
@@ -276,6 +276,7 @@ def _lora_config_from_peft(config: dict, where: pathlib.Path, dtype) -> LoraConf
             alpha=float(config.get("lora_alpha", 8)),
             targets=targets if isinstance(targets, str) else tuple(targets or ()),
             rslora=bool(config.get("use_rslora", False)),
+            dropout=float(config.get("lora_dropout", 0.0)),
             dtype=dtype,
         )
     except (KeyError, TypeError, ValueError) as error:

@@ -317,6 +317,9 @@ class LoraSpec:
     ``gate_proj``, ``up_proj``, ``down_proj``), or ``["all-linear"]``."""
     rslora: bool = False
     """Scale by ``alpha / sqrt(rank)`` (PEFT's ``use_rslora``)."""
+    dropout: float = 0.0
+    """PEFT's ``lora_dropout``: zero each adapter input with this probability in the update's
+    training pass (never in the rollouts or the log-probs it compares against)."""
     dtype: Dtype = "float32"
     """The adapters' dtype (the base keeps ``model.param_dtype``)."""
 
@@ -339,7 +342,12 @@ class LoraSpec:
             return None
         targets = "all-linear" if self.targets == ("all-linear",) else self.targets
         return models.LoraConfig(
-            rank=self.rank, alpha=self.alpha, targets=targets, rslora=self.rslora, dtype=self.dtype
+            rank=self.rank,
+            alpha=self.alpha,
+            targets=targets,
+            rslora=self.rslora,
+            dropout=self.dropout,
+            dtype=self.dtype,
         )
 
 

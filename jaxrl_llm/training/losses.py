@@ -54,6 +54,9 @@ class DecoderTeacherForcing:
 
     model: models.Model
     config: TrainConfig
+    lora_dropout_key: jax.Array | None = None
+    """LoRA dropout in :meth:`states` (the update's pass over a LoRA model whose
+    ``lora.dropout > 0``: :func:`adapted`); ``None``: none."""
 
     def states(self, params: models.Params, rows: Rows) -> jax.Array:
         """``[b, N, E]`` hidden states before each completion token (each prompt once if shared)."""
@@ -64,6 +67,7 @@ class DecoderTeacherForcing:
             rows.prompt_mask,
             rows.completion_tokens,
             share_prompts=self.config.share_prompts,
+            dropout_key=self.lora_dropout_key,
         )
 
     def head(self, params: models.Params) -> jax.Array:
@@ -135,10 +139,28 @@ class AdaptedTeacherForcing:
         return self.inner.values(critic_params, rows)
 
 
-def adapted(policy: TeacherForcing, frozen: models.Params | None) -> TeacherForcing:
+def adapted(
+    policy: TeacherForcing, frozen: models.Params | None, *, dropout_key: jax.Array | None = None
+) -> TeacherForcing:
     """``policy`` over params that are adapters of the base ``frozen`` (LoRA), or ``policy``
-    itself when ``frozen`` is None."""
-    return policy if frozen is None else AdaptedTeacherForcing(policy, frozen)
+    itself when ``frozen`` is None. ``dropout_key``: the update's LoRA dropout (when the
+    model's ``lora.dropout > 0``); the scoring passes take none."""
+    if frozen is None:
+        return policy
+    lora = policy.model.config.lora if isinstance(policy, DecoderTeacherForcing) else None
+    if dropout_key is not None and lora is not None and lora.dropout > 0:
+        policy = dataclasses.replace(policy, lora_dropout_key=dropout_key)
+    return AdaptedTeacherForcing(policy, frozen)
+
+
+def for_minibatch(policy: TeacherForcing, index: jax.Array) -> TeacherForcing:
+    """``policy`` with its LoRA dropout key folded with the minibatch ``index`` (each
+    optimizer step draws its own masks); ``policy`` itself without one."""
+    inner = policy.inner if isinstance(policy, AdaptedTeacherForcing) else None
+    if not isinstance(inner, DecoderTeacherForcing) or inner.lora_dropout_key is None:
+        return policy
+    key = jax.random.fold_in(inner.lora_dropout_key, index)
+    return dataclasses.replace(policy, inner=dataclasses.replace(inner, lora_dropout_key=key))
 
 
 def is_on_policy(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:

@@ -78,6 +78,10 @@ from jaxrl_llm.training.optim import (
 from jaxrl_llm.training.state import TrainState, uses_reference
 from jaxrl_llm.training.trpo_update import trpo_update
 
+LORA_DROPOUT_STREAM = 0x4C6F5241
+"""Folded into the update's key for LoRA dropout's masks (each minibatch folds in its index
+too): a stream of its own, which leaves the run's key sequence as it is."""
+
 
 def check_supported(algorithm: algorithms.Algorithm, config: TrainConfig) -> None:
     """Raises if the run's settings cannot work together."""
@@ -248,7 +252,7 @@ class _Carry(NamedTuple):
 
 def _minibatch_step(
     carry: _Carry,
-    indices: jax.Array,
+    minibatch: tuple[jax.Array, jax.Array],
     *,
     scored: ScoredBatch,
     policy: TeacherForcing,
@@ -257,7 +261,10 @@ def _minibatch_step(
     optimizers: RunOptimizers,
 ) -> tuple[_Carry, Metrics]:
     """One optimizer step on the rows ``indices`` ``[b]`` of ``scored`` (all of it, in
-    order, with one minibatch), policy and critic together, or none if not finite."""
+    order, with one minibatch), the ``number``-th of the update, policy and critic
+    together, or none if not finite."""
+    indices, number = minibatch
+    policy = losses.for_minibatch(policy, number)
     params, opt_state, critic_params, critic_opt_state, skipped = carry
     rows = scored if config.num_minibatches == 1 else rows_with_own_prompts(scored, indices)
     (loss, metrics, grads), critic = minibatch_gradients(
@@ -324,7 +331,7 @@ def optax_update(
         _minibatch_step, scored=scored, policy=policy, algorithm=algorithm, config=config, optimizers=optimizers
     )
     carry = _Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state, state.skipped_updates)
-    carry, metrics = jax.lax.scan(one_step, carry, order)
+    carry, metrics = jax.lax.scan(one_step, carry, (order, jnp.arange(order.shape[0])))
     # A train step counts as skipped if any of its minibatch updates was.
     step_skipped = carry.skipped > state.skipped_updates
     state = state._replace(
@@ -351,8 +358,8 @@ def update(
 ) -> tuple[TrainState, Metrics]:
     """The state after training on ``scored``: past the rollout's key, with the batch's
     baseline and prompt count, then :func:`optax_update` or TRPO's step."""
-    policy = losses.adapted(policy, state.frozen)
     key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
+    policy = losses.adapted(policy, state.frozen, dropout_key=jax.random.fold_in(key, LORA_DROPOUT_STREAM))
     state = state._replace(key=key, baseline=scored.baseline, prompts_drawn=state.prompts_drawn + scored.prompts_drawn)
     if algorithm.update == "trpo":
         return trpo_update(state, scored, policy=policy, algorithm=algorithm)

@@ -1,6 +1,9 @@
 """LoRA adapters over a frozen base: the adapted model is the base at initialisation, the
-merged model computes what the unmerged one does, and gradients reach the adapters as the
-chain rule through :math:`W' = W + s A B` says they should."""
+merged model computes what the unmerged one does, gradients reach the adapters as the
+chain rule through :math:`W' = W + s A B` says they should, and dropout masks the
+adapters' inputs only."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -190,3 +193,83 @@ def test_bad_settings_are_refused():
         lora.merge(model, base)
     with pytest.raises(TypeError, match="LoraConfig"):
         lora.add_adapters(model, {"rank": 2}, jax.random.key(1))
+
+
+# ----------------------------------------------------------------------------------------
+# Dropout
+
+
+class _Projection:
+    """A stand-in module holding one adapter, as ``decoder._with_lora`` reads it."""
+
+    def __init__(self, a, b):
+        self.q_proj_lora_a, self.q_proj_lora_b = nnx.Param(a), nnx.Param(b)
+
+
+def test_dropout_scales_the_kept_adapter_inputs_and_leaves_the_adapter_unbiased():
+    from jaxrl_llm.models.decoder import _with_lora
+
+    rate, rank = 0.3, 4
+    config = dataclasses.replace(FAMILIES["llama"], lora=models.LoraConfig(rank=rank, alpha=8.0, dropout=rate))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 16)).astype(np.float32)
+    a, b = rng.normal(size=(16, rank)).astype(np.float32), rng.normal(size=(rank, 12)).astype(np.float32)
+    module, base = _Projection(jnp.asarray(a), jnp.asarray(b)), jnp.zeros((2, 5, 12), jnp.float32)
+    s = config.lora.scale
+
+    key = jax.random.key(7)
+    got = np.asarray(_with_lora(module, "q_proj", jnp.asarray(x), base, config, dropout_key=key))
+    kept = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, 0), 1 - rate, x.shape))  # q_proj's stream
+    expected = s * (np.where(kept, x / (1 - rate), 0).astype(np.float64) @ a) @ b
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert 0.2 < 1 - kept.mean() < 0.4
+
+    no_dropout = s * (x.astype(np.float64) @ a) @ b
+    np.testing.assert_allclose(
+        _with_lora(module, "q_proj", jnp.asarray(x), base, config),
+        no_dropout,
+        rtol=0,
+        atol=1e-5 * np.abs(no_dropout).max(),
+    )
+    draws = jax.vmap(lambda k: _with_lora(module, "q_proj", jnp.asarray(x), base, config, dropout_key=k))(
+        jax.random.split(jax.random.key(1), 2000)
+    )
+    spread = np.asarray(draws).std(axis=0) / np.sqrt(2000)
+    assert np.all(np.abs(np.asarray(draws).mean(axis=0) - no_dropout) < 5 * spread + 1e-4)  # E[mask / (1 - p)] = 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dropout_touches_only_the_adapters_and_scanned_layers_draw_the_unrolled_masks(family):
+    config = FAMILIES[family]
+    lora_config = models.LoraConfig(rank=4, alpha=8.0, dropout=0.2)
+    model, base = models.init(config, jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(1))
+    ids = tokens(config.vocab_size)
+    prompts, completions = ids[:1, :5], ids[:, 5:]
+    mask = jnp.ones(prompts.shape, bool)
+
+    def states(model_, adapters_, key):
+        return models.functional.group_completion_hidden_states(
+            model_, lora.combine(base, adapters_), prompts, mask, completions, dropout_key=key
+        )
+
+    plain = models.functional.group_completion_hidden_states(model, base, prompts, mask, completions)
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(states(lora_model, adapters, key), plain)  # B = 0: the base, whatever the masks
+    moved = perturbed(adapters)
+    with_key, again, other = (states(lora_model, moved, k) for k in (key, key, jax.random.key(4)))
+    np.testing.assert_array_equal(with_key, again)
+    assert not np.allclose(with_key, other) and not np.allclose(with_key, states(lora_model, moved, None))
+    no_rate = lora.adapted(model, dataclasses.replace(lora_config, dropout=0.0))
+    np.testing.assert_array_equal(states(no_rate, moved, key), states(lora_model, moved, None))
+    scanned = models.with_options(lora_model, scan_layers=True)
+    np.testing.assert_allclose(states(scanned, moved, key), with_key, atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_is_a_number_in_zero_one_and_travels_in_pefts_config(tmp_path):
+    with pytest.raises(ValueError, match=r"`dropout` must be a number in \[0, 1\); got 1.0"):
+        models.LoraConfig(dropout=1.0)
+    model, base = models.init(FAMILIES["llama"], jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, models.LoraConfig(rank=2, dropout=0.05), jax.random.key(1))
+    lora.save_adapter(tmp_path, lora_model, adapters)
+    assert lora.load_adapter(tmp_path, model)[0].config.lora.dropout == 0.05

@@ -155,3 +155,30 @@ def test_adapters_train_over_an_int8_base_that_stays_as_it_was():
     assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
     with pytest.raises(ValueError, match="projections are int8"):
         training.train(model, params, algorithms.get("grpo"), config, steps=1, task=TASK, compilation_cache=False)
+
+
+def test_dropout_masks_the_update_only_and_a_run_with_it_continues_bitwise():
+    model, params = models.init(CONFIG, jax.random.key(0))
+    config = dataclasses.replace(RUN, learning_rate=1e-2)
+    with_dropout = dataclasses.replace(LORA, dropout=0.3)
+    run = dict(task=TASK, compilation_cache=False)
+    grpo = algorithms.get("grpo")
+    straight, history = training.train(model, params, grpo, config, steps=3, lora=with_dropout, **run)
+    half, _ = training.train(model, params, grpo, config, steps=2, lora=with_dropout, **run)
+    resumed, _ = training.train(model, params, grpo, config, steps=1, state=half, lora=with_dropout, **run)
+    assert _leaves_equal(resumed.params, straight.params)  # the masks come from the state's key
+    plain, plain_history = training.train(model, params, grpo, config, steps=3, lora=LORA, **run)
+    # The rollouts of step 0 are the same (no dropout in decoding), the updates are not.
+    assert history[0]["reward"] == plain_history[0]["reward"]
+    assert not _leaves_equal(straight.params, plain.params)
+
+    # Scoring (the log-probs the update compares against) takes no dropout: the same with or without it.
+    lora_model, adapters = lora.add_adapters(model, with_dropout, jax.random.key(1))
+    adapters = perturbed(adapters, scale=0.1)
+    state = training.init_state(lora_model, adapters, grpo, config, frozen=params)
+    batch = _batch(lora_model, lora.combine(params, adapters), run=config)
+    scored = jax.jit(training.make_train_step(lora_model, grpo, config).score)(state, batch)[0]
+    no_dropout_model = lora.adapted(model, LORA)
+    state_without = training.init_state(no_dropout_model, adapters, grpo, config, frozen=params)
+    scored_without = jax.jit(training.make_train_step(no_dropout_model, grpo, config).score)(state_without, batch)[0]
+    assert _leaves_equal(scored, scored_without)
