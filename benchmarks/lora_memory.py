@@ -12,6 +12,9 @@ Four parts (``--parts``), each printed as a Markdown table:
   on all seven linear layers (``models.LoraConfig(rank=16, alpha=32)``): the bfloat16
   base (``state.frozen``), float32 adapters, their moments, and the reference (adapters of
   zeros: the base itself, no copy of its weights).
+  The same LoRA state over an int8 base (``model.quantization="int8"``: the seven
+  projections a byte per weight with a float32 scale per output channel,
+  :mod:`jaxrl_llm.models.quantize`; embeddings and output layer in bfloat16).
 * ``compiled`` (nothing run): ``memory_analysis()`` of the update ``training.train``
   compiles (``make_train_step``'s ``update`` wrapped as the loop wraps it, the state
   donated, the frozen base passed beside it), lowered on abstract arguments of a batch of
@@ -183,13 +186,16 @@ def state_rows(shapes: dict[str, models.ModelConfig]) -> list[dict]:
     run = train_config(**COMPILED_BATCH)
     rows = []
     for name, config in shapes.items():
-        for lora in (None, LORA):
-            _, state = abstract_state(config, lora, run)
+        for lora, quantization in ((None, None), (LORA, None), (LORA, "int8")):
+            _, state = abstract_state(dataclasses.replace(config, quantization=quantization), lora, run)
             weights = state.frozen if lora else state.params
+            method = (
+                "full" if lora is None else f"LoRA r{lora.rank}" + (f", {quantization} base" if quantization else "")
+            )
             rows.append(
                 dict(
                     shape=name,
-                    method="full" if lora is None else f"LoRA r{lora.rank}",
+                    method=method,
                     params=sum(math.prod(x.shape) for x in jax.tree.leaves(weights)),
                     trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
                     **state_breakdown(state),

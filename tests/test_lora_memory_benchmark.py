@@ -43,7 +43,7 @@ def hand_count(config: models.ModelConfig, rank: int) -> tuple[int, int]:
 
 
 def test_state_bytes_match_a_count_by_hand():
-    full, lora = bench.state_rows({"toy": TOY})
+    full, lora, int8 = bench.state_rows({"toy": TOY})
     base, adapters = hand_count(TOY, bench.LORA.rank)
     assert lora["params"] == full["params"] == full["trained"] == base and lora["trained"] == adapters
 
@@ -55,7 +55,20 @@ def test_state_bytes_match_a_count_by_hand():
     assert full["base"] == 2 * base and full["adapters"] == 0
     assert 0 <= full["optimizer"] - 3 * 4 * base <= 64  # float32 master copy and two moments, and step counters
     assert full["reference"] == 2 * base
-    for row in (full, lora):
+    # An int8 base: the seven kernels a byte a weight and a float32 scale per output channel;
+    # embeddings, norms and biases in bfloat16. The adapters and their state as over bfloat16.
+    h, i, q, kv = TOY.hidden_size, TOY.intermediate_size, TOY.num_heads * 8, TOY.num_kv_heads * 8
+    projections = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    kernels = TOY.num_layers * sum(a * b for a, b in projections)
+    scales = TOY.num_layers * sum(b for _, b in projections)
+    assert int8["base"] == kernels + 4 * scales + 2 * (base - kernels)
+    assert (int8["adapters"], int8["optimizer"], int8["reference"]) == (
+        lora["adapters"],
+        lora["optimizer"],
+        lora["reference"],
+    )
+    assert int8["params"] == base + scales and int8["trained"] == adapters
+    for row in (full, lora, int8):
         total = sum(row[c] for c in bench.COLUMNS)
         assert row["total"] == total and 0 <= row["other"] < 64  # counters, PRNG key, running baseline
 
