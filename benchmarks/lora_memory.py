@@ -126,16 +126,10 @@ def train_config(*, prompts: int, group: int, prompt_len: int, new_tokens: int) 
 
 
 def lora_model_and_adapters(model: models.Model, lora: models.LoraConfig):
-    """The LoRA model of ``model`` and its abstract adapters, as ``train`` builds them
-    (``lora.add_adapters``) under ``jax.eval_shape``: nothing allocated."""
-    built = {}
-
-    def add(key):
-        built["model"], adapters = models.lora.add_adapters(model, lora, key)
-        return adapters
-
-    adapters = jax.eval_shape(add, jax.random.key(0))
-    return built["model"], adapters
+    """The LoRA model of ``model`` and its abstract adapters (``lora.adapted``,
+    ``lora.abstract_adapters``): nothing allocated."""
+    lora_model = models.lora.adapted(model, lora)
+    return lora_model, models.lora.abstract_adapters(lora_model)
 
 
 def abstract_state(

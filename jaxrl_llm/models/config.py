@@ -59,7 +59,8 @@ class LoraConfig:
     dropout: float = 0.0
     """PEFT's ``lora_dropout``: the probability of zeroing each input of an adapter (the
     survivors scaled by ``1 / (1 - dropout)``) in the update's training pass; never in
-    decoding or in the log-probs the update compares against."""
+    decoding or in the scored old and reference log-probs (TRPO, whose step computes its own
+    old log-probs, computes them with the step's masks)."""
     dtype: Any = jnp.float32
     """Storage dtype of the adapters (the trained weights; the base keeps its own)."""
 

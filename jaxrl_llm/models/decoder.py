@@ -49,6 +49,21 @@ def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...],
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+INPUT_AXES = {"o_proj": 2}
+"""How many leading axes of a projection's kernel are its inputs (``o_proj``: heads and
+head_dim); the others have one (``[embed, ...]``, ``[mlp, ...]``)."""
+
+
+def input_axes(name: str) -> int:
+    """The number of leading input axes of projection ``name``'s kernel (:data:`INPUT_AXES`)."""
+    return INPUT_AXES.get(name, 1)
+
+
+def scale_name(name: str) -> str:
+    """The parameter holding the int8 scales of projection ``name`` (``q_proj`` -> ``q_proj_scale``)."""
+    return f"{name}_scale"
+
+
 @functools.partial(jax.jit, static_argnames="inputs")
 def quantize_kernel(kernel: jax.Array, *, inputs: int = 1) -> tuple[jax.Array, jax.Array]:
     r"""``(Q, s)``: ``kernel`` ``[*in, *out]`` (``inputs`` leading axes) as int8 and its
@@ -57,34 +72,45 @@ def quantize_kernel(kernel: jax.Array, *, inputs: int = 1) -> tuple[jax.Array, j
     :math:`Q_{ij} = \operatorname{round}(W_{ij} / s_j)` (:mod:`jaxrl_llm.models.quantize`)."""
     w = kernel.astype(jnp.float32)
     peak = jnp.max(jnp.abs(w), axis=tuple(range(inputs)), keepdims=True)  # [1, ..., *out]
-    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+    # A product by the constant 1/127, which every backend rounds alike (XLA may turn a
+    # division by a constant into one anyway, so the scales do not depend on where they run).
+    scale = jnp.where(peak > 0, peak * np.float32(1 / 127), 1.0)
     return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale.reshape(w.shape[inputs:])
 
 
-def _projection(module: nnx.Module, name: str, rngs, config: ModelConfig, shape, axes, *, inputs: int = 1) -> None:
+def _projection(
+    module: nnx.Module,
+    name: str,
+    rngs: nnx.Rngs | None,
+    config: ModelConfig,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+) -> None:
     """Gives ``module`` the kernel of projection ``name`` ``[*in, *out]`` (``inputs`` leading
     axes): in ``param_dtype``, or with ``config.quantization`` as int8 with its float32
     scales ``{name}_scale`` ``[*out]`` (:func:`quantize_kernel` of the same initialisation)."""
+    inputs = input_axes(name)
     if config.quantization is None:
         setattr(module, name, _param(rngs, shape, axes, config.param_dtype))
         return
     q, scale = quantize_kernel(_param(rngs, shape, axes, jnp.float32)[...], inputs=inputs)
     setattr(module, name, nnx.Param(q, out_sharding=axes, eager_sharding=False))
-    setattr(module, f"{name}_scale", nnx.Param(scale, out_sharding=axes[inputs:], eager_sharding=False))
+    setattr(module, scale_name(name), nnx.Param(scale, out_sharding=axes[inputs:], eager_sharding=False))
 
 
 def _linear(
-    module: nnx.Module, name: str, x: jax.Array, config: ModelConfig, *, inputs: int = 1, dropout_key=None
+    module: nnx.Module, name: str, x: jax.Array, config: ModelConfig, *, dropout_key: jax.Array | None = None
 ) -> jax.Array:
     r"""``x`` ``[..., in]`` (flat features) through projection ``name`` and its adapter:
     :math:`x W + s_{lora}\,(x A) B`, ``[..., out]`` flat, in ``config.dtype``. An int8 kernel
     :math:`Q` with scales :math:`s` computes :math:`(x Q) \odot s` (:mod:`jaxrl_llm.models.quantize`)."""
     w = getattr(module, name)[...]
-    kernel = w.astype(config.dtype).reshape(math.prod(w.shape[:inputs]), -1)  # [in, out]
+    kernel = w.astype(config.dtype).reshape(math.prod(w.shape[: input_axes(name)]), -1)  # [in, out]
     out = dense(x, kernel)
-    scale = getattr(module, f"{name}_scale", None)
-    if scale is not None:
-        out = out * scale[...].reshape((1,) * (out.ndim - 1) + (-1,)).astype(config.dtype)  # [..., out]
+    scale = getattr(module, scale_name(name), None)
+    if scale is not None:  # applied in float32: a bfloat16 scale would add its own rounding
+        scale = scale[...].reshape((1,) * (out.ndim - 1) + (-1,))  # [1, ..., out] float32
+        out = (out.astype(jnp.float32) * scale).astype(config.dtype)
     return _with_lora(module, name, x, out, config, dropout_key=dropout_key)
 
 
@@ -358,9 +384,7 @@ class Attention(nnx.Module):
             _projection(
                 self, name, rngs, c, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim")
             )
-        _projection(
-            self, "o_proj", rngs, c, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), inputs=2
-        )
+        _projection(self, "o_proj", rngs, c, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"))
         embed = ((c.hidden_size,), ("embed",))
         for target, heads, axis in (("q_proj", c.num_heads, "heads"), ("k_proj", c.num_kv_heads, "kv_heads"),
                                     ("v_proj", c.num_kv_heads, "kv_heads")):  # fmt: skip
@@ -424,7 +448,7 @@ class Attention(nnx.Module):
         batch, length, heads, head_dim = q.shape
         out = _attention(attention_implementation(c), q, k.astype(dtype), v.astype(dtype), mask)  # [B, S, H, D]
         out = out.reshape(batch, length, heads * head_dim)
-        out = _linear(self, "o_proj", out, c, inputs=2, dropout_key=dropout_key)  # [B, S, E]
+        out = _linear(self, "o_proj", out, c, dropout_key=dropout_key)  # [B, S, E]
         if c.output_bias:
             out = out + self.o_bias[...].astype(dtype)[None, None]
         return out, cache

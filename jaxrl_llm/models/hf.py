@@ -45,8 +45,8 @@ from safetensors.numpy import save_file
 
 from jaxrl_llm import sharding as sharding_lib
 from jaxrl_llm.models import quantize
-from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig, dtype_from_name
-from jaxrl_llm.models.decoder import quantize_kernel
+from jaxrl_llm.models.config import ModelConfig, dtype_from_name
+from jaxrl_llm.models.decoder import input_axes, quantize_kernel, scale_name
 from jaxrl_llm.models.functional import Model, Params, abstract
 
 if TYPE_CHECKING:
@@ -223,10 +223,10 @@ def from_pretrained(
       rules: the logical-axis rules that place them (default
         ``sharding.RULES["fsdp_tensor"]``, as :func:`jaxrl_llm.training.train` uses);
         only with ``mesh``.
-      quantization: ``"int8"``: each projection quantized as it is read
-        (:mod:`jaxrl_llm.models.quantize`; equal to ``quantize.quantize`` of the float load,
-        bit for bit), so no device holds more than one float projection at a time: a frozen
-        base for LoRA at a byte per projection weight.
+      quantization: ``"int8"``: each projection quantized as it is read, from its values
+        in ``dtype`` (:mod:`jaxrl_llm.models.quantize`; equal to ``quantize.quantize`` of the
+        load without it, bit for bit), so no device holds more than one unquantized
+        projection at a time: a frozen base for LoRA at a byte per projection weight.
 
     Returns:
       ``(model, params)`` for :func:`jaxrl_llm.models.forward` and friends.
@@ -315,8 +315,9 @@ def read_weights(
     scales = {}  # int8 kernels' paths -> their scale's abstract leaf, filled with the kernel
     if config.quantization is not None:
         flat_shapes = dict(nnx.to_flat_state(shapes))
-        scales = {path[:-1] + (path[-1][: -len("_scale")],): flat_shapes.pop(path) for path in list(flat_shapes)
-                  if path[-1].endswith("_scale") and path[-1][: -len("_scale")] in LORA_TARGETS}  # fmt: skip
+        scales = {
+            quantize.kernel_of(path): flat_shapes.pop(path) for path in list(flat_shapes) if quantize.is_scale(path)
+        }
         shapes = nnx.from_flat_state(flat_shapes)
     try:
         for path_, variable in nnx.to_flat_state(shapes):
@@ -332,17 +333,16 @@ def read_weights(
                     f"Tensor {name!r} has shape {list(tensor.get_shape())} in the checkpoint, but the config implies "
                     f"{list(expected)}."
                 )
-            scale = scales.get(path_)
-            stored = dtype if scale is None else jnp.float32  # an int8 kernel: quantized from float32
+            scale = scales.get(path_)  # an int8 kernel: read in `dtype` (as unquantized), then quantized
             if mesh is None:
-                value = jnp.asarray(to_ours(opened(name).get_tensor(name), shape), dtype=stored)
+                value = jnp.asarray(to_ours(opened(name).get_tensor(name), shape), dtype=dtype)
             else:
                 placement = placements[path_]
                 placement = placement.get_value() if isinstance(placement, nnx.Variable) else placement
-                value = _sharded(tensor, layout, shape, stored, placement)
+                value = _sharded(tensor, layout, shape, dtype, placement)
             if scale is not None:
-                value, scale_value = quantize_kernel(value, inputs=quantize.input_axes(path_[-1]))
-                scale_path = path_[:-1] + (f"{path_[-1]}_scale",)
+                value, scale_value = quantize_kernel(value, inputs=input_axes(path_[-1]))
+                scale_path = path_[:-1] + (scale_name(path_[-1]),)
                 if mesh is not None:
                     where = placements[scale_path]
                     scale_value = jax.device_put(

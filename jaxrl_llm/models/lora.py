@@ -46,6 +46,7 @@ from jaxrl_llm.models.quantize import dequantize
 __all__ = [
     "LoraConfig",
     "LoraParam",
+    "abstract_adapters",
     "adapted",
     "add_adapters",
     "base_model",
@@ -91,6 +92,12 @@ def init_adapters(config: ModelConfig, key: jax.Array) -> Params:
         return lora_a_init(keys[path], spec.shape, spec.dtype)
 
     return nnx.from_flat_state({path: leaf.replace(initial(path, leaf.get_value())) for path, leaf in specs.items()})
+
+
+def abstract_adapters(model: Model) -> Params:
+    """The adapters of the LoRA ``model`` as shapes and dtypes (``jax.ShapeDtypeStruct``
+    leaves): what a checkpoint restores into, or a state is checked against."""
+    return jax.eval_shape(lambda: init_adapters(model.config, jax.random.key(0)))
 
 
 def add_adapters(model: Model, config: LoraConfig, key: jax.Array) -> tuple[Model, Params]:

@@ -29,20 +29,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm.models.config import LORA_TARGETS, QUANTIZATIONS
-from jaxrl_llm.models.decoder import quantize_kernel
+from jaxrl_llm.models.decoder import input_axes, quantize_kernel, scale_name
 from jaxrl_llm.models.functional import Model, Params, abstract
 
 QUANTIZED = LORA_TARGETS
 """The projections an int8 base stores as int8 (the embeddings and output layer are not)."""
-
-INPUT_AXES = {"o_proj": 2}
-"""How many leading axes of a projection's kernel are its inputs (``o_proj``: heads and
-head_dim); the others have one (``[embed, ...]``, ``[mlp, ...]``)."""
-
-
-def input_axes(name: str) -> int:
-    """The number of leading input axes of projection ``name``'s kernel."""
-    return INPUT_AXES.get(name, 1)
 
 
 def dequantize_kernel(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -53,6 +44,16 @@ def dequantize_kernel(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 def _is_kernel(path: tuple) -> bool:
     return path[-1] in QUANTIZED
+
+
+def is_scale(path: tuple) -> bool:
+    """Whether a parameter path is an int8 kernel's scales (``.../q_proj_scale``)."""
+    return any(path[-1] == scale_name(name) for name in QUANTIZED)
+
+
+def kernel_of(scale_path: tuple) -> tuple:
+    """The path of the kernel whose scales are at ``scale_path``."""
+    return (*scale_path[:-1], scale_path[-1][: -len(scale_name(""))])
 
 
 def quantize(model: Model, params: Params, *, quantization: str = "int8") -> tuple[Model, Params]:
@@ -74,9 +75,11 @@ def quantize(model: Model, params: Params, *, quantization: str = "int8") -> tup
     for path, leaf in shapes.items():
         if _is_kernel(path):
             q, scale = quantize_kernel(given[path][...], inputs=input_axes(path[-1]))
-            scale_path = (*path[:-1], f"{path[-1]}_scale")
+            scale_path = (*path[:-1], scale_name(path[-1]))
             out[path], out[scale_path] = leaf.replace(q), shapes[scale_path].replace(scale)
-        elif path in given:
+        elif not is_scale(path):
+            if path not in given:
+                raise ValueError(f"quantize: `params` lack {'/'.join(map(str, path))}, which the model has.")
             out[path] = given[path]
     return quantized_model, nnx.from_flat_state(out)
 
@@ -92,10 +95,10 @@ def dequantize(model: Model, params: Params) -> tuple[Model, Params]:
     dtype = model.config.param_dtype
     out = {}
     for path, leaf in flat.items():
-        if path[-1].endswith("_scale") and path[-1][: -len("_scale")] in QUANTIZED:
+        if is_scale(path):
             continue
         if _is_kernel(path):
-            scale = flat[(*path[:-1], f"{path[-1]}_scale")][...]
+            scale = flat[(*path[:-1], scale_name(path[-1]))][...]
             leaf = leaf.replace(dequantize_kernel(leaf[...], scale, dtype))
         out[path] = leaf
     return plain_model, nnx.from_flat_state(out)

@@ -420,9 +420,10 @@ def abstract_state(config: RunConfig, model_: models.Model, params: models.Param
     if lora is None:
         return jax.eval_shape(lambda p: training.init_state(model_, p, config.algorithm, config.train), params)
     lora_model = models.lora.adapted(model_, lora)
-
-    def initial(base):
-        adapters = models.lora.init_adapters(lora_model.config, jax.random.key(0))
-        return training.init_state(lora_model, adapters, config.algorithm, config.train, frozen=base)
-
-    return jax.eval_shape(initial, params)._replace(frozen=None)
+    adapters = models.lora.abstract_adapters(lora_model)
+    initial = jax.eval_shape(
+        lambda a, base: training.init_state(lora_model, a, config.algorithm, config.train, frozen=base),
+        adapters,
+        params,
+    )
+    return initial._replace(frozen=None)

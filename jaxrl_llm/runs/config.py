@@ -332,17 +332,25 @@ class LoraSpec:
             )
         _checks.one_of(where, "dtype", self.dtype, typing.get_args(Dtype))
         try:
-            self.build()
+            self._config(self.rank or 1)  # every field checked, at rank 0 too
         except ValueError as error:
             raise ValueError(str(error).replace("LoraConfig:", f"{where}:", 1)) from None
+        if not self.rank:
+            changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(
+                    f"{where}: {', '.join(changed)} set without `rank`: LoRA is off at rank 0 (the default); "
+                    "set lora.rank (e.g. 16) to train adapters, or leave the [lora] settings out."
+                )
 
     def build(self) -> models.LoraConfig | None:
         """The adapters' :class:`~jaxrl_llm.models.LoraConfig`; ``None`` for rank 0."""
-        if not self.rank:
-            return None
+        return self._config(self.rank) if self.rank else None
+
+    def _config(self, rank: int) -> models.LoraConfig:
         targets = "all-linear" if self.targets == ("all-linear",) else self.targets
         return models.LoraConfig(
-            rank=self.rank,
+            rank=rank,
             alpha=self.alpha,
             targets=targets,
             rslora=self.rslora,

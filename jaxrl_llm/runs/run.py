@@ -601,6 +601,9 @@ def _save_base(run_dir: pathlib.Path, config: RunConfig, params: models.Params, 
     ``None`` when the base is ``stored`` in ``base/``, and the digest of every array) and,
     when ``stored``, the base itself (the built-in model, or weights a warm start changed)."""
     if stored:
+        if main and (run_dir / BASE_CHECKPOINT).exists():  # a start that died before its first checkpoint
+            shutil.rmtree(run_dir / BASE_CHECKPOINT)
+        distributed.barrier("run's base cleared")
         with training.Checkpointer(run_dir / BASE_CHECKPOINT, max_to_keep=None) as checkpointer:
             checkpointer.save(0, params)
     digests = training.checkpoint.digests(params)
@@ -614,15 +617,11 @@ def load_base(
     """A LoRA run's base, as its first step had it: ``model.path``'s weights, or those
     stored in ``base/``; read straight into their shards on ``mesh``.
 
-    Raises RunDirectoryError: no ``base.json``, or an array whose digest differs from the
-    one recorded (the model directory's weights changed since the run started)."""
+    Raises RunDirectoryError: no readable ``base.json`` or ``base/``, or an array whose
+    digest differs from the one recorded (the model directory's weights changed since the
+    run started)."""
     run_dir = pathlib.Path(run_dir)
-    try:
-        record = json.loads((run_dir / BASE_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise RunDirectoryError(
-            f"{str(run_dir)!r} holds a LoRA run without a readable {BASE_FILE} (its base's place and digests): {error}."
-        ) from None
+    record = base_record(run_dir)
     if record["path"] is None:
         _, like = build.model(config, task, abstract=True)
         if mesh is not None:
@@ -631,8 +630,11 @@ def load_base(
                 like,
                 sharding.param_shardings(like, mesh, sharding.RULES[config.mesh.rules]),
             )
-        with training.Checkpointer(run_dir / BASE_CHECKPOINT) as checkpointer:
-            params = checkpointer.restore(0, like=like)
+        try:
+            with training.Checkpointer(run_dir / BASE_CHECKPOINT) as checkpointer:
+                params = checkpointer.restore(0, like=like)
+        except (FileNotFoundError, RuntimeError) as error:
+            raise RunDirectoryError(f"the base of the LoRA run in {str(run_dir)!r} cannot be read: {error}") from None
         where = f"{run_dir / BASE_CHECKPOINT}"
     else:
         _, params = build.model(config, task, mesh=mesh)
@@ -647,6 +649,23 @@ def load_base(
             "the weights it trained over, or start a new run."
         )
     return params
+
+
+def base_record(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """A LoRA run's ``base.json``: ``{"path": model.path or None, "digests": {path: digest}}``.
+
+    Raises RunDirectoryError: it is missing, not JSON, or lacks either key."""
+    path = pathlib.Path(run_dir) / BASE_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(record, dict) or not {"path", "digests"} <= record.keys():
+            raise ValueError(f"it must hold `path` and `digests`; got {record!r:.200}")
+    except (OSError, ValueError) as error:
+        raise RunDirectoryError(
+            f"{str(path)!r}, the LoRA run's record of its base (where it is, its arrays' digests), cannot be "
+            f"used: {error}."
+        ) from None
+    return record
 
 
 def policy_of(
@@ -935,11 +954,11 @@ def export_run(
     sampling settings (the policy trained is the one sampled at ``train.sampling.temperature``);
     returns the step. A LoRA run's policy is written merged (``W + s A B``), or with
     ``adapter`` as its adapters alone in PEFT's format (``adapter_config.json``,
-    ``adapter_model.safetensors``), naming its base: ``model.path``, or, for a base that is
-    not a model directory's weights as they are (the built-in model, a warm start), the
-    Hugging Face directory ``out/base`` written beside them. ``out`` must not hold anything
-    unless ``overwrite`` (its model and tokenizer files are then replaced, other files
-    kept), nor lie in the run directory.
+    ``adapter_model.safetensors``), naming its base: ``model.path`` (with its tokenizer), or,
+    for a base that is not a model directory's weights as they are (the built-in model, a
+    warm start), the Hugging Face directory ``out/base``, with the tokenizer and generation
+    config, written beside them. ``out`` must not hold anything unless ``overwrite`` (the
+    files it writes are then replaced, other files kept), nor lie in the run directory.
 
     Raises RunDirectoryError for such an ``out``, or ``adapter`` for a run without LoRA,
     before reading the checkpoint."""
@@ -976,7 +995,7 @@ def export_run(
     if not adapter:
         models.save_pretrained(out, model, params, tokenizer=task.tokenizer, generation_config=generation)
         return step
-    base_path = json.loads((pathlib.Path(run_dir) / BASE_FILE).read_text(encoding="utf-8"))["path"]
+    base_path = base_record(run_dir)["path"]
     if base_path is None:
         base_path = str(out_path / BASE_CHECKPOINT)
         base, _ = models.lora.split(params)

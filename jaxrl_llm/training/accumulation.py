@@ -52,7 +52,7 @@ def combine_metrics(metrics: Metrics, loss_weights: jax.Array, token_weights: ja
 
 
 def accumulate_gradients(
-    value_and_grads: Callable[[object], Sequence[LossMetricsGrads]],
+    value_and_grads: Callable[[object, jax.Array], Sequence[LossMetricsGrads]],
     parts,
     *,
     completion_mask: jax.Array,
@@ -62,8 +62,9 @@ def accumulate_gradients(
     """Each objective's ``(loss, metrics, grads)`` over the rows of ``parts``, one pass per part.
 
     Args:
-      value_and_grads: rows -> one ``(loss, metrics, grads)`` per objective (the policy's,
-        then the critic's, ...), on the rows given.
+      value_and_grads: ``(rows, index)`` -> one ``(loss, metrics, grads)`` per objective (the
+        policy's, then the critic's, ...), on the rows given, the ``index``-th micro-batch
+        (``[]`` int32: what draws its own randomness, LoRA dropout's masks, folds in).
       parts: the micro-batches, every leaf with a leading ``[k]`` axis, with a
         ``completion_mask`` ``[k, b, N]`` (:func:`jaxrl_llm.training.batch.micro_batches`).
       completion_mask: ``[B, N]``, the whole minibatch's (``B = k b``).
@@ -74,8 +75,9 @@ def accumulate_gradients(
       One ``(loss, metrics, grads)`` per objective, the gradient float32, in one ``lax.scan``.
     """
 
-    def accumulate(totals, part):
-        results = value_and_grads(part)
+    def accumulate(totals, numbered):
+        part, index = numbered
+        results = value_and_grads(part, index)
         tokens = _share(part.completion_mask, completion_mask, "token-mean")
         sums, outputs = [], []
         for (loss, metrics, grads), (loss_sum, grad_sum), mode in zip(results, totals, modes):
@@ -89,7 +91,8 @@ def accumulate_gradients(
     totals = tuple(
         (jnp.zeros((), jnp.float32), jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)) for tree in params
     )
-    sums, outputs = jax.lax.scan(accumulate, totals, parts)
+    count = jax.tree.leaves(parts)[0].shape[0]
+    sums, outputs = jax.lax.scan(accumulate, totals, (parts, jnp.arange(count, dtype=jnp.int32)))
     return tuple(
         (loss, combine_metrics(metrics, weights, tokens), grads)
         for (loss, grads), (metrics, weights, tokens) in zip(sums, outputs)

@@ -322,8 +322,7 @@ def _lora_state(
         if not jax.tree.leaves(models.lora.split(state.params)[1]):
             raise ValueError("train: with `lora`, `state` must be a LoRA run's state (adapters as its params).")
         state = state._replace(frozen=params)
-    adapters = jax.eval_shape(lambda: models.lora.init_adapters(lora_model.config, jax.random.key(0)))
-    check_state(state, lora_model, adapters, algorithm, config, frozen=params)
+    check_state(state, lora_model, models.lora.abstract_adapters(lora_model), algorithm, config, frozen=params)
     return lora_model, state
 
 

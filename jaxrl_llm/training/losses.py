@@ -153,9 +153,9 @@ def adapted(
     return AdaptedTeacherForcing(policy, frozen)
 
 
-def for_minibatch(policy: TeacherForcing, index: jax.Array) -> TeacherForcing:
-    """``policy`` with its LoRA dropout key folded with the minibatch ``index`` (each
-    optimizer step draws its own masks); ``policy`` itself without one."""
+def fold_dropout_key(policy: TeacherForcing, index: jax.Array) -> TeacherForcing:
+    """``policy`` with its LoRA dropout key folded with ``index`` (a minibatch's or a
+    micro-batch's number: each draws its own masks); ``policy`` itself without one."""
     inner = policy.inner if isinstance(policy, AdaptedTeacherForcing) else None
     if not isinstance(inner, DecoderTeacherForcing) or inner.lora_dropout_key is None:
         return policy

@@ -218,14 +218,17 @@ def minibatch_gradients(
     """``((loss, metrics, grads), critic)`` of one optimizer step's rows, ``critic`` the
     critic's ``(loss, metrics, grads)`` or None, over ``config.num_micro_batches`` passes
     (:func:`jaxrl_llm.training.accumulation.accumulate_gradients`; the value loss is a token mean)."""
-    value_and_grads = functools.partial(
-        _value_and_grads,
-        params,
-        critic_params,
-        policy=policy,
-        algorithm=algorithm,
-        on_policy=losses.is_on_policy(algorithm, config),
-    )
+
+    def value_and_grads(rows: ScoredBatch, micro_batch: jax.Array | None = None):
+        return _value_and_grads(
+            params,
+            critic_params,
+            rows,
+            policy=policy if micro_batch is None else losses.fold_dropout_key(policy, micro_batch),
+            algorithm=algorithm,
+            on_policy=losses.is_on_policy(algorithm, config),
+        )
+
     if config.num_micro_batches == 1:
         results = value_and_grads(rows)
     else:
@@ -260,11 +263,12 @@ def _minibatch_step(
     config: TrainConfig,
     optimizers: RunOptimizers,
 ) -> tuple[_Carry, Metrics]:
-    """One optimizer step on the rows ``indices`` ``[b]`` of ``scored`` (all of it, in
-    order, with one minibatch), the ``number``-th of the update, policy and critic
-    together, or none if not finite."""
+    """One optimizer step on ``minibatch``, ``(indices, number)``: the rows ``indices``
+    ``[b]`` of ``scored`` (all of it, in order, with one minibatch), the ``number``-th step
+    of the update (``[]`` int32, folded into LoRA dropout's key), policy and critic together,
+    or none if not finite."""
     indices, number = minibatch
-    policy = losses.for_minibatch(policy, number)
+    policy = losses.fold_dropout_key(policy, number)
     params, opt_state, critic_params, critic_opt_state, skipped = carry
     rows = scored if config.num_minibatches == 1 else rows_with_own_prompts(scored, indices)
     (loss, metrics, grads), critic = minibatch_gradients(

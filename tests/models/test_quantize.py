@@ -97,6 +97,11 @@ def test_loading_quantized_equals_quantizing_the_float_load_and_saving_writes_th
     ):
         assert leaf.sharding == where
 
+    # In bfloat16 the kernels are quantized from their bfloat16 values, as quantize() of that load.
+    bf16_model, bf16 = models.from_pretrained(tmp_path / "float", jnp.bfloat16)
+    _, bf16_int8 = models.from_pretrained(tmp_path / "float", jnp.bfloat16, quantization="int8")
+    chex.assert_trees_all_equal(bf16_int8, quantize.quantize(bf16_model, bf16)[1])
+
     models.save_pretrained(tmp_path / "int8", int8_model, int8)
     _, saved = models.from_pretrained(tmp_path / "int8", jnp.float32)
     chex.assert_trees_all_equal(saved, quantize.dequantize(int8_model, int8)[1])

@@ -90,6 +90,13 @@ def test_bad_lora_settings_are_refused_naming_the_field_and_the_allowed_values(t
         run_config.load(path)
 
 
+def test_lora_settings_without_a_rank_are_refused_not_ignored():
+    with pytest.raises(ValueError, match=r"LoraSpec: dropout set without `rank`: LoRA is off at rank 0"):
+        run_config.LoraSpec(dropout=0.1)
+    with pytest.raises(ValueError, match=r"LoraSpec: `dropout` must be a number in \[0, 1\)"):
+        run_config.LoraSpec(dropout=2.0)
+
+
 def test_a_lora_run_of_a_method_with_a_critic_is_refused_before_any_compute(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('method = "ppo"\n[lora]\nrank = 4\n')
@@ -148,6 +155,26 @@ def test_a_continued_lora_run_ends_where_the_straight_run_does(lora_run):
     )
     b_matrices = [leaf for path, leaf in nnx.to_flat_state(straight.state.params) if path[-1].endswith("_lora_b")]
     assert all(bool(jnp.any(b[...] != 0)) for b in b_matrices)  # every B moved from its zero start
+
+
+@pytest.mark.slow
+def test_a_lora_run_that_died_before_its_first_checkpoint_starts_again(lora_run, tmp_path, reward):
+    import shutil
+
+    root, _, straight = lora_run
+    run_dir = tmp_path / "died"
+    shutil.copytree(root / "straight", run_dir)
+    shutil.rmtree(run_dir / run.CHECKPOINTS)  # steps logged, no checkpoint: the run starts over
+    again = runs.train_run(tiny(reward, steps=6), run_dir, progress=False, stream=None)
+    chex.assert_trees_all_equal(again.state.params, straight.state.params)
+    chex.assert_trees_all_equal(run.load_base(run_dir, again.config, build.run_task(again.config)), again.state.frozen)
+
+    (run_dir / run.BASE_FILE).write_text('{"path": null}')
+    with pytest.raises(run.RunDirectoryError, match=r"base.json.* cannot be used: it must hold `path` and `digests`"):
+        runs.restore_policy(run_dir)
+    (run_dir / run.BASE_FILE).unlink()
+    with pytest.raises(run.RunDirectoryError, match=r"base.json.* cannot be used: .*No such file"):
+        runs.restore_policy(run_dir)
 
 
 @pytest.mark.slow

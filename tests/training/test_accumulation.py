@@ -38,7 +38,7 @@ def test_accumulated_gradients_equal_the_whole_batchs(mode, parts):
     params = {"w": jnp.float32(0.7), "b": jnp.float32(-0.3)}
     loss, grads = jax.value_and_grad(_loss)(params, rows, mode)
 
-    def value_and_grads(part):
+    def value_and_grads(part, index):
         value, part_grads = jax.value_and_grad(_loss)(params, part, mode)
         return ((value, {"loss": value, "tokens": jnp.sum(part.completion_mask).astype(jnp.float32)}, part_grads),)
 
@@ -50,6 +50,26 @@ def test_accumulated_gradients_equal_the_whole_batchs(mode, parts):
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
     for name in params:
         np.testing.assert_allclose(total_grads[name], grads[name], rtol=1e-5)
+
+
+def test_each_micro_batch_is_given_its_index():
+    # A loss and gradient that are the micro-batch's index: with two equal halves, token-mean
+    # weights of 1/2 each give (0 + 1) / 2 (the index draws each part's own randomness).
+    rows = Rows(x=jnp.zeros((4, 3), jnp.float32), completion_mask=jnp.ones((4, 3), bool))
+
+    def value_and_grads(part, index):
+        value = index.astype(jnp.float32)
+        return ((value, {"loss": value}, {"w": value}),)
+
+    parts_of = jax.tree.map(lambda leaf: leaf.reshape(2, -1, *leaf.shape[1:]), rows)
+    ((total, _, grads),) = accumulation.accumulate_gradients(
+        value_and_grads,
+        parts_of,
+        completion_mask=rows.completion_mask,
+        modes=("token-mean",),
+        params=({"w": jnp.float32(0)},),
+    )
+    assert float(total) == float(grads["w"]) == 0.5
 
 
 def test_metrics_combine_as_min_max_loss_weights_and_token_weights():
