@@ -306,7 +306,7 @@ class LoraSpec:
     """Low-rank adapters trained over the frozen model instead of its weights
     (:class:`jaxrl_llm.models.LoraConfig`, ``training.train(..., lora=)``). ``rank = 0`` (the
     default): none, every weight trained. The base is the model after the warm start; the
-    reference is the base itself. Methods with a critic (GAE) are not available with it."""
+    reference is the base itself; PPO's critic is adapters of its own and a value head over it."""
 
     rank: int = 0
     """``r``, PEFT's ``r`` (0: no adapters)."""
@@ -420,13 +420,6 @@ class RunConfig:
             raise ValueError(
                 f"{where}: model.quantization = {self.model.quantization!r} stores a frozen base, which only "
                 "LoRA adapters train over; set lora.rank (e.g. 16), or leave model.quantization out."
-            )
-        if self.lora.rank and self.algorithm.needs_critic:
-            raise ValueError(
-                f"{where}: LoRA (lora.rank = {self.lora.rank}) trains adapters over a frozen base, and "
-                f"method {self.method!r} trains a critic (GAE), which LoRA runs do not have; choose a "
-                f"critic-free method ({', '.join(n for n, a in algorithms.PRESETS.items() if not a.needs_critic)}) "
-                "or lora.rank = 0."
             )
         sampling = self.train.sampling
         positions = sampling.max_prompt_length + sampling.max_new_tokens

@@ -670,7 +670,8 @@ def train(
         reference is the base itself. The rollouts decode the LoRA model unmerged, and
         :func:`jaxrl_llm.training.policy_params` of the returned state is the policy's whole
         params (``lora.merge`` makes them a plain model); a ``state`` to continue from is a
-        LoRA run's. Methods with a critic (GAE) are not available with it yet.
+        LoRA run's. A method with GAE trains a critic of its own adapters and value head over
+        the same base.
 
     Returns:
       The final state and one dict of float metrics per step. The state's reference (and

@@ -116,9 +116,10 @@ class DecoderTeacherForcing:
 @dataclasses.dataclass(frozen=True)
 class AdaptedTeacherForcing:
     """:class:`TeacherForcing` of a LoRA policy whose params are its adapters alone: ``inner``
-    (the LoRA model's) runs on ``lora.combine(frozen, adapters)``. Built inside a traced step
-    around the state's ``frozen`` base, so gradients with respect to the params reach the
-    adapters only and the base is read, never differentiated."""
+    (the LoRA model's) runs on ``lora.combine(frozen, adapters)``, and a critic's backbone on
+    ``lora.combine(frozen, its adapters)``. Built inside a traced step around the state's
+    ``frozen`` base, so gradients with respect to the params reach the adapters only and the
+    base is read, never differentiated."""
 
     inner: TeacherForcing
     frozen: models.Params
@@ -136,7 +137,9 @@ class AdaptedTeacherForcing:
         return self.inner.categorical_kl(states, head, other_states, other_head)
 
     def values(self, critic_params: Any, rows: Rows) -> jax.Array:
-        return self.inner.values(critic_params, rows)
+        """The critic's values: its backbone is adapters of its own over the same ``frozen`` base."""
+        backbone = models.lora.combine(self.frozen, critic_params["backbone"])
+        return self.inner.values({**critic_params, "backbone": backbone}, rows)
 
 
 def adapted(

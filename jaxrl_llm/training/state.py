@@ -15,7 +15,8 @@ method's KL term (in the loss or the reward), or by the metrics
 changes, and ``state.params`` the adapters alone, so the optimizer holds state for the
 adapters only. The policy is ``lora.combine(frozen, params)`` (:func:`policy_params`), and
 the reference is the base itself: adapters of zeros, whose share :math:`s (x 0) 0` is exactly
-0, so no copy of the weights is kept.
+0, so no copy of the weights is kept. PPO's critic is ``{"backbone": its own adapters, "head"}``
+over the same base.
 """
 
 from __future__ import annotations
@@ -97,15 +98,11 @@ def init_state(
 
     ``frozen``: LoRA's base params (kept as they are, never copied or donated), with
     ``model`` the LoRA model and ``params`` its adapters; the reference is then adapters of
-    zeros (the base itself), and ``ref_params`` must not be given. A critic over a frozen
-    base is not available yet: methods with GAE raise ValueError."""
+    zeros (the base itself), and ``ref_params`` must not be given. A method with GAE gets a
+    critic of its own adapters over the same base (a copy of the policy's initial adapters,
+    so its backbone starts as the base) and its value head: no copy of the base's weights."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     optimizers = run_optimizers(algorithm, config, decay_steps=1)
-    if frozen is not None and algorithm.needs_critic:
-        raise ValueError(
-            f"init_state: algorithm {algorithm.name!r} trains a critic (GAE), which LoRA runs do not have yet; use a "
-            "critic-free advantage (grpo, rloo, reinforce-baseline, ...) with LoRA, or full training."
-        )
     if frozen is None and model.config.quantization is not None:
         raise ValueError(
             f"init_state: the model's projections are {model.config.quantization} (quantization="

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_llm import cli, models, runs, training
+from jaxrl_llm import algorithms, cli, models, runs, training
 from jaxrl_llm.models import lora
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
@@ -97,11 +97,15 @@ def test_lora_settings_without_a_rank_are_refused_not_ignored():
         run_config.LoraSpec(dropout=2.0)
 
 
-def test_a_lora_run_of_a_method_with_a_critic_is_refused_before_any_compute(tmp_path):
-    path = tmp_path / "run.toml"
-    path.write_text('method = "ppo"\n[lora]\nrank = 4\n')
-    with pytest.raises(ValueError, match=r"method 'ppo' trains a critic .* choose a critic-free method \(.*grpo"):
-        run_config.load(path)
+@pytest.mark.slow
+def test_a_ppo_lora_run_checkpoints_its_critics_adapters_not_a_copy_of_the_base(tmp_path, reward):
+    config = dataclasses.replace(tiny(reward, steps=2), method="ppo", algorithm=algorithms.get("ppo"))
+    result = runs.train_run(config, tmp_path / "run", progress=False, stream=None)
+    paths = stored_paths(tmp_path / "run" / run.CHECKPOINTS / "2")
+    critic = [path for path in paths if path.startswith("critic_params/")]
+    assert critic and all(path.split("/")[-2].endswith(("_lora_a", "_lora_b")) or "/head/" in path for path in critic)
+    _, _, _, params, step = runs.restore_policy(tmp_path / "run")
+    assert step == 2 and np.isfinite(result.history[-1]["value_loss"])
 
 
 def test_a_continued_run_may_not_change_its_adapters(reward):

@@ -104,18 +104,56 @@ def test_a_stopped_lora_run_continues_where_the_straight_one_goes():
 
 
 @pytest.mark.parametrize("name", list(algorithms.PRESETS))
-def test_every_critic_free_preset_trains_adapters(name):
+def test_every_preset_trains_adapters(name):
     algorithm = algorithms.get(name)
     model, params = models.init(CONFIG, jax.random.key(0))
     before = jax.tree.map(np.array, params)
     run = dict(steps=1, task=TASK, lora=LORA, compilation_cache=False)
-    if algorithm.needs_critic:
-        with pytest.raises(ValueError, match="critic"):
-            training.train(model, params, algorithm, RUN, **run)
-        return
     state, history = training.train(model, params, algorithm, RUN, **run)
     assert np.isfinite(history[0]["grad_norm"]) and int(state.skipped_updates) == 0
     assert _leaves_equal(params, before)
+    if algorithm.needs_critic:  # adapters of its own and a value head over the same base, no copy of it
+        backbone = state.critic_params["backbone"]
+        assert {path[-1] for path, _ in nnx.to_flat_state(backbone)} == {
+            path[-1] for path, _ in nnx.to_flat_state(state.params)
+        }
+        sizes = sum(x.size for x in jax.tree.leaves(state.critic_params) if x.ndim)  # the head's bias aside
+        assert sum(x.size for x in jax.tree.leaves(state.critic_opt_state) if x.ndim) == 2 * sizes  # Adam's moments
+        assert np.isfinite(history[0]["value_loss"])
+
+
+def test_a_lora_critic_values_its_adapters_over_the_base_as_the_merged_critic_does():
+    model, base = models.init(CONFIG, jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(1))
+    critic_adapters = perturbed(adapters, scale=0.1, seed=5)
+    head = {"kernel": jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,)), "bias": jnp.float32(0.3)}
+    config = dataclasses.replace(RUN, reference_metrics=True)
+    batch = _batch(lora_model, lora.combine(base, adapters), run=config)
+    policy = losses.adapted(losses.DecoderTeacherForcing(lora_model, config), base)
+    values = policy.values({"backbone": critic_adapters, "head": head}, batch)
+    merged_model, merged = lora.merge(lora_model, lora.combine(base, critic_adapters))
+    merged_critic = losses.DecoderTeacherForcing(merged_model, config)
+    expected = merged_critic.values({"backbone": merged, "head": head}, batch)
+    np.testing.assert_allclose(values, expected, atol=1e-4 * float(jnp.abs(expected).max()), rtol=0)
+
+    # The value's gradient reaches the critic's adapters as the chain rule through W + s A B says.
+    got = nnx.to_pure_dict(
+        jax.grad(lambda c: jnp.sum(policy.values({"backbone": c, "head": head}, batch)))(critic_adapters)
+    )
+    merged_grads = nnx.to_pure_dict(
+        jax.grad(lambda m: jnp.sum(merged_critic.values({"backbone": m, "head": head}, batch)))(merged)
+    )
+    pure, s, r = nnx.to_pure_dict(critic_adapters), LORA.scale, LORA.rank
+    for i in range(CONFIG.num_layers):
+        for target, module in KERNELS.items():
+            a = np.asarray(pure["layers"][i][module][f"{target}_lora_a"]).reshape(-1, r)
+            b = np.asarray(pure["layers"][i][module][f"{target}_lora_b"]).reshape(r, -1)
+            d_kernel = np.asarray(merged_grads["layers"][i][module][target]).reshape(a.shape[0], -1)
+            layer = got["layers"][i][module]
+            for name, want in ((f"{target}_lora_a", s * d_kernel @ b.T), (f"{target}_lora_b", s * a.T @ d_kernel)):
+                np.testing.assert_allclose(
+                    np.asarray(layer[name]).reshape(want.shape), want, rtol=1e-3, atol=1e-4 * np.abs(want).max()
+                )
 
 
 def test_what_lora_runs_cannot_take_is_refused():
