@@ -148,6 +148,10 @@ def nest_flat_settings(table: Mapping[str, Any], *, where: str) -> dict[str, Any
     return nested
 
 
+LORA_DECODINGS = ("unmerged", "merged")
+""":attr:`TrainConfig.lora_decoding`'s choices."""
+
+
 @_flat_settings_taken
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -206,6 +210,13 @@ class TrainConfig:
     """Log the KL to the reference (``kl_k3``) for methods without a KL term too. Their
     reference model is otherwise neither kept nor run: this costs its copy of the params
     and a forward pass per step."""
+    lora_decoding: str = "unmerged"
+    r"""How a LoRA run (``train(..., lora=)``) decodes its rollouts and evaluations:
+    ``unmerged``, the LoRA model as it trains (:math:`x W + s (x A) B` at every step), or
+    ``merged``, the adapters folded into a copy of the targeted kernels once per rollout
+    (:math:`W + s A B` in the base's dtype, ``models.lora.merge``), a plain model to decode.
+    Which is faster depends on the shape and the device (docs/performance.md measures both);
+    the update always runs unmerged."""
     exact_kl: bool = False
     r"""Log ``kl_exact``, the exact :math:`D_{KL}(\pi_{old}\|\pi_{ref})` over the vocabulary
     at the batch's states (once per step, at the params that sampled it). Keeps and runs
@@ -229,6 +240,7 @@ class TrainConfig:
                 f"softmax(logits / T)); got {self.sampling.temperature}."
             )
         _checks.one_of(where, "on_reward_error", self.on_reward_error, ON_ERROR)
+        _checks.one_of(where, "lora_decoding", self.lora_decoding, LORA_DECODINGS)
         for field in ("share_prompts", "reference_metrics", "exact_kl"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{where}: `{field}` must be True or False; got {getattr(self, field)!r}.")

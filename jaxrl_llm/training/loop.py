@@ -418,6 +418,15 @@ class _Run:
     rollout_mesh: jax.sharding.Mesh | None
     callback: Callable[[StepEnd], Any] | None
     toolset: scoring.Toolset | None = None  # multi-turn runs: the tools and environments
+    decoder: models.Model | None = None  # what rollouts and evaluations decode (default: model)
+    decoding_params: Callable[[models.Params], models.Params] | None = None  # policy params -> decoder's
+
+    def decoded(self, state: TrainState) -> tuple[models.Model, models.Params]:
+        """The model and params the rollouts and evaluations of ``state``'s policy decode."""
+        params = policy_params(state)
+        if self.decoding_params is None:
+            return self.model, params
+        return self.decoder, self.decoding_params(params)
 
 
 class _Scored(NamedTuple):
@@ -438,7 +447,7 @@ def _rollout_and_score(run: _Run, state: TrainState) -> _Scored:
     with called_in(f"the rollout of train step {int(state.step)}"):
         collected = collect_batch(
             run.rollout,
-            policy_params(state),
+            run.decoded(state)[1],
             run.task,
             run.algorithm,
             run.config,
@@ -520,8 +529,7 @@ def _end_step(
         with called_in(f"the held-out evaluation after train step {step}"):
             metrics.update(
                 evaluation_metrics(
-                    run.model,
-                    policy_params(state),
+                    *run.decoded(state),
                     run.task,
                     config,
                     prompt_bucket=run.prompt_bucket,
@@ -667,7 +675,9 @@ def train(
         its weights: ``params`` become the state's ``frozen`` base (used as they are, never
         copied, changed or donated), the adapters (initialised as PEFT does, from
         ``config.seed``) the state's ``params``, the only leaves with optimizer state; the
-        reference is the base itself. The rollouts decode the LoRA model unmerged, and
+        reference is the base itself. The rollouts decode the LoRA model unmerged, or merged
+        once per rollout with ``config.lora_decoding = "merged"`` (a custom ``rollout`` then
+        gets the merged params of the model without adapters), and
         :func:`jaxrl_llm.training.policy_params` of the returned state is the policy's whole
         params (``lora.merge`` makes them a plain model); a ``state`` to continue from is a
         LoRA run's. A method with GAE trains a critic of its own adapters and value head over
@@ -709,9 +719,13 @@ def train(
     state, compiled = _compile(
         model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh, rules=rules
     )
+    decoder, decoding_params = model, None
+    if lora is not None and config.lora_decoding == "merged":  # W + s A B once per rollout, a plain model
+        decoder = models.lora.base_model(model)
+        decoding_params = jax.jit(lambda params: models.lora.merge(model, params)[1])
     if rollout is None:
         rollout = sampling.Sampler(
-            model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=config.sampling, mesh=rollout_mesh
+            model=decoder, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=config.sampling, mesh=rollout_mesh
         )
     run = _Run(
         model=model,
@@ -724,5 +738,7 @@ def train(
         rollout_mesh=rollout_mesh,
         callback=callback,
         toolset=toolset,
+        decoder=decoder,
+        decoding_params=decoding_params,
     )
     return _run_steps(run, state, steps)

@@ -45,7 +45,7 @@ FLAT_SETTINGS = {  # every field of the flat TrainConfig, as stored runs and con
     None: (
         *("num_prompts", "group_size", "minibatch_size", "on_reward_error", "eval_every", "eval_samples"),
         *("chunk_size", "max_consecutive_skips", "max_refill_rounds", "seed", "share_prompts", "micro_batch_size"),
-        *("reference_metrics", "exact_kl"),
+        *("reference_metrics", "exact_kl", "lora_decoding"),
     ),
 }
 

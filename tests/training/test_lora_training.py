@@ -220,3 +220,35 @@ def test_dropout_masks_the_update_only_and_a_run_with_it_continues_bitwise():
     state_without = training.init_state(no_dropout_model, adapters, grpo, config, frozen=params)
     scored_without = jax.jit(training.make_train_step(no_dropout_model, grpo, config).score)(state_without, batch)[0]
     assert _leaves_equal(scored, scored_without)
+
+
+def test_merged_decoding_samples_what_unmerged_decoding_does(monkeypatch):
+    merges = []
+    merge = lora.merge
+    monkeypatch.setattr(lora, "merge", lambda *args, **kwargs: merges.append(1) or merge(*args, **kwargs))
+    model, params = models.init(CONFIG, jax.random.key(0))
+    config = dataclasses.replace(RUN, learning_rate=3e-2, eval_every=2, eval_samples=2)
+    run = dict(task=TASK, lora=LORA, compilation_cache=False, steps=3)
+    results = {}
+    for decoding in ("unmerged", "merged"):
+        tokens = []
+        state, history = training.train(
+            model,
+            params,
+            algorithms.get("grpo"),
+            dataclasses.replace(config, lora_decoding=decoding),
+            callback=lambda end, tokens=tokens: tokens.append(np.asarray(end.collected.rollouts.completion_tokens)),
+            **run,
+        )
+        results[decoding] = state, history, tokens
+        assert bool(merges) == (decoding == "merged")  # traced once by the merged run's decoding
+    (unmerged, unmerged_history, unmerged_tokens), (merged, merged_history, merged_tokens) = results.values()
+    # float32 kernels merged: the same tokens (the logits differ by rounding only), the same adapters trained.
+    for a, b in zip(unmerged_tokens, merged_tokens, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(np.any(x[...]) for path, x in nnx.to_flat_state(merged.params) if path[-1].endswith("_lora_b"))
+    for a, b in zip(jax.tree.leaves(merged.params), jax.tree.leaves(unmerged.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert merged_history[1]["eval_greedy_accuracy"] == unmerged_history[1]["eval_greedy_accuracy"]
+    with pytest.raises(ValueError, match=r"`lora_decoding` must be one of 'unmerged', 'merged'; got 'fused'"):
+        dataclasses.replace(config, lora_decoding="fused")
