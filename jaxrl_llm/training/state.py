@@ -103,7 +103,7 @@ def init_state(
     so its backbone starts as the base) and its value head: no copy of the base's weights."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     optimizers = run_optimizers(algorithm, config, decay_steps=1)
-    if frozen is None and model.config.quantization is not None:
+    if frozen is None and model is not None and model.config.quantization is not None:  # model=None: another policy
         raise ValueError(
             f"init_state: the model's projections are {model.config.quantization} (quantization="
             f"{model.config.quantization!r}), which are not trained; train LoRA adapters over it "
