@@ -86,8 +86,8 @@ def _projection(
     shape: tuple[int, ...],
     axes: tuple[str, ...],
 ) -> None:
-    """Gives ``module`` the kernel of projection ``name`` ``[*in, *out]`` (``inputs`` leading
-    axes): in ``param_dtype``, or with ``config.quantization`` as int8 with its float32
+    """Gives ``module`` the kernel of projection ``name`` ``[*in, *out]`` (:func:`input_axes`
+    leading axes): in ``param_dtype``, or with ``config.quantization`` as int8 with its float32
     scales ``{name}_scale`` ``[*out]`` (:func:`quantize_kernel` of the same initialisation)."""
     inputs = input_axes(name)
     if config.quantization is None:
@@ -129,18 +129,31 @@ def lora_a_init(key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Arr
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
-def _lora_pair(module: nnx.Module, rngs, config: ModelConfig, target: str, inputs, outputs) -> None:
-    """Gives ``module`` the adapter of projection ``target`` if ``config.lora`` targets it:
+def _lora_pair(
+    module: nnx.Module, rngs: nnx.Rngs | None, config: ModelConfig, target: str, shape: tuple[int, ...], axes
+) -> None:
+    """Gives ``module`` the adapter of projection ``target`` (kernel ``shape`` ``[*in, *out]``
+    with logical ``axes``, split at :func:`input_axes`) if ``config.lora`` targets it:
     ``{target}_lora_a`` ``[*in, r]`` (:func:`lora_a_init`) and ``{target}_lora_b``
-    ``[r, *out]`` (zeros). ``inputs``, ``outputs``: ``(shape, axes)``."""
+    ``[r, *out]`` (zeros)."""
     lora = config.lora
     if lora is None or target not in lora.targets:
         return
-    (in_shape, in_axes), (out_shape, out_axes) = inputs, outputs
-    a = lora_a_init(None if rngs is None else rngs.params(), (*in_shape, lora.rank), lora.dtype)
-    b = jnp.zeros((lora.rank, *out_shape), lora.dtype)
-    setattr(module, f"{target}_lora_a", LoraParam(a, out_sharding=(*in_axes, "lora"), eager_sharding=False))
-    setattr(module, f"{target}_lora_b", LoraParam(b, out_sharding=("lora", *out_axes), eager_sharding=False))
+    inputs = input_axes(target)
+    a = lora_a_init(None if rngs is None else rngs.params(), (*shape[:inputs], lora.rank), lora.dtype)
+    b = jnp.zeros((lora.rank, *shape[inputs:]), lora.dtype)
+    setattr(module, f"{target}_lora_a", LoraParam(a, out_sharding=(*axes[:inputs], "lora"), eager_sharding=False))
+    setattr(module, f"{target}_lora_b", LoraParam(b, out_sharding=("lora", *axes[inputs:]), eager_sharding=False))
+
+
+def _projections(module: nnx.Module, rngs: nnx.Rngs | None, config: ModelConfig, specs) -> None:
+    """Gives ``module`` each projection of ``specs`` (``name -> (shape, axes)``,
+    :func:`_projection`), then each one's adapter (:func:`_lora_pair`): the kernels draw
+    from ``rngs`` before the adapters."""
+    for name, (shape, axes) in specs.items():
+        _projection(module, name, rngs, config, shape, axes)
+    for name, (shape, axes) in specs.items():
+        _lora_pair(module, rngs, config, name, shape, axes)
 
 
 def _with_lora(
@@ -379,17 +392,18 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
         c, pd = config, config.param_dtype
         self.config = config
-        _projection(self, "q_proj", rngs, c, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"))
-        for name in ("k_proj", "v_proj"):
-            _projection(
-                self, name, rngs, c, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim")
-            )
-        _projection(self, "o_proj", rngs, c, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"))
-        embed = ((c.hidden_size,), ("embed",))
-        for target, heads, axis in (("q_proj", c.num_heads, "heads"), ("k_proj", c.num_kv_heads, "kv_heads"),
-                                    ("v_proj", c.num_kv_heads, "kv_heads")):  # fmt: skip
-            _lora_pair(self, rngs, c, target, embed, ((heads, c.head_dim), (axis, "head_dim")))
-        _lora_pair(self, rngs, c, "o_proj", ((c.num_heads, c.head_dim), ("heads", "head_dim")), embed)
+        kv = ((c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"))
+        _projections(
+            self,
+            rngs,
+            c,
+            {
+                "q_proj": ((c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim")),
+                "k_proj": kv,
+                "v_proj": kv,
+                "o_proj": ((c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed")),
+            },
+        )
         if c.attention_bias:
             self.q_bias = _param(None, (c.num_heads, c.head_dim), ("heads", "head_dim"), pd)
             self.k_bias = _param(None, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
@@ -460,14 +474,18 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None):
         c = config
         self.dtype = c.dtype
-        for name in ("gate_proj", "up_proj"):
-            _projection(self, name, rngs, c, (c.hidden_size, c.intermediate_size), ("embed", "mlp"))
-        _projection(self, "down_proj", rngs, c, (c.intermediate_size, c.hidden_size), ("mlp", "embed"))
+        up = ((c.hidden_size, c.intermediate_size), ("embed", "mlp"))
+        _projections(
+            self,
+            rngs,
+            c,
+            {
+                "gate_proj": up,
+                "up_proj": up,
+                "down_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
+            },
+        )
         self.config = c
-        embed, mlp = ((c.hidden_size,), ("embed",)), ((c.intermediate_size,), ("mlp",))
-        _lora_pair(self, rngs, c, "gate_proj", embed, mlp)
-        _lora_pair(self, rngs, c, "up_proj", embed, mlp)
-        _lora_pair(self, rngs, c, "down_proj", mlp, embed)
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:  # [B, S, E] -> [B, S, E]
         c, dropout = self.config, dict(dropout_key=dropout_key)  # LoRA dropout (_with_lora)

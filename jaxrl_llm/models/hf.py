@@ -300,7 +300,10 @@ def read_weights(
     placements = {}  # parameter path -> its NamedSharding on the mesh
     if mesh is not None:
         rules = sharding_lib.RULES["fsdp_tensor"] if rules is None else rules
-        placements = dict(nnx.to_flat_state(sharding_lib.param_shardings(shapes, mesh, rules)))
+        placements = {
+            path: where.get_value() if isinstance(where, nnx.Variable) else where
+            for path, where in nnx.to_flat_state(sharding_lib.param_shardings(shapes, mesh, rules))
+        }
 
     loaded, used = [], set(extra)
     extras: dict[str, np.ndarray] = {}
@@ -337,18 +340,13 @@ def read_weights(
             if mesh is None:
                 value = jnp.asarray(to_ours(opened(name).get_tensor(name), shape), dtype=dtype)
             else:
-                placement = placements[path_]
-                placement = placement.get_value() if isinstance(placement, nnx.Variable) else placement
-                value = _sharded(tensor, layout, shape, dtype, placement)
+                value = _sharded(tensor, layout, shape, dtype, placements[path_])
             if scale is not None:
                 value, scale_value = quantize_kernel(value, inputs=input_axes(path_[-1]))
                 scale_path = path_[:-1] + (scale_name(path_[-1]),)
                 if mesh is not None:
-                    where = placements[scale_path]
-                    scale_value = jax.device_put(
-                        scale_value, where.get_value() if isinstance(where, nnx.Variable) else where
-                    )
-                    value = jax.device_put(value, placement)
+                    value = jax.device_put(value, placements[path_])
+                    scale_value = jax.device_put(scale_value, placements[scale_path])
                 loaded.append((scale_path, scale.replace(scale_value)))
             loaded.append((path_, variable.replace(value)))
             used.add(name)

@@ -307,7 +307,7 @@ def load_adapter(path: str | os.PathLike, model: Model, *, dtype=jnp.float32) ->
         if not (where / name).is_file():
             raise FileNotFoundError(f"load_adapter: {where} has no {name} (a PEFT adapter directory has both).")
     lora = _lora_config_from_peft(json.loads((where / ADAPTER_CONFIG).read_text()), where, dtype)
-    lora_model = abstract(_adapted(model.config, lora))[0]
+    lora_model = adapted(model, lora)
     specs = _adapter_shapes(lora_model.config)
     with safe_open(where / ADAPTER_WEIGHTS, framework="numpy") as file:
         # PEFT names a tensor by its module path, with the adapter's name (".default") or without.

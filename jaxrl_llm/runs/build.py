@@ -107,8 +107,8 @@ def model(
 ) -> tuple[models.Model, models.Params]:
     """The policy before training: the model directory's weights, or the built-in decoder
     initialised from ``config.train.seed``, with the spec's execution options (layer scan,
-    remat, attention), int8 with ``model.quantization``. ``abstract``: shapes and dtypes only (``jax.ShapeDtypeStruct``
-    leaves), nothing read or computed. ``mesh``: a model directory's tensors are read
+    remat, attention), int8 with ``model.quantization``. ``abstract``: shapes and dtypes
+    only (``jax.ShapeDtypeStruct`` leaves), nothing read or computed. ``mesh``: a model directory's tensors are read
     straight into their shards by ``config.mesh.rules``."""
     spec = config.model
     options = dict(scan_layers=spec.scan_layers, remat=spec.remat, attention=spec.attention)

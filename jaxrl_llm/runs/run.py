@@ -539,11 +539,7 @@ def _continued(
     model, abstract_params = build.model(config, task, abstract=True)
     like = build.abstract_state(config, model, abstract_params)
     if mesh is not None:
-        like = jax.tree.map(
-            lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
-            like,
-            training.state_shardings(like, config.algorithm, config.train, mesh, rules),
-        )
+        like = _placed(like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
     params = None if config.lora.build() is None else load_base(run_dir, config, task, mesh=mesh)
     state = _restore(checkpointer, like)
     start = int(state.step)
@@ -560,6 +556,13 @@ def _continued(
     warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
     _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
     return model, state.params if params is None else params, state, warm
+
+
+def _placed(like, shardings):
+    """Abstract leaves ``like`` with ``shardings`` set: what a checkpoint restores straight into its shards."""
+    return jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), like, shardings
+    )
 
 
 def _warm_started(
@@ -625,11 +628,7 @@ def load_base(
     if record["path"] is None:
         _, like = build.model(config, task, abstract=True)
         if mesh is not None:
-            like = jax.tree.map(
-                lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
-                like,
-                sharding.param_shardings(like, mesh, sharding.RULES[config.mesh.rules]),
-            )
+            like = _placed(like, sharding.param_shardings(like, mesh, sharding.RULES[config.mesh.rules]))
         try:
             with training.Checkpointer(run_dir / BASE_CHECKPOINT) as checkpointer:
                 params = checkpointer.restore(0, like=like)

@@ -418,15 +418,14 @@ class _Run:
     rollout_mesh: jax.sharding.Mesh | None
     callback: Callable[[StepEnd], Any] | None
     toolset: scoring.Toolset | None = None  # multi-turn runs: the tools and environments
-    decoder: models.Model | None = None  # what rollouts and evaluations decode (default: model)
+    decoder: models.Model | None = None  # what rollouts and evaluations decode (None: model)
     decoding_params: Callable[[models.Params], models.Params] | None = None  # policy params -> decoder's
 
     def decoded(self, state: TrainState) -> tuple[models.Model, models.Params]:
         """The model and params the rollouts and evaluations of ``state``'s policy decode."""
         params = policy_params(state)
-        if self.decoding_params is None:
-            return self.model, params
-        return self.decoder, self.decoding_params(params)
+        decode = self.decoding_params
+        return self.decoder or self.model, params if decode is None else decode(params)
 
 
 class _Scored(NamedTuple):
