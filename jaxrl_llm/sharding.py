@@ -73,6 +73,8 @@ TENSOR_PARALLEL: Rules = tuple((name, axis) for name, axis in RULES["fsdp_tensor
 """The tensor-parallel half of ``fsdp_tensor``: how the sampler keeps the params split
 on a mesh with a ``tensor`` axis (the ``fsdp`` split is gathered once per rollout, not
 at every decode step)."""
+LAYERS = "layers"
+"""The logical axis of stacked layers (``ModelConfig.scan_layers``): never split."""
 ROWS = PartitionSpec(DATA)
 """Leading axis split over ``data``, the rest whole (as a ``shard_map`` spec too)."""
 WHOLE = PartitionSpec()
@@ -138,6 +140,11 @@ def spec_for(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, rules: 
     unknown = [axis for axis in table.values() if axis not in AXES]
     if unknown:
         raise ValueError(f"sharding rules: unknown mesh axis {unknown[0]!r}; the axes are {', '.join(AXES)}.")
+    if LAYERS in table:
+        raise ValueError(
+            f"sharding rules: the {LAYERS!r} axis (stacked layers) is never split: each step of the layer scan "
+            "reads one whole layer. Split the axes within a layer instead (embed, heads, kv_heads, mlp, vocab)."
+        )
     used: set[str] = set()
     spec = []
     for name, dim in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):

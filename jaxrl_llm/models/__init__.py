@@ -7,8 +7,10 @@
     models.save_pretrained("path/to/out", model, params)  # weights and config
     # A complete export: also the tokenizer (chat template included) and generation_config.json.
     models.save_pretrained("path/to/out", model, params, tokenizer=tokenizer)
-    # Execution options for the same params: layers in one scan, rematerialised per layer.
-    model = models.with_options(model, scan_layers=True, remat="dots")
+    # Execution options for the same params: each layer rematerialised in the backward pass.
+    model = models.with_options(model, remat="dots")
+    # The layers stacked [L, ...] and run as one scan (or load them so: from_pretrained(..., scan_layers=True)).
+    model, params = models.with_scan_layers(model, params, True)
     # Low-rank adapters over the frozen base (models.lora): the adapters a pytree of their own.
     lora_model, adapters = models.lora.add_adapters(model, models.LoraConfig(rank=16), key)
     # An int8 base for LoRA (models.quantize): projections a byte per weight, quantized as read.
@@ -40,6 +42,7 @@ from jaxrl_llm.models.functional import (
     output_kernel,
     prefill,
     with_options,
+    with_scan_layers,
 )
 from jaxrl_llm.models.hf import from_pretrained, save_pretrained
 from jaxrl_llm.models.tokenizer import load_tokenizer, save_tokenizer
@@ -72,4 +75,5 @@ __all__ = [
     "save_pretrained",
     "save_tokenizer",
     "with_options",
+    "with_scan_layers",
 ]

@@ -21,7 +21,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 ROPE_TYPES = ("default", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product_attention", "cudnn")
-EXECUTION_OPTIONS = ("scan_layers", "remat", "attention")
+EXECUTION_OPTIONS = ("remat", "attention")
 """The fields of :class:`ModelConfig` that choose how the model runs, not what it is: no
 effect on the parameters or (up to float rounding) the outputs, never written to a
 Hugging Face config."""
@@ -141,9 +141,11 @@ class ModelConfig:
     The families differ only in switches: Qwen2 has biases on q/k/v, Qwen3 an RMSNorm on
     each head of q and k, Mistral a sliding attention window.
 
-    The last three fields (:data:`EXECUTION_OPTIONS`) are execution settings, not
-    architecture: :meth:`to_hf` leaves them out and :meth:`from_hf` gives the defaults. To
-    switch them on for a model you have, use :func:`jaxrl_llm.models.with_options`.
+    The last three fields are not architecture: :meth:`to_hf` leaves them out and
+    :meth:`from_hf` gives the defaults. ``scan_layers`` is the layers' params layout
+    (:func:`jaxrl_llm.models.with_scan_layers` converts a model you have); ``remat`` and
+    ``attention`` (:data:`EXECUTION_OPTIONS`) are execution settings
+    (:func:`jaxrl_llm.models.with_options`).
     """
 
     architecture: Architecture = "llama"
@@ -194,20 +196,21 @@ class ModelConfig:
     it; such params are not trained. ``None``: ``param_dtype``. Not part of a Hugging Face
     config."""
     scan_layers: bool = False
-    """Run the decoder layers as one ``jax.lax.scan`` in every pass: teacher-forced ones,
-    both passes of :func:`jaxrl_llm.models.functional.group_completion_hidden_states`, the prefill and
-    each decoding step. The program holds one layer, not ``L``, so tracing and lowering
-    stop growing with depth, and so does compiling where XLA compiles each layer's code
-    anew (GPU, TPU). The params keep one leaf per layer; the scan stacks them inside the
-    traced function (once per rollout in the sampler, whose decoding loop XLA hoists the
-    stacking out of), which costs one stacked copy of the layer weights, and one of their
-    gradients, per pass. The KV cache is stacked ``[L, B, KVH, K, D]``
-    (:class:`jaxrl_llm.models.KVCache`) and updated in place by the scan. XLA's CPU
-    backend compiles the identical kernels of unrolled layers once, so there the saving is
-    small, the gradient's slicing back onto the per-layer leaves still takes one kernel
-    per layer and leaf, and the scan costs run time (each layer's weights and cache are
-    sliced out of the stacks, a copy per layer). Measured in docs/performance.md
-    (``benchmarks/compile_depth.py``, ``benchmarks/layer_scan.py``)."""
+    """The decoder layers' layout, and how they run. ``True``: each weight kind stored as one
+    stacked ``[L, ...]`` leaf (leading logical axis ``layers``, never split) and the layers
+    run as one ``jax.lax.scan`` in every pass: teacher-forced ones, both passes of
+    :func:`jaxrl_llm.models.functional.group_completion_hidden_states`, the prefill and each
+    decoding step. The program holds one layer, not ``L``, so tracing, lowering and
+    compiling stop growing with depth; the scan reads each layer's weights out of the
+    stacks and writes their gradients into stacked leaves, with no copy of the whole. The KV
+    cache is stacked ``[L, B, KVH, K, D]`` (:class:`jaxrl_llm.models.KVCache`) and updated
+    in place by the scan. ``False``: one params subtree per layer (Hugging Face's layout), run
+    by a Python loop: XLA's CPU backend compiles the identical kernels of unrolled layers
+    once, and there the unrolled layers decode faster (a scan copies each layer's weights
+    out of the stacks at every step). A layout, not an execution option: it decides the
+    params' tree (:func:`jaxrl_llm.models.with_scan_layers` converts a model and its
+    params). Measured in docs/performance.md (``benchmarks/compile_depth.py``,
+    ``benchmarks/layer_scan.py``, ``benchmarks/sampler.py``)."""
     remat: str = "none"
     """Rematerialisation (``jax.checkpoint``) of each decoder layer in the backward pass:
     ``none`` (keep what the backward pass needs), ``full`` (keep each layer's input only:

@@ -16,7 +16,14 @@ name         axis
 ``head_dim`` width of a head
 ``mlp``      MLP width (``intermediate_size``)
 ``norm``     the scale of a norm over ``embed``
+``layers``   the decoder layers of a stacked layout (never split)
 ============ ==========================================
+
+Two layouts of the decoder layers' params (``config.scan_layers``): one subtree per layer,
+``layers/<l>/...`` (run by a Python loop), or one stacked ``[L, ...]`` leaf per weight kind,
+``layers/...``, with the leading logical axis ``layers`` (run by one ``jax.lax.scan``).
+:func:`stack_layers` and :func:`unstack_layers` convert between them; a model's
+initialisation draws the same numbers in both.
 
 Numerics follow Hugging Face's implementations so that logits match: norms, RoPE and
 the attention softmax in float32, matmuls in ``config.dtype``.
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,18 +71,22 @@ def scale_name(name: str) -> str:
     return f"{name}_scale"
 
 
-@functools.partial(jax.jit, static_argnames="inputs")
-def quantize_kernel(kernel: jax.Array, *, inputs: int = 1) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("inputs", "stacked"))
+def quantize_kernel(kernel: jax.Array, *, inputs: int = 1, stacked: bool = False) -> tuple[jax.Array, jax.Array]:
     r"""``(Q, s)``: ``kernel`` ``[*in, *out]`` (``inputs`` leading axes) as int8 and its
     float32 scales ``[*out]``, one per output channel, symmetric:
     :math:`s_j = \max_i |W_{ij}| / 127` (1 for a column of zeros),
-    :math:`Q_{ij} = \operatorname{round}(W_{ij} / s_j)` (:mod:`jaxrl_llm.models.quantize`)."""
+    :math:`Q_{ij} = \operatorname{round}(W_{ij} / s_j)` (:mod:`jaxrl_llm.models.quantize`).
+    ``stacked``: ``kernel`` is ``[L, *in, *out]``, each layer's quantized on its own
+    (scales ``[L, *out]``)."""
     w = kernel.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(w), axis=tuple(range(inputs)), keepdims=True)  # [1, ..., *out]
+    first = int(stacked)
+    peak = jnp.max(jnp.abs(w), axis=tuple(range(first, first + inputs)), keepdims=True)  # [(L,) 1, ..., *out]
     # A product by the constant 1/127, which every backend rounds alike (XLA may turn a
     # division by a constant into one anyway, so the scales do not depend on where they run).
     scale = jnp.where(peak > 0, peak * np.float32(1 / 127), 1.0)
-    return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale.reshape(w.shape[inputs:])
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return q, scale.reshape(w.shape[:first] + w.shape[first + inputs :])
 
 
 def _projection(
@@ -584,7 +595,9 @@ class CausalLM(nnx.Module):
         c = config
         self.config = config
         self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype)
-        self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+        # Drawn layer by layer in both layouts, so the weights do not depend on the layout.
+        layers = [DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)]
+        self.layers = _stacked_layer(layers) if c.scan_layers else nnx.List(layers)
         self.norm = _param(None, (c.hidden_size,), ("norm",), c.param_dtype, ones=True)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c.param_dtype)
@@ -596,20 +609,16 @@ class CausalLM(nnx.Module):
         mask: jax.Array,  # [B, S, K] bool
         cache: KVCache | None = None,
         *,
-        scan: bool | None = None,
         carry_cache: bool = True,
-        stacked_layers: nnx.State | None = None,
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-norm hidden states ``[B, S, E]`` (and the updated cache, in its layout).
 
-        ``scan``: run the layers in one ``jax.lax.scan`` (:meth:`scanned_layers`) rather
-        than a Python loop; ``None``: ``config.scan_layers``, with or without a cache.
+        Stacked layers (``config.scan_layers``) run in one ``jax.lax.scan``
+        (:meth:`scanned_layers`), per-layer ones in a Python loop.
         ``carry_cache``: how a scan takes the cache (see :meth:`scanned_layers`): carried
         and updated in place (prefill and decoding), or as the scan's input and output, a
         copy per call whose gradient stays per layer (a differentiated pass).
-        ``stacked_layers``: :meth:`stack_layers`, when several scanned passes share them (their
-        gradients then add up stacked, and are sliced onto the layers once).
         ``dropout_key``: LoRA dropout (``config.lora.dropout``) on the adapters' inputs, layer
         ``l`` drawing from ``fold_in(dropout_key, l)``; ``None``: none (decoding, scoring).
 
@@ -619,24 +628,13 @@ class CausalLM(nnx.Module):
         :mod:`jaxrl_llm.models.functional` refuse such ids when they are concrete.
         """
         c = self.config
-        if scan is None:
-            scan = c.scan_layers
         x = self.embed_tokens[...][tokens].astype(c.dtype)  # [B, S, E]
         rope = rope_angles(positions, inverse_frequencies(c.rope, c.head_dim))  # shared by layers
         cache_index = 0 if cache is None else cache.index
         kv = None if cache is None else (cache.keys, cache.values)
         layer_keys = _layer_keys(dropout_key, c.num_layers)
-        if scan:
-            x, kv = self.scanned_layers(
-                x,
-                rope,
-                mask,
-                kv,
-                cache_index,
-                carry_cache=carry_cache,
-                stacked_layers=stacked_layers,
-                layer_keys=layer_keys,
-            )
+        if c.scan_layers:
+            x, kv = self.scanned_layers(x, rope, mask, kv, cache_index, carry_cache=carry_cache, layer_keys=layer_keys)
         elif cache is not None and cache.stacked:  # each layer updates its slice of the stacked cache in place
             for i, layer in enumerate(self.layers):
                 call = _remat(layer, c.remat, layer_index=i)
@@ -664,10 +662,9 @@ class CausalLM(nnx.Module):
         cache_index: jax.Array | int = 0,
         *,
         carry_cache: bool = True,
-        stacked_layers: nnx.State | None = None,
         layer_keys: jax.Array | None = None,  # [L] LoRA dropout keys, one per layer (_layer_keys)
     ) -> tuple[jax.Array, tuple | None]:
-        r"""The decoder layers as one ``jax.lax.scan`` over their stacked weights.
+        r"""The decoder layers as one ``jax.lax.scan`` over their stacked weights (``config.scan_layers``).
 
         .. math::
             x_{l+1} = f(x_l;\ \theta_l, w_l), \qquad l = 0 \dots L - 1
@@ -677,15 +674,11 @@ class CausalLM(nnx.Module):
         program holds the layer once instead of ``L`` times. ``config.remat`` applies to the
         scan's body.
 
-        The params keep one leaf per layer (the layout of Hugging Face checkpoints, of the
-        sharding rules and of saved states): the weights are stacked here, inside the traced
-        function, ``L x [...] -> [L, ...]``. The cost is one stacked copy of the layer
-        weights per pass, and in the backward pass one of their gradients (computed
-        ``[L, ...]``, then sliced back onto the per-layer leaves): about twice the layer
-        weights' size of extra memory for a forward and backward pass. Windows: a static one
-        when every layer has the same, else a per-layer ``[L]`` int32 operand (``None``,
-        full attention, as the largest int32). ``stacked_layers``: :meth:`stack_layers`,
-        stacked already.
+        The scan reads layer ``l``'s weights out of the stored ``[L, ...]`` leaves and
+        writes their gradients into ``[L, ...]`` ones: no stacked copy of the weights, no
+        per-layer slicing of the gradient. Windows: a static one when every layer has the
+        same, else a per-layer ``[L]`` int32 operand (``None``, full attention, as the
+        largest int32).
 
         ``kv``: the cache's keys and values, stacked ``[L, B, KVH, K, D]`` each (or one array
         per layer: stacked here, and returned unstacked). ``carry_cache``: the scan carries
@@ -696,8 +689,7 @@ class CausalLM(nnx.Module):
         cache's gradient would add a whole-cache array per layer.
         """
         c = self.config
-        graphdef = nnx.graphdef(self.layers[0])
-        stacked = self.stack_layers() if stacked_layers is None else stacked_layers
+        graphdef, stacked = nnx.split(self.layers)
         windows = {c.window(i) for i in range(c.num_layers)}
         if len(windows) == 1:  # one static window (or none) for every layer
             window, layer_windows = windows.pop(), None
@@ -735,10 +727,6 @@ class CausalLM(nnx.Module):
             kv = (tuple(kv[0]), tuple(kv[1]))
         return x, kv
 
-    def stack_layers(self) -> nnx.State:
-        """The decoder layers' weights stacked, one ``[L, ...]`` leaf per layer leaf."""
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[nnx.state(layer) for layer in self.layers])
-
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``[..., E] -> [..., V]`` float32 logits through the output projection (or tied embedding)."""
         dtype = self.config.dtype
@@ -746,6 +734,73 @@ class CausalLM(nnx.Module):
         # float32 logits whatever the compute dtype: log-softmax and importance ratios need
         # them, and a bfloat16 logit near 20 is only resolved to 0.125.
         return jnp.matmul(hidden.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
+
+
+LAYERS = "layers"
+"""The logical axis of a stacked layout's leading ``[L]`` dimension, and the params' key of
+the decoder layers in both layouts."""
+
+
+def is_stacked(path: tuple) -> bool:
+    """Whether a parameter path is a stacked layer leaf (``("layers", "mlp", "up_proj")``;
+    a per-layer one is ``("layers", 3, "mlp", "up_proj")``)."""
+    return len(path) > 1 and path[0] == LAYERS and not isinstance(path[1], int)
+
+
+def _stack_leaves(leaves: list) -> Any:
+    """Layer leaves (``nnx.Variable`` or arrays) -> one ``[L, ...]`` leaf, the ``layers``
+    axis put first in a variable's logical axes."""
+    first = leaves[0]
+    if not isinstance(first, nnx.Variable):
+        return jnp.stack(leaves)
+    axes = first.get_metadata().get("out_sharding")
+    value = jnp.stack([leaf[...] for leaf in leaves])
+    return first.replace(value, out_sharding=None if axes is None else (LAYERS, *axes))
+
+
+def _layer_leaf(leaf: Any, layer: int) -> Any:
+    """Layer ``layer``'s slice of a stacked leaf, the ``layers`` axis dropped from its logical axes."""
+    if not isinstance(leaf, nnx.Variable):
+        return leaf[layer]
+    axes = leaf.get_metadata().get("out_sharding")
+    return leaf.replace(leaf[...][layer], out_sharding=None if axes is None else tuple(axes[1:]))
+
+
+def stack_layers(params: nnx.State) -> nnx.State:
+    """Per-layer params (``layers/<l>/...``) -> the stacked layout (``layers/...`` of
+    ``[L, ...]``); the other leaves as they are (not copied). Stacked params are returned
+    as they are. Works on any ``nnx.State`` with the params' paths (adapters, a gradient)."""
+    flat = dict(nnx.to_flat_state(params))
+    out, groups = {}, {}
+    for path, leaf in flat.items():
+        if path[0] == LAYERS and isinstance(path[1], int):
+            groups.setdefault(path[2:], {})[path[1]] = leaf
+        else:
+            out[path] = leaf
+    for rest, layers in groups.items():
+        out[(LAYERS, *rest)] = _stack_leaves([layers[layer] for layer in range(len(layers))])
+    return nnx.from_flat_state(out)
+
+
+def unstack_layers(params: nnx.State) -> nnx.State:
+    """Stacked params -> the per-layer layout: :func:`stack_layers`' inverse (a copy of each
+    layer's slice). Per-layer params are returned as they are."""
+    out = {}
+    for path, leaf in nnx.to_flat_state(params):
+        if is_stacked(path):
+            for layer in range(leaf.shape[0]):
+                out[(LAYERS, layer, *path[1:])] = _layer_leaf(leaf, layer)
+        else:
+            out[path] = leaf
+    return nnx.from_flat_state(out)
+
+
+def _stacked_layer(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One :class:`DecoderLayer` whose params are ``layers``' stacked ``[L, ...]``."""
+    graphdef = nnx.graphdef(layers[0])
+    flats = [dict(nnx.to_flat_state(nnx.state(layer))) for layer in layers]
+    stacked = {path: _stack_leaves([flat[path] for flat in flats]) for path in flats[0]}
+    return nnx.merge(graphdef, nnx.from_flat_state(stacked))
 
 
 def _window(mask: jax.Array, window: int | jax.Array | None, start: jax.Array | int) -> jax.Array:

@@ -36,7 +36,7 @@ from flax import nnx
 
 from jaxrl_llm import _checks, ops
 from jaxrl_llm.models.config import EXECUTION_OPTIONS, ModelConfig
-from jaxrl_llm.models.decoder import CausalLM, KVCache
+from jaxrl_llm.models.decoder import CausalLM, KVCache, stack_layers, unstack_layers
 
 Params = nnx.State
 
@@ -73,14 +73,14 @@ def with_options(model: Model, **options: Any) -> Model:
     .. code-block:: python
 
         model, params = models.from_pretrained("path/to/checkpoint")
-        fast = models.with_options(model, scan_layers=True, remat="dots")
+        fast = models.with_options(model, remat="dots")
         logp = models.completion_logprobs(fast, params, tokens, mask, n)  # same params
 
     Options are the fields of :data:`jaxrl_llm.models.config.EXECUTION_OPTIONS`
-    (``scan_layers``, ``remat``, ``attention``; see :class:`ModelConfig`). They change how
-    the model runs, not its parameters: the params pytree of ``model`` fits the returned
-    model unchanged. The graph definition is rebuilt from the new config (the modules read
-    their options from it).
+    (``remat``, ``attention``; see :class:`ModelConfig`). They change how the model runs,
+    not its parameters: the params pytree of ``model`` fits the returned model unchanged.
+    The graph definition is rebuilt from the new config (the modules read their options
+    from it). ``scan_layers`` is the params' layout: :func:`with_scan_layers`.
 
     Raises:
       ValueError: an option that is not an execution option (an architecture field would
@@ -88,15 +88,45 @@ def with_options(model: Model, **options: Any) -> Model:
     """
     unknown = sorted(set(options) - set(EXECUTION_OPTIONS))
     if unknown:
+        layout = (
+            " `scan_layers` is the params' layout: models.with_scan_layers(model, params, scan_layers=...) "
+            "converts both."
+            if "scan_layers" in unknown
+            else ""
+        )
         raise ValueError(
             f"with_options: {', '.join(map(repr, unknown))} is not an execution option; allowed: "
             f"{', '.join(map(repr, EXECUTION_OPTIONS))}. Other fields describe the architecture, "
-            "which the params belong to: build a new model for another."
+            f"which the params belong to: build a new model for another.{layout}"
         )
     config = dataclasses.replace(model.config, **options)
     if config == model.config:
         return model
     return abstract(config)[0]
+
+
+def with_scan_layers(model: Model, params: Params, scan_layers: bool) -> tuple[Model, Params]:
+    """``model`` and ``params`` in the layout ``scan_layers`` (see :class:`ModelConfig`):
+    the decoder layers' params stacked ``[L, ...]`` and run by one ``jax.lax.scan``
+    (``True``), or one subtree per layer run by a Python loop (``False``). The same
+    function, up to float rounding; the non-layer leaves are ``params``' own arrays, the
+    layer leaves a stacked (or sliced) copy. ``(model, params)`` as they are when already
+    in that layout. Adapters and int8 scales, if any, move with their kernels.
+
+    .. code-block:: python
+
+        model, params = models.from_pretrained(path)                         # one leaf per layer
+        model, params = models.with_scan_layers(model, params, True)         # [L, ...] leaves
+
+    Raises:
+      ValueError: ``scan_layers`` is not a bool.
+    """
+    if not isinstance(scan_layers, bool):
+        raise ValueError(f"with_scan_layers: `scan_layers` must be True or False; got {scan_layers!r}.")
+    if model.config.scan_layers == scan_layers:
+        return model, params
+    relayout = stack_layers if scan_layers else unstack_layers
+    return abstract(dataclasses.replace(model.config, scan_layers=scan_layers))[0], relayout(params)
 
 
 def _inputs(fn: str, model: Model, tokens, attention_mask, positions):
@@ -327,10 +357,8 @@ def group_completion_hidden_states(
     module = model.module(params)
     prompt_positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)  # [P, S]
     # The prompts, once each (P rows), into a cache of S + N - 1 slots. With
-    # config.scan_layers both passes scan the layers, over the same stacked weights (one
-    # slicing of their gradient onto the layers), the cache (stacked) their xs and ys: a
-    # carried cache's gradient would cost a whole-cache array per layer.
-    layers = module.stack_layers() if module.config.scan_layers else None
+    # config.scan_layers both passes scan the layers, the cache (stacked) their xs and ys:
+    # a carried cache's gradient would cost a whole-cache array per layer.
     prompt_hidden, cache = _prefill_hidden(
         model,
         module,
@@ -339,7 +367,6 @@ def group_completion_hidden_states(
         prompt_positions,
         slots,
         carry_cache=False,
-        stacked_layers=layers,
         dropout_key=prompt_key,
     )  # [P, S, E]
     hidden = copies(prompt_hidden[:, -1:])  # [B, 1, E]: the state before the first completion token
@@ -356,7 +383,6 @@ def group_completion_hidden_states(
             attention,
             cache,
             carry_cache=False,
-            stacked_layers=layers,
             dropout_key=completion_key,
         )
         hidden = jnp.concatenate([hidden, completion_hidden], axis=1)  # [B, N, E]
@@ -493,13 +519,11 @@ def _prefill_hidden(
     cache_size: int,
     *,
     carry_cache: bool = True,
-    stacked_layers=None,
     dropout_key=None,
 ):
     """Validated ``[B, S]`` prompt inputs through the decoder into a fresh cache of
     ``cache_size`` slots (:func:`init_cache`'s layout): ``[B, S, E]`` hidden states and the
-    cache, its next slot ``S``. ``carry_cache``, ``stacked_layers``: see
-    :meth:`CausalLM.hidden_states`."""
+    cache, its next slot ``S``. ``carry_cache``: see :meth:`CausalLM.hidden_states`."""
     batch, length = tokens.shape
     cache = init_cache(model, batch, cache_size)
     cache = cache._replace(valid=cache.valid.at[:, :length].set(mask))
@@ -510,7 +534,6 @@ def _prefill_hidden(
         full_mask,
         cache,
         carry_cache=carry_cache,
-        stacked_layers=stacked_layers,
         dropout_key=dropout_key,
     )
     return hidden, cache._replace(

@@ -46,7 +46,7 @@ from safetensors.numpy import save_file
 from jaxrl_llm import sharding as sharding_lib
 from jaxrl_llm.models import quantize
 from jaxrl_llm.models.config import ModelConfig, dtype_from_name
-from jaxrl_llm.models.decoder import input_axes, quantize_kernel, scale_name
+from jaxrl_llm.models.decoder import input_axes, is_stacked, quantize_kernel, scale_name
 from jaxrl_llm.models.functional import Model, Params, abstract
 
 if TYPE_CHECKING:
@@ -134,19 +134,33 @@ def _read_box(tensor, layout: str, shape: tuple[int, ...], box: _Box) -> np.ndar
     raise KeyError(f"Unknown layout {layout!r}.")
 
 
-def _sharded(tensor, layout: str, shape: tuple[int, ...], dtype, placement: jax.sharding.Sharding) -> jax.Array:
+def _sharded(
+    tensors: list, layout: str, shape: tuple[int, ...], dtype, placement: jax.sharding.Sharding, *, stacked: bool
+) -> jax.Array:
     """The parameter of our ``shape`` placed by ``placement``, each device's shard read from
-    the file on its own (a box several devices share is read once)."""
+    the file on its own (a box several devices share is read once). ``tensors``: the one
+    lazy tensor, or with ``stacked`` the ``L`` per-layer ones of an ``[L, ...]`` leaf."""
     boxes: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         box = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
         key = tuple((b.start, b.stop) for b in box)
         if key not in boxes:
-            boxes[key] = np.ascontiguousarray(_read_box(tensor, layout, shape, box), dtype=dtype)
+            if stacked:
+                layers = range(box[0].start, box[0].stop)
+                read = np.stack([_read_box(tensors[layer], layout, shape[1:], box[1:]) for layer in layers])
+            else:
+                read = _read_box(tensors[0], layout, shape, box)
+            boxes[key] = np.ascontiguousarray(read, dtype=dtype)
         return boxes[key]
 
     return jax.make_array_from_callback(shape, placement, shard, dtype=dtype)
+
+
+def per_layer_paths(path: tuple, num_layers: int) -> list[tuple]:
+    """A stacked leaf's path -> its layers' paths (``("layers", "mlp", "up_proj")`` ->
+    ``[("layers", 0, "mlp", "up_proj"), ...]``)."""
+    return [(path[0], layer, *path[1:]) for layer in range(num_layers)]
 
 
 def hf_name(path: tuple[Any, ...]) -> tuple[str, str]:
@@ -194,6 +208,7 @@ def from_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     rules: sharding_lib.Rules | None = None,
     quantization: str | None = None,
+    scan_layers: bool = False,
 ) -> tuple[Model, Params]:
     """Loads a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3).
 
@@ -227,6 +242,8 @@ def from_pretrained(
         in ``dtype`` (:mod:`jaxrl_llm.models.quantize`; equal to ``quantize.quantize`` of the
         load without it, bit for bit), so no device holds more than one unquantized
         projection at a time: a frozen base for LoRA at a byte per projection weight.
+      scan_layers: read the layers into the stacked layout (``ModelConfig.scan_layers``),
+        each ``[L, ...]`` leaf from its ``L`` per-layer tensors; else one subtree per layer.
 
     Returns:
       ``(model, params)`` for :func:`jaxrl_llm.models.forward` and friends.
@@ -247,7 +264,7 @@ def from_pretrained(
     hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     dtype = dtype_from_name(dtype)
     config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype_from_name(compute_dtype or dtype))
-    config = dataclasses.replace(config, quantization=quantization)
+    config = dataclasses.replace(config, quantization=quantization, scan_layers=scan_layers)
     model, params, _ = read_weights(directory, config, mesh=mesh, rules=rules)
     return model, params
 
@@ -324,32 +341,40 @@ def read_weights(
         shapes = nnx.from_flat_state(flat_shapes)
     try:
         for path_, variable in nnx.to_flat_state(shapes):
-            name, layout = hf_name(path_)
-            to_hf_shape, to_ours, _ = _LAYOUTS[layout]
+            stacked = is_stacked(path_)
             shape = tuple(variable.get_value().shape)
-            expected = to_hf_shape(shape)
-            if name not in files:
-                raise ValueError(f"Checkpoint {directory} is missing tensor {name!r} (shape {list(expected)}).")
-            tensor = opened(name).get_slice(name)  # lazy: nothing read yet
-            if tuple(tensor.get_shape()) != expected:
-                raise ValueError(
-                    f"Tensor {name!r} has shape {list(tensor.get_shape())} in the checkpoint, but the config implies "
-                    f"{list(expected)}."
-                )
+            layer_shape = shape[1:] if stacked else shape
+            # A stacked leaf [L, ...] is read from its L per-layer tensors.
+            names = [hf_name(p) for p in (per_layer_paths(path_, shape[0]) if stacked else [path_])]
+            layout = names[0][1]
+            to_hf_shape, to_ours, _ = _LAYOUTS[layout]
+            expected = to_hf_shape(layer_shape)
+            tensors = []
+            for name, _ in names:
+                if name not in files:
+                    raise ValueError(f"Checkpoint {directory} is missing tensor {name!r} (shape {list(expected)}).")
+                tensor = opened(name).get_slice(name)  # lazy: nothing read yet
+                if tuple(tensor.get_shape()) != expected:
+                    raise ValueError(
+                        f"Tensor {name!r} has shape {list(tensor.get_shape())} in the checkpoint, but the config "
+                        f"implies {list(expected)}."
+                    )
+                tensors.append(tensor)
+                used.add(name)
             scale = scales.get(path_)  # an int8 kernel: read in `dtype` (as unquantized), then quantized
             if mesh is None:
-                value = jnp.asarray(to_ours(opened(name).get_tensor(name), shape), dtype=dtype)
+                arrays = [to_ours(opened(name).get_tensor(name), layer_shape) for name, _ in names]
+                value = jnp.asarray(np.stack(arrays) if stacked else arrays[0], dtype=dtype)
             else:
-                value = _sharded(tensor, layout, shape, dtype, placements[path_])
+                value = _sharded(tensors, layout, shape, dtype, placements[path_], stacked=stacked)
             if scale is not None:
-                value, scale_value = quantize_kernel(value, inputs=input_axes(path_[-1]))
+                value, scale_value = quantize_kernel(value, inputs=input_axes(path_[-1]), stacked=stacked)
                 scale_path = path_[:-1] + (scale_name(path_[-1]),)
                 if mesh is not None:
                     value = jax.device_put(value, placements[path_])
                     scale_value = jax.device_put(scale_value, placements[scale_path])
                 loaded.append((scale_path, scale.replace(scale_value)))
             loaded.append((path_, variable.replace(value)))
-            used.add(name)
         extras = {name: opened(name).get_tensor(name) for name in extra}
     finally:
         for handle in open_files.values():
@@ -374,10 +399,12 @@ def read_weights(
 def hf_tensors(model: Model, params: Params) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` pairs in the Hugging Face layout, one parameter at a time."""
     for path_, leaf in nnx.to_flat_state(params):
-        name, layout = hf_name(path_)
         # A State entry is a Param, or a bare array where a user assigned one (params["x"] = ...).
-        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
-        yield name, np.ascontiguousarray(_LAYOUTS[layout][2](np.asarray(jax.device_get(value))))
+        value = np.asarray(jax.device_get(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf))
+        stacked = is_stacked(path_)
+        for layer, layer_path in enumerate(per_layer_paths(path_, value.shape[0]) if stacked else [path_]):
+            name, layout = hf_name(layer_path)
+            yield name, np.ascontiguousarray(_LAYOUTS[layout][2](value[layer] if stacked else value))
 
 
 def save_pretrained(

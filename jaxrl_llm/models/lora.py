@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm.models.config import LoraConfig, ModelConfig
-from jaxrl_llm.models.decoder import CausalLM, LoraParam, lora_a_init
+from jaxrl_llm.models.decoder import CausalLM, LoraParam, is_stacked, lora_a_init, stack_layers, unstack_layers
 from jaxrl_llm.models.functional import Model, Params, abstract
 from jaxrl_llm.models.quantize import dequantize
 
@@ -83,7 +83,9 @@ def init_adapters(config: ModelConfig, key: jax.Array) -> Params:
     ``B`` zero). Only the adapters are allocated."""
     if config.lora is None:
         raise ValueError("init_adapters: the config has no `lora` (a LoraConfig) to initialise adapters for.")
-    specs = _adapter_shapes(config)
+    # Drawn per layer in both layouts (a key per per-layer adapter), then stacked: the same
+    # adapters whatever config.scan_layers.
+    specs = _adapter_shapes(dataclasses.replace(config, scan_layers=False))
     keys = dict(zip(specs, jax.random.split(key, len(specs)), strict=True))
 
     def initial(path, spec):
@@ -91,7 +93,8 @@ def init_adapters(config: ModelConfig, key: jax.Array) -> Params:
             return jnp.zeros(spec.shape, spec.dtype)
         return lora_a_init(keys[path], spec.shape, spec.dtype)
 
-    return nnx.from_flat_state({path: leaf.replace(initial(path, leaf.get_value())) for path, leaf in specs.items()})
+    adapters = nnx.from_flat_state({path: spec.replace(initial(path, spec[...])) for path, spec in specs.items()})
+    return stack_layers(adapters) if config.scan_layers else adapters
 
 
 def abstract_adapters(model: Model) -> Params:
@@ -168,7 +171,9 @@ def merge(model: Model, params: Params, *, dtype=None) -> tuple[Model, Params]:
             return leaf
         b = flat[(*path[:-1], f"{path[-1]}_lora_b")][...]
         kernel = leaf[...]
-        delta = a[...].astype(jnp.float32).reshape(-1, lora.rank) @ b.astype(jnp.float32).reshape(lora.rank, -1)
+        stack = kernel.shape[:1] if is_stacked(path) else ()  # [L] of a stacked layout
+        a, b = a[...].astype(jnp.float32), b.astype(jnp.float32)
+        delta = a.reshape(*stack, -1, lora.rank) @ b.reshape(*stack, lora.rank, -1)  # [(L,) in, out]
         value = kernel.astype(jnp.float32) + lora.scale * delta.reshape(kernel.shape)
         return leaf.replace(value.astype(dtype or kernel.dtype))
 
@@ -200,7 +205,7 @@ def peft_tensors(adapters: Params) -> dict[str, np.ndarray]:
     ``[out, r]`` (torch ``Linear`` layouts, the in and out features flattened as the Hugging
     Face kernels flatten them)."""
     tensors = {}
-    for path, leaf in nnx.to_flat_state(adapters):
+    for path, leaf in nnx.to_flat_state(unstack_layers(adapters)):
         value = np.asarray(jax.device_get(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf))
         flat = value.reshape(-1, value.shape[-1]) if path[-1].endswith("_lora_a") else value.reshape(value.shape[0], -1)
         tensors[peft_name(path)] = np.ascontiguousarray(flat.T)
@@ -308,7 +313,7 @@ def load_adapter(path: str | os.PathLike, model: Model, *, dtype=jnp.float32) ->
             raise FileNotFoundError(f"load_adapter: {where} has no {name} (a PEFT adapter directory has both).")
     lora = _lora_config_from_peft(json.loads((where / ADAPTER_CONFIG).read_text()), where, dtype)
     lora_model = adapted(model, lora)
-    specs = _adapter_shapes(lora_model.config)
+    specs = _adapter_shapes(dataclasses.replace(lora_model.config, scan_layers=False))  # PEFT's: per layer
     with safe_open(where / ADAPTER_WEIGHTS, framework="numpy") as file:
         # PEFT names a tensor by its module path, with the adapter's name (".default") or without.
         stored = {name.replace(".default.", "."): name for name in file.keys()}
@@ -330,4 +335,5 @@ def load_adapter(path: str | os.PathLike, model: Model, *, dtype=jnp.float32) ->
             if tensor.T.shape != flat:
                 raise ValueError(f"load_adapter: {name} has shape {tuple(tensor.shape)}; the model needs {flat[::-1]}.")
             leaves[path] = specs[path].replace(jnp.asarray(tensor.T.reshape(shape), dtype))
-    return lora_model, nnx.from_flat_state(leaves)
+    adapters = nnx.from_flat_state(leaves)
+    return lora_model, stack_layers(adapters) if lora_model.config.scan_layers else adapters

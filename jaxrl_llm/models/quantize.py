@@ -29,17 +29,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm.models.config import LORA_TARGETS, QUANTIZATIONS
-from jaxrl_llm.models.decoder import input_axes, quantize_kernel, scale_name
+from jaxrl_llm.models.decoder import input_axes, is_stacked, quantize_kernel, scale_name
 from jaxrl_llm.models.functional import Model, Params, abstract
 
 QUANTIZED = LORA_TARGETS
 """The projections an int8 base stores as int8 (the embeddings and output layer are not)."""
 
 
-def dequantize_kernel(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """:math:`s \\odot Q` in ``dtype``: the float kernel an int8 one stands for."""
-    scale = scale.astype(jnp.float32).reshape((1,) * (q.ndim - scale.ndim) + scale.shape)  # [1, ..., *out]
-    return (q.astype(jnp.float32) * scale).astype(dtype)
+def dequantize_kernel(q: jax.Array, scale: jax.Array, dtype, *, stacked: bool = False) -> jax.Array:
+    """:math:`s \\odot Q` in ``dtype``: the float kernel an int8 one stands for (``stacked``:
+    ``q`` ``[L, *in, *out]``, ``scale`` ``[L, *out]``)."""
+    first = int(stacked)
+    inputs = q.ndim - scale.ndim
+    shape = scale.shape[:first] + (1,) * inputs + scale.shape[first:]  # [(L,) 1, ..., *out]
+    return (q.astype(jnp.float32) * scale.astype(jnp.float32).reshape(shape)).astype(dtype)
 
 
 def _is_kernel(path: tuple) -> bool:
@@ -74,7 +77,7 @@ def quantize(model: Model, params: Params, *, quantization: str = "int8") -> tup
     out = {}
     for path, leaf in shapes.items():
         if _is_kernel(path):
-            q, scale = quantize_kernel(given[path][...], inputs=input_axes(path[-1]))
+            q, scale = quantize_kernel(given[path][...], inputs=input_axes(path[-1]), stacked=is_stacked(path))
             scale_path = (*path[:-1], scale_name(path[-1]))
             out[path], out[scale_path] = leaf.replace(q), shapes[scale_path].replace(scale)
         elif not is_scale(path):
@@ -99,6 +102,6 @@ def dequantize(model: Model, params: Params) -> tuple[Model, Params]:
             continue
         if _is_kernel(path):
             scale = flat[(*path[:-1], scale_name(path[-1]))][...]
-            leaf = leaf.replace(dequantize_kernel(leaf[...], scale, dtype))
+            leaf = leaf.replace(dequantize_kernel(leaf[...], scale, dtype, stacked=is_stacked(path)))
         out[path] = leaf
     return plain_model, nnx.from_flat_state(out)
