@@ -88,12 +88,12 @@ def init_adapters(config: ModelConfig, key: jax.Array) -> Params:
     specs = _adapter_shapes(dataclasses.replace(config, scan_layers=False))
     keys = dict(zip(specs, jax.random.split(key, len(specs)), strict=True))
 
-    def initial(path, spec):
+    def initial(path, shape):
         if path[-1].endswith("_lora_b"):
-            return jnp.zeros(spec.shape, spec.dtype)
-        return lora_a_init(keys[path], spec.shape, spec.dtype)
+            return jnp.zeros(shape.shape, shape.dtype)
+        return lora_a_init(keys[path], shape.shape, shape.dtype)
 
-    adapters = nnx.from_flat_state({path: spec.replace(initial(path, spec[...])) for path, spec in specs.items()})
+    adapters = nnx.from_flat_state({path: v.replace(initial(path, v.get_value())) for path, v in specs.items()})
     return stack_layers(adapters) if config.scan_layers else adapters
 
 
