@@ -21,6 +21,7 @@ Qwen2.5-0.5B's (``--tiny``: toy widths, the same structure).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -123,12 +124,12 @@ def main(argv=None) -> dict[tuple[str, int, bool], dict[str, float]]:
     with persistent_cache_off():
         for program in programs:
             for depth in depths:
-                model, params = models.abstract(qwen25_05b(depth, tiny=args.tiny))
                 cells = []
-                for scan in (False, True):
-                    row = measure(
-                        program, models.with_options(model, scan_layers=scan), params, repeats=args.repeats, **shapes
+                for scan in (False, True):  # the layers' layout: one subtree per layer, or stacked [L, ...]
+                    model, params = models.abstract(
+                        dataclasses.replace(qwen25_05b(depth, tiny=args.tiny), scan_layers=scan)
                     )
+                    row = measure(program, model, params, repeats=args.repeats, **shapes)
                     results[program, depth, scan] = row
                     cells += [f"{row['lower']:.2f}", f"{row['compile']:.2f}"]
                 print(f"| {program} | {depth} | {' | '.join(cells)} |", flush=True)

@@ -47,6 +47,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from timing import median_seconds
 
 from jaxrl_llm import models
+from jaxrl_llm.models.decoder import unstack_layers
 
 
 def qwen25_05b(num_layers: int = 24, *, tiny: bool = False) -> models.ModelConfig:
@@ -206,6 +207,7 @@ def main(argv=None) -> dict[str, dict]:
         completion_len=args.completion_len,
         group_size=args.group_size,
     )
+    # The layers' layout (scan_layers, with its own params) and the execution options.
     variants = {"unrolled": dict(scan_layers=False), "scan": dict(scan_layers=True)}
     if args.remat != "none":
         variants.update(
@@ -233,16 +235,18 @@ def main(argv=None) -> dict[str, dict]:
     reference = None
     with persistent_cache_off():
         for name, options in variants.items():
+            options = dict(options)
+            layout_model, layout_params = models.with_scan_layers(model, params, options.pop("scan_layers"))
             row, outputs = measure(
-                models.with_options(model, **options),
-                params,
+                models.with_options(layout_model, **options),
+                layout_params,
                 inputs,
                 completion_len=args.completion_len,
                 group_size=args.group_size,
                 repeats=0 if args.compile_only else args.repeats,
             )
             if outputs is not None:
-                value, grads = float(outputs[0]), compared_leaves(outputs[1], config.num_layers)
+                value, grads = float(outputs[0]), compared_leaves(unstack_layers(outputs[1]), config.num_layers)
                 del outputs
                 reference = reference or (value, grads)
                 row["dg"] = max(

@@ -19,7 +19,7 @@ Four parts (``--parts``), each printed as a Markdown table:
   compiles (``make_train_step``'s ``update`` wrapped as the loop wraps it, the state
   donated, the frozen base passed beside it), lowered on abstract arguments of a batch of
   2 prompts x 4 completions, each row 512 tokens (prompt 256 + completion 256), with
-  ``remat="full"`` and ``scan_layers=True`` (``models.with_options``), bfloat16 compute,
+  ``remat="full"`` and ``scan_layers=True`` (stacked layers), bfloat16 compute,
   on XLA's CPU backend: argument, output, aliased (donated) and temporary bytes, and the
   peak they imply, argument + output - alias + temp. Also ``score`` (the policy's and the
   reference's log-probs), the other program of a step.
@@ -137,7 +137,7 @@ def abstract_state(
 ) -> tuple[models.Model, training.TrainState]:
     """The (LoRA) model, with execution ``options``, and ``jax.eval_shape`` of its GRPO state at
     step 0, as ``train`` builds it (full: the reference is the caller's params, not a copy)."""
-    model, params = models.abstract(config)
+    model, params = models.abstract(dataclasses.replace(config, scan_layers=options.pop("scan_layers", False)))
     if options:
         model = models.with_options(model, **options)
     if lora is None:
@@ -156,8 +156,7 @@ def tree_bytes(tree) -> int:
 
 
 def layer_bytes(params) -> int:
-    """Bytes of the decoder layers' leaves of ``params``: what ``scan_layers`` stacks into
-    ``[L, ...]`` copies inside each pass."""
+    """Bytes of the decoder layers' leaves of ``params``."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     return sum(math.prod(x.shape) * x.dtype.itemsize for path, x in leaves if "layers" in jax.tree_util.keystr(path))
 
@@ -351,7 +350,7 @@ def print_compiled(rows: list[dict]) -> None:
     )
     print(
         "| shape | layers | program | arguments | outputs | aliased (donated) | temporaries | peak | "
-        "layer weights (bf16) | compile s |"
+        "layer weights | compile s |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -360,20 +359,18 @@ def print_compiled(rows: list[dict]) -> None:
             f"{gb(r['alias'])} | {gb(r['temp'])} | {gb(r['peak'])} | {gb(r['layer_weights'])} | {r['compile_s']:.0f} |"
         )
     print(
-        "\npeak = arguments + outputs - aliased + temporaries. On XLA's CPU backend a bfloat16 matmul upcasts its "
-        "weight to float32 (a float32 copy: twice the layer weights' bytes among the temporaries); scan_layers "
-        "stacks the layer weights into one [L, ...] copy per pass. 24 GB = 24 GiB = 25.77e9 bytes:"
+        "\npeak = arguments + outputs - aliased + temporaries. The layers are stored stacked and scanned; the "
+        "frozen base is read one layer at a time inside the rematerialised scan body (XLA's CPU backend computes a "
+        "bfloat16 matmul through a float32 copy of its weight: one layer's, not the base's). 24 GB = 24 GiB = "
+        "25.77e9 bytes:"
     )
     for r in rows:
         if r["program"] == "update":
             verdict = "fits" if r["peak"] < 24 * 2**30 else "does not fit"
-            line = (
+            print(
                 f"- {r['shape']} {r['layers']} update: peak {r['peak'] / 2**30:.2f} GiB, {verdict} in 24 GiB "
                 f"(headroom {(24 * 2**30 - r['peak']) / 2**30:.2f} GiB)"
             )
-            if r["layers"] == "scanned":  # the stack a bfloat16 one where matmuls take bfloat16 (an estimate)
-                line += f"; its float32 stack as a bfloat16 one: {(r['peak'] - r['layer_weights']) / 2**30:.2f} GiB"
-            print(line)
 
 
 def print_runs(title: str, rows: list[dict] | str) -> None:
@@ -400,6 +397,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--parts", default="state,compiled,run,trl", help="comma-separated: state,compiled,run,trl")
     parser.add_argument("--shapes", default=",".join(QWEN), help=f"state part's shapes, of {', '.join(QWEN)}")
     parser.add_argument("--compiled-shapes", default="7B,14B", help="compiled part's shapes")
+    parser.add_argument("--compiled-int8", default="14B", help="compiled part's shapes over an int8 base ('' for none)")
     parser.add_argument(
         "--unrolled", default="7B", help="compiled part: shapes also compiled with scan_layers=False ('' for none)"
     )
@@ -413,7 +411,7 @@ def main(argv=None) -> dict:
     parts = args.parts.split(",")
     if bad := [p for p in parts if p not in ("state", "compiled", "run", "trl")]:
         parser.error(f"--parts: unknown {bad}")
-    pick = lambda names: {n: bfloat16(QWEN[n]) for n in names.split(",")}  # noqa: E731
+    pick = lambda names: {n: bfloat16(QWEN[n]) for n in names.split(",") if n}  # noqa: E731
     cpu = platform.processor() or platform.machine()
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
@@ -432,8 +430,15 @@ def main(argv=None) -> dict:
         print_state(report["state"])
     if "compiled" in parts:
         unrolled = [n for n in args.unrolled.split(",") if n]
-        report["compiled"] = compiled_rows(pick(args.compiled_shapes)) + compiled_rows(
-            pick(",".join(unrolled)) if unrolled else {}, scans=(False,)
+        int8 = {
+            f"{n} int8": dataclasses.replace(c, quantization="int8")
+            for n, c in pick(args.compiled_int8).items()
+            if args.compiled_int8
+        }
+        report["compiled"] = (
+            compiled_rows(pick(args.compiled_shapes))
+            + compiled_rows(int8)
+            + compiled_rows(pick(",".join(unrolled)) if unrolled else {}, scans=(False,))
         )
         print_compiled(report["compiled"])
     if "run" in parts:

@@ -107,7 +107,7 @@ def compare(config: models.ModelConfig, args) -> tuple[float, float, float]:
     batch = args.prompts * args.group
     keys = iter(jax.random.split(jax.random.key(1), 2 * (args.repeats + 1)))
 
-    def ours(model=model):
+    def ours(model=model, params=params):
         rollout = sampling.sample(
             model,
             params,
@@ -141,7 +141,8 @@ def compare(config: models.ModelConfig, args) -> tuple[float, float, float]:
             )
         assert out.shape == (batch, args.prompt_len + args.new_tokens)
 
-    scanned = functools.partial(ours, model=models.with_options(model, scan_layers=True))
+    scanned_model, scanned_params = models.with_scan_layers(model, params, True)
+    scanned = functools.partial(ours, model=scanned_model, params=scanned_params)
     return tuple(median_seconds(fn, repeats=args.repeats) for fn in (ours, scanned, theirs))
 
 

@@ -690,6 +690,9 @@ class CausalLM(nnx.Module):
         """
         c = self.config
         graphdef, stacked = nnx.split(self.layers)
+        frozen = None
+        if c.lora is not None and c.remat != "none":  # the base under adapters: read by index (_frozen_layer)
+            stacked, frozen = nnx.split_state(stacked, LoraParam, ...)
         windows = {c.window(i) for i in range(c.num_layers)}
         if len(windows) == 1:  # one static window (or none) for every layer
             window, layer_windows = windows.pop(), None
@@ -703,20 +706,23 @@ class CausalLM(nnx.Module):
         if per_layer:
             kv = (jnp.stack(kv[0]), jnp.stack(kv[1]))  # [L, B, KVH, K, D] each
 
-        def apply(state, x, layer_window, layer_kv, layer, layer_key):
+        def apply(state, x, layer_window, layer_kv, layer, layer_key, index):
+            if frozen is not None:
+                state = nnx.merge_state(state, _frozen_layer(frozen, index))
             module = nnx.merge(graphdef, state)
             layer_window = window if layer_window is None else layer_window
             return module(x, rope, mask, layer_window, layer_kv, cache_index, layer, layer_key)
 
         apply = _checkpoint(apply, c.remat, prevent_cse=False)  # no CSE to guard against inside a scan
-        xs = dict(state=stacked, layer_window=layer_windows, layer_key=layer_keys)
+        index = jnp.arange(c.num_layers, dtype=jnp.int32)
+        xs = dict(state=stacked, layer_window=layer_windows, layer_key=layer_keys, index=index)
         if kv is not None and carry_cache:
 
             def step(carry, per_layer):
-                x, kv = apply(x=carry[0], layer_kv=carry[1], **per_layer)
+                x, kv = apply(x=carry[0], layer_kv=carry[1], layer=per_layer["index"], **per_layer)
                 return (x, kv), None
 
-            (x, kv), _ = jax.lax.scan(step, (x, kv), dict(xs, layer=jnp.arange(c.num_layers, dtype=jnp.int32)))
+            (x, kv), _ = jax.lax.scan(step, (x, kv), xs)
         else:
 
             def step(x, per_layer):
@@ -827,6 +833,20 @@ def _checkpoint(fn, remat: str, *, prevent_cse: bool = True):
     if remat == "none":
         return fn
     return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def _frozen_layer(frozen: nnx.State, index: jax.Array) -> nnx.State:
+    """Layer ``index`` of the stacked ``[L, ...]`` leaves of a frozen base (a LoRA model's
+    non-adapter params), read inside the scan's rematerialised body.
+
+    The optimization barrier ties the stacks to the loop's index, so XLA cannot move work
+    on the whole stack out of the loop: its CPU backend would otherwise convert every
+    bfloat16 layer weight to float32 before the loop (a float32 copy of the base, twice its
+    size). Read this way only where nothing differentiates the leaves and remat recomputes
+    the layer: a differentiated leaf would add a stack-sized cotangent per layer, and without
+    remat each layer's weights would be saved for the backward pass."""
+    index, frozen = jax.lax.optimization_barrier((index, frozen))
+    return jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), frozen)
 
 
 def _remat(layer: DecoderLayer, remat: str, *, layer_index: int | None = None):

@@ -110,8 +110,9 @@ def with_scan_layers(model: Model, params: Params, scan_layers: bool) -> tuple[M
     the decoder layers' params stacked ``[L, ...]`` and run by one ``jax.lax.scan``
     (``True``), or one subtree per layer run by a Python loop (``False``). The same
     function, up to float rounding; the non-layer leaves are ``params``' own arrays, the
-    layer leaves a stacked (or sliced) copy. ``(model, params)`` as they are when already
-    in that layout. Adapters and int8 scales, if any, move with their kernels.
+    layer leaves a stacked (or sliced) copy; abstract params (``jax.ShapeDtypeStruct``
+    leaves) give abstract ones. ``(model, params)`` as they are when already in that
+    layout. Adapters and int8 scales, if any, move with their kernels.
 
     .. code-block:: python
 
@@ -126,6 +127,8 @@ def with_scan_layers(model: Model, params: Params, scan_layers: bool) -> tuple[M
     if model.config.scan_layers == scan_layers:
         return model, params
     relayout = stack_layers if scan_layers else unstack_layers
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
+        relayout = functools.partial(jax.eval_shape, relayout)  # abstract params: shapes only
     return abstract(dataclasses.replace(model.config, scan_layers=scan_layers))[0], relayout(params)
 
 

@@ -106,12 +106,13 @@ def model(
     config: RunConfig, task: tasks.Task, *, abstract: bool = False, mesh=None
 ) -> tuple[models.Model, models.Params]:
     """The policy before training: the model directory's weights, or the built-in decoder
-    initialised from ``config.train.seed``, with the spec's execution options (layer scan,
-    remat, attention), int8 with ``model.quantization``. ``abstract``: shapes and dtypes
+    initialised from ``config.train.seed``, in the spec's layers layout (``scan_layers``), with
+    its execution options (remat, attention), int8 with ``model.quantization``. ``abstract``: shapes and dtypes
     only (``jax.ShapeDtypeStruct`` leaves), nothing read or computed. ``mesh``: a model directory's tensors are read
     straight into their shards by ``config.mesh.rules``."""
     spec = config.model
-    options = dict(scan_layers=spec.scan_layers, remat=spec.remat, attention=spec.attention)
+    options = dict(remat=spec.remat, attention=spec.attention)
+    layout = dict(quantization=spec.quantization, scan_layers=spec.scan_layers)
     if spec.path is None:
         sampling = config.train.sampling
         positions = sampling.max_prompt_length + sampling.max_new_tokens
@@ -119,7 +120,7 @@ def model(
             positions = episodes.rollout.max_cache_slots(
                 max_prompt_length=sampling.max_prompt_length, max_new_tokens=sampling.max_new_tokens
             )  # an episode's cache has room for gaps between turns
-        built = dataclasses.replace(model_config(spec, task, positions), quantization=spec.quantization)
+        built = dataclasses.replace(model_config(spec, task, positions), **layout)
         model_, params = models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
     else:
         check_model_path(spec)
@@ -127,7 +128,7 @@ def model(
         if abstract:
             hf_config = transformers.AutoConfig.from_pretrained(spec.path, local_files_only=True)
             built = models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute)
-            model_, params = models.abstract(dataclasses.replace(built, quantization=spec.quantization))
+            model_, params = models.abstract(dataclasses.replace(built, **layout))
         else:
             model_, params = models.from_pretrained(
                 spec.path,
@@ -135,7 +136,7 @@ def model(
                 compute_dtype=compute,
                 mesh=mesh,
                 rules=None if mesh is None else sharding.RULES[config.mesh.rules],
-                quantization=spec.quantization,
+                **layout,
             )
     return models.with_options(model_, **options), params
 

@@ -116,8 +116,11 @@ class ModelSpec:
     quantized as read, or after the warm start, which trains in ``param_dtype``. Needs
     ``lora.rank > 0``: int8 weights are not trained."""
     scan_layers: bool = False
-    """Run the decoder layers in one ``lax.scan`` in every pass, decoding included
-    (``models.ModelConfig.scan_layers``): with ``remat``, far less activation memory."""
+    """Store the decoder layers stacked ``[L, ...]`` and run them in one ``lax.scan`` in every
+    pass, decoding included (``models.ModelConfig.scan_layers``): each program compiles one
+    layer, not ``L`` (the first step on a GPU), and with ``remat`` far less activation
+    memory. On a CPU the unrolled layers decode faster. The checkpoints hold the params in
+    this layout, so a continued run keeps it."""
     remat: Literal["none", "full", "dots"] = "none"
     """Recompute each layer's activations in the backward pass: ``full`` saves nothing,
     ``dots`` keeps the projections' outputs (``models.ModelConfig.remat``)."""

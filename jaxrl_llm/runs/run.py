@@ -79,14 +79,14 @@ RUN_MANAGEMENT = (
     "wandb_project",
     "compilation_cache",
     "mesh",
-    "model.scan_layers",
     "model.remat",
     "model.attention",
 )
 """Settings a continued run may change, by dotted name: they decide how long it runs, what
 it writes, on which devices (a checkpoint restores onto another mesh) and how the model
 executes, not what it computes (``steps`` also sets the end of a decaying learning-rate
-schedule without ``train.optimizer.decay_steps``, and is then fixed)."""
+schedule without ``train.optimizer.decay_steps``, and is then fixed). ``model.scan_layers``
+is not one: it is the layout of the params the checkpoints hold."""
 
 TIMING_METRICS = ("tokens_per_second", "score_traces", "update_traces")
 """Metrics (besides ``*_seconds``) that depend on the machine or the process, not the run."""
