@@ -280,16 +280,17 @@ def test_the_sampler_on_data_fsdp_tensor_meshes_draws_the_single_device_samples(
 
 
 def test_scanned_layers_decode_over_a_tensor_parallel_mesh_like_one_device():
-    """``scan_layers``: the stacked ``[L, ...]`` cache through tensor-parallel decoding
-    (params split by heads, MLP columns and vocabulary) gives the unrolled single-device
-    samples."""
+    """``scan_layers``: the stacked ``[L, ...]`` params and cache through tensor-parallel
+    decoding (each layer split by heads, MLP columns and vocabulary, the layers' axis
+    whole) give the unrolled single-device samples."""
     model, params = peaked_model(scale=2.0)
-    scanned = models.with_options(model, scan_layers=True)
+    scanned, stacked = models.with_scan_layers(model, params, True)
     rng = np.random.default_rng(5)
     prompts = jnp.asarray(rng.integers(3, VOCAB, size=(4, 4)))
     prompt_mask = jnp.asarray(np.arange(4)[None] >= rng.integers(0, 3, size=(4, 1)))
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    placed = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
+    placed = jax.device_put(stacked, sharding.param_shardings(stacked, mesh, sharding.RULES["fsdp_tensor"]))
+    assert tuple(placed["layers"]["mlp"]["up_proj"][...].sharding.spec) == (None, "fsdp", "tensor")
     expected = sampling.sample(model, params, prompts, prompt_mask, jax.random.key(3), **kwargs(num_samples=2))
     got = sampling.Sampler(model=scanned, eos_ids=(EOS,), pad_id=PAD, mesh=mesh)(
         placed, prompts, prompt_mask, jax.random.key(3), num_samples=2, max_new_tokens=9

@@ -86,7 +86,7 @@ def _expected_spec(name: str, shape, fsdp: int, tensor: int) -> tuple:
     return tuple(spec)
 
 
-def _model_and_state(algorithm, param_dtype=None):
+def _model_and_state(algorithm, param_dtype=None, *, num_layers=1, scan_layers=False):
     import jax.numpy as jnp
 
     from jaxrl_llm import models, training
@@ -95,14 +95,90 @@ def _model_and_state(algorithm, param_dtype=None):
         vocab_size=64,
         hidden_size=16,
         intermediate_size=32,
-        num_layers=1,
+        num_layers=num_layers,
         num_heads=4,
         num_kv_heads=2,
         head_dim=4,
         param_dtype=param_dtype or jnp.float32,
+        scan_layers=scan_layers,
     )
     model, params = models.init(config, jax.random.key(0))
     return model, params, training.init_state(model, params, algorithm, training.TrainConfig())
+
+
+def _layer_path(path: str) -> str:
+    """A per-layer leaf's path string -> its stacked leaf's (``['layers'][1]['mlp']`` -> ``['layers']['mlp']``)."""
+    head, layers, rest = path.partition("['layers'][")
+    return head + "['layers']" + rest[rest.index("]") + 1 :] if layers else path
+
+
+@pytest.mark.parametrize("data, fsdp, tensor", [(2, 2, 2), (1, 4, 2), (8, 1, 1)])
+def test_a_stacked_state_is_split_as_its_layers_are_with_the_layers_axis_whole(data, fsdp, tensor):
+    """Params, reference, critic backbone, Adam's moments and master copies of the stacked
+    layout: each ``[L, ...]`` leaf takes its layers' spec by the rules, behind a whole
+    ``layers`` axis; every other leaf the unrolled state's."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm import algorithms, training
+    from jaxrl_llm.training import optim
+
+    mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+    policy, critic = optim.run_optimizers(algorithms.PPO, training.TrainConfig(), decay_steps=1)
+
+    def shardings(scan_layers):
+        _, _, state = _model_and_state(algorithms.PPO, jnp.bfloat16, num_layers=2, scan_layers=scan_layers)
+        placements = sharding.state_shardings(
+            state, mesh, sharding.RULES["fsdp_tensor"], optimizer=policy, critic_optimizer=critic
+        )
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        return {
+            jax.tree_util.keystr(path): (leaf.shape, placement.spec)
+            for (path, leaf), placement in zip(leaves, jax.tree.leaves(placements), strict=True)
+        }
+
+    unrolled, stacked = shardings(False), shardings(True)
+    expected = {}
+    for path, (shape, spec) in unrolled.items():
+        if _layer_path(path) == path:
+            expected[path] = (shape, spec)
+        else:  # layers 0 and 1 alike: the stacked leaf's spec is theirs behind the layers' axis
+            stacked_spec = PartitionSpec(None, *spec) if tuple(spec) else spec
+            assert expected.setdefault(_layer_path(path), ((2, *shape), stacked_spec)) == ((2, *shape), stacked_spec)
+    assert stacked == expected
+    layer_specs = [spec for path, (_, spec) in stacked.items() if "['layers']['" in path]
+    assert all(spec[0] is None for spec in layer_specs if tuple(spec))  # never split over layers
+    # Split: the 7 matrices of params, reference, critic; policy and critic Adam mu, nu and master.
+    assert sum(1 for spec in layer_specs if tuple(spec)) == (7 * 9 if fsdp * tensor > 1 else 0)
+
+
+def test_rules_that_split_the_layers_axis_are_refused():
+    from jaxrl_llm import models
+
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    message = r"sharding rules: the 'layers' axis \(stacked layers\) is never split"
+    rules = (("layers", sharding.FSDP), ("embed", sharding.TENSOR))
+    with pytest.raises(ValueError, match=message):
+        sharding.spec_for(PartitionSpec("layers", "embed"), (2, 8), mesh, rules)
+    with pytest.raises(ValueError, match=message):  # whatever the array: the table itself is refused
+        sharding.spec_for(PartitionSpec("embed"), (8,), mesh, rules)
+    _, stacked = models.init(
+        models.ModelConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=4,
+            scan_layers=True,
+        ),
+        jax.random.key(0),
+    )
+    with pytest.raises(ValueError, match=message):
+        sharding.param_shardings(stacked, mesh, rules)
+    for preset in sharding.RULES.values():  # no preset splits it
+        assert "layers" not in dict(preset)
+        sharding.param_shardings(stacked, mesh, preset)
 
 
 @pytest.mark.parametrize("data, fsdp, tensor", MESHES)
@@ -242,6 +318,46 @@ def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(
         if not jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):  # a key's sharding covers its bits too
             want = wanted[jax.tree_util.keystr(path)]
             assert got.sharding.is_equivalent_to(want, got.ndim), (path, got.sharding, want)
+
+
+@pytest.mark.slow
+def test_the_jitted_step_on_a_sharded_stacked_state_updates_like_the_unrolled_single_device_step():
+    """The stacked layout (``scan_layers``) on a data x fsdp x tensor mesh: the unrolled
+    single-device step's losses and parameters (layer by layer), and the new state keeps
+    the rules' shardings, each stacked leaf whole over its layers."""
+    from jaxrl_llm import algorithms, models, training
+    from jaxrl_llm.models import decoder
+
+    algorithm = algorithms.get("grpo")
+    run, model, params, batch, _, expected_score_metrics, expected, expected_metrics = _single_device_step("grpo")
+    scanned, stacked = models.with_scan_layers(model, params, True)
+    train_step = training.make_train_step(scanned, algorithm, run)
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    state = training.init_state(scanned, stacked, algorithm, run)
+    shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES["fsdp_tensor"])
+    state = jax.device_put(state, shardings)
+    scored, score_metrics = jax.jit(train_step.score)(
+        state, jax.device_put(batch, training.batch.batch_shardings(mesh))
+    )
+    new, metrics = jax.jit(train_step.update, out_shardings=(shardings, None))(state, scored)
+
+    for name in ("kl_exact", "advantage_std"):
+        np.testing.assert_allclose(
+            float(score_metrics[name]), float(expected_score_metrics[name]), rtol=1e-5, atol=1e-7, err_msg=name
+        )
+    for name in ("loss", "grad_norm", "kl_k3"):
+        np.testing.assert_allclose(
+            float(metrics[name]), float(expected_metrics[name]), rtol=1e-5, atol=1e-7, err_msg=name
+        )
+    new_params = decoder.unstack_layers(jax.device_get(new.params))
+    assert jax.tree.structure(new_params) == jax.tree.structure(expected.params)
+    for got, want in zip(jax.tree.leaves(new_params), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+    q_proj = new.params["layers"]["self_attn"]["q_proj"][...]
+    assert q_proj.shape[0] == model.config.num_layers and tuple(q_proj.sharding.spec) == (None, "fsdp", "tensor")
+    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(shardings), strict=True):
+        if not jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):  # a key's sharding covers its bits too
+            assert got.sharding.is_equivalent_to(want, got.ndim), (got.sharding, want)
 
 
 @pytest.mark.slow

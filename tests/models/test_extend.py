@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_llm import models
+from jaxrl_llm.models import decoder
 from tests.models.test_cache import CONFIGS
 
 BASE = dataclasses.replace(CONFIGS["llama-gqa"], max_position_embeddings=64)
@@ -72,18 +74,25 @@ def test_extending_the_cache_gives_the_logits_of_the_whole_conversation(family):
                 rows[b].extend(int(t) for t in tokens[b, : counts[b]])
         # Rows fed nothing keep their previous next-token logits (the caller's to keep).
         checks += [(b, len(rows[b]), np.asarray(step_logits[b])) for b in np.flatnonzero(fed)]
-    # The reference: one from-scratch pass over every row's whole conversation, left-padded;
-    # position i's logits are the next-token logits after the first i + 1 tokens.
+    # The reference: one from-scratch pass over every row's whole conversation, left-padded,
+    # by the unrolled layers (the stacked layout's weights unstacked); position i's logits
+    # are the next-token logits after the first i + 1 tokens.
     width = max(map(len, rows))
     padded = np.array([[0] * (width - len(r)) + r for r in rows])
     mask = np.array([[False] * (width - len(r)) + [True] * len(r) for r in rows])
-    expected = np.asarray(models.forward(model, params, jnp.asarray(padded), attention_mask=jnp.asarray(mask)))
+    unrolled, unrolled_params = models.with_scan_layers(model, params, False)
+    expected = np.asarray(
+        models.forward(unrolled, unrolled_params, jnp.asarray(padded), attention_mask=jnp.asarray(mask))
+    )
     assert len(checks) > 20
     for b, length, got in checks:
         want = expected[b, width - len(rows[b]) + length - 1]
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"row {b} after {length} tokens")
     np.testing.assert_array_equal(cache.next_position, [len(r) for r in rows])
     assert cache.stacked == config.scan_layers
+    assert {decoder.is_stacked(path) for path, _ in nnx.to_flat_state(params) if path[0] == "layers"} == {
+        config.scan_layers
+    }
 
 
 def test_extend_refuses_what_does_not_fit_and_matches_decode_step():

@@ -1,5 +1,8 @@
-"""Execution options of the decoder (layer scan, rematerialisation, attention kernel)
-against the reference: the unrolled layers with the CPU-tuned ``attend`` and no remat.
+"""The layers' layout and the decoder's execution options against the reference: the
+per-layer params run by a Python loop, with the CPU-tuned ``attend`` and no remat. The
+stacked layout (``scan_layers``: one ``[L, ...]`` leaf per weight kind, one
+``jax.lax.scan``) is compared on the same weights, converted by ``with_scan_layers``; its
+gradients are stacked and compared layer by layer (``decoder.unstack_layers``).
 
 Tolerances (float32): hidden states and log-probs within 2e-5 absolute (they are O(1));
 each gradient leaf within 2e-5 of its own largest entry, the same bound as the
@@ -11,10 +14,12 @@ import dataclasses
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_llm import models
 from jaxrl_llm.models import decoder
@@ -91,6 +96,17 @@ def value_and_grad(model, params, tokens, mask, weights, *, group_size=1):
     return jax.value_and_grad(functools.partial(objective, model, group_size=group_size))(params, tokens, mask, weights)
 
 
+def scanned_of(model, params):
+    """The same model and params in the stacked layout."""
+    scanned, scanned_params = models.with_scan_layers(model, params, True)
+    assert scanned.config.scan_layers and all(decoder.is_stacked(path) for path in layer_paths(scanned_params))
+    return scanned, scanned_params
+
+
+def layer_paths(params) -> list[tuple]:
+    return [path for path, _ in nnx.to_flat_state(params) if path[0] == decoder.LAYERS]
+
+
 def assert_gradients_close(actual, expected):
     """Every leaf within ``GRAD_RTOL`` of the largest entry of the expected leaf."""
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
@@ -106,12 +122,13 @@ def assert_gradients_close(actual, expected):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_scanned_layers_give_the_hidden_states_of_the_unrolled_layers(name):
     model, params = perturbed_init(CONFIGS[name])
-    scanned = models.with_options(model, scan_layers=True)
+    scanned, scanned_params = scanned_of(model, params)
     tokens, mask, _ = rollout_batch(CONFIGS[name].vocab_size)
     expected = hidden(model, params, tokens, mask)  # [B, S + N, E]
-    np.testing.assert_allclose(hidden(scanned, params, tokens, mask), expected, rtol=0, atol=ATOL)  # padding too
+    actual = hidden(scanned, scanned_params, tokens, mask)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=ATOL)  # padding too
     np.testing.assert_allclose(
-        models.forward(scanned, params, tokens, attention_mask=mask),
+        models.forward(scanned, scanned_params, tokens, attention_mask=mask),
         models.forward(model, params, tokens, attention_mask=mask),
         rtol=0,
         atol=1e-4,
@@ -131,16 +148,18 @@ def test_scanned_layers_give_the_gradients_of_the_unrolled_layers(name, group_si
     tokens, mask, weights = rollout_batch(CONFIGS[name].vocab_size, group_size=group_size)
     value, grads = value_and_grad(model, params, tokens, mask, weights, group_size=group_size)
     scanned_value, scanned_grads = value_and_grad(
-        models.with_options(model, scan_layers=True), params, tokens, mask, weights, group_size=group_size
+        *scanned_of(model, params), tokens, mask, weights, group_size=group_size
     )
     np.testing.assert_allclose(scanned_value, value, rtol=1e-5)
-    assert_gradients_close(scanned_grads, grads)
+    # The gradient comes in the params' stacked layout: one [L, ...] leaf per weight kind.
+    assert jax.tree.structure(scanned_grads) == jax.tree.structure(decoder.stack_layers(grads))
+    assert_gradients_close(decoder.unstack_layers(scanned_grads), grads)
 
 
 def test_the_scan_holds_one_layer_in_every_pass_decoding_included():
     config = CONFIGS["qwen2-full-then-window"]
     model, params = perturbed_init(config)
-    scanned = models.with_options(model, scan_layers=True)
+    scanned, scanned_params = scanned_of(model, params)
     tokens, mask, weights = rollout_batch(config.vocab_size)
 
     def loss(model, group_size=1):
@@ -150,13 +169,46 @@ def test_the_scan_holds_one_layer_in_every_pass_decoding_included():
     layer_scan = re.compile(rf"length={config.num_layers}\b")
     assert not layer_scan.search(str(jax.make_jaxpr(loss(model))(params)))
     for group_size in (1, GROUP):  # both passes of the shared prompt too
-        assert len(layer_scan.findall(str(jax.make_jaxpr(loss(scanned, group_size))(params)))) == group_size
-    for m, scans in ((model, 0), (scanned, 1)):
+        assert len(layer_scan.findall(str(jax.make_jaxpr(loss(scanned, group_size))(scanned_params)))) == group_size
+    for m, p, scans in ((model, params, 0), (scanned, scanned_params, 1)):
         prefill = jax.make_jaxpr(lambda p, m=m: models.prefill(m, p, tokens[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 1))
         cache = models.init_cache(m, BATCH, PROMPT_LEN + 1)
         decode = jax.make_jaxpr(lambda p, c, m=m: models.decode_step(m, p, tokens[:, 0], c))
-        assert len(layer_scan.findall(str(prefill(params)))) == scans
-        assert len(layer_scan.findall(str(decode(params, cache)))) == scans
+        assert len(layer_scan.findall(str(prefill(p)))) == scans
+        assert len(layer_scan.findall(str(decode(p, cache)))) == scans
+
+
+def equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (scans, jits, remat)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    yield from equations(inner.jaxpr)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from equations(inner)
+
+
+def test_the_scan_reads_the_stored_stacks_and_builds_no_stacked_copy_of_the_weights():
+    """Every array of a stacked weight's shape in a pass is the scan's output (the stacked
+    gradient) or a sum of two passes' gradients: nothing stacks or concatenates the layers'
+    weights, and decoding makes no such array at all."""
+    config = CONFIGS["qwen2-full-then-window"]
+    scanned, params = scanned_of(*perturbed_init(config))
+    tokens, mask, weights = rollout_batch(config.vocab_size)
+    stacked_shapes = {leaf.shape for leaf in jax.tree.leaves(params["layers"])}
+
+    def makers(fn, *args):  # the primitives that make an array of a stacked weight's shape
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+        return {e.primitive.name for e in equations(jaxpr) for v in e.outvars if v.aval.shape in stacked_shapes}
+
+    for group_size in (1, GROUP):
+        grad = jax.grad(functools.partial(objective, scanned, group_size=group_size))
+        assert makers(grad, params, tokens, mask, weights) <= {"scan", "add_any"}
+        assert "scan" in makers(grad, params, tokens, mask, weights)  # the check sees the stacked gradient
+    cache = models.init_cache(scanned, BATCH, PROMPT_LEN + 1)
+    assert not makers(lambda p, c: models.decode_step(scanned, p, tokens[:, 0], c), params, cache)
 
 
 # --- Scanned decoding ------------------------------------------------------------------------------
@@ -189,11 +241,11 @@ def unstacked(cache):
 @pytest.mark.parametrize("name", ["llama", "qwen3-qk-norm-tied", "mistral-window-3", "qwen2-window-full-window"])
 def test_scanned_prefill_and_decoding_give_the_unrolled_logits_tokens_and_cache(name):
     model, params = perturbed_init(CONFIGS[name])
-    scanned = models.with_options(model, scan_layers=True)
+    scanned, scanned_params = scanned_of(model, params)
     tokens, mask, _ = rollout_batch(CONFIGS[name].vocab_size)
     prompt, prompt_mask = tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN]
     expected_logits, expected_tokens, expected_cache = decode(model, params, prompt, prompt_mask, steps=4)
-    logits, greedy, cache = decode(scanned, params, prompt, prompt_mask, steps=4)
+    logits, greedy, cache = decode(scanned, scanned_params, prompt, prompt_mask, steps=4)
     assert not expected_cache.stacked and cache.stacked
     assert cache.keys.shape == (3, BATCH, CONFIGS[name].num_kv_heads, PROMPT_LEN + 4, 8)  # [L, B, KVH, K, D]
     np.testing.assert_array_equal(greedy, expected_tokens)
@@ -207,16 +259,16 @@ def test_scanned_prefill_and_decoding_give_the_unrolled_logits_tokens_and_cache(
 
 def test_either_cache_layout_decodes_through_either_layer_setting():
     model, params = perturbed_init(CONFIGS["qwen2-full-then-window"])
-    scanned = models.with_options(model, scan_layers=True)
+    scanned, scanned_params = scanned_of(model, params)
     tokens, mask, _ = rollout_batch(CONFIGS["qwen2-full-then-window"].vocab_size)
     prompt, prompt_mask = tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN]
     _, per_layer = models.prefill(model, params, prompt, prompt_mask, cache_size=PROMPT_LEN + 3)
-    _, stacked = models.prefill(scanned, params, prompt, prompt_mask, cache_size=PROMPT_LEN + 3)
+    _, stacked = models.prefill(scanned, scanned_params, prompt, prompt_mask, cache_size=PROMPT_LEN + 3)
     expected_logits, expected_tokens, expected_cache = decode(
         model, params, prompt, prompt_mask, steps=3, cache=per_layer
     )
-    for m, cache in ((scanned, per_layer), (model, stacked)):  # the other setting's layout
-        logits, greedy, final = decode(m, params, prompt, prompt_mask, steps=3, cache=cache)
+    for m, p, cache in ((scanned, scanned_params, per_layer), (model, params, stacked)):  # the other's cache layout
+        logits, greedy, final = decode(m, p, prompt, prompt_mask, steps=3, cache=cache)
         assert final.stacked == cache.stacked  # returned in the layout it came in
         np.testing.assert_array_equal(greedy, expected_tokens)
         for actual, expected in zip(logits[1:], expected_logits[1:], strict=True):
@@ -230,8 +282,8 @@ def test_take_rows_and_repeat_rows_copy_rows_in_both_layouts():
     tokens, mask, _ = rollout_batch(CONFIGS["llama"].vocab_size)
     rows = jnp.asarray([2, 0, 0, 3, 1])
     taken = []
-    for m in (model, models.with_options(model, scan_layers=True)):
-        _, cache = models.prefill(m, params, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 2)
+    for m, p in ((model, params), scanned_of(model, params)):
+        _, cache = models.prefill(m, p, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 2)
         taken.append(cache.take_rows(rows))
         assert taken[-1].valid.shape == (5, PROMPT_LEN + 2) and taken[-1].index == cache.index
         for copy, source in zip(jax.tree.leaves(unstacked(taken[-1])), jax.tree.leaves(unstacked(cache))):
@@ -245,19 +297,19 @@ def test_take_rows_and_repeat_rows_copy_rows_in_both_layouts():
 
 def test_scanned_decoding_updates_the_stacked_cache_in_place():
     """A decode step's temporaries hold no copy of the stacked cache (at most one layer's
-    slice of it, beside the stacked weights), and the donated cache comes back in the same
-    buffers."""
+    slice of it, beside one layer's weights read out of the stored stacks), and the
+    donated cache comes back in the same buffers."""
     config = dataclasses.replace(CONFIGS["llama"], max_position_embeddings=512)
-    model, params = perturbed_init(config)
-    scanned = models.with_options(model, scan_layers=True)
+    scanned, params = scanned_of(*perturbed_init(config))
     cache = models.init_cache(scanned, BATCH, 512)
     step = jax.jit(functools.partial(models.decode_step, scanned), donate_argnums=2)
     memory = step.lower(params, jnp.zeros((BATCH,), jnp.int32), cache).compile().memory_analysis()
     cache_bytes = cache.keys.nbytes + cache.values.nbytes
     assert memory.alias_size_in_bytes >= cache_bytes
-    layer_weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params["layers"]))
-    assert 2 * cache_bytes / config.num_layers + layer_weights + 2**16 < cache_bytes  # the bound excludes a copy
-    assert memory.temp_size_in_bytes < 2 * cache_bytes / config.num_layers + layer_weights + 2**16
+    one_layer = sum(leaf.nbytes for leaf in jax.tree.leaves(params["layers"])) / config.num_layers
+    bound = 2 * cache_bytes / config.num_layers + one_layer + 2**16
+    assert bound < cache_bytes  # the bound excludes a copy
+    assert memory.temp_size_in_bytes < bound
 
 
 def test_a_scanned_greedy_rollout_gives_the_unrolled_rollout():
@@ -270,7 +322,7 @@ def test_a_scanned_greedy_rollout_gives_the_unrolled_rollout():
     rollouts = [
         sampling.sample(
             m,
-            params,
+            p,
             prompts,
             prompt_mask,
             jax.random.key(0),
@@ -280,7 +332,7 @@ def test_a_scanned_greedy_rollout_gives_the_unrolled_rollout():
             pad_id=0,
             temperature=0.0,
         )
-        for m in (model, models.with_options(model, scan_layers=True))
+        for m, p in ((model, params), scanned_of(model, params))
     ]
     np.testing.assert_array_equal(rollouts[1].tokens, rollouts[0].tokens)
     np.testing.assert_array_equal(rollouts[1].completion_mask, rollouts[0].completion_mask)
@@ -290,16 +342,15 @@ def test_a_scanned_greedy_rollout_gives_the_unrolled_rollout():
 def test_decoding_with_every_option_set_gives_the_reference_logits():
     config = CONFIGS["qwen2-full-then-window"]
     model, params = perturbed_init(config)
-    optioned = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")
+    scanned, scanned_params = scanned_of(model, params)
+    optioned = models.with_options(scanned, remat="full", attention="dot_product_attention")
     tokens, mask, _ = rollout_batch(config.vocab_size)
     results = []
-    for m in (model, optioned):
-        logits, cache = models.prefill(
-            m, params, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 2
-        )
+    for m, p in ((model, params), (optioned, scanned_params)):
+        logits, cache = models.prefill(m, p, tokens[:, :PROMPT_LEN], mask[:, :PROMPT_LEN], cache_size=PROMPT_LEN + 2)
         results.append([logits])
         for t in range(2):
-            step_logits, cache = models.decode_step(m, params, tokens[:, PROMPT_LEN + t], cache)
+            step_logits, cache = models.decode_step(m, p, tokens[:, PROMPT_LEN + t], cache)
             results[-1].append(step_logits)
     for expected, actual in zip(*results, strict=True):
         np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
@@ -314,10 +365,9 @@ def test_remat_gives_the_loss_and_gradients_of_none_and_is_applied(remat, policy
     policy = getattr(jax.checkpoint_policies, policy)
     assert decoder.REMAT_POLICIES[remat] is policy
     config = CONFIGS["qwen2-full-then-window"]
-    model, params = perturbed_init(config)
+    base, params = models.with_scan_layers(*perturbed_init(config), scan_layers)
     tokens, mask, weights = rollout_batch(config.vocab_size, group_size=GROUP)
-    base = models.with_options(model, scan_layers=scan_layers)
-    rematted = models.with_options(model, scan_layers=scan_layers, remat=remat)
+    rematted = models.with_options(base, remat=remat)
     for group_size in (1, GROUP):
         value, grads = value_and_grad(base, params, tokens, mask, weights, group_size=group_size)
         remat_value, remat_grads = value_and_grad(rematted, params, tokens, mask, weights, group_size=group_size)
@@ -341,16 +391,17 @@ def test_remat_and_scan_keep_forward_over_reverse_products():
     config = CONFIGS["qwen2-full-then-window"]
     model, params = perturbed_init(config)
     tokens, mask, weights = rollout_batch(config.vocab_size)
-    tangent = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
 
     @functools.partial(jax.jit, static_argnames="model")
     def hessian_vector_product(model, params):
         grad = jax.grad(functools.partial(objective, model, tokens=tokens, mask=mask, weights=weights, group_size=1))
+        tangent = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
         return jax.jvp(grad, (params,), (tangent,))[1]
 
     expected = hessian_vector_product(model, params)
-    actual = hessian_vector_product(models.with_options(model, scan_layers=True, remat="dots"), params)
-    assert_gradients_close(actual, expected)
+    scanned, scanned_params = scanned_of(model, params)
+    actual = hessian_vector_product(models.with_options(scanned, remat="dots"), scanned_params)
+    assert_gradients_close(decoder.unstack_layers(actual), expected)
 
 
 # --- Attention implementation ----------------------------------------------------------------------
@@ -433,54 +484,116 @@ def test_cudnn_is_accepted_with_a_half_precision_dtype():
     assert config.attention == "cudnn"
 
 
-def test_options_are_not_architecture_hugging_face_never_sees_them():
+def test_options_and_the_layout_are_not_architecture_hugging_face_never_sees_them():
     config = CONFIGS["qwen2-full-then-window"]
     optioned = dataclasses.replace(config, scan_layers=True, remat="dots", attention="dot_product_attention")
     assert optioned.to_hf().to_dict() == config.to_hf().to_dict()
-    assert models.ModelConfig.from_hf(optioned.to_hf()) == config  # options back at their defaults
-    assert set(models.config.EXECUTION_OPTIONS) == {"scan_layers", "remat", "attention"}
+    assert models.ModelConfig.from_hf(optioned.to_hf()) == config  # options and layout back at their defaults
+    assert set(models.config.EXECUTION_OPTIONS) == {"remat", "attention"}  # the layout is not an execution option
     # Configs are static jit arguments: equal options, equal hashes; other options, another config.
     again = dataclasses.replace(config, scan_layers=True, remat="dots", attention="dot_product_attention")
     assert again == optioned and hash(again) == hash(optioned)
     assert optioned != config
 
 
-def test_with_options_keeps_the_params_as_they_are():
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_with_options_keeps_the_params_as_they_are(scan_layers):
     from jaxrl_llm import training
 
-    model, params = perturbed_init(CONFIGS["qwen2-full-then-window"])
-    optioned = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")
+    model, params = models.with_scan_layers(*perturbed_init(CONFIGS["qwen2-full-then-window"]), scan_layers)
+    optioned = models.with_options(model, remat="full", attention="dot_product_attention")
     assert (optioned.config.scan_layers, optioned.config.remat, optioned.config.attention) == (
-        True,
+        scan_layers,
         "full",
         "dot_product_attention",
     )
-    assert model.config.scan_layers is False  # the original is untouched
+    assert (model.config.remat, model.config.attention) == ("none", "auto")  # the original is untouched
     module = optioned.module(params)  # the modules read the options from the graph definition
-    assert module.config == optioned.config and module.layers[0].self_attn.config == optioned.config
+    layer = module.layers if scan_layers else module.layers[0]
+    assert module.config == optioned.config and layer.self_attn.config == optioned.config
     assert jax.tree.structure(models.abstract(optioned.config)[1]) == jax.tree.structure(params)
     training.state.check_params(optioned, params)
     assert models.with_options(model) is model
     # Equal options, an equal (static, hashable) Model: jitted functions do not retrace.
-    again = models.with_options(model, scan_layers=True, remat="full", attention="dot_product_attention")
+    again = models.with_options(model, remat="full", attention="dot_product_attention")
     assert again == optioned and hash(again) == hash(optioned)
 
 
-def test_with_options_refuses_architecture_fields_and_bad_values():
+def test_with_options_refuses_architecture_fields_the_layout_and_bad_values():
     model, _ = models.abstract(CONFIGS["llama"])
     with pytest.raises(
         ValueError,
-        match=r"with_options: 'num_layers' is not an execution option; allowed: "
-        r"'scan_layers', 'remat', 'attention'",
+        match=r"with_options: 'num_layers' is not an execution option; allowed: 'remat', 'attention'\. ",
     ):
         models.with_options(model, num_layers=2)
     with pytest.raises(ValueError, match="`remat` must be one of 'none', 'full', 'dots'"):
         models.with_options(model, remat="everything")
+    # The layout changes the params' tree: with_options points to the function that converts both.
+    with pytest.raises(
+        ValueError, match=r"'scan_layers' is not an execution option.*models\.with_scan_layers\(model, params"
+    ):
+        models.with_options(model, scan_layers=True, remat="dots")
+
+
+# --- The stacked layout ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen2-biases", "qwen3-qk-norm-tied"])
+def test_a_scanned_init_is_the_stacked_unrolled_init_and_unstacking_gives_it_back_bitwise(name):
+    config = CONFIGS[name]
+    _, params = models.init(config, jax.random.key(4))
+    scanned, stacked = models.init(dataclasses.replace(config, scan_layers=True), jax.random.key(4))
+    assert scanned.config.scan_layers
+    expected = decoder.stack_layers(params)
+    assert jax.tree.structure(stacked) == jax.tree.structure(expected)  # paths and logical axes too
+    chex.assert_trees_all_equal(stacked, expected)
+    flat, per_layer = dict(nnx.to_flat_state(stacked)), dict(nnx.to_flat_state(params))
+    # One [L, ...] leaf per weight kind, its leading logical axis "layers", then the layer's own axes.
+    kinds = {path[2:] for path in per_layer if path[0] == "layers"}
+    assert {path[1:] for path in layer_paths(stacked)} == kinds and len(kinds) >= 9
+    for rest in kinds:
+        leaf, first = flat[("layers", *rest)], per_layer[("layers", 0, *rest)]
+        assert leaf.shape == (config.num_layers, *first.shape)
+        assert leaf.get_metadata()["out_sharding"] == ("layers", *first.get_metadata()["out_sharding"])
+        for layer in range(config.num_layers):
+            np.testing.assert_array_equal(leaf[...][layer], per_layer[("layers", layer, *rest)][...])
+    # The round trips, bit for bit; a layout already there keeps its arrays.
+    unstacked_params = decoder.unstack_layers(stacked)
+    assert jax.tree.structure(unstacked_params) == jax.tree.structure(params)
+    chex.assert_trees_all_equal(unstacked_params, params)
+    chex.assert_trees_all_equal(decoder.stack_layers(decoder.unstack_layers(stacked)), stacked)
+    for same, tree in ((decoder.unstack_layers(params), params), (decoder.stack_layers(stacked), stacked)):
+        assert jax.tree.structure(same) == jax.tree.structure(tree)
+        assert all(x is y for x, y in zip(jax.tree.leaves(same), jax.tree.leaves(tree), strict=True))
+    assert decoder.is_stacked(("layers", "mlp", "up_proj")) and not decoder.is_stacked(("layers", 0, "mlp", "up_proj"))
+    assert not decoder.is_stacked(("embed_tokens",)) and decoder.LAYERS == "layers"
+
+
+def test_with_scan_layers_converts_the_model_and_its_params_both_ways():
+    model, params = perturbed_init(CONFIGS["qwen2-window-full-window"])
+    scanned, stacked = models.with_scan_layers(model, params, True)
+    assert scanned.config == dataclasses.replace(model.config, scan_layers=True)
+    assert scanned == models.abstract(scanned.config)[0]  # a plain Model of that config: hashable, static
+    assert jax.tree.structure(models.abstract(scanned.config)[1]) == jax.tree.structure(stacked)
+    chex.assert_trees_all_equal(stacked, decoder.stack_layers(params))
+    for name in ("embed_tokens", "norm", "lm_head"):  # the other leaves are the params' own arrays
+        assert stacked[name][...] is params[name][...]
+    back, unstacked_params = models.with_scan_layers(scanned, stacked, False)
+    assert back == model and back.config == model.config
+    assert jax.tree.structure(unstacked_params) == jax.tree.structure(params)
+    chex.assert_trees_all_equal(unstacked_params, params)
+    # Already in the layout asked for: as they are.
+    for m, p, scan_layers in ((model, params, False), (scanned, stacked, True)):
+        same = models.with_scan_layers(m, p, scan_layers)
+        assert same[0] is m and same[1] is p
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=rf"`scan_layers` must be True or False; got {bad!r}"):
+            models.with_scan_layers(model, params, bad)
 
 
 def test_scanned_layers_on_a_sharded_mesh_give_the_single_device_gradients():
-    """FSDP x tensor-parallel params (one leaf per layer, as the rules shard them) through
-    the scan: the stacked weights keep their layers' shardings."""
+    """FSDP x tensor-parallel stacked params through the scan: each [L, ...] leaf split as
+    its layers are by the rules, its "layers" axis whole; the gradient keeps that layout."""
     from jaxrl_llm import sharding
 
     config = CONFIGS["qwen2-full-then-window"]
@@ -488,13 +601,20 @@ def test_scanned_layers_on_a_sharded_mesh_give_the_single_device_gradients():
     tokens, mask, weights = rollout_batch(config.vocab_size, group_size=GROUP)
     expected_value, expected = value_and_grad(model, params, tokens, mask, weights, group_size=GROUP)
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    sharded = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
+    scanned, stacked = scanned_of(model, params)
+    rules = sharding.RULES["fsdp_tensor"]
+    placements = sharding.param_shardings(stacked, mesh, rules)
+    per_layer = sharding.param_shardings(params, mesh, rules)
+    for kind in (("self_attn", "q_proj"), ("self_attn", "o_proj"), ("mlp", "down_proj")):
+        layer_spec = tuple(per_layer["layers"][0][kind[0]][kind[1]].spec)
+        assert any(layer_spec) and tuple(placements["layers"][kind[0]][kind[1]].spec) == (None, *layer_spec)
+    sharded = jax.device_put(stacked, placements)
     rows = sharding.rows(mesh)
     value, grads = value_and_grad(
-        models.with_options(model, scan_layers=True, remat="dots"),
+        models.with_options(scanned, remat="dots"),
         sharded,
         *(jax.device_put(x, rows) for x in (tokens, mask, weights)),
         group_size=GROUP,
     )
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
-    assert_gradients_close(grads, expected)
+    assert_gradients_close(decoder.unstack_layers(grads), expected)

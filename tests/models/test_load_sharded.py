@@ -1,5 +1,8 @@
-"""``models.from_pretrained(..., mesh=)``: each tensor read straight into its shards."""
+"""``models.from_pretrained(..., mesh=)``: each tensor read straight into its shards, in
+either layout of the layers (``scan_layers``: each ``[L, ...]`` leaf from its ``L``
+per-layer tensors), and ``save_pretrained`` of either layout writes the same tensors."""
 
+import dataclasses
 import json
 
 import chex
@@ -12,6 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm import models, sharding
+from jaxrl_llm.models import decoder
 from jaxrl_llm.models import hf as hf_io
 from tests.models.hf_fixtures import tiny_hf_model
 
@@ -145,3 +149,70 @@ def test_a_mesh_load_raises_what_the_plain_load_raises(tmp_path):
         models.from_pretrained(tmp_path, rules=sharding.RULES["fsdp"])
     with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
         models.from_pretrained(tmp_path, mesh=mesh, rules=(("embed", "model"),))
+
+
+def _tensors(directory) -> dict[str, np.ndarray]:
+    """Every tensor of a saved checkpoint, one file or an index of several."""
+    index = directory / hf_io.INDEX_FILE
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {hf_io.WEIGHTS_FILE}
+    tensors = {}
+    for name in files:
+        tensors.update(safetensors.numpy.load_file(directory / name))
+    return tensors
+
+
+def _assert_same_tensors(got: dict, expected: dict):
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        np.testing.assert_array_equal(got[name], tensor, err_msg=name)  # bit for bit
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)], ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_stacked_load_is_the_stacked_plain_load_on_one_device_and_on_a_mesh(
+    checkpoints, callbacks, family, mesh_shape
+):
+    model, plain = models.from_pretrained(checkpoints[family])
+    stacked_model, stacked = models.from_pretrained(checkpoints[family], scan_layers=True)
+    assert not callbacks
+    assert stacked_model.config == dataclasses.replace(model.config, scan_layers=True)
+    expected = decoder.stack_layers(plain)
+    assert jax.tree.structure(stacked) == jax.tree.structure(expected)  # stacked paths and logical axes
+    chex.assert_trees_all_equal(stacked, expected)
+
+    data, fsdp, tensor = mesh_shape
+    mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+    _, params = models.from_pretrained(checkpoints[family], mesh=mesh, scan_layers=True)
+    chex.assert_trees_all_equal(jax.device_get(params), jax.device_get(expected))
+    split = _assert_placed(params, mesh, sharding.RULES["fsdp_tensor"])
+    assert split >= 7  # every stacked matrix, biases and embeddings
+    q_proj = _flat(params)[("layers", "self_attn", "q_proj")]
+    assert q_proj.shape[0] == model.config.num_layers
+    assert tuple(q_proj.sharding.spec) == (None, "fsdp") + (("tensor",) if tensor > 1 else ())  # layers whole
+    # One read per stacked leaf, and no device was handed more than its shard of it.
+    assert len(callbacks) == len(_flat(params))
+    for shape, placement, handed in callbacks:
+        assert handed and all(h == placement.shard_shape(shape) for h in handed), (shape, placement, handed)
+
+
+def test_saving_a_stacked_model_writes_the_tensors_of_the_unrolled_model(checkpoints, tmp_path):
+    model, plain = models.from_pretrained(checkpoints["qwen2"])
+    models.save_pretrained(tmp_path / "unrolled", model, plain)
+    expected = _tensors(tmp_path / "unrolled")
+    assert any(".layers.1." in name for name in expected)
+    stacked_model, stacked = models.with_scan_layers(model, plain, True)
+    models.save_pretrained(tmp_path / "stacked", stacked_model, stacked)
+    _assert_same_tensors(_tensors(tmp_path / "stacked"), expected)
+    config_file = tmp_path / "stacked" / "config.json"
+    assert config_file.read_text() == (tmp_path / "unrolled" / "config.json").read_text()  # the layout is not in it
+    # Placed on a mesh (read there stacked), and split over several files: the same tensors.
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    placed_model, placed = models.from_pretrained(checkpoints["qwen2"], mesh=mesh, scan_layers=True)
+    assert not _flat(placed)[("layers", "mlp", "up_proj")].sharding.is_fully_replicated
+    models.save_pretrained(tmp_path / "placed", placed_model, placed, max_shard_bytes=4096)
+    assert (tmp_path / "placed" / hf_io.INDEX_FILE).exists()
+    _assert_same_tensors(_tensors(tmp_path / "placed"), expected)
+    # And what was saved stacked loads back, in either layout, as the params it came from.
+    chex.assert_trees_all_equal(models.from_pretrained(tmp_path / "placed")[1], plain)
+    chex.assert_trees_all_equal(models.from_pretrained(tmp_path / "stacked", scan_layers=True)[1], stacked)

@@ -1,19 +1,23 @@
 """LoRA adapters over a frozen base: the adapted model is the base at initialisation, the
 merged model computes what the unmerged one does, gradients reach the adapters as the
 chain rule through :math:`W' = W + s A B` says they should, and dropout masks the
-adapters' inputs only."""
+adapters' inputs only. In the stacked layout (``scan_layers``) the adapters are stacked
+like their kernels: initialised, merged, saved and loaded as the unrolled ones."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from flax import nnx
 
 from jaxrl_llm import models, sharding
-from jaxrl_llm.models import lora
-from tests.models.test_extend import FAMILIES  # llama, mistral, qwen2, qwen3 and llama with scanned layers
+from jaxrl_llm.models import decoder, lora
+from tests.models.hf_fixtures import hf_logits, left_padded_batch, tiny_hf_model
+from tests.models.test_extend import FAMILIES  # llama, mistral, qwen2, qwen3 and llama with stacked layers
 
 KERNELS = {  # each target's module
     "q_proj": "self_attn",
@@ -40,7 +44,10 @@ def perturbed(adapters, scale=0.05, seed=3):
 
 
 def numpy_merged(config, base, adapters, lora_config):
-    """The base's params with every targeted kernel replaced by W + s A B, in float64 NumPy."""
+    """The base's params with every targeted kernel replaced by W + s A B, in float64 NumPy,
+    layer by layer (in the base's layout)."""
+    stacked = config.scan_layers
+    base, adapters = decoder.unstack_layers(base), decoder.unstack_layers(adapters)
     merged = jax.tree.map(np.asarray, nnx.to_pure_dict(base))
     pure = nnx.to_pure_dict(adapters)
     for i in range(config.num_layers):
@@ -55,7 +62,18 @@ def numpy_merged(config, base, adapters, lora_config):
             ).astype(np.float32)
     state = jax.tree.map(jnp.asarray, base)
     nnx.replace_by_pure_dict(state, merged)
-    return state
+    return decoder.stack_layers(state) if stacked else state
+
+
+def adapter_pairs(adapters) -> int:
+    """The number of (layer, target) adapters: a per-layer leaf counts once, a stacked
+    ``[L, ...]`` one ``L`` times."""
+    count = 0
+    for path, leaf in nnx.to_flat_state(adapters):
+        if path[-1].endswith("_lora_a"):
+            assert path[0] == decoder.LAYERS
+            count += leaf.shape[0] if decoder.is_stacked(path) else 1
+    return count
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -75,10 +93,13 @@ def test_at_initialisation_the_adapted_model_is_the_base_exactly(family):
     np.testing.assert_array_equal(
         models.decode_step(lora_model, params, step, lora_cache)[0], models.decode_step(model, base, step, cache)[0]
     )
-    # B starts at zero, A does not; only the adapters are LoraParams.
+    # B starts at zero, A does not; only the adapters are LoraParams. One pair per target and
+    # layer: 7 L leaves, or (stacked) 7 leaves of leading dimension L.
     a_leaves = [v for p, v in nnx.to_flat_state(adapters) if p[-1].endswith("_lora_a")]
     b_leaves = [v for p, v in nnx.to_flat_state(adapters) if p[-1].endswith("_lora_b")]
-    assert len(a_leaves) == len(b_leaves) == 7 * config.num_layers
+    assert all(isinstance(v, decoder.LoraParam) for v in a_leaves + b_leaves)
+    assert adapter_pairs(adapters) == 7 * config.num_layers
+    assert len(a_leaves) == len(b_leaves) == (7 if config.scan_layers else 7 * config.num_layers)
     assert all(not np.any(b[...]) for b in b_leaves) and all(np.all(np.abs(a[...]) > 0) for a in a_leaves[:3])
 
 
@@ -127,9 +148,11 @@ def test_the_scale_is_alpha_over_rank_or_its_square_root():
     assert models.LoraConfig().targets == models.config.LORA_TARGETS  # all-linear
 
 
-def test_gradients_reach_the_adapters_through_the_chain_rule():
-    # dL/dA = s dL/dW' B^T and dL/dB = s A^T dL/dW', with dL/dW' the merged model's gradient.
-    config = FAMILIES["qwen3"]
+@pytest.mark.parametrize("family", ["qwen3", "llama-scanned"])
+def test_gradients_reach_the_adapters_through_the_chain_rule(family):
+    # dL/dA = s dL/dW' B^T and dL/dB = s A^T dL/dW', with dL/dW' the merged model's gradient
+    # (both stacked in the stacked layout: compared layer by layer).
+    config = FAMILIES[family]
     model, base = models.init(config, jax.random.key(0))
     lora_config = models.LoraConfig(rank=3, alpha=6.0)
     lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(1))
@@ -140,10 +163,12 @@ def test_gradients_reach_the_adapters_through_the_chain_rule():
     def loss(model, params):
         return jnp.sum(weights * jax.nn.log_softmax(models.forward(model, params, ids)))
 
-    grads = nnx.to_pure_dict(jax.grad(lambda a: loss(lora_model, lora.combine(base, a)))(adapters))
+    grads = jax.grad(lambda a: loss(lora_model, lora.combine(base, a)))(adapters)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)  # stacked like the adapters
     merged_model, merged = lora.merge(lora_model, lora.combine(base, adapters))
-    merged_grads = nnx.to_pure_dict(jax.grad(lambda p: loss(merged_model, p))(merged))
-    pure, s, r = nnx.to_pure_dict(adapters), lora_config.scale, lora_config.rank
+    merged_grads = jax.grad(lambda p: loss(merged_model, p))(merged)
+    grads, merged_grads, pure = (nnx.to_pure_dict(decoder.unstack_layers(t)) for t in (grads, merged_grads, adapters))
+    s, r = lora_config.scale, lora_config.rank
     for i in range(config.num_layers):
         for target, module in KERNELS.items():
             layer, grad = pure["layers"][i][module], grads["layers"][i][module]
@@ -172,6 +197,11 @@ def test_split_and_combine_take_the_params_apart_without_copies():
     # The adapters' rank axis stays whole on any mesh; their other axes follow the rules.
     logical = nnx.to_pure_dict(sharding.logical_axes(adapters))["layers"][0]["self_attn"]
     assert tuple(logical["q_proj_lora_a"]) == ("embed", "lora") and tuple(logical["o_proj_lora_b"]) == ("lora", "embed")
+    # Stacked, the layers' axis comes first (never split).
+    stacked = models.with_scan_layers(lora_model, params, True)[1]
+    logical = nnx.to_pure_dict(sharding.logical_axes(lora.split(stacked)[1]))["layers"]["self_attn"]
+    assert tuple(logical["q_proj_lora_a"]) == ("layers", "embed", "lora")
+    assert tuple(logical["o_proj_lora_b"]) == ("layers", "lora", "embed")
 
 
 def test_bad_settings_are_refused():
@@ -262,8 +292,12 @@ def test_dropout_touches_only_the_adapters_and_scanned_layers_draw_the_unrolled_
     assert not np.allclose(with_key, other) and not np.allclose(with_key, states(lora_model, moved, None))
     no_rate = lora.adapted(model, dataclasses.replace(lora_config, dropout=0.0))
     np.testing.assert_array_equal(states(no_rate, moved, key), states(lora_model, moved, None))
-    scanned = models.with_options(lora_model, scan_layers=True)
-    np.testing.assert_allclose(states(scanned, moved, key), with_key, atol=1e-5, rtol=1e-5)
+    # The stacked layout draws each layer's masks as the unrolled layers do.
+    scanned, stacked = models.with_scan_layers(lora_model, lora.combine(base, moved), True)
+    scanned_states = models.functional.group_completion_hidden_states(
+        scanned, stacked, prompts, mask, completions, dropout_key=key
+    )
+    np.testing.assert_allclose(scanned_states, with_key, atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_is_a_number_in_zero_one_and_travels_in_pefts_config(tmp_path):
@@ -273,3 +307,98 @@ def test_dropout_is_a_number_in_zero_one_and_travels_in_pefts_config(tmp_path):
     lora_model, adapters = lora.add_adapters(model, models.LoraConfig(rank=2, dropout=0.05), jax.random.key(1))
     lora.save_adapter(tmp_path, lora_model, adapters)
     assert lora.load_adapter(tmp_path, model)[0].config.lora.dropout == 0.05
+
+
+# ----------------------------------------------------------------------------------------
+# The stacked layout
+
+
+def test_adapters_of_a_stacked_model_are_the_stacked_adapters_of_the_unrolled_model():
+    model, _ = models.init(FAMILIES["qwen2"], jax.random.key(0))
+    scanned, _ = models.init(dataclasses.replace(FAMILIES["qwen2"], scan_layers=True), jax.random.key(0))
+    lora_config = models.LoraConfig(rank=3, targets=("q_proj", "down_proj"))
+    lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(1))
+    scanned_lora, stacked = lora.add_adapters(scanned, lora_config, jax.random.key(1))
+    assert scanned_lora.config == dataclasses.replace(lora_model.config, scan_layers=True)
+    assert adapter_pairs(stacked) == adapter_pairs(adapters) == 2 * FAMILIES["qwen2"].num_layers
+    expected = decoder.stack_layers(adapters)
+    assert jax.tree.structure(stacked) == jax.tree.structure(expected)
+    chex.assert_trees_all_equal(stacked, expected)  # the same draws, bit for bit
+    assert jax.tree.structure(lora.abstract_adapters(scanned_lora)) == jax.tree.structure(stacked)
+
+
+def test_merging_a_stacked_lora_model_gives_the_stacked_merge_of_the_unrolled_one(tmp_path):
+    config = FAMILIES["qwen3"]
+    model, base = models.init(config, jax.random.key(0))
+    lora_config = models.LoraConfig(rank=4, alpha=6.0, targets=("q_proj", "o_proj", "up_proj"))
+    lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(1))
+    params = lora.combine(base, perturbed(adapters))
+    merged_model, merged = lora.merge(lora_model, params)
+    scanned, stacked = models.with_scan_layers(lora_model, params, True)
+    stacked_model, stacked_merged = lora.merge(scanned, stacked)
+    assert stacked_model.config == dataclasses.replace(merged_model.config, scan_layers=True)
+    expected = decoder.stack_layers(merged)
+    assert jax.tree.structure(stacked_merged) == jax.tree.structure(expected)
+    chex.assert_trees_all_equal(stacked_merged, expected)
+    # The adapters moved the targeted kernels only.
+    stacked_base = dict(nnx.to_flat_state(decoder.stack_layers(base)))
+    moved = {p for p, leaf in nnx.to_flat_state(stacked_merged) if not np.array_equal(leaf[...], stacked_base[p][...])}
+    assert {path[-1] for path in moved} == set(lora_config.targets)
+    # Saved as full weights (merged on the way), both layouts write the same tensors.
+    models.save_pretrained(tmp_path / "unrolled", lora_model, params)
+    models.save_pretrained(tmp_path / "stacked", scanned, stacked)
+    expected_tensors = safetensors.numpy.load_file(tmp_path / "unrolled" / "model.safetensors")
+    written = safetensors.numpy.load_file(tmp_path / "stacked" / "model.safetensors")
+    assert sorted(written) == sorted(expected_tensors)
+    for name, tensor in expected_tensors.items():
+        np.testing.assert_array_equal(written[name], tensor, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "family, lora_config",
+    [
+        ("llama", models.LoraConfig(rank=4, alpha=8.0)),
+        ("qwen2", models.LoraConfig(rank=3, alpha=6.0, targets=("q_proj", "v_proj"), rslora=True)),
+    ],
+    ids=["llama-all-linear", "qwen2-q-v-rslora"],
+)
+def test_a_stacked_lora_model_saves_and_loads_the_peft_adapter_of_the_unrolled_one(family, lora_config, tmp_path):
+    import peft
+    import torch
+    import transformers
+
+    tiny_hf_model(family).save_pretrained(tmp_path / "base")
+    model, base = models.from_pretrained(tmp_path / "base")
+    lora_model, adapters = lora.add_adapters(model, lora_config, jax.random.key(0))
+    adapters = perturbed(adapters)
+    scanned, stacked = models.with_scan_layers(lora_model, lora.combine(base, adapters), True)
+    lora.save_adapter(tmp_path / "unrolled", lora_model, adapters)
+    lora.save_adapter(tmp_path / "stacked", scanned, stacked)
+    # The same files: PEFT's config and one tensor per layer, target and factor, bit for bit.
+    config_file = lora.ADAPTER_CONFIG
+    assert (tmp_path / "stacked" / config_file).read_text() == (tmp_path / "unrolled" / config_file).read_text()
+    written = safetensors.numpy.load_file(tmp_path / "stacked" / lora.ADAPTER_WEIGHTS)
+    expected = safetensors.numpy.load_file(tmp_path / "unrolled" / lora.ADAPTER_WEIGHTS)
+    assert sorted(written) == sorted(expected)
+    assert len(written) == model.config.num_layers * len(lora_config.targets) * 2
+    for name, tensor in expected.items():
+        assert written[name].dtype == tensor.dtype
+        np.testing.assert_array_equal(written[name], tensor, err_msg=name)
+
+    # Loaded into a stacked base: the adapters saved, stacked, and PEFT's logits.
+    stacked_base_model, stacked_base = models.from_pretrained(tmp_path / "base", scan_layers=True)
+    loaded_model, loaded = lora.load_adapter(tmp_path / "unrolled", stacked_base_model)
+    assert loaded_model.config == scanned.config
+    assert jax.tree.structure(loaded) == jax.tree.structure(lora.split(stacked)[1])
+    chex.assert_trees_all_equal(loaded, lora.split(stacked)[1])
+    chex.assert_trees_all_equal(loaded, decoder.stack_layers(lora.load_adapter(tmp_path / "stacked", model)[1]))
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "stacked").eval()
+    tokens, mask, positions = left_padded_batch(model.config.vocab_size)
+    valid = mask.astype(bool)
+    got = models.forward(
+        loaded_model, lora.combine(stacked_base, loaded), jnp.asarray(tokens), attention_mask=jnp.asarray(mask)
+    )
+    np.testing.assert_allclose(
+        np.asarray(got)[valid], hf_logits(peft_model, tokens, mask, positions)[valid], atol=1e-5, rtol=1e-5
+    )

@@ -1,6 +1,8 @@
 """The int8 base: per-output-channel quantization against a NumPy reference, the int8
 model's logits against the float model of its dequantized weights (the scale applied in
-the matmul), loading quantized as read, saving dequantized, decoding, and refusals."""
+the matmul), loading quantized as read, saving dequantized, decoding, and refusals. In
+the stacked layout (``scan_layers``) each layer's kernel is quantized on its own: the
+stacked int8 params are the per-layer ones, stacked."""
 
 import dataclasses
 
@@ -9,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from flax import nnx
 
 from jaxrl_llm import algorithms, models, sampling, sharding, training
-from jaxrl_llm.models import quantize
+from jaxrl_llm.models import decoder, quantize
 from tests.models.test_extend import FAMILIES
 from tests.models.test_lora import KERNELS, tokens
 
@@ -47,16 +50,18 @@ def test_the_int8_model_computes_its_dequantized_float_model(family):
     model, params = models.init(config, jax.random.key(0))
     int8_model, int8 = quantize.quantize(model, params)
     assert int8_model.config.quantization == "int8"
-    # The float model of s * Q, dequantized here in NumPy: (x Q) s must equal x (s Q).
-    flat = dict(nnx.to_flat_state(int8))
+    # The float model of s * Q, dequantized here in NumPy layer by layer, run by the unrolled
+    # layers: (x Q) s must equal x (s Q).
+    flat = dict(nnx.to_flat_state(decoder.unstack_layers(int8)))
+    unrolled, unrolled_params = models.with_scan_layers(model, params, False)
     plain = {}
-    for path, leaf in nnx.to_flat_state(params):
+    for path, leaf in nnx.to_flat_state(unrolled_params):
         if path[-1] in KERNELS:
             q, scale = np.asarray(flat[path][...], np.float32), np.asarray(flat[(*path[:-1], f"{path[-1]}_scale")][...])
             leaf = leaf.replace(jnp.asarray(q * scale))
         plain[path] = leaf
     ids = tokens(config.vocab_size)
-    expected = models.forward(model, nnx.from_flat_state(plain), ids)
+    expected = models.forward(unrolled, nnx.from_flat_state(plain), ids)
     np.testing.assert_allclose(models.forward(int8_model, int8, ids), expected, atol=2e-5, rtol=1e-5)
     # The error against the unquantized model is quantization's, far below the logits' spread.
     full = models.forward(model, params, ids)
@@ -105,6 +110,76 @@ def test_loading_quantized_equals_quantizing_the_float_load_and_saving_writes_th
     models.save_pretrained(tmp_path / "int8", int8_model, int8)
     _, saved = models.from_pretrained(tmp_path / "int8", jnp.float32)
     chex.assert_trees_all_equal(saved, quantize.dequantize(int8_model, int8)[1])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_quantizing_a_stacked_model_gives_the_stacked_per_layer_quantization(family):
+    config = FAMILIES[family]
+    model, params = models.init(config, jax.random.key(0))
+    int8_model, int8 = quantize.quantize(model, params)
+    scanned, stacked = models.with_scan_layers(model, params, True)
+    stacked_int8_model, stacked_int8 = quantize.quantize(scanned, stacked)
+    assert stacked_int8_model.config == dataclasses.replace(int8_model.config, scan_layers=True)
+    expected = decoder.stack_layers(int8)
+    assert jax.tree.structure(stacked_int8) == jax.tree.structure(expected)  # scales stacked [L, *out] too
+    chex.assert_trees_all_equal(stacked_int8, expected)
+    flat = dict(nnx.to_flat_state(stacked_int8))
+    kernels = [path for path in flat if path[-1] in KERNELS]
+    assert len(kernels) == 7 and all(flat[path][...].dtype == jnp.int8 for path in kernels)
+    assert flat[("layers", "mlp", "down_proj_scale")][...].shape == (config.num_layers, config.hidden_size)
+    # The stacked init of an int8 config, quantize_kernel(stacked=True) and dequantize agree.
+    chex.assert_trees_all_equal(
+        models.init(dataclasses.replace(config, quantization="int8", scan_layers=True), jax.random.key(0))[1], expected
+    )
+    stored = np.asarray(flat[("layers", "self_attn", "o_proj")][...])  # [L, H, D, E]: two input axes
+    q, scale = quantize.quantize_kernel(
+        jnp.asarray(stacked["layers"]["self_attn"]["o_proj"][...]), inputs=2, stacked=True
+    )
+    np.testing.assert_array_equal(q, stored)
+    for layer in range(config.num_layers):
+        layer_q, layer_scale = quantize.quantize_kernel(params["layers"][layer]["self_attn"]["o_proj"][...], inputs=2)
+        np.testing.assert_array_equal(q[layer], layer_q)
+        np.testing.assert_array_equal(scale[layer], layer_scale)
+    plain_model, plain = quantize.dequantize(stacked_int8_model, stacked_int8)
+    assert plain_model.config == scanned.config
+    chex.assert_trees_all_equal(plain, decoder.stack_layers(quantize.dequantize(int8_model, int8)[1]))
+    # And the stacked int8 model computes the unrolled one's logits.
+    ids = tokens(config.vocab_size)
+    np.testing.assert_allclose(
+        models.forward(stacked_int8_model, stacked_int8, ids),
+        models.forward(int8_model, int8, ids),
+        atol=2e-5,
+        rtol=1e-5,
+    )
+
+
+def test_loading_stacked_and_quantized_equals_the_stacked_int8_load_on_one_device_and_a_mesh(tmp_path):
+    config = FAMILIES["qwen2"]
+    model, params = models.init(config, jax.random.key(0))
+    models.save_pretrained(tmp_path, model, params)
+    _, int8 = models.from_pretrained(tmp_path, jnp.float32, quantization="int8")
+    expected = decoder.stack_layers(int8)
+    stacked_model, stacked = models.from_pretrained(tmp_path, jnp.float32, quantization="int8", scan_layers=True)
+    assert stacked_model.config.scan_layers and stacked_model.config.quantization == "int8"
+    chex.assert_trees_all_equal(stacked, expected)
+    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    _, placed = models.from_pretrained(tmp_path, jnp.float32, mesh=mesh, quantization="int8", scan_layers=True)
+    chex.assert_trees_all_equal(jax.device_get(placed), jax.device_get(expected))
+    for leaf, where in zip(
+        jax.tree.leaves(placed), jax.tree.leaves(sharding.param_shardings(placed, mesh, sharding.RULES["fsdp_tensor"]))
+    ):
+        assert leaf.sharding == where
+    q_proj = placed["layers"]["self_attn"]["q_proj"][...]
+    assert q_proj.dtype == jnp.int8 and tuple(q_proj.sharding.spec) == (None, "fsdp", "tensor")
+    # Saved, the stacked int8 model writes the unrolled int8 model's (dequantized) tensors.
+    int8_model = models.abstract(dataclasses.replace(config, quantization="int8"))[0]
+    models.save_pretrained(tmp_path / "unrolled", int8_model, int8)
+    models.save_pretrained(tmp_path / "stacked", stacked_model, placed)
+    expected_tensors = safetensors.numpy.load_file(tmp_path / "unrolled" / "model.safetensors")
+    written = safetensors.numpy.load_file(tmp_path / "stacked" / "model.safetensors")
+    assert sorted(written) == sorted(expected_tensors)
+    for name, tensor in expected_tensors.items():
+        np.testing.assert_array_equal(written[name], tensor, err_msg=name)
 
 
 def test_an_int8_model_decodes_the_tokens_of_its_dequantized_model():

@@ -2,7 +2,8 @@
 
 orbax stores every array whole (its shards written into one zarr array each), so a
 restore reads each device's slice for whatever sharding ``like`` asks for: fewer
-devices, another layout, one device.
+devices, another layout, one device. The layers' params in either layout: per layer, or
+stacked ``[L, ...]`` (``scan_layers``), split within each layer and whole over the layers.
 """
 
 import jax
@@ -17,17 +18,26 @@ from jaxrl_llm.training.checkpoint import Checkpointer
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 RUN = training.TrainConfig()
-# (method, param dtype, rules, saved on data x fsdp x tensor, restored onto 4 devices as data x fsdp x tensor).
+# (method, param dtype, rules, saved on data x fsdp x tensor, restored onto 4 devices as data x fsdp x tensor,
+# stacked layers).
 CASES = [
-    ("GRPO", jnp.float32, "fsdp", (1, 8, 1), (1, 4, 1)),
-    ("GRPO", jnp.float32, "fsdp_tensor", (2, 2, 2), (2, 2, 1)),
+    ("GRPO", jnp.float32, "fsdp", (1, 8, 1), (1, 4, 1), False),
+    ("GRPO", jnp.float32, "fsdp_tensor", (2, 2, 2), (2, 2, 1), False),
     # bfloat16 params: AdamW keeps float32 master copies; PPO has a critic and its optimizer.
-    ("PPO", jnp.bfloat16, "fsdp_tensor", (2, 2, 2), (1, 2, 2)),
-    ("PPO", jnp.bfloat16, "fsdp", (1, 8, 1), (1, 4, 1)),
+    ("PPO", jnp.bfloat16, "fsdp_tensor", (2, 2, 2), (1, 2, 2), False),
+    ("PPO", jnp.bfloat16, "fsdp", (1, 8, 1), (1, 4, 1), False),
+    ("GRPO", jnp.float32, "fsdp_tensor", (2, 2, 2), (1, 2, 2), True),
+    ("PPO", jnp.bfloat16, "fsdp", (1, 8, 1), (2, 2, 1), True),
 ]
 
 
-def _state(name: str, param_dtype):
+def _q_proj(params):
+    """The first layer's q_proj kernel ``[E, H, D]``, or the stacked ones ``[L, E, H, D]``."""
+    layers = params["layers"]
+    return (layers["self_attn"] if "self_attn" in layers else layers[0]["self_attn"])["q_proj"][...]
+
+
+def _state(name: str, param_dtype, scan_layers: bool = False):
     """A state whose every float leaf holds distinct random values (a shard restored to
     the wrong place, or from the wrong device, shows), and the model and params it is for."""
     config = models.ModelConfig(
@@ -39,6 +49,7 @@ def _state(name: str, param_dtype):
         num_kv_heads=2,
         head_dim=8,
         param_dtype=param_dtype,
+        scan_layers=scan_layers,
     )
     model, params = models.init(config, jax.random.key(0))
     state = training.init_state(model, params, getattr(algorithms, name), RUN)
@@ -76,21 +87,23 @@ def _assert_restored(restored, saved, shardings):
 
 
 @pytest.mark.parametrize(
-    "name, param_dtype, rules, saved_on, restored_on",
+    "name, param_dtype, rules, saved_on, restored_on, scan_layers",
     CASES,
-    ids=[f"{c[0]}-{c[2]}-{'x'.join(map(str, c[3]))}" for c in CASES],
+    ids=[f"{c[0]}-{c[2]}-{'x'.join(map(str, c[3]))}{'-stacked' if c[5] else ''}" for c in CASES],
 )
 def test_a_state_saved_on_8_devices_restores_onto_4_devices_and_onto_one(
-    tmp_path, name, param_dtype, rules, saved_on, restored_on
+    tmp_path, name, param_dtype, rules, saved_on, restored_on, scan_layers
 ):
-    model, params, state = _state(name, param_dtype)
+    model, params, state = _state(name, param_dtype, scan_layers)
     assert (state.critic_params is not None) == (name == "PPO")
     data, fsdp, tensor = saved_on
     mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     _, saved_shardings = _placed_like(model, params, name, mesh, rules)
     saved = jax.device_put(state, saved_shardings)
-    q_proj = saved.params["layers"][0]["self_attn"]["q_proj"][...]
+    q_proj = _q_proj(saved.params)
     assert not q_proj.sharding.is_fully_replicated and len(q_proj.sharding.device_set) == 8
+    if scan_layers:  # [L, E, H, D]: whole over the layers
+        assert q_proj.shape[0] == model.config.num_layers and q_proj.sharding.spec[0] is None
 
     with Checkpointer(tmp_path / "run") as checkpoints:
         checkpoints.save(7, saved)
@@ -103,7 +116,7 @@ def test_a_state_saved_on_8_devices_restores_onto_4_devices_and_onto_one(
     with Checkpointer(tmp_path / "run") as checkpoints:
         restored = checkpoints.restore(7, like=like)
     _assert_restored(restored, state, shardings)
-    assert restored.params["layers"][0]["self_attn"]["q_proj"][...].sharding.device_set == set(jax.devices()[:4])
+    assert _q_proj(restored.params).sharding.device_set == set(jax.devices()[:4])
 
     # (b) one device: a 1 x 1 x 1 mesh on a device the state was not saved from first, ...
     device = jax.devices()[5]

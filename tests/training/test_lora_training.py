@@ -1,6 +1,7 @@
 """Training LoRA adapters over a frozen base: only the adapters move and hold optimizer state,
 the base is the caller's arrays, bit for bit, the reference is the base, and a step's
-gradient is the chain rule of the full model's through :math:`W' = W + s A B`."""
+gradient is the chain rule of the full model's through :math:`W' = W + s A B`. Over a
+stacked base (``scan_layers``) the adapters are stacked too and train as the unrolled ones."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_llm import algorithms, models, training
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import decoder, lora
 from jaxrl_llm.training import losses
 from tests.models.test_lora import KERNELS, perturbed
 from tests.training.test_step import CONFIG, RUN, TASK, _batch
@@ -49,12 +50,14 @@ def test_only_the_adapters_train_and_the_reference_is_the_base():
     assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "stacked"])
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_a_step_takes_the_chain_rule_of_the_full_models_gradient(quantization):
+def test_a_step_takes_the_chain_rule_of_the_full_models_gradient(quantization, scan_layers):
     # One Adam step from perturbed adapters: its first moment is (1 - b1) g. The reference g
     # is the full-parameter loss's gradient at the merged kernels, carried to A and B by
     # dA = s dW' B^T and dB = s A^T dW'. Over an int8 base, W is the dequantized s Q.
-    model, base = models.init(CONFIG, jax.random.key(0))
+    # Stacked, g, the adapters and dW' are stacked and compared layer by layer.
+    model, base = models.with_scan_layers(*models.init(CONFIG, jax.random.key(0)), scan_layers)
     if quantization:
         model, base = models.quantize.quantize(model, base, quantization=quantization)
     lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(1))
@@ -68,14 +71,15 @@ def test_a_step_takes_the_chain_rule_of_the_full_models_gradient(quantization):
     after, _ = jax.jit(step.update)(state, scored)
     assert _leaves_equal(after.frozen, base)
     mu = optax.tree_utils.tree_get(after.opt_state, "mu")
-    gradient = nnx.to_pure_dict(jax.tree.map(lambda m: m / (1 - config.optimizer.adam_b1), mu))
+    assert jax.tree.structure(mu) == jax.tree.structure(adapters)
+    gradient = nnx.to_pure_dict(decoder.unstack_layers(jax.tree.map(lambda m: m / (1 - config.optimizer.adam_b1), mu)))
 
     merged_model, merged = lora.merge(lora_model, lora.combine(base, adapters))
     full = losses.DecoderTeacherForcing(merged_model, config)
     merged_grads = jax.grad(
         lambda p: losses.policy_loss(p, scored, policy=full, algorithm=algorithm, on_policy=True)[0]
     )(merged)
-    merged_grads, pure = nnx.to_pure_dict(merged_grads), nnx.to_pure_dict(adapters)
+    merged_grads, pure = (nnx.to_pure_dict(decoder.unstack_layers(t)) for t in (merged_grads, adapters))
     s, r = LORA.scale, LORA.rank
     for i in range(CONFIG.num_layers):
         for target, module in KERNELS.items():
@@ -90,6 +94,35 @@ def test_a_step_takes_the_chain_rule_of_the_full_models_gradient(quantization):
             np.testing.assert_allclose(
                 np.asarray(got[f"{target}_lora_b"]).reshape(r, -1), s * a.T @ d_kernel, rtol=1e-3, atol=1e-4 * scale
             )
+
+
+def test_a_lora_run_over_a_stacked_base_trains_the_adapters_of_the_unrolled_run():
+    model, params = models.init(CONFIG, jax.random.key(0))
+    scanned, stacked = models.with_scan_layers(model, params, True)
+    before = jax.tree.map(np.array, stacked)
+    config = dataclasses.replace(RUN, learning_rate=3e-2, reference_metrics=True)
+    run = dict(steps=3, task=TASK, lora=LORA, compilation_cache=False)
+    expected, expected_history = training.train(model, params, algorithms.get("grpo"), config, **run)
+    state, history = training.train(scanned, stacked, algorithms.get("grpo"), config, **run)
+    # The base is the caller's stacked arrays, bit for bit; the adapters and their moments stacked.
+    assert all(x is y for x, y in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(stacked), strict=True))
+    assert _leaves_equal(stacked, before)
+    assert {path for path, _ in nnx.to_flat_state(state.params)} == {
+        ("layers", KERNELS[t], f"{t}_lora_{ab}") for t in LORA.targets for ab in "ab"
+    }
+    assert all(x.shape[0] == CONFIG.num_layers for x in jax.tree.leaves(state.params))
+    assert jax.tree.structure(optax.tree_utils.tree_get(state.opt_state, "mu")) == jax.tree.structure(state.params)
+    # The same rollouts (sampled from the same adapters) and, up to rounding, the same adapters.
+    assert [h["reward"] for h in history] == [h["reward"] for h in expected_history]
+    for name in ("loss", "kl_k3", "grad_norm"):
+        np.testing.assert_allclose(
+            [h[name] for h in history], [h[name] for h in expected_history], rtol=1e-4, atol=1e-6, err_msg=name
+        )
+    adapters = decoder.unstack_layers(state.params)
+    assert jax.tree.structure(adapters) == jax.tree.structure(expected.params)
+    assert any(np.any(x[...]) for path, x in nnx.to_flat_state(adapters) if path[-1].endswith("_lora_b"))
+    for got, want in zip(jax.tree.leaves(adapters), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_a_stopped_lora_run_continues_where_the_straight_one_goes():

@@ -256,3 +256,44 @@ def test_weight_decay_reaches_the_weight_matrices_of_a_qwen2_model_and_not_its_b
         "['layers'][0]['self_attn']['v_bias'].value",
         "['norm'].value",
     }
+
+
+def test_weight_decay_moves_the_stacked_layout_as_it_moves_each_layer():
+    """Stacked (``scan_layers``), a norm's scale is ``[L, E]`` and a bias ``[L, H, D]``:
+    still not decayed. Each stacked leaf's update is its layers' updates, bit for bit."""
+    import chex
+    from flax import nnx
+
+    from jaxrl_llm import models
+    from jaxrl_llm.models import decoder
+
+    config = models.ModelConfig(
+        architecture="qwen2",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        attention_bias=True,
+    )
+    model, params = models.init(config, jax.random.key(0))
+    _, stacked = models.with_scan_layers(model, params, True)
+    optimizer = training.make_optimizer(learning_rate=1e-1, warmup_steps=1, max_grad_norm=1.0, weight_decay=0.5)
+
+    def decay(p):  # with zero gradients only the decay moves a parameter
+        return optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p)[0]
+
+    updates, stacked_updates = decay(params), decay(stacked)
+    chex.assert_trees_all_equal(decoder.unstack_layers(stacked_updates), updates)
+    still = {path for path, u in nnx.to_flat_state(stacked_updates) if not jnp.any(u[...] != 0)}
+    assert still == {
+        ("layers", "input_layernorm"),
+        ("layers", "post_attention_layernorm"),
+        ("layers", "self_attn", "q_bias"),
+        ("layers", "self_attn", "k_bias"),
+        ("layers", "self_attn", "v_bias"),
+        ("norm",),
+    }
+    assert all(stacked["layers"][path[1]].ndim >= 2 for path in still if len(path) == 2)  # stacked: two axes
