@@ -774,8 +774,8 @@ def _layer_leaf(leaf: Any, layer: int) -> Any:
 
 def stack_layers(params: nnx.State) -> nnx.State:
     """Per-layer params (``layers/<l>/...``) -> the stacked layout (``layers/...`` of
-    ``[L, ...]``); the other leaves as they are (not copied). Stacked params are returned
-    as they are. Works on any ``nnx.State`` with the params' paths (adapters, a gradient)."""
+    ``[L, ...]``); the other leaves as they are (not copied). Stacked params come back with
+    the same arrays. Works on any ``nnx.State`` with the params' paths (adapters, a gradient)."""
     flat = dict(nnx.to_flat_state(params))
     out, groups = {}, {}
     for path, leaf in flat.items():
@@ -790,7 +790,7 @@ def stack_layers(params: nnx.State) -> nnx.State:
 
 def unstack_layers(params: nnx.State) -> nnx.State:
     """Stacked params -> the per-layer layout: :func:`stack_layers`' inverse (a copy of each
-    layer's slice). Per-layer params are returned as they are."""
+    layer's slice). Per-layer params come back with the same arrays."""
     out = {}
     for path, leaf in nnx.to_flat_state(params):
         if is_stacked(path):
