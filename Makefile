@@ -1,9 +1,20 @@
 # `make run` and `make test` work on a fresh machine with Python 3.11, pip and make:
-# each first builds .venv from constraints.txt (the exact, known-good versions).
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# each first builds .venv from constraints.txt (the exact, known-good versions CI runs).
+# `make install EXTRAS=cuda` builds it instead with a GPU JAX, jax[cuda13], at the newer versions
+# of constraints-current.txt, which need Python 3.12+; later targets keep the extras .venv was
+# installed with (the stamp's suffix), `EXTRAS=` goes back to the CPU lock.
 VENV := .venv
+EXTRAS ?= $(patsubst $(VENV)/.installed-%,%,$(wildcard $(VENV)/.installed-*))
+ifeq ($(EXTRAS),)
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+CONSTRAINTS := constraints.txt
+else
+PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3; do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && command -v $$p && break; done)
+CONSTRAINTS := constraints-current.txt
+endif
 BIN := $(VENV)/bin
-INSTALLED := $(VENV)/.installed
+INSTALLED := $(VENV)/.installed$(EXTRAS:%=-%)
 TRL_VENV := .venv-trl
 TUNIX_VENV := .venv-tunix
 
@@ -11,10 +22,12 @@ TUNIX_VENV := .venv-tunix
 
 install: $(INSTALLED)
 
-$(INSTALLED): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --constraint constraints.txt pip
-	$(BIN)/pip install --quiet --constraint constraints.txt --editable ".[test,notebooks]"
+# A .venv installed with other EXTRAS is made anew (--clear), not mixed.
+$(INSTALLED): pyproject.toml $(CONSTRAINTS)
+	$(if $(PYTHON),,$(error EXTRAS=$(EXTRAS) needs Python 3.12 or later: none found, name one with PYTHON=))
+	$(PYTHON) -m venv $(if $(filter-out $@,$(wildcard $(VENV)/.installed*)),--clear) $(VENV)
+	$(BIN)/pip install --quiet --constraint $(CONSTRAINTS) pip
+	$(BIN)/pip install --quiet --constraint $(CONSTRAINTS) --editable ".[test,notebooks$(EXTRAS:%=,%)]"
 	touch $@
 
 run: $(INSTALLED)
@@ -55,9 +68,10 @@ bench-trl: $(TRL_VENV)/.installed
 bench-tunix: $(TUNIX_VENV)/.installed
 	$(TUNIX_VENV)/bin/python benchmarks/tunix_grpo_step.py
 
-# Re-pin constraints.txt to what is installed now (after changing pyproject.toml ranges).
+# Re-pin constraints.txt (with EXTRAS: constraints-current.txt) to what is installed now
+# (after changing pyproject.toml ranges).
 lock: $(INSTALLED)
-	$(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//' > constraints.txt
+	$(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//' > $(CONSTRAINTS)
 
 clean:
 	rm -rf $(VENV) $(TRL_VENV) $(TUNIX_VENV) .pytest_cache .hypothesis

@@ -379,8 +379,10 @@ def test_train_on_a_mesh_runs_the_single_device_run(method, mesh_shape):
     for got, want in zip(history, expected_history):
         for name in ("reward", "loss", "kl_exact", "entropy", "completion_length", "grad_norm"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    # atol 1e-4: the first step's KL gradient (policy = reference) is rounding noise, which Adam turns into moves
+    # of up to lr |g| / (|g| + eps) that differ between the runs, 3.4e-5 with jax 0.12's XLA (bit-equal with 0.10).
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     q_proj = state.params["layers"][0]["self_attn"]["q_proj"][...]  # [E, H, D]: (fsdp, tensor) by the rules
     assert tuple(q_proj.sharding.spec) == ("fsdp", "tensor")
     assert len({s.device for s in q_proj.addressable_shards}) == 8

@@ -157,7 +157,9 @@ def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
     assert shared_metrics.keys() == plain_metrics.keys()
     for key in plain_metrics:
         np.testing.assert_allclose(shared_metrics[key], plain_metrics[key], rtol=1e-4, atol=1e-5, err_msg=key)
-    chex.assert_trees_all_close(shared_params, plain_params, atol=1e-5)
+    # 5e-5, under a tenth of the step's learning rate (6e-4): GRPO's KL gradient is rounding noise at step 0 (policy
+    # = reference), which Adam turns into moves of lr |g| / (|g| + eps), 2.7e-5 with jax 0.12's XLA (1e-8 with 0.10).
+    chex.assert_trees_all_close(shared_params, plain_params, atol=5e-5)
     assert _changed(plain_params[0], params)  # the step did something to compare
 
 
