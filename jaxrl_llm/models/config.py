@@ -206,7 +206,7 @@ class ModelConfig:
     cache is stacked ``[L, B, KVH, K, D]`` (:class:`jaxrl_llm.models.KVCache`) and updated
     in place by the scan. ``False``: one params subtree per layer (Hugging Face's layout), run
     by a Python loop: XLA's CPU backend compiles the identical kernels of unrolled layers
-    once, and there the unrolled layers decode faster (a scan copies each layer's weights
+    once, and there small unrolled models decode faster (a scan copies each layer's weights
     out of the stacks at every step). A layout, not an execution option: it decides the
     params' tree (:func:`jaxrl_llm.models.with_scan_layers` converts a model and its
     params). Measured in docs/performance.md (``benchmarks/compile_depth.py``,
