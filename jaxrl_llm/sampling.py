@@ -47,7 +47,9 @@ The KV cache is created inside the compiled function and carried by the
 with ``config.scan_layers``, one stacked ``[L, ...]`` array the layer scan writes in
 place). The prefill runs once per
 distinct prompt (``P`` rows, last position's logits only) and its cache is copied to the
-``G`` completions, not recomputed ``G`` times.
+``G`` completions, not recomputed ``G`` times. Float32 weights with a bfloat16 compute
+dtype are cast once per rollout (:func:`jaxrl_llm.models.in_compute_dtype`), so the loop
+streams bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -555,6 +557,8 @@ def _generate(
     # without a mesh): inside the loop, the RNG's own rounds would cost more per step than
     # the sampling itself.
     uniforms = jax.random.uniform(key, (settings["slots"], tokens.shape[0] * settings["num_samples"]))  # [slots, B]
+    # Float32 weights with bfloat16 compute are cast once here, not again at every decode step.
+    params = models.in_compute_dtype(model, params)
     decode = functools.partial(_decode, model, **settings)
     if mesh is not None and mesh.shape.get(sharding.TENSOR, 1) == 1:
         whole = sharding.WHOLE

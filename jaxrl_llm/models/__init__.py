@@ -27,6 +27,7 @@ from jaxrl_llm.models import lora, quantize
 from jaxrl_llm.models.config import LoraConfig, ModelConfig, RopeConfig
 from jaxrl_llm.models.decoder import KVCache
 from jaxrl_llm.models.functional import (
+    COMPUTE_DTYPE_PARAMS,
     Model,
     Params,
     abstract,
@@ -36,6 +37,7 @@ from jaxrl_llm.models.functional import (
     extend,
     forward,
     hidden_states,
+    in_compute_dtype,
     init,
     init_cache,
     logits_from_hidden,
@@ -49,6 +51,7 @@ from jaxrl_llm.models.tokenizer import load_tokenizer, save_tokenizer
 from jaxrl_llm.sharding import logical_axes  # the names the params carry: the sharding rules' keys
 
 __all__ = [
+    "COMPUTE_DTYPE_PARAMS",
     "KVCache",
     "LoraConfig",
     "Model",
@@ -63,6 +66,7 @@ __all__ = [
     "forward",
     "from_pretrained",
     "hidden_states",
+    "in_compute_dtype",
     "init",
     "init_cache",
     "load_tokenizer",

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import _checks, ops
-from jaxrl_llm.models.config import EXECUTION_OPTIONS, ModelConfig
+from jaxrl_llm.models.config import EXECUTION_OPTIONS, LORA_TARGETS, ModelConfig
 from jaxrl_llm.models.decoder import CausalLM, KVCache, stack_layers, unstack_layers
 
 Params = nnx.State
@@ -130,6 +130,51 @@ def with_scan_layers(model: Model, params: Params, scan_layers: bool) -> tuple[M
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
         relayout = functools.partial(jax.eval_shape, relayout)  # abstract params: shapes only
     return abstract(dataclasses.replace(model.config, scan_layers=scan_layers))[0], relayout(params)
+
+
+COMPUTE_DTYPE_PARAMS = (*LORA_TARGETS, "lm_head", "embed_tokens", "q_bias", "k_bias", "v_bias", "o_bias")
+"""The params the model reads only cast to ``config.dtype``: the projections' kernels, the
+output layer, the embedding (a looked-up row is cast, so casting the table first gives the
+same numbers) and the biases. Norm scales are read in float32; int8 kernels keep their
+dtype and float32 scales; LoRA adapters are left as they are (small)."""
+
+
+def in_compute_dtype(model: Model, params: Params) -> Params:
+    """``params`` with each leaf of :data:`COMPUTE_DTYPE_PARAMS` cast to ``config.dtype``
+    where it is stored wider (float32 weights, bfloat16 compute): the same function to the
+    bit, since every use casts it anyway. For a pass that runs the weights many times and
+    does not differentiate them, such as decoding, where each step would otherwise read
+    the float32 weights and convert them again (XLA does not reliably hoist the casts out
+    of the loop): one cast up front, then every step streams half the bytes. Costs a
+    ``config.dtype`` copy of those weights while it lives. ``params`` itself when nothing
+    is wider (``param_dtype == dtype``); works on abstract params under ``jax.eval_shape``.
+
+    Not for a differentiated pass: the cast's transpose would add the gradients of a
+    weight's several uses (a tied embedding's two, a shared prompt's two passes) in
+    ``config.dtype`` instead of in the parameter's.
+    """
+    dtype = jnp.dtype(model.config.dtype)
+    flat = nnx.to_flat_state(params)
+
+    def narrower(path: tuple, leaf: Any) -> bool:
+        value_dtype = jnp.dtype((leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf).dtype)
+        return (
+            path[-1] in COMPUTE_DTYPE_PARAMS
+            and jnp.issubdtype(value_dtype, jnp.floating)
+            and value_dtype.itemsize > dtype.itemsize
+        )
+
+    if not any(narrower(path, leaf) for path, leaf in flat):
+        return params
+
+    def cast(path: tuple, leaf: Any) -> Any:
+        if not narrower(path, leaf):
+            return leaf
+        if isinstance(leaf, nnx.Variable):
+            return leaf.replace(leaf.get_value().astype(dtype))
+        return leaf.astype(dtype)
+
+    return nnx.from_flat_state({path: cast(path, leaf) for path, leaf in flat})
 
 
 def _inputs(fn: str, model: Model, tokens, attention_mask, positions):
