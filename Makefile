@@ -18,7 +18,7 @@ INSTALLED := $(VENV)/.installed$(EXTRAS:%=-%)
 TRL_VENV := .venv-trl
 TUNIX_VENV := .venv-tunix
 
-.PHONY: install run test lint bench bench-trl bench-tunix lock clean
+.PHONY: install run test lint bench bench-trl bench-tunix gpu-wheels lock clean
 
 install: $(INSTALLED)
 
@@ -67,6 +67,19 @@ bench-trl: $(TRL_VENV)/.installed
 # Tunix's GRPOLearner (JAX, CPU).
 bench-tunix: $(TUNIX_VENV)/.installed
 	$(TUNIX_VENV)/bin/python benchmarks/tunix_grpo_step.py
+
+# The wheels a GPU machine without network needs for benchmarks/gpu_side_by_side.py's TRL stage
+# (benchmarks/trl/gpu-wheels.txt), for its Python 3.12 on x86-64 Linux, into .whl/ (one version of
+# each: the folder is made anew); their size must stay well under what a call carries there.
+GPU_WHEELS := .whl
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS:%=--platform %) --dest $(GPU_WHEELS) --requirement benchmarks/trl/gpu-wheels.txt
+	@ls -l $(GPU_WHEELS)
+	@python3 -c 'import pathlib, sys; size = sum(f.stat().st_size for f in pathlib.Path("$(GPU_WHEELS)").glob("*.whl")); \
+		print(f"$(GPU_WHEELS)/: {size / 2**20:.1f} MiB"); sys.exit(size > 55 * 2**20)'
 
 # Re-pin constraints.txt (with EXTRAS: constraints-current.txt) to what is installed now
 # (after changing pyproject.toml ranges).

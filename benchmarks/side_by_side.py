@@ -43,6 +43,7 @@ that builds it.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -50,6 +51,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,26 +76,95 @@ LIBRARIES = {  # name -> (script, interpreter, how to build its environment)
         "make .venv-tunix/.installed",
     ),
 }
-SHAPES = ("tiny", "qwen05b")  # train_step.SHAPES (and the peers' scripts)
+SHAPES = ("tiny", "qwen05b")  # the CPU shapes of train_step.SHAPES (and the peers' scripts)
 JAX_LIBRARIES = ("jaxrl_llm", "tunix")
 SCALING = {"new_tokens": (64, 128, 256, 512), "group_size": (2, 4, 8, 16)}
 PHASES = ("rollout", "logprobs", "update")
 
 
-def run_script(library: str, flags: list[str], cache_dir: pathlib.Path | None) -> dict:
-    """One process of ``library``'s script with ``flags``; its JSON line."""
-    script, python, _ = LIBRARIES[library]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # each library with its own defaults
+class ScriptFailed(SystemExit):
+    """A script exited non-zero, ran past its timeout or printed no JSON line (``reason``);
+    the message says which, with the end of its output (``last_line``: its last line)."""
+
+    def __init__(self, name: str, reason: str, output: str):
+        super().__init__(f"{name} failed ({reason}):\n{output}")
+        self.reason = reason
+        self.last_line = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
+
+
+def run_json(name: str, command: list[str], *, env: dict[str, str], timeout: float | None = None, log=None) -> dict:
+    """The JSON line that ends the output of ``command`` (run in ``benchmarks/`` with the
+    environment ``env``; after ``timeout`` seconds it and every process it started are
+    killed). Its output goes to the text file ``log`` if given; else the lines before the JSON
+    go to stdout. Raises :class:`ScriptFailed` (naming ``name``)."""
+    print("$", " ".join(command), file=log or sys.stdout, flush=True)
+    pipe = subprocess.PIPE
+    with subprocess.Popen(
+        command, cwd=HERE, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+            failure = f"exit {process.returncode}" if process.returncode else None
+        except subprocess.TimeoutExpired:  # the whole process group, compilers and workers too
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            failure = f"timed out after {timeout:.0f} s"
+    lines = stdout.splitlines()
+    if failure is None and not (lines and lines[-1].startswith("{")):
+        failure = "no JSON line at the end of its output"
+    if log is not None:
+        print(stdout, stderr, sep="\n", file=log, flush=True)
+    if failure is not None:
+        raise ScriptFailed(name, failure, f"{stdout[-3000:]}\n{stderr[-5000:]}")
+    if log is None:
+        print("\n".join(lines[:-1]), flush=True)
+    return json.loads(lines[-1])
+
+
+def run_script(
+    library: str,
+    flags: list[str],
+    cache_dir: pathlib.Path | None,
+    *,
+    python: pathlib.Path | None = None,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    log=None,
+) -> dict:
+    """One process of ``library``'s script with ``flags``, run by ``python`` (default: the
+    library's environment's), with ``env`` over this process's environment and ``cache_dir``
+    as the persistent compilation cache; its JSON line (:func:`run_json`)."""
+    script, default_python, _ = LIBRARIES[library]
+    environment = dict(os.environ)
+    environment.pop("XLA_FLAGS", None)  # each library with its own defaults
     if cache_dir is not None:
-        env["JAXRL_LLM_COMPILATION_CACHE"] = env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    command = [str(python), str(HERE / script), *flags]
-    print("$", " ".join(command), flush=True)
-    done = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{library} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    print("\n".join(done.stdout.splitlines()[:-1]), flush=True)
-    return json.loads(done.stdout.splitlines()[-1])
+        environment["JAXRL_LLM_COMPILATION_CACHE"] = environment["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    environment.update(env or {})
+    command = [str(python or default_python), str(HERE / script), *flags]
+    return run_json(library, command, env=environment, timeout=timeout, log=log)
+
+
+def pool(cold: dict, warm: dict | None) -> dict:
+    """A JAX library's result from a cold and a warm process that shared one compilation
+    cache: the cold one's, with the timed steps of both pooled and the warm one's first step
+    and peak memory beside the cold one's (the cold one's alone without ``warm``)."""
+    pooled = copy.deepcopy(cold)
+    if warm is None:
+        return pooled
+    for phase, timing in pooled["phases"].items():
+        timing["all_s"] += warm["phases"][phase]["all_s"]
+        timing["median_s"], timing["min_s"] = float(np.median(timing["all_s"])), min(timing["all_s"])
+    pooled.update(
+        repeats=len(pooled["phases"]["step"]["all_s"]),
+        step_median_s=pooled["phases"]["step"]["median_s"],
+        step_min_s=pooled["phases"]["step"]["min_s"],
+        warm_first_step_s=warm["first_step_s"],
+        warm_to_first_step_s=warm["to_first_step_s"],
+        peak_rss_gb=max(cold["peak_rss_gb"], warm["peak_rss_gb"]),
+    )
+    if cold.get("peak_device_gb") is not None and warm.get("peak_device_gb") is not None:
+        pooled["peak_device_gb"] = max(cold["peak_device_gb"], warm["peak_device_gb"])
+    return pooled
 
 
 def measure(library: str, flags: list[str], *, repeats: int) -> dict:
@@ -107,18 +178,7 @@ def measure(library: str, flags: list[str], *, repeats: int) -> dict:
         warm = run_script(library, [*flags, "--repeats", str(max(1, repeats // 2))], cache_dir)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    for phase, timing in cold["phases"].items():  # pool the timed steps of both
-        timing["all_s"] += warm["phases"][phase]["all_s"]
-        timing["median_s"], timing["min_s"] = float(np.median(timing["all_s"])), min(timing["all_s"])
-    cold.update(
-        repeats=len(cold["phases"]["step"]["all_s"]),
-        step_median_s=cold["phases"]["step"]["median_s"],
-        step_min_s=cold["phases"]["step"]["min_s"],
-        warm_first_step_s=warm["first_step_s"],
-        warm_to_first_step_s=warm["to_first_step_s"],
-        peak_rss_gb=max(cold["peak_rss_gb"], warm["peak_rss_gb"]),
-    )
-    return cold
+    return pool(cold, warm)
 
 
 def read_bandwidth() -> float:
@@ -135,23 +195,29 @@ def read_bandwidth() -> float:
     return array.nbytes / min(seconds, host_seconds)
 
 
-def machine() -> dict:
-    """What this ran on, measured now: CPU, cores, memory, float32 matmul peak, read bandwidth."""
-    cpu = platform.processor() or platform.machine()
-    flags = ""
+def cpu() -> tuple[str, str]:
+    """This machine's CPU model and its feature flags (Linux's ``/proc/cpuinfo``; elsewhere
+    what ``platform`` knows and no flags)."""
+    name, flags = platform.processor() or platform.machine(), ""
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text()
-        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
         flags = next(line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
+    return name, flags
+
+
+def machine() -> dict:
+    """What this ran on, measured now: CPU, cores, memory, float32 matmul peak, read bandwidth."""
+    cpu_name, flags = cpu()
     from grpo_step import matmul_peak_flops
     from layer_scan import qwen25_05b
 
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     peak, peak_shape = matmul_peak_flops(qwen25_05b(), 768)
     return {
-        "cpu": cpu,
+        "cpu": cpu_name,
         "avx512": "avx512f" in flags.split(),
         "cores": os.cpu_count(),
         "memory_gb": memory_gb,
@@ -167,10 +233,7 @@ def measure_machine() -> dict:
     """:func:`machine` in a process of its own: its gigabyte arrays would otherwise count
     in every later process's peak RSS (Linux carries ``ru_maxrss`` across ``fork`` and
     ``exec``)."""
-    done = subprocess.run(
-        [sys.executable, str(HERE / "side_by_side.py"), "--machine"], capture_output=True, text=True, check=True
-    )
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_json("machine", [sys.executable, str(HERE / "side_by_side.py"), "--machine"], env=dict(os.environ))
 
 
 def model_config(shape: str, layers: int):

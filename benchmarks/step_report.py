@@ -13,18 +13,31 @@ import resource
 import statistics
 import sys
 
+PRECISIONS = {
+    "float32": "float32 weights and compute",
+    "mixed": "float32 weights, bfloat16 compute (TRL's bf16=True)",
+}
 
-def parse(description: str, shapes: dict[str, dict], argv=None) -> tuple[argparse.Namespace, dict]:
+
+def parse(
+    description: str, shapes: dict[str, dict], argv=None, *, precision: bool = False, flags: tuple = ()
+) -> tuple[argparse.Namespace, dict]:
     """``(args, shape)`` of the flags every script takes: ``--shape`` (a key of ``shapes``,
     each with ``prompts``, ``group``, ``prompt_len``, ``new_tokens``), ``--repeats`` and the
     overrides ``--layers``, ``--group-size`` and ``--new-tokens``; ``args.group_size`` and
-    ``args.new_tokens`` hold the shape's values unless overridden."""
+    ``args.new_tokens`` hold the shape's values unless overridden. With ``precision``, also
+    ``--precision`` (a key of :data:`PRECISIONS`; default the shape's ``precision``, else
+    ``float32``); ``flags``: more ``(name, add_argument keywords)`` of the script's own."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--shape", choices=sorted(shapes), default="tiny")
     parser.add_argument("--repeats", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument("--group-size", type=int, default=None, help="completions per prompt (default: the shape's)")
     parser.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default: the shape's)")
+    if precision:
+        parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None, help="default: the shape's")
+    for name, keywords in flags:
+        parser.add_argument(name, **keywords)
     args = parser.parse_args(argv)
     for flag in ("repeats", "layers", "group_size", "new_tokens"):
         if (value := getattr(args, flag)) is not None and value < 1:
@@ -32,6 +45,8 @@ def parse(description: str, shapes: dict[str, dict], argv=None) -> tuple[argpars
     shape = shapes[args.shape]
     args.group_size = args.group_size or shape["group"]
     args.new_tokens = args.new_tokens or shape["new_tokens"]
+    if precision:
+        args.precision = args.precision or shape.get("precision", "float32")
     return args, shape
 
 

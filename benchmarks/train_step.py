@@ -9,9 +9,14 @@ Shapes (``--shape``):
 * ``qwen05b``: Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 query /
   2 key-value heads of 64, MLP 4864, vocab 151,936, tied embeddings, q/k/v biases);
   2 prompts x 4 completions, prompt 32, completion 64.
+* ``gpu``: the same model, 16 prompts x 8 completions, prompt 128, completion 256, mixed
+  precision (``gpu_side_by_side.py``'s).
 
 ``--layers``, ``--group-size``, ``--new-tokens`` override the shape's (the scaling
-curves of ``side_by_side.py``). Float32, the GRPO preset (k3 KL to the reference,
+curves of ``side_by_side.py``). ``--precision``: ``float32`` (the CPU shapes' default) or
+``mixed``, float32 weights with bfloat16 compute (``ModelConfig(param_dtype=float32,
+dtype=bfloat16)``, what TRL's ``bf16=True`` does). ``--scan-layers``: the stacked layers'
+layout (``ModelConfig.scan_layers``). The GRPO preset (k3 KL to the reference,
 beta 0.04, mu 1, one minibatch), learning rate 1e-6, every other setting
 :class:`~jaxrl_llm.training.TrainConfig`'s default (so each group's prompt runs once in
 the teacher-forced passes, and the persistent compilation cache is on: point
@@ -31,11 +36,12 @@ theirs into rollout (``rollout_seconds`` + ``reward_seconds``), log-probs
 bookkeeping, a few milliseconds). The first step (compilation)
 is left out of the medians and reported as ``first_step_s``, and ``to_first_step_s`` is
 the time from this process's start (imports included) to the end of that step.
-``peak_rss_gb`` is the process's peak resident memory. The last line of output is one
-JSON object.
+``peak_rss_gb`` is the process's peak resident memory and ``peak_device_gb`` the device's
+(``memory_stats()``'s ``peak_bytes_in_use``; ``None`` where the backend keeps no such count,
+as on a CPU). The last line of output is one JSON object.
 
-    python benchmarks/train_step.py [--shape tiny|qwen05b] [--repeats 10]
-                                    [--layers L] [--group-size G] [--new-tokens N]
+    python benchmarks/train_step.py [--shape tiny|qwen05b|gpu] [--repeats 10] [--precision float32|mixed]
+                                    [--scan-layers] [--layers L] [--group-size G] [--new-tokens N]
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import step_report  # noqa: E402
 import transformers  # noqa: E402
@@ -63,7 +70,9 @@ from jaxrl_llm.training.config import OptimizerConfig  # noqa: E402
 SHAPES = {
     "tiny": dict(config=lambda: TINY_CONFIG, prompts=8, group=4, prompt_len=16, new_tokens=32),
     "qwen05b": dict(config=qwen25_05b, prompts=2, group=4, prompt_len=32, new_tokens=64),
+    "gpu": dict(config=qwen25_05b, prompts=16, group=8, prompt_len=128, new_tokens=256, precision="mixed"),
 }
+COMPUTE_DTYPES = {"float32": jnp.float32, "mixed": jnp.bfloat16}  # step_report.PRECISIONS; weights float32
 WARMUP = 1  # steps not counted (compilation)
 PHASES = ("rollout", "logprobs", "update", "step")
 
@@ -118,9 +127,22 @@ class WordParityTask:
         )
 
 
+def peak_device_gb(device: jax.Device) -> float | None:
+    """The most memory ``device`` has held at once (its allocator's ``peak_bytes_in_use``),
+    in GB; ``None`` where the backend keeps no count (a CPU)."""
+    stats = device.memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None
+
+
 def main(argv=None) -> dict:
-    args, shape = step_report.parse(__doc__.split("\n\n")[0], SHAPES, argv)
-    config = shape["config"]()
+    args, shape = step_report.parse(
+        __doc__.split("\n\n")[0],
+        SHAPES,
+        argv,
+        precision=True,
+        flags=(("--scan-layers", dict(action="store_true", help="the stacked layers' layout")),),
+    )
+    config = dataclasses.replace(shape["config"](), dtype=COMPUTE_DTYPES[args.precision], scan_layers=args.scan_layers)
     if args.layers is not None:
         config = dataclasses.replace(config, num_layers=args.layers)
     prompts, prompt_len, group, new_tokens = shape["prompts"], shape["prompt_len"], args.group_size, args.new_tokens
@@ -149,11 +171,13 @@ def main(argv=None) -> dict:
     history[0]["since_start"] = first_step_done[0] - PROCESS_STARTED
     params_count = sum(x.size for x in jax.tree.leaves(params))
 
-    lib = step_report.versions("jax", "jaxlib", "flax", "optax")
+    lib = step_report.versions("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax")
+    device = jax.devices()[0]
     print(
-        f"jaxrl_llm on jax {lib['jax']} ({jax.default_backend()}, {jax.device_count()} device(s), "
-        f"{os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; {config.architecture} "
-        f"{params_count / 1e6:.1f}M params, float32, training.train defaults"
+        f"jaxrl_llm on jax {lib['jax']} ({jax.default_backend()}: {device.device_kind}, {jax.device_count()} "
+        f"device(s), {os.cpu_count()} cores), flax {lib['flax']}, optax {lib['optax']}; {config.architecture} "
+        f"{params_count / 1e6:.1f}M params, {step_report.PRECISIONS[args.precision]}"
+        f"{', stacked layers' if args.scan_layers else ''}, training.train defaults"
     )
     print(
         f"GRPO step through training.train ({args.shape}): {prompts} prompts x {group} completions, prompt "
@@ -172,9 +196,15 @@ def main(argv=None) -> dict:
         "params": params_count,
         "repeats": args.repeats,
         "warmup": WARMUP,
+        "precision": args.precision,
+        "scan_layers": args.scan_layers,
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "platform_version": device.client.platform_version,  # on a GPU, the CUDA version JAX runs
         "devices": jax.device_count(),
         "cpu_count": os.cpu_count(),
         "completion_length": statistics.mean(row["completion_length"] for row in history),
+        "peak_device_gb": peak_device_gb(device),
     }
     return step_report.finish(results, history, warmup=WARMUP, phases=PHASES)
 

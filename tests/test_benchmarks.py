@@ -7,11 +7,14 @@ all but ~1% of it, so the two agree to a couple of percent when the count is rig
 """
 
 import json
+import os
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -187,7 +190,7 @@ def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives
     from jaxrl_llm import tasks
 
     tasks.check_task(train_step.WordParityTask(vocab_size=512, prompt_len=16))
-    assert set(side_by_side.SHAPES) == set(train_step.SHAPES)
+    assert set(side_by_side.SHAPES) == set(train_step.SHAPES) - {"gpu"}  # gpu_side_by_side.py runs gpu
     result = train_step.main(
         ["--shape", "tiny", "--layers", "1", "--group-size", "2", "--new-tokens", "3", "--repeats", "2"]
     )
@@ -233,3 +236,177 @@ def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives
     rows = [line for line in table.splitlines() if line.startswith("| jaxrl_llm") or line.startswith("| peer")]
     assert rows[0].startswith(f"| jaxrl_llm | {result['step_median_s']:.3f} s |") and "| 1.00x |" in rows[0]
     assert "| 2.00x |" in rows[1] and f"{derived['update_mfu']:.0%}" in rows[0]
+
+
+# --- The GPU side-by-side run: its stages and its report ------------------------------------------
+
+
+def _json_line(library: str, phases: dict[str, list[float]], **fields) -> dict:
+    """A script's JSON line at the gpu shape (``step_report.finish``'s fields) with these step times."""
+    timings = {
+        phase: {"median_s": float(np.median(times)), "min_s": min(times), "first_s": 99.0, "all_s": times}
+        for phase, times in phases.items()
+    }
+    line = dict(
+        library=library,
+        shape="gpu",
+        prompts=16,
+        group=8,
+        prompt_len=128,
+        new_tokens=256,
+        layers=24,
+        params=494_032_768,
+        precision="mixed",
+        phases=timings,
+        step_median_s=timings["step"]["median_s"],
+        step_min_s=timings["step"]["min_s"],
+    )
+    return {**line, **fields}
+
+
+def test_the_gpu_report_derives_its_table_from_the_stages_json_lines(tmp_path):
+    import gpu_side_by_side as gpu
+    import side_by_side
+
+    jax_versions = {"jax": "0.11.2", "jaxlib": "0.11.2", "flax": "0.12.10", "optax": "0.2.8", "python": "3.12.3"}
+    cold = _json_line(
+        "jaxrl_llm",
+        {
+            "rollout": [0.66, 0.65, 0.67],
+            "logprobs": [0.15, 0.14, 0.15],
+            "update": [0.59, 0.57, 0.56],
+            "step": [1.40, 1.36, 1.38],
+        },
+        versions=jax_versions,
+        platform_version="PJRT C API\ncuda 13000",
+        completion_length=255.5,
+        first_step_s=131.6,
+        to_first_step_s=151.0,
+        peak_rss_gb=6.7,
+        peak_device_gb=62.6,
+    )
+    warm = _json_line(
+        "jaxrl_llm",
+        {"rollout": [0.64], "logprobs": [0.14], "update": [0.52], "step": [1.30]},
+        versions=jax_versions,
+        completion_length=256.0,
+        first_step_s=31.2,
+        to_first_step_s=50.4,
+        peak_rss_gb=6.9,
+        peak_device_gb=60.1,
+    )
+    stacked = _json_line(
+        "jaxrl_llm",
+        {"rollout": [0.70, 0.72, 0.71], "logprobs": [0.15, 0.15, 0.16], "update": [0.5, 0.5, 0.5], "step": [1.4] * 3},
+        versions=jax_versions,
+        scan_layers=True,
+        completion_length=256.0,
+        first_step_s=40.0,
+        to_first_step_s=60.0,
+        peak_rss_gb=6.0,
+        peak_device_gb=58.0,
+    )
+    trl = _json_line(
+        "trl",
+        {
+            "rollout": [10.0, 10.1, 9.9],
+            "logprobs": [0.18, 0.17, 0.19],
+            "update": [0.52, 0.50, 0.51],
+            "step": [10.7, 10.8, 10.6],
+        },
+        versions={"trl": "1.16.0", "torch": "2.11.0+cu130", "transformers": "5.17.0", "cuda": "13.0"},
+        micro_batch=64,
+        first_step_s=29.3,
+        to_first_step_s=54.8,
+        peak_rss_gb=3.4,
+        peak_device_gb=51.1,
+    )
+    machine = {
+        "gpu": "NVIDIA H200",
+        "gpu_memory_gib": 139.8,
+        "multiprocessors": 132,
+        "driver": "580.159.04",
+        "cuda_driver": "13.0",
+        "cpu": "a CPU",
+        "cores": 16,
+        "matmul_peak_flops": 7.9e14,
+        "matmul_shape": "[8192, 8192] @ [8192, 8192], bfloat16",
+        "copy_bytes_per_s": 4.3e12,
+    }
+    ok = {"status": "ok", "seconds": 10.0, "note": ""}
+    report = {
+        "date": "2026-12-05T00:00:00+00:00",
+        "dry_run": False,
+        "shape": "gpu",
+        "environment": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
+        "machine": machine,
+        "stages": {
+            **{name: ok for name in ("machine", "jaxrl_llm cold", "trl", "jaxrl_llm warm", "stacked cold")},
+            "stacked warm": {"status": "failed", "seconds": 60.0, "note": "timed out after 60 s"},
+        },
+        "runs": {"jaxrl_llm cold": cold, "trl": trl, "jaxrl_llm warm": warm, "stacked cold": stacked},
+    }
+    gpu.write(report, tmp_path)
+    page = (tmp_path / "gpu_side_by_side.md").read_text()
+    assert json.loads((tmp_path / "gpu_side_by_side.json").read_text())["metrics"] == report["metrics"]
+    rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in page.splitlines() if "|" in line}
+    assert page.splitlines()[0] == "# GRPO step side by side on one GPU, 2026-12-05T00:00:00+00:00"
+    assert "NVIDIA H200 (139.8 GiB, 132 multiprocessors), driver 580.159.04, CUDA 13.0 (driver)" in page
+    assert "bf16 matmul peak 790 TFLOP/s" in page and "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`" in page
+    assert "jaxrl_llm: jax 0.11.2, jaxlib 0.11.2, flax 0.12.10, optax 0.2.8, python 3.12.3 (JAX's backend: PJRT" in page
+    assert "trl: trl 1.16.0, torch 2.11.0+cu130, transformers 5.17.0, cuda 13.0" in page
+    assert rows["|"] == ["jaxrl_llm", "jaxrl_llm, stacked layers", "TRL", "TRL / jaxrl_llm", "stacked / unrolled |"]
+
+    # jaxrl_llm: the cold process's 3 timed steps and the warm one's pooled, by hand.
+    assert rows["steady step (median)"][0] == "1.370 s (4 steps)"  # median of 1.40, 1.36, 1.38, 1.30
+    assert rows["steady step (median)"][2] == "10.700 s (3 steps)"
+    assert rows["steady step (median)"][3] == f"{10.7 / 1.37:.2f}x"  # 7.81x
+    assert rows["rollout (generation and rewards)"][:3] == ["0.655 s", "0.710 s", "10.000 s"]
+    assert rows["update (forward, backward, AdamW)"][0] == "0.565 s"
+    assert rows["decode, per token step of 128 rows"][:3] == ["2.56 ms", "2.77 ms", "39.06 ms"]  # rollout / 256
+    assert rows["rollout tokens/s"][:3] == [f"{128 * 255.5 / 0.655:,.0f}", f"{128 * 256 / 0.71:,.0f}", "3,277"]
+    flops = bench.step_flops(side_by_side.model_config("gpu", 24), prompts=16, group=8, prompt_len=128, new_tokens=256)[
+        "update"
+    ]
+    embedding = 151_936 * 896  # tied: the output layer runs at the 256 completion positions only
+    weights_only = 6 * (494_032_768 - embedding) * 128 * 384 + 6 * embedding * 128 * 256
+    assert 1.0 < flops / weights_only < 1.1  # and the attention scores and values
+    rate = flops / 0.565
+    assert rows["update, model TFLOP/s (% of the bf16 peak)"][0] == f"{rate / 1e12:.3g} ({rate / 7.9e14:.0%})"
+    assert rows["update, model TFLOP/s (% of the bf16 peak)"][3] == f"{(flops / 0.51) / rate:.2f}x"
+    assert rows["first step (compilation), cold cache"][:4] == ["131.6 s", "40.0 s", "29.3 s", "0.22x"]
+    assert rows["first step, warm compilation cache"][:4] == ["31.2 s", "-", "-", "-"]
+    assert rows["peak device memory"][:4] == ["62.6 GB", "58.0 GB", "51.1 GB", "0.82x"]  # the larger of cold and warm
+    assert rows["peak host RSS"][0] == "6.9 GB"
+    assert rows["stacked warm"] == ["failed", "60", "timed out after 60 s |"]
+
+    # A report of a run where nothing finished still has its stages.
+    empty = dict(report, machine=None, runs={}, stages={"machine": {"status": "skipped", "seconds": 0, "note": "x"}})
+    assert gpu.markdown({**empty, "results": {}, "metrics": {}}).endswith("| machine | skipped | 0 | x |\n")
+
+
+def test_the_gpu_run_skips_what_its_budget_leaves_no_time_for_and_reports_failures(tmp_path):
+    import gpu_side_by_side as gpu
+    import side_by_side
+
+    report = gpu.main(["--dry-run", "--budget-s", "1", "--out", str(tmp_path)])
+    assert [s["status"] for s in report["stages"].values()] == ["skipped"] * 6 and report["results"] == {}
+    assert (tmp_path / "gpu_side_by_side.md").read_text().count("| skipped | 0 | 1 s of the budget left |") == 6
+
+    # A process that started another (a compiler, say): both are killed, at once.
+    sleeper = "import subprocess, time; print(subprocess.Popen(['sleep', '60']).pid, flush=True); time.sleep(60)"
+    started = time.monotonic()
+    with pytest.raises(side_by_side.ScriptFailed, match=r"sleeper failed \(timed out after 1 s\):\n\d+") as failed:
+        side_by_side.run_json("sleeper", [sys.executable, "-c", sleeper], env=dict(os.environ), timeout=1)
+    assert time.monotonic() - started < 30  # not when the child ends: it held the output pipes
+    status = pathlib.Path(f"/proc/{str(failed.value).splitlines()[1]}/status")
+    for _ in range(50):  # until it is gone, or a zombie its new parent has yet to reap
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the sleeper's child outlived its timeout")
+    with pytest.raises(side_by_side.ScriptFailed, match=r"exit 3"):
+        side_by_side.run_json("exit", [sys.executable, "-c", "raise SystemExit(3)"], env=dict(os.environ))
+    with pytest.raises(side_by_side.ScriptFailed, match="no JSON line"):
+        side_by_side.run_json("no json", [sys.executable, "-c", "print('done')"], env=dict(os.environ))

@@ -11,7 +11,8 @@ Every fenced block of these pages is either output (```text) or an example: it f
 * bash blocks: ``make`` targets exist in the Makefile; every ``jaxrl-llm train`` command line
   parses to a run config (``cli.parse_train``, which reads configs and checks every flag, and
   starts nothing); ``eval`` and ``export`` name only flags of their ``--help``; ``presets`` and
-  ``tasks`` run; ``experiments/compare_methods.py``'s command lines parse to its config.
+  ``tasks`` run; ``experiments/compare_methods.py``'s and ``benchmarks/gpu_side_by_side.py``'s
+  command lines parse to their flags; a ``pip install`` installs ``make gpu-wheels``' wheels, offline.
 * Relative links between the pages point at files and headings that exist.
 """
 
@@ -21,6 +22,7 @@ import dataclasses
 import pathlib
 import re
 import shlex
+import sys
 import tomllib
 from collections.abc import Callable
 from typing import NamedTuple
@@ -338,6 +340,18 @@ def _check_command(line: str, capsys):
             assert exit_.value.code == 0
         else:
             compare_methods.parse(args)
+        return
+    if "benchmarks/gpu_side_by_side.py" in words:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        try:
+            import gpu_side_by_side
+        finally:
+            sys.path.remove(str(ROOT / "benchmarks"))
+        gpu_side_by_side.parse(words[words.index("benchmarks/gpu_side_by_side.py") + 1 :])
+        return
+    if words[:4] == ["python3", "-m", "pip", "install"]:  # what `make gpu-wheels` downloaded, nothing else
+        assert {"--no-index", "--no-deps", ".whl/*.whl"} <= set(words), f"{line}: not the offline wheels"
+        assert "\nGPU_WHEELS := .whl\n" in (ROOT / "Makefile").read_text()
         return
     programs = [i for i, w in enumerate(words) if w.endswith("jaxrl-llm")]
     assert programs, f"{line}: names no command the docs test knows (make, jaxrl-llm, compare_methods.py)"
