@@ -21,7 +21,13 @@ Stages, each a process of its own with a timeout (the least of its cap and what 
 3. ``trl``: ``trl_grpo_step.py`` (skipped where this interpreter cannot import ``trl``);
 4. ``jaxrl_llm warm``: ``train_step.py`` again, the cache now filled by 2;
 5. with ``--stacked`` (the default), ``stacked cold`` and ``stacked warm``: 2 and 4 with the
-   stacked layers' layout (``--scan-layers``, ``ModelConfig.scan_layers``), in a cache of their own.
+   stacked layers' layout (``--scan-layers``, ``ModelConfig.scan_layers``), in a cache of their own;
+6. with ``--profile`` (the default), ``jaxrl_llm profile``: two steady steps traced by
+   ``jax.profiler`` (``train_step.py --profile``) on the warm cache, their time by op
+   (``trace_summary.py``) under the table; never pooled into the step times.
+
+``--only NAME,...`` runs only the named stages (the rest are skipped): a second call on a warm
+machine, e.g. ``--only "jaxrl_llm profile"`` when the budget ran out before it.
 
 The JAX processes run with ``JAX_PLATFORMS=cuda`` (no silent fall back to the CPU) and
 ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`` unless set (the allocator's share of the GPU: JAX's
@@ -38,7 +44,8 @@ the time from the process's start to the end of that step; peak device memory (J
 TRL / jaxrl_llm and stacked / unrolled.
 
     python3 benchmarks/gpu_side_by_side.py [--out benchmarks/results] [--budget-s 450] [--no-stacked]
-                                           [--repeats 3] [--dry-run] [--python-trl PYTHON]
+                                           [--no-profile] [--only STAGES] [--repeats 3] [--dry-run]
+                                           [--python-trl PYTHON]
 
 Outputs (in ``--out``): ``gpu_side_by_side.md``, ``gpu_side_by_side.json`` (every stage's
 status and JSON line, the machine, the derived columns; rewritten after each stage) and
@@ -65,12 +72,14 @@ import time
 
 import side_by_side
 import step_report
+import trace_summary
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(1, str(ROOT))  # jaxrl_llm from this checkout, installed or not (as the stages get it)
 NAME = "gpu_side_by_side"
 MIN_STAGE_S = 60.0  # a stage with less of the budget left is skipped
+PROFILE = "jaxrl_llm profile"  # the traced stage: its step times carry the profiler's overhead, never pooled
 PHASES = ("rollout", "logprobs", "update", "step")
 ROWS = {  # table column -> (cold stage, warm stage)
     "jaxrl_llm": ("jaxrl_llm cold", "jaxrl_llm warm"),
@@ -90,9 +99,10 @@ class Stage:
     flags: tuple[str, ...] = ()
     cap_s: float
     cache: str | None = None
+    profile: bool = False  # traced: ``--profile`` into a directory of its own
 
 
-def stages(*, shape: str, repeats: int, stacked: bool, matmul_size: int) -> list[Stage]:
+def stages(*, shape: str, repeats: int, stacked: bool, profile: bool, matmul_size: int) -> list[Stage]:
     """The run's stages in order (the module's docstring)."""
     common = ("--shape", shape, "--precision", "mixed")
     cold, warm = (*common, "--repeats", str(repeats)), (*common, "--repeats", str(max(1, repeats // 2)))
@@ -107,6 +117,9 @@ def stages(*, shape: str, repeats: int, stacked: bool, matmul_size: int) -> list
             Stage(name="stacked cold", library="jaxrl_llm", flags=(*cold, "--scan-layers"), cap_s=200, cache="stacked"),
             Stage(name="stacked warm", library="jaxrl_llm", flags=(*warm, "--scan-layers"), cap_s=120, cache="stacked"),
         ]
+    if profile:
+        traced = (*common, "--repeats", "2")
+        found.append(Stage(name=PROFILE, library="jaxrl_llm", flags=traced, cap_s=120, cache="unrolled", profile=True))
     return found
 
 
@@ -249,6 +262,7 @@ def run(args: argparse.Namespace) -> dict:
                 shape=shape,
                 repeats=args.repeats,
                 stacked=args.stacked,
+                profile=args.profile,
                 matmul_size=args.matmul_size or (512 if args.dry_run else 8192),
             ):
                 report["stages"][stage.name] = status = run_stage(
@@ -268,7 +282,9 @@ def run_stage(
     """Runs ``stage`` (its JSON line into ``report``), or skips it; its status."""
     left, machine_seen = deadline - time.monotonic(), report["machine"]
     skip = None
-    if left < MIN_STAGE_S:
+    if args.only and stage.name not in args.only:
+        skip = "not in --only"
+    elif left < MIN_STAGE_S:
         skip = f"{max(left, 0):.0f} s of the budget left"
     elif stage.library == "trl" and not imports_trl(args.python_trl, env):
         skip = f"{args.python_trl} cannot import trl (make gpu-wheels, then the install line)"
@@ -281,6 +297,10 @@ def run_stage(
     if stage.cache is not None and stage.cache not in caches:
         caches[stage.cache] = pathlib.Path(tempfile.mkdtemp(prefix=f"jaxrl-llm-{stage.cache}-cache-"))
     started = time.monotonic()
+    flags = list(stage.flags)
+    if stage.profile:
+        trace_dir = tempfile.mkdtemp(prefix="jaxrl-llm-trace-")
+        flags += ["--profile", trace_dir]
     try:
         if stage.library == "machine":
             command = [args.python_trl, str(pathlib.Path(__file__).resolve()), *stage.flags]
@@ -289,7 +309,7 @@ def run_stage(
         else:
             result = side_by_side.run_script(
                 stage.library,
-                list(stage.flags),
+                flags,
                 caches.get(stage.cache),
                 python=pathlib.Path(args.python_trl if stage.library == "trl" else sys.executable),
                 timeout=timeout,
@@ -300,6 +320,9 @@ def run_stage(
     except side_by_side.ScriptFailed as failed:
         note = f"{failed.reason}: {failed.last_line[:200]}" if failed.last_line else failed.reason
         return {"status": "failed", "seconds": time.monotonic() - started, "note": note}
+    finally:
+        if stage.profile:
+            shutil.rmtree(trace_dir, ignore_errors=True)
     return {"status": "ok", "seconds": time.monotonic() - started, "note": ""}
 
 
@@ -462,6 +485,15 @@ def markdown(report: dict) -> str:
                 cells.append(ratio(values["jaxrl_llm, stacked layers"], values["jaxrl_llm"]))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
+    traced = report["runs"].get(PROFILE, {}).get("profile")
+    if traced:
+        lines += [
+            f"## Where jaxrl_llm's steady steps spend their time ({PROFILE}: "
+            f"{report['runs'][PROFILE]['repeats']} steps traced, `train_step.py --profile`)",
+            "",
+            trace_summary.markdown(traced, title="Own time by op"),
+            "",
+        ]
     lines += ["| stage | status | seconds | note |", "|---|---|---|---|"]
     for name, status in report["stages"].items():
         note = status["note"].replace("|", "\\|")
@@ -496,6 +528,14 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--stacked", action=argparse.BooleanOptionalAction, default=True, help="also the stacked layers' layout"
     )
+    parser.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"last, '{PROFILE}': two steady steps traced, the time by op",
+    )
+    parser.add_argument("--only", type=lambda names: set(names.split(",")), default=None,
+                        help="run only these stages (comma-separated names, e.g. 'jaxrl_llm profile')")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="the stages on the CPU at the tiny shape")
     parser.add_argument("--python-trl", default=sys.executable, help="the interpreter of TRL and the machine stage")
     parser.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 peak (default 8192; dry run 512)")

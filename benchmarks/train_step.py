@@ -40,8 +40,13 @@ the time from this process's start (imports included) to the end of that step.
 (``memory_stats()``'s ``peak_bytes_in_use``; ``None`` where the backend keeps no such count,
 as on a CPU). The last line of output is one JSON object.
 
+``--profile DIR`` traces the steps after the warm-up with ``jax.profiler`` (a Perfetto trace
+in ``DIR``) and adds ``trace_summary.summarize``'s time by op to the JSON as ``profile``; those
+steps' times then include the profiler's overhead.
+
     python benchmarks/train_step.py [--shape tiny|qwen05b|gpu] [--repeats 10] [--precision float32|mixed]
                                     [--scan-layers] [--layers L] [--group-size G] [--new-tokens N]
+                                    [--profile DIR]
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import step_report  # noqa: E402
+import trace_summary  # noqa: E402
 import transformers  # noqa: E402
 from grpo_step import CONFIG as TINY_CONFIG  # noqa: E402
 from layer_scan import qwen25_05b  # noqa: E402
@@ -140,7 +146,10 @@ def main(argv=None) -> dict:
         SHAPES,
         argv,
         precision=True,
-        flags=(("--scan-layers", dict(action="store_true", help="the stacked layers' layout")),),
+        flags=(
+            ("--scan-layers", dict(action="store_true", help="the stacked layers' layout")),
+            ("--profile", dict(default=None, help="trace the steps after the warm-up into this directory")),
+        ),
     )
     config = dataclasses.replace(shape["config"](), dtype=COMPUTE_DTYPES[args.precision], scan_layers=args.scan_layers)
     if args.layers is not None:
@@ -160,10 +169,14 @@ def main(argv=None) -> dict:
     def on_step(end: training.StepEnd) -> None:
         if not first_step_done:
             first_step_done.append(time.perf_counter())
+            if args.profile:  # the steady steps only: compilation is not traced
+                jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
 
     _, history = training.train(
         model, params, algorithms.GRPO, run, steps=WARMUP + args.repeats, task=task, callback=on_step
     )
+    if args.profile:
+        jax.profiler.stop_trace()
     for row in history:  # the peers' phases: rollout with rewards, log-probs, and the rest of the step
         row["rollout"] = row["rollout_seconds"] + row["reward_seconds"]
         row["logprobs"], row["step"] = row["logprob_seconds"], row["step_seconds"]
@@ -206,6 +219,8 @@ def main(argv=None) -> dict:
         "completion_length": statistics.mean(row["completion_length"] for row in history),
         "peak_device_gb": peak_device_gb(device),
     }
+    if args.profile:  # the traced steps' times include the profiler's overhead
+        results["profile"] = trace_summary.summarize(args.profile)
     return step_report.finish(results, history, warmup=WARMUP, phases=PHASES)
 
 

@@ -6,6 +6,7 @@ analysis counts every operation of the lowered program; at these shapes the matm
 all but ~1% of it, so the two agree to a couple of percent when the count is right.
 """
 
+import gzip
 import json
 import os
 import pathlib
@@ -390,8 +391,13 @@ def test_the_gpu_run_skips_what_its_budget_leaves_no_time_for_and_reports_failur
     import side_by_side
 
     report = gpu.main(["--dry-run", "--budget-s", "1", "--out", str(tmp_path)])
-    assert [s["status"] for s in report["stages"].values()] == ["skipped"] * 6 and report["results"] == {}
-    assert (tmp_path / "gpu_side_by_side.md").read_text().count("| skipped | 0 | 1 s of the budget left |") == 6
+    assert list(report["stages"])[-1] == gpu.PROFILE
+    assert [s["status"] for s in report["stages"].values()] == ["skipped"] * 7 and report["results"] == {}
+    assert (tmp_path / "gpu_side_by_side.md").read_text().count("| skipped | 0 | 1 s of the budget left |") == 7
+    report = gpu.main(["--dry-run", "--only", "machine,trl", "--budget-s", "1", "--out", str(tmp_path)])
+    assert [name for name, s in report["stages"].items() if s["note"] == "not in --only"] == [
+        "jaxrl_llm cold", "jaxrl_llm warm", "stacked cold", "stacked warm", gpu.PROFILE
+    ]  # fmt: skip
 
     # A process that started another (a compiler, say): both are killed, at once.
     sleeper = "import subprocess, time; print(subprocess.Popen(['sleep', '60']).pid, flush=True); time.sleep(60)"
@@ -410,3 +416,60 @@ def test_the_gpu_run_skips_what_its_budget_leaves_no_time_for_and_reports_failur
         side_by_side.run_json("exit", [sys.executable, "-c", "raise SystemExit(3)"], env=dict(os.environ))
     with pytest.raises(side_by_side.ScriptFailed, match="no JSON line"):
         side_by_side.run_json("no json", [sys.executable, "-c", "print('done')"], env=dict(os.environ))
+
+
+def _trace(path: pathlib.Path, lines: dict[tuple[str, str], list[tuple[str, float, float]]]) -> None:
+    """A Perfetto trace file: per (process, thread) line, events ``(name, start, duration)`` in us."""
+    events, pids = [], {}
+    for tid, ((process, thread), spans) in enumerate(lines.items()):
+        pid = pids.setdefault(process, len(pids) + 1)
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": process}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": thread}})
+        events += [
+            {"ph": "X", "name": n, "pid": pid, "tid": tid, "ts": t, "dur": d, "args": {"i": i}}
+            for i, (n, t, d) in enumerate(spans)
+        ]
+    path.mkdir(parents=True)
+    with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_the_trace_summary_sums_each_ops_own_time_on_the_device_line(tmp_path):
+    import trace_summary
+
+    gpu_ops = [  # a wrapper around two ops (own 10 us), a wait, and op A again
+        ("wrapper", 0.0, 100.0), ("A", 10.0, 50.0), ("B", 60.0, 40.0), ("wait for it", 200.0, 500.0), ("A", 300.0, 30.0)
+    ]  # fmt: skip
+    _trace(
+        tmp_path / "gpu" / "plugins",
+        {
+            ("/device:GPU:0", "XLA Ops"): gpu_ops,
+            ("/device:GPU:0", "XLA Modules"): [("jit_update", 0.0, 100.0), ("jit_score", 300.0, 30.0)],
+            ("/host:CPU", "python"): [("PjitFunction", 0.0, 900.0)],
+        },
+    )
+    summary = trace_summary.summarize(tmp_path / "gpu")
+    assert summary["source"] == ["/device:GPU:0 / XLA Ops"]
+    assert summary["ops_ms"] == pytest.approx((10 + 50 + 40 + 30) / 1e3)  # the wait left out
+    assert {op["name"]: op["count"] for op in summary["ops"]} == {"A": 2, "B": 1, "wrapper": 1}
+    assert {op["name"]: op["ms"] * 1e3 for op in summary["ops"]} == pytest.approx({"A": 80, "B": 40, "wrapper": 10})
+    assert [op["name"] for op in summary["ops"]] == ["A", "B", "wrapper"]
+    assert summary["ops"][0]["share"] == pytest.approx(80 / 130)
+    assert [m["name"] for m in summary["modules"]] == ["jit_update", "jit_score"]
+    assert [m["share"] for m in summary["modules"]] == pytest.approx([100 / 130, 30 / 130])
+    assert "| `A` | 0.08 | 2 | 61.5% |" in trace_summary.markdown(summary)
+
+    # A CPU trace has no device line: the host's threads but Python's.
+    _trace(
+        tmp_path / "cpu",
+        {
+            ("/host:CPU", "python"): [("PjitFunction", 0.0, 900.0)],
+            ("/host:CPU", "tf_XLAEigen/1"): [("fusion.1", 0.0, 20.0)],
+            ("/host:CPU", "tf_XLAPjRtCpuClient/2"): [("fusion.2", 5.0, 5.0), ("Execute (wait for completion)", 0, 90)],
+        },
+    )
+    summary = trace_summary.summarize(tmp_path / "cpu")
+    assert summary["source"] == ["/host:CPU / tf_XLAEigen/1", "/host:CPU / tf_XLAPjRtCpuClient/2"]
+    assert [(op["name"], op["ms"] * 1e3) for op in summary["ops"]] == [("fusion.1", 20.0), ("fusion.2", 5.0)]
+    with pytest.raises(FileNotFoundError, match="create_perfetto_trace=True"):
+        trace_summary.summarize(tmp_path / "nothing")
