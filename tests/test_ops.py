@@ -255,6 +255,46 @@ def test_chunked_logprobs_never_hold_full_float32_logits_in_the_backward_pass():
     assert chunked <= 4 * chunk_logits_bytes < full_logits_bytes
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_chunked_logprobs_backward_in_bfloat16_matches_the_rounded_cotangent_and_copies_no_kernel(transposed):
+    """In bfloat16 the logits' float32 cotangent ``g`` is rounded to bfloat16 and meets the
+    kernel there: ``dh = g W^T`` and ``dW = h^T g``, against a float64 NumPy reference of
+    that convention. A frozen kernel's backward makes no float32 copy of it."""
+    rng = np.random.default_rng(3)
+    batch, length, width, vocab, temperature = 2, 6, 16, 40, 0.8
+    hidden = jnp.asarray(rng.normal(size=(batch, length, width)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.normal(size=(width, vocab)) / 4, jnp.bfloat16)
+    tokens = rng.integers(0, vocab, size=(batch, length))
+    weights = rng.normal(size=(batch, length)).astype(np.float32)
+
+    def loss(h, w):
+        logp = ops.chunked_token_logprobs(
+            h, w.T if transposed else w, tokens, chunk_size=4, temperature=temperature, transposed_kernel=transposed
+        )
+        return jnp.sum(weights * logp)
+
+    d_hidden, d_kernel = jax.grad(loss, argnums=(0, 1))(hidden, kernel)
+
+    h, w = np.asarray(hidden, np.float64), np.asarray(kernel, np.float64)
+    logits = h @ w / temperature  # [B, T, V]
+    softmax = np.exp(logits - logits.max(-1, keepdims=True))
+    softmax /= softmax.sum(-1, keepdims=True)
+    onehot = np.eye(vocab)[tokens]
+    g = weights[..., None] * (onehot - softmax) / temperature  # d loss / d (h @ w)
+    g = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float64)  # rounded, as the backward pass does
+    assert d_hidden.dtype == d_kernel.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(d_hidden, np.float64), g @ w.T, rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(d_kernel, np.float64), np.einsum("bte,btv->ev", h, g), rtol=1e-2, atol=1e-3)
+
+    width, vocab = 256, 32768  # a float32 copy of this kernel: 33.6 MB; a chunk's logits: 2.1 MB
+    hidden, kernel = jnp.ones((2, 64, width), jnp.bfloat16), jnp.ones((width, vocab), jnp.bfloat16)
+    frozen = jax.grad(lambda h, w: jnp.sum(ops.chunked_token_logprobs(h, w, jnp.zeros((2, 64), jnp.int32),
+                                                                      chunk_size=16)))  # fmt: skip
+    compiled = jax.jit(frozen).lower(hidden, kernel).compile()
+    assert f"f32[{width},{vocab}]" not in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < width * vocab * 4
+
+
 def test_chunked_logprobs_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"`output_kernel` must have shape \[E, V\] with E = 8"):
         ops.chunked_token_logprobs(jnp.zeros((1, 2, 8)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
