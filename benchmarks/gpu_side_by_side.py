@@ -24,7 +24,10 @@ Stages, each a process of its own with a timeout (the least of its cap and what 
    stacked layers' layout (``--scan-layers``, ``ModelConfig.scan_layers``), in a cache of their own;
 6. with ``--profile`` (the default), ``jaxrl_llm profile``: two steady steps traced by
    ``jax.profiler`` (``train_step.py --profile``) on the warm cache, their time by op
-   (``trace_summary.py``) under the table; never pooled into the step times.
+   (``trace_summary.py``) under the table; never pooled into the step times;
+7. with ``--micro-batches`` (the default), ``micro-batched``: jaxrl_llm with the update in two
+   micro-batches (``TrainConfig.micro_batch_size``, half the rows), as TRL's backward pass runs,
+   the column that says whether the same split brings its peak memory to TRL's.
 
 ``--only NAME,...`` runs only the named stages (the rest are skipped): a second call on a warm
 machine, e.g. ``--only "jaxrl_llm profile"`` when the budget ran out before it.
@@ -79,11 +82,13 @@ ROOT = HERE.parent
 sys.path.insert(1, str(ROOT))  # jaxrl_llm from this checkout, installed or not (as the stages get it)
 NAME = "gpu_side_by_side"
 MIN_STAGE_S = 60.0  # a stage with less of the budget left is skipped
+MICRO_BATCH = {"gpu": 64, "tiny": 16}  # half of each shape's rows, as TRL's script splits its backward pass
 PROFILE = "jaxrl_llm profile"  # the traced stage: its step times carry the profiler's overhead, never pooled
 PHASES = ("rollout", "logprobs", "update", "step")
 ROWS = {  # table column -> (cold stage, warm stage)
     "jaxrl_llm": ("jaxrl_llm cold", "jaxrl_llm warm"),
     "jaxrl_llm, stacked layers": ("stacked cold", "stacked warm"),
+    "jaxrl_llm, micro-batches": ("micro-batched", None),
     "TRL": ("trl", None),
 }
 
@@ -102,7 +107,9 @@ class Stage:
     profile: bool = False  # traced: ``--profile`` into a directory of its own
 
 
-def stages(*, shape: str, repeats: int, stacked: bool, profile: bool, matmul_size: int) -> list[Stage]:
+def stages(
+    *, shape: str, repeats: int, stacked: bool, profile: bool, micro_batches: bool, matmul_size: int
+) -> list[Stage]:
     """The run's stages in order (the module's docstring)."""
     common = ("--shape", shape, "--precision", "mixed")
     cold, warm = (*common, "--repeats", str(repeats)), (*common, "--repeats", str(max(1, repeats // 2)))
@@ -120,6 +127,9 @@ def stages(*, shape: str, repeats: int, stacked: bool, profile: bool, matmul_siz
     if profile:
         traced = (*common, "--repeats", "2")
         found.append(Stage(name=PROFILE, library="jaxrl_llm", flags=traced, cap_s=120, cache="unrolled", profile=True))
+    if micro_batches:  # TRL's memory-saving split: the update in two micro-batches (the same gradient)
+        split = ("--micro-batch-size", str(MICRO_BATCH[shape]))
+        found.append(Stage(name="micro-batched", library="jaxrl_llm", flags=(*warm, *split), cap_s=150, cache="micro"))
     return found
 
 
@@ -263,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
                 repeats=args.repeats,
                 stacked=args.stacked,
                 profile=args.profile,
+                micro_batches=args.micro_batches,
                 matmul_size=args.matmul_size or (512 if args.dry_run else 8192),
             ):
                 report["stages"][stage.name] = status = run_stage(
@@ -533,6 +544,12 @@ def parse(argv=None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help=f"last, '{PROFILE}': two steady steps traced, the time by op",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="last, 'micro-batched': the update in two micro-batches, as TRL's, for its memory",
     )
     parser.add_argument("--only", type=lambda names: set(names.split(",")), default=None,
                         help="run only these stages (comma-separated names, e.g. 'jaxrl_llm profile')")  # fmt: skip

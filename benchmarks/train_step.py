@@ -46,7 +46,7 @@ steps' times then include the profiler's overhead.
 
     python benchmarks/train_step.py [--shape tiny|qwen05b|gpu] [--repeats 10] [--precision float32|mixed]
                                     [--scan-layers] [--layers L] [--group-size G] [--new-tokens N]
-                                    [--profile DIR]
+                                    [--profile DIR] [--micro-batch-size ROWS]
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ def main(argv=None) -> dict:
         flags=(
             ("--scan-layers", dict(action="store_true", help="the stacked layers' layout")),
             ("--profile", dict(default=None, help="trace the steps after the warm-up into this directory")),
+            ("--micro-batch-size", dict(type=int, default=None, help="TrainConfig.micro_batch_size (rows)")),
         ),
     )
     config = dataclasses.replace(shape["config"](), dtype=COMPUTE_DTYPES[args.precision], scan_layers=args.scan_layers)
@@ -162,6 +163,7 @@ def main(argv=None) -> dict:
         group_size=group,
         sampling=sampling.SamplingConfig(max_new_tokens=new_tokens, max_prompt_length=prompt_len),
         optimizer=OptimizerConfig(learning_rate=1e-6),
+        micro_batch_size=args.micro_batch_size,
     )
     task = WordParityTask(vocab_size=config.vocab_size, prompt_len=prompt_len)
     first_step_done = []
@@ -211,6 +213,7 @@ def main(argv=None) -> dict:
         "warmup": WARMUP,
         "precision": args.precision,
         "scan_layers": args.scan_layers,
+        "micro_batch": args.micro_batch_size or prompts * group,
         "backend": jax.default_backend(),
         "device_kind": device.device_kind,
         "platform_version": device.client.platform_version,  # on a GPU, the CUDA version JAX runs

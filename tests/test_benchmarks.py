@@ -391,12 +391,12 @@ def test_the_gpu_run_skips_what_its_budget_leaves_no_time_for_and_reports_failur
     import side_by_side
 
     report = gpu.main(["--dry-run", "--budget-s", "1", "--out", str(tmp_path)])
-    assert list(report["stages"])[-1] == gpu.PROFILE
-    assert [s["status"] for s in report["stages"].values()] == ["skipped"] * 7 and report["results"] == {}
-    assert (tmp_path / "gpu_side_by_side.md").read_text().count("| skipped | 0 | 1 s of the budget left |") == 7
+    assert list(report["stages"])[-2:] == [gpu.PROFILE, "micro-batched"]
+    assert [s["status"] for s in report["stages"].values()] == ["skipped"] * 8 and report["results"] == {}
+    assert (tmp_path / "gpu_side_by_side.md").read_text().count("| skipped | 0 | 1 s of the budget left |") == 8
     report = gpu.main(["--dry-run", "--only", "machine,trl", "--budget-s", "1", "--out", str(tmp_path)])
     assert [name for name, s in report["stages"].items() if s["note"] == "not in --only"] == [
-        "jaxrl_llm cold", "jaxrl_llm warm", "stacked cold", "stacked warm", gpu.PROFILE
+        "jaxrl_llm cold", "jaxrl_llm warm", "stacked cold", "stacked warm", gpu.PROFILE, "micro-batched"
     ]  # fmt: skip
 
     # A process that started another (a compiler, say): both are killed, at once.
