@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import tyro
 
-from jaxrl_llm import algorithms, models, sampling, training
+from jaxrl_llm import algorithms, host, models, sampling, training
 from jaxrl_llm.episodes import EpisodeConfig, scoring
 from jaxrl_llm.tasks import CalculatorTask
 from jaxrl_llm.tasks.calculator import sft_arrays
@@ -215,4 +215,5 @@ def main(config: CalculatorConfig) -> None:
 
 
 if __name__ == "__main__":
+    host.reuse_freed_memory()  # before JAX's first computation
     main(tyro.cli(CalculatorConfig))
