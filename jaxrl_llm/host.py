@@ -6,8 +6,9 @@ r"""Settings of the host process that JAX's CPU backend runs faster with; applie
     host.reuse_freed_memory()  # first, before JAX's first computation
     import jax ...
 
-``jaxrl-llm train`` / ``eval`` (so ``make run``), ``experiments/compare_methods.py`` and
-``benchmarks/grpo_step.py`` call it; importing the library never changes the process.
+``jaxrl-llm train`` / ``eval`` (so ``make run``), ``experiments/compare_methods.py``,
+``experiments/calculator_tools.py``, notebooks 02 and 04 and ``benchmarks/grpo_step.py`` call
+it; importing the library never changes the process.
 """
 
 from __future__ import annotations
