@@ -17,10 +17,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # machine code is less tuned. The suite's programs are small and compiled once or a few times,
 # so compiling is most of their cost: a file of train steps took 39 s instead of 60, the toy
 # trainings 92 s instead of 109. The notebooks, and the test that reproduces a documented run,
-# drop the flag (QUICK_CODEGEN_FLAG) for the processes they start.
+# drop the flag (default_codegen_environ) for the processes they start.
 QUICK_CODEGEN_FLAG = "--xla_backend_optimization_level=0"
 if QUICK_CODEGEN_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_CODEGEN_FLAG}".strip()
+
+
+def default_codegen_environ() -> dict[str, str]:
+    """This process's environment without QUICK_CODEGEN_FLAG: for a process that runs as a user's would."""
+    return dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(QUICK_CODEGEN_FLAG, "").strip())
+
+
 # JAX's persistent compilation cache is on, as `training.train` turns it on for users: in a
 # fresh directory per test session, shared by the xdist workers (they inherit the
 # controller's environment) and the subprocesses tests start, so that a program compiled
@@ -59,7 +66,8 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+_LIBC_PATH = ctypes.util.find_library("c")
+_LIBC = ctypes.CDLL(_LIBC_PATH) if _LIBC_PATH else None
 
 
 @pytest.hookimpl(hookwrapper=True)

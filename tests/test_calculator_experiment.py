@@ -2,18 +2,16 @@
 tool, and its held-out success rises. ``experiments/calculator_tools.py`` runs as a user runs
 it, in a process of its own with XLA's default code generation (one CPU device; the tests'
 eight virtual devices and quick code generation round floats differently, and the warm start
-the RL starts from would not be the documented one), with
-two thirds of its RL steps."""
+the RL starts from would not be the documented one), with two thirds of its RL steps."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import QUICK_CODEGEN_FLAG
+from tests.conftest import default_codegen_environ
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,8 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_rl_on_episodes_learns_when_to_call_the_tool(tmp_path):
     command = [sys.executable, "experiments/calculator_tools.py", "--steps", "200", "--eval-every", "200"]
     command += ["--plot", "None", "--history", str(tmp_path / "history.json")]
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(QUICK_CODEGEN_FLAG, "").strip())
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=ROOT, env=default_codegen_environ(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = json.loads((tmp_path / "history.json").read_text())
     assert after["step"] == 200

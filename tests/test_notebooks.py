@@ -1,7 +1,6 @@
 """The notebooks in notebooks/: committed executed (outputs and plots included, so they read on
 GitHub), and each runs top to bottom without error from its own directory, as Jupyter starts it."""
 
-import os
 import pathlib
 import re
 import tomllib
@@ -10,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.conftest import QUICK_CODEGEN_FLAG
+from tests.conftest import default_codegen_environ
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -79,6 +78,5 @@ def test_notebook_executes(path, tmp_path):
     )
     # With XLA's default code generation, as a user's Jupyter runs them: their longer trainings
     # gain more from optimised code than they lose compiling it (04: 134 s, 200 s with the flag).
-    xla_flags = os.environ.get("XLA_FLAGS", "").replace(QUICK_CODEGEN_FLAG, "").strip()
-    client.execute(env={**os.environ, "TMPDIR": str(tmp_path), "XLA_FLAGS": xla_flags})
+    client.execute(env={**default_codegen_environ(), "TMPDIR": str(tmp_path)})
     assert not errors_of(notebook)
