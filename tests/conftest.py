@@ -5,6 +5,7 @@ handed back to the system after each test module."""
 import ctypes
 import ctypes.util
 import gc
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -12,20 +13,26 @@ import tempfile
 
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# LLVM's optimisation level 0 for the CPU code of every test (and, through the environment, of
-# every worker and subprocess the suite starts): XLA's own HLO passes are unchanged, only the
-# machine code is less tuned. The suite's programs are small and compiled once or a few times,
-# so compiling is most of their cost: a file of train steps took 39 s instead of 60, the toy
-# trainings 92 s instead of 109. The notebooks, and the test that reproduces a documented run,
-# drop the flag (default_codegen_environ) for the processes they start.
-QUICK_CODEGEN_FLAG = "--xla_backend_optimization_level=0"
-if QUICK_CODEGEN_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_CODEGEN_FLAG}".strip()
+# Quick CPU code generation for every test (and, through the environment, for every worker
+# and subprocess the suite starts): LLVM's optimisation level 0 and, where XLA still has them
+# (jaxlib before 0.11, so the pinned set), its classic elemental emitters for fusions instead
+# of the MLIR fusion emitters, which take longer to compile. XLA's own HLO passes are
+# unchanged, only the machine code is less tuned. The suite's programs are small and compiled
+# once or a few times, so compiling is most of their cost: a file of train steps took 27 s
+# instead of 60. XLA aborts on a flag it does not know, hence the version check. The notebooks,
+# and the test that reproduces a documented run, drop the flags (default_codegen_environ) for
+# the processes they start.
+QUICK_CODEGEN_FLAGS = ("--xla_backend_optimization_level=0",)
+if tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
+    QUICK_CODEGEN_FLAGS += ("--xla_cpu_use_fusion_emitters=false",)
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [flag for flag in QUICK_CODEGEN_FLAGS if flag not in _flags])
 
 
 def default_codegen_environ() -> dict[str, str]:
-    """This process's environment without QUICK_CODEGEN_FLAG: for a process that runs as a user's would."""
-    return dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(QUICK_CODEGEN_FLAG, "").strip())
+    """This process's environment without QUICK_CODEGEN_FLAGS: for a process that runs as a user's would."""
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag not in QUICK_CODEGEN_FLAGS]
+    return dict(os.environ, XLA_FLAGS=" ".join(flags))
 
 
 # JAX's persistent compilation cache is on, as `training.train` turns it on for users: in a
