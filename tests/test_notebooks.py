@@ -77,6 +77,6 @@ def test_notebook_executes(path, tmp_path):
         notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK_DIR)}}
     )
     # With XLA's default code generation, as a user's Jupyter runs them: their longer trainings
-    # gain more from optimised code than they lose compiling it (04: 134 s, 200 s with the flag).
+    # gain more from optimised code than they lose compiling it (04: 134 s, 200 s with LLVM level 0).
     client.execute(env={**default_codegen_environ(), "TMPDIR": str(tmp_path)})
     assert not errors_of(notebook)

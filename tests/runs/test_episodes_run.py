@@ -130,7 +130,7 @@ def test_a_run_with_environments_killed_mid_run_resumes_exactly(project, tmp_pat
     # Real processes: one runs straight through, the other is killed with SIGKILL after a
     # checkpoint and resumed. The environments are built anew and every episode's state
     # stays in its episode, so the resumed run ends where the straight one does.
-    steps, env = 8, environment(tmp_path)
+    steps, env = 8, environment()
     config = project(steps)
 
     def command(run_dir, *flags):

@@ -246,7 +246,7 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
 
 @pytest.mark.slow
 def test_a_lora_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_adapters(tmp_path, reward):
-    env = environment(tmp_path)
+    env = environment()
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     flags = ("--lora.rank", str(RANK), "--task.rewards", reward)
     subprocess.run(command(reference, *flags), env=env, check=True, capture_output=True, timeout=600)

@@ -44,7 +44,7 @@ def command(run_dir, *flags):
     ]
 
 
-def environment(tmp_path):
+def environment():
     """The suite's environment (its quick code generation and session compilation cache): the
     runs compared are all started with it, and the later ones load what the first compiled."""
     return dict(os.environ, JAX_PLATFORMS="cpu")
@@ -74,7 +74,7 @@ def stop_after_a_checkpoint(process, run_dir, sig, since=0):
 
 @pytest.mark.slow
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_params_and_metrics(tmp_path):
-    env = environment(tmp_path)
+    env = environment()
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     subprocess.run(command(reference), env=env, check=True, capture_output=True, timeout=600)
 
