@@ -7,7 +7,7 @@
                      [--mesh.fsdp 8] [--distributed | --coordinator-address H:P --num-processes N --process-id I]
     jaxrl-llm eval   --run-dir DIR [--step N] [--num-samples K]
     jaxrl-llm eval   --model HF_DIR [--config NAME_OR_PATH] [--task.name jsonl --task.path data.jsonl ...]
-    jaxrl-llm export --run-dir DIR --out OUT_DIR [--step N] [--adapter]
+    jaxrl-llm export --run-dir DIR --out OUT_DIR [--step N] [--adapter] [--format gguf --type q8_0]
     jaxrl-llm presets | tasks
 
 A run's settings are one :class:`~jaxrl_llm.runs.RunConfig`: the embedded default, or
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import tyro
 
-from jaxrl_llm import algorithms, distributed, host, rewards, training
+from jaxrl_llm import algorithms, distributed, host, models, rewards, training
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
 from jaxrl_llm.training.config import GROUPED_FIELDS
@@ -405,11 +405,22 @@ def evaluate(argv: Sequence[str]) -> int:
 def export(argv: Sequence[str]) -> int:
     parser = _command_parser(
         "export",
-        "Write a run's policy as a Hugging Face directory (weights, config, "
-        "tokenizer, generation config) that transformers loads.",
+        "Write a run's policy as a Hugging Face directory (weights, config, tokenizer, generation config) "
+        "that transformers loads, or as a GGUF file that llama.cpp runs.",
     )
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--out", required=True, help="the directory to write (with --format gguf: the .gguf file)")
+    parser.add_argument(
+        "--format",
+        choices=("hf", "gguf"),
+        default="hf",
+        help="hf: a Hugging Face directory; gguf: one file for llama.cpp, Ollama, LM Studio (default: hf)",
+    )
+    parser.add_argument(
+        "--type",
+        choices=tuple(models.gguf.FILE_TYPES),
+        help="with --format gguf: the matrices' type (norms stay float32; default: f16)",
+    )
     parser.add_argument("--step", type=int, help="the checkpoint (default: the latest)")
     parser.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     parser.add_argument(
@@ -422,8 +433,18 @@ def export(argv: Sequence[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest:
         parser.exit(2, f"{parser.prog}: error: unrecognized arguments: {' '.join(rest)}\n")
+    if args.type is not None and args.format != "gguf":
+        parser.exit(2, f"{parser.prog}: error: --type sets a GGUF file's type; add --format gguf.\n")
     try:
-        step = run.export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite, adapter=args.adapter)
+        step = run.export_run(
+            args.run_dir,
+            args.out,
+            step=args.step,
+            overwrite=args.overwrite,
+            adapter=args.adapter,
+            format=args.format,
+            file_type=args.type or "f16",
+        )
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except OSError as error:  # a full or read-only disk

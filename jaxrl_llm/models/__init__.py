@@ -7,6 +7,10 @@
     models.save_pretrained("path/to/out", model, params)  # weights and config
     # A complete export: also the tokenizer (chat template included) and generation_config.json.
     models.save_pretrained("path/to/out", model, params, tokenizer=tokenizer)
+    # GGUF (llama.cpp's format) in and out: any GGML type read, dequantized; F32 ... Q4_0 written.
+    model, params = models.from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = models.load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")
+    models.save_gguf("policy.gguf", model, params, tokenizer=tokenizer, file_type="q8_0")
     # Execution options for the same params: each layer rematerialised in the backward pass.
     model = models.with_options(model, remat="dots")
     # The layers stacked [L, ...] and run as one scan (or load them so: from_pretrained(..., scan_layers=True)).
@@ -23,7 +27,7 @@ The package exports what a user calls; the library's own helpers stay in their m
 ``models.config.EXECUTION_OPTIONS``, ...).
 """
 
-from jaxrl_llm.models import lora, quantize
+from jaxrl_llm.models import gguf, lora, quantize
 from jaxrl_llm.models.config import LoraConfig, ModelConfig, RopeConfig
 from jaxrl_llm.models.decoder import KVCache
 from jaxrl_llm.models.functional import (
@@ -46,7 +50,8 @@ from jaxrl_llm.models.functional import (
     with_options,
     with_scan_layers,
 )
-from jaxrl_llm.models.hf import from_pretrained, save_pretrained
+from jaxrl_llm.models.gguf import save_gguf
+from jaxrl_llm.models.hf import from_pretrained, read_config, save_pretrained
 from jaxrl_llm.models.tokenizer import load_tokenizer, save_tokenizer
 from jaxrl_llm.sharding import logical_axes  # the names the params carry: the sharding rules' keys
 
@@ -65,6 +70,7 @@ __all__ = [
     "extend",
     "forward",
     "from_pretrained",
+    "gguf",
     "hidden_states",
     "in_compute_dtype",
     "init",
@@ -76,6 +82,8 @@ __all__ = [
     "output_kernel",
     "prefill",
     "quantize",
+    "read_config",
+    "save_gguf",
     "save_pretrained",
     "save_tokenizer",
     "with_options",

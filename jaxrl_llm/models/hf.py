@@ -1,11 +1,13 @@
-"""Hugging Face checkpoints in both directions, through safetensors.
+"""Hugging Face checkpoints in both directions, through safetensors; GGUF files read too.
 
 :func:`from_pretrained` reads ``config.json`` with ``transformers.AutoConfig`` (which also
 upgrades transformers-4 files) and the weights tensor by tensor, from ``model.safetensors``
-or the shards an index lists, straight into a params tree built abstractly: no random
-initialisation and no second full copy in host memory. With ``mesh=``, each tensor goes
-straight into its shards (the sharding rules of :mod:`jaxrl_llm.sharding`): every device
-receives only its own slice, read from the file on its own.
+or the shards an index lists, straight into a params tree built abstractly
+(:func:`jaxrl_llm.models.layout.read_weights`): no random initialisation and no second full
+copy in host memory. Given a GGUF file it reads that instead (:mod:`jaxrl_llm.models.gguf`).
+With ``mesh=``, each tensor goes straight into its shards (the sharding rules of
+:mod:`jaxrl_llm.sharding`): every device receives only its own slice, read from the file
+on its own.
 
 :func:`save_pretrained` writes a directory that ``transformers.AutoModelForCausalLM``
 loads: config and weights and, as an export, the tokenizer (with its chat template, loaded
@@ -15,9 +17,6 @@ complete, so an interrupted save never leaves a half-written checkpoint at the p
 Leftovers of a save whose process died (its staging directory, or the previous checkpoint
 moved aside by the swap) are cleaned up, or the previous checkpoint renamed back, by the
 next save or load of that path on the same machine.
-
-The layouts differ only by transposes and head reshapes: Hugging Face stores a linear
-layer as ``[out, in]``; we store ``[in, out]``, with the head axis split out of q/k/v/o.
 """
 
 from __future__ import annotations
@@ -33,24 +32,20 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+import transformers
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm import sharding as sharding_lib
-from jaxrl_llm.models import quantize
+from jaxrl_llm.models import gguf, layout, quantize
 from jaxrl_llm.models.config import ModelConfig, dtype_from_name
-from jaxrl_llm.models.decoder import input_axes, is_stacked, quantize_kernel, scale_name
-from jaxrl_llm.models.functional import Model, Params, abstract
-
-if TYPE_CHECKING:
-    import transformers
+from jaxrl_llm.models.functional import Model, Params
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -71,115 +66,6 @@ TOKENIZER_FILES = (
 )
 """What a Hugging Face tokenizer may save (transformers 4 and 5, fast and slow): the names a
 save with a tokenizer replaces, so that no file of the previous tokenizer survives beside it."""
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-# Per layout: (our shape -> HF shape, HF array -> ours, ours -> HF array).
-Layout = tuple[
-    Callable[[tuple[int, ...]], tuple[int, ...]],
-    Callable[[np.ndarray, tuple[int, ...]], np.ndarray],
-    Callable[[np.ndarray], np.ndarray],
-]
-_LAYOUTS: dict[str, Layout] = {
-    "same": (lambda s: s, lambda a, s: a, lambda a: a),
-    "transpose": (lambda s: s[::-1], lambda a, s: a.T, lambda a: a.T),
-    # q/k/v kernels: ours [E, H, D], HF [H * D, E]
-    "in_heads": (lambda s: (s[1] * s[2], s[0]), lambda a, s: a.T.reshape(s), lambda a: a.reshape(a.shape[0], -1).T),
-    # o kernel: ours [H, D, E], HF [E, H * D]
-    "out_heads": (lambda s: (s[2], s[0] * s[1]), lambda a, s: a.T.reshape(s), lambda a: a.reshape(-1, a.shape[-1]).T),
-    # q/k/v biases: ours [H, D], HF [H * D]
-    "heads_bias": (lambda s: (s[0] * s[1],), lambda a, s: a.reshape(s), lambda a: a.reshape(-1)),
-}
-_ATTENTION = {
-    "q_proj": ("q_proj.weight", "in_heads"),
-    "k_proj": ("k_proj.weight", "in_heads"),
-    "v_proj": ("v_proj.weight", "in_heads"),
-    "o_proj": ("o_proj.weight", "out_heads"),
-    "q_bias": ("q_proj.bias", "heads_bias"),
-    "k_bias": ("k_proj.bias", "heads_bias"),
-    "v_bias": ("v_proj.bias", "heads_bias"),
-    "o_bias": ("o_proj.bias", "same"),
-    "q_norm": ("q_norm.weight", "same"),
-    "k_norm": ("k_norm.weight", "same"),
-}
-
-_Box = tuple[slice, ...]
-"""One shard's index into our layout: a ``slice(start, stop)`` per dimension."""
-
-
-def _read_box(tensor, layout: str, shape: tuple[int, ...], box: _Box) -> np.ndarray:
-    """``to_ours(tensor)[box]`` reading only the Hugging Face rows/columns the box covers.
-
-    ``tensor`` is a lazy safetensors slice (``safe_open(...).get_slice(name)``) in the HF
-    layout; ``shape`` is our full shape. Heads are contiguous runs of ``D`` rows (or
-    columns) of the fused ``H * D`` axis, so a box over heads reads those runs, and a box
-    over ``head_dim`` slices after the reshape.
-    """
-    sizes = [b.stop - b.start for b in box]
-    match layout:
-        case "same":
-            return tensor[box]
-        case "transpose":  # ours [A, B] <- HF [B, A]
-            return tensor[box[::-1]].T
-        case "in_heads":  # ours [E, H, D] <- HF [H * D, E]
-            e, h, d = box
-            rows = tensor[h.start * shape[2] : h.stop * shape[2], e]  # [h * D, e]
-            return rows.T.reshape(sizes[0], sizes[1], shape[2])[:, :, d]  # [e, h, d]
-        case "out_heads":  # ours [H, D, E] <- HF [E, H * D]
-            h, d, e = box
-            columns = tensor[e, h.start * shape[1] : h.stop * shape[1]]  # [e, h * D]
-            return columns.T.reshape(sizes[0], shape[1], sizes[2])[:, d, :]  # [h, d, e]
-        case "heads_bias":  # ours [H, D] <- HF [H * D]
-            h, d = box
-            return tensor[h.start * shape[1] : h.stop * shape[1]].reshape(sizes[0], shape[1])[:, d]  # [h, d]
-    raise KeyError(f"Unknown layout {layout!r}.")
-
-
-def _sharded(
-    tensors: list, layout: str, shape: tuple[int, ...], dtype, placement: jax.sharding.Sharding, *, stacked: bool
-) -> jax.Array:
-    """The parameter of our ``shape`` placed by ``placement``, each device's shard read from
-    the file on its own (a box several devices share is read once). ``tensors``: the one
-    lazy tensor, or with ``stacked`` the ``L`` per-layer ones of an ``[L, ...]`` leaf."""
-    boxes: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-
-    def shard(index: tuple[slice, ...]) -> np.ndarray:
-        box = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-        key = tuple((b.start, b.stop) for b in box)
-        if key not in boxes:
-            if stacked:
-                layers = range(box[0].start, box[0].stop)
-                read = np.stack([_read_box(tensors[layer], layout, shape[1:], box[1:]) for layer in layers])
-            else:
-                read = _read_box(tensors[0], layout, shape, box)
-            boxes[key] = np.ascontiguousarray(read, dtype=dtype)
-        return boxes[key]
-
-    return jax.make_array_from_callback(shape, placement, shard, dtype=dtype)
-
-
-def per_layer_paths(path: tuple, num_layers: int) -> list[tuple]:
-    """A stacked leaf's path -> its layers' paths (``("layers", "mlp", "up_proj")`` ->
-    ``[("layers", 0, "mlp", "up_proj"), ...]``)."""
-    return [(path[0], layer, *path[1:]) for layer in range(num_layers)]
-
-
-def hf_name(path: tuple[Any, ...]) -> tuple[str, str]:
-    """Our parameter path -> (Hugging Face tensor name, layout)."""
-    match path:
-        case ("embed_tokens",):
-            return "model.embed_tokens.weight", "same"
-        case ("norm",):
-            return "model.norm.weight", "same"
-        case ("lm_head",):
-            return "lm_head.weight", "transpose"
-        case ("layers", layer, "input_layernorm" | "post_attention_layernorm" as norm):
-            return f"model.layers.{layer}.{norm}.weight", "same"
-        case ("layers", layer, "self_attn", name) if name in _ATTENTION:
-            tensor, layout = _ATTENTION[name]
-            return f"model.layers.{layer}.self_attn.{tensor}", layout
-        case ("layers", layer, "mlp", "gate_proj" | "up_proj" | "down_proj" as proj):
-            return f"model.layers.{layer}.mlp.{proj}.weight", "transpose"
-    raise KeyError(f"No Hugging Face name for parameter {'/'.join(map(str, path))}.")
 
 
 def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -200,6 +86,71 @@ def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     return names
 
 
+class _Safetensors(contextlib.AbstractContextManager):
+    """A checkpoint directory's safetensors files as a :class:`~jaxrl_llm.models.layout.TensorSource`,
+    each file opened when first read and closed on exit."""
+
+    def __init__(self, directory: pathlib.Path):
+        self.description = str(directory)
+        self._files = _weight_files(directory)
+        self._open: dict[pathlib.Path, Any] = {}
+
+    def _handle(self, name: str):
+        file = self._files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="numpy").__enter__()
+        return self._open[file]
+
+    def names(self) -> Collection[str]:
+        return self._files.keys()
+
+    def get_slice(self, name: str):
+        return self._handle(name).get_slice(name)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+    def __exit__(self, *exc_info) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+
+
+def read_weights(
+    directory: pathlib.Path,
+    config: ModelConfig,
+    *,
+    extra: tuple[str, ...] = (),
+    mesh: jax.sharding.Mesh | None = None,
+    rules: sharding_lib.Rules | None = None,
+) -> tuple[Model, Params, dict[str, np.ndarray]]:
+    """The decoder of ``config`` read from the safetensors files in ``directory``
+    (:func:`jaxrl_llm.models.layout.read_weights`: ``extra`` tensors returned as stored).
+
+    Raises:
+      FileNotFoundError: no weights in ``directory``.
+      ValueError: a missing, unexpected or misshapen tensor.
+    """
+    with _Safetensors(directory) as source:
+        return layout.read_weights(source, config, extra=extra, mesh=mesh, rules=rules)
+
+
+def read_config(path: str | os.PathLike, *, dtype: Any = jnp.float32, compute_dtype: Any | None = None) -> ModelConfig:
+    """The :class:`~jaxrl_llm.models.ModelConfig` of a checkpoint: a Hugging Face directory's
+    ``config.json`` or a GGUF file's metadata (:func:`jaxrl_llm.models.gguf.read_config`),
+    with ``dtype`` parameters and ``compute_dtype`` activations (default: ``dtype``).
+
+    Raises:
+      FileNotFoundError: neither a GGUF file nor a directory with ``config.json``.
+      ValueError: an unsupported architecture or option.
+    """
+    dtype = dtype_from_name(dtype)
+    compute_dtype = dtype_from_name(compute_dtype or dtype)
+    if (file := gguf.find_file(path)) is not None:
+        return gguf.read_config(file, param_dtype=dtype, dtype=compute_dtype)
+    hf_config = transformers.AutoConfig.from_pretrained(checkpoint_directory(path), local_files_only=True)
+    return ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute_dtype)
+
+
 def from_pretrained(
     path: str | os.PathLike,
     dtype: Any = jnp.float32,
@@ -210,27 +161,34 @@ def from_pretrained(
     quantization: str | None = None,
     scan_layers: bool = False,
 ) -> tuple[Model, Params]:
-    """Loads a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3).
+    """Loads a Hugging Face checkpoint directory or a GGUF file (Llama, Mistral, Qwen2, Qwen3).
 
-    Leftovers of a save to ``path`` that died on this machine are cleaned up first, as
-    :func:`save_pretrained` describes; a checkpoint moved aside by a save that died
-    mid-swap is renamed back to ``path``.
+    A Hugging Face directory: leftovers of a save to ``path`` that died on this machine are
+    cleaned up first, as :func:`save_pretrained` describes; a checkpoint moved aside by a
+    save that died mid-swap is renamed back to ``path``.
+
+    A GGUF file (llama.cpp's format; :mod:`jaxrl_llm.models.gguf`), or a directory holding
+    one and no ``config.json``: the config comes from its metadata and each tensor is
+    dequantized to float32 (any GGML type, Q4_1 to K- and I-quants) before it is cast to
+    ``dtype``; the tokenizer is :func:`jaxrl_llm.models.load_tokenizer` of the same path.
 
     With ``mesh``, every parameter is created already sharded, with
     ``sharding.param_shardings(params, mesh, rules)``: each device's shard is read from
-    the safetensors file on its own (``jax.make_array_from_callback``), so no device ever
-    holds a whole tensor that the rules split, and the host holds at most one tensor's
-    shards at a time. The values equal those of the load without a mesh, bit for bit.
+    the file on its own (``jax.make_array_from_callback``), so no device ever holds a whole
+    tensor that the rules split, and the host holds at most one tensor's shards at a time.
+    The values equal those of the load without a mesh, bit for bit.
 
     .. code-block:: python
 
         mesh = sharding.make_mesh(fsdp=4, tensor=2)
         model, params = models.from_pretrained(path, jnp.bfloat16, mesh=mesh)  # FSDP + tensor
+        model, params = models.from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")  # dequantized
 
     Args:
       path: a directory with ``config.json`` and the weights: ``model.safetensors``, or
         ``model.safetensors.index.json`` and the files it lists, else every ``*.safetensors``
-        file there. Symlinks are resolved.
+        file there; or a ``.gguf`` file, or a directory holding one ``.gguf`` file and no
+        ``config.json``. Symlinks are resolved.
       dtype: the parameters' dtype (``jnp.float32``, ``jnp.bfloat16``, or its name).
       compute_dtype: the activations' dtype; defaults to ``dtype``.
       mesh: place the parameters on this mesh (:func:`jaxrl_llm.sharding.make_mesh`);
@@ -241,7 +199,8 @@ def from_pretrained(
       quantization: ``"int8"``: each projection quantized as it is read, from its values
         in ``dtype`` (:mod:`jaxrl_llm.models.quantize`; equal to ``quantize.quantize`` of the
         load without it, bit for bit), so no device holds more than one unquantized
-        projection at a time: a frozen base for LoRA at a byte per projection weight.
+        projection at a time: a frozen base for LoRA at a byte per projection weight (from a
+        GGUF file: its dequantized values, requantized with a scale per output channel).
       scan_layers: read the layers into the stacked layout (``ModelConfig.scan_layers``),
         each ``[L, ...]`` leaf from its ``L`` per-layer tensors; else one subtree per layer.
 
@@ -258,14 +217,12 @@ def from_pretrained(
         raise ValueError(
             "from_pretrained: `rules` place the parameters on a mesh; pass `mesh=` too (sharding.make_mesh(...))."
         )
-    directory = checkpoint_directory(path)
-    import transformers
-
-    hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    dtype = dtype_from_name(dtype)
-    config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype_from_name(compute_dtype or dtype))
+    config = read_config(path, dtype=dtype, compute_dtype=compute_dtype)
     config = dataclasses.replace(config, quantization=quantization, scan_layers=scan_layers)
-    model, params, _ = read_weights(directory, config, mesh=mesh, rules=rules)
+    if (file := gguf.find_file(path)) is not None:
+        model, params, _ = layout.read_weights(gguf.GgufTensors(file, config), config, mesh=mesh, rules=rules)
+    else:
+        model, params, _ = read_weights(checkpoint_directory(path), config, mesh=mesh, rules=rules)
     return model, params
 
 
@@ -282,129 +239,6 @@ def checkpoint_directory(path: str | os.PathLike) -> pathlib.Path:
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"No config.json in {directory}.")
     return directory
-
-
-def read_weights(
-    directory: pathlib.Path,
-    config: ModelConfig,
-    *,
-    extra: tuple[str, ...] = (),
-    mesh: jax.sharding.Mesh | None = None,
-    rules: sharding_lib.Rules | None = None,
-) -> tuple[Model, Params, dict[str, np.ndarray]]:
-    """The decoder of ``config`` read from the safetensors files in ``directory``.
-
-    Tensors are read one at a time into an abstract params tree (no random init). The
-    ``extra`` tensors (e.g. a sequence-classification head, ``score.weight``) are returned
-    as stored, in the Hugging Face layout, instead of counting as unexpected. With
-    ``mesh``, each parameter is built shard by shard on it, placed by ``rules`` (default
-    ``sharding.RULES["fsdp_tensor"]``; see :func:`from_pretrained`).
-
-    Returns:
-      ``(model, params, {name: array})`` for the ``extra`` names.
-
-    Raises:
-      FileNotFoundError: no weights in ``directory``.
-      ValueError: a missing tensor (``extra`` included), a tensor the config does not use,
-        or a tensor whose shape does not match the config (names both shapes).
-    """
-    dtype = config.param_dtype
-    files = _weight_files(directory)
-    model, shapes = abstract(config)
-    if missing := [name for name in extra if name not in files]:
-        raise ValueError(f"Checkpoint {directory} is missing tensor(s) {', '.join(map(repr, missing))}.")
-
-    placements = {}  # parameter path -> its NamedSharding on the mesh
-    if mesh is not None:
-        rules = sharding_lib.RULES["fsdp_tensor"] if rules is None else rules
-        placements = {
-            path: where.get_value() if isinstance(where, nnx.Variable) else where
-            for path, where in nnx.to_flat_state(sharding_lib.param_shardings(shapes, mesh, rules))
-        }
-
-    loaded, used = [], set(extra)
-    extras: dict[str, np.ndarray] = {}
-    open_files: dict[pathlib.Path, Any] = {}
-
-    def opened(name: str):
-        file = files[name]
-        if file not in open_files:
-            open_files[file] = safe_open(file, framework="numpy").__enter__()
-        return open_files[file]
-
-    scales = {}  # int8 kernels' paths -> their scale's abstract leaf, filled with the kernel
-    if config.quantization is not None:
-        flat_shapes = dict(nnx.to_flat_state(shapes))
-        scales = {
-            quantize.kernel_of(path): flat_shapes.pop(path) for path in list(flat_shapes) if quantize.is_scale(path)
-        }
-        shapes = nnx.from_flat_state(flat_shapes)
-    try:
-        for path_, variable in nnx.to_flat_state(shapes):
-            stacked = is_stacked(path_)
-            shape = tuple(variable.get_value().shape)
-            layer_shape = shape[1:] if stacked else shape
-            # A stacked leaf [L, ...] is read from its L per-layer tensors.
-            names = [hf_name(p) for p in (per_layer_paths(path_, shape[0]) if stacked else [path_])]
-            layout = names[0][1]
-            to_hf_shape, to_ours, _ = _LAYOUTS[layout]
-            expected = to_hf_shape(layer_shape)
-            tensors = []
-            for name, _ in names:
-                if name not in files:
-                    raise ValueError(f"Checkpoint {directory} is missing tensor {name!r} (shape {list(expected)}).")
-                tensor = opened(name).get_slice(name)  # lazy: nothing read yet
-                if tuple(tensor.get_shape()) != expected:
-                    raise ValueError(
-                        f"Tensor {name!r} has shape {list(tensor.get_shape())} in the checkpoint, but the config "
-                        f"implies {list(expected)}."
-                    )
-                tensors.append(tensor)
-                used.add(name)
-            scale = scales.get(path_)  # an int8 kernel: read in `dtype` (as unquantized), then quantized
-            if mesh is None:
-                arrays = [to_ours(opened(name).get_tensor(name), layer_shape) for name, _ in names]
-                value = jnp.asarray(np.stack(arrays) if stacked else arrays[0], dtype=dtype)
-            else:
-                value = _sharded(tensors, layout, shape, dtype, placements[path_], stacked=stacked)
-            if scale is not None:
-                value, scale_value = quantize_kernel(value, inputs=input_axes(path_[-1]), stacked=stacked)
-                scale_path = path_[:-1] + (scale_name(path_[-1]),)
-                if mesh is not None:
-                    value = jax.device_put(value, placements[path_])
-                    scale_value = jax.device_put(scale_value, placements[scale_path])
-                loaded.append((scale_path, scale.replace(scale_value)))
-            loaded.append((path_, variable.replace(value)))
-        extras = {name: opened(name).get_tensor(name) for name in extra}
-    finally:
-        for handle in open_files.values():
-            handle.__exit__(None, None, None)
-
-    unexpected = sorted(
-        n
-        for n in files
-        if n not in used
-        and not n.endswith(_IGNORED_SUFFIXES)
-        and not (config.tie_word_embeddings and n == "lm_head.weight")
-    )
-    if unexpected:
-        shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
-        raise ValueError(
-            f"Checkpoint {directory} has {len(unexpected)} tensor(s) the {config.architecture} config does not "
-            f"use: {shown}."
-        )
-    return model, nnx.from_flat_state(loaded), extras
-
-
-def hf_tensors(model: Model, params: Params) -> Iterator[tuple[str, np.ndarray]]:
-    """``(name, array)`` pairs in the Hugging Face layout, one parameter at a time."""
-    for path_, leaf in nnx.to_flat_state(params):
-        # A State entry is a Param, or a bare array where a user assigned one (params["x"] = ...).
-        value = np.asarray(jax.device_get(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf))
-        stacked = is_stacked(path_)
-        for layer, layer_path in enumerate(per_layer_paths(path_, value.shape[0]) if stacked else [path_]):
-            name, layout = hf_name(layer_path)
-            yield name, np.ascontiguousarray(_LAYOUTS[layout][2](value[layer] if stacked else value))
 
 
 def save_pretrained(
@@ -525,7 +359,7 @@ def save_pretrained(
             _check_tokenizer_reloads(tokenizer, staging, model_type=model.config.architecture)
         shards: list[dict[str, np.ndarray]] = [{}]
         sizes = [0]
-        for name, array in hf_tensors(model, params):
+        for name, array in layout.hf_tensors(model, params):
             if shards[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
                 shards.append({})
                 sizes.append(0)
@@ -584,8 +418,6 @@ def _generation_config(
       ValueError: transformers' strict validation fails (e.g. ``temperature`` without
         ``do_sample=True``), or a token id lies outside ``[0, config.vocab_size)``.
     """
-    import transformers
-
     if generation_config is None:
         generation = transformers.GenerationConfig()
     elif isinstance(generation_config, transformers.GenerationConfig):
@@ -653,8 +485,6 @@ def _check_tokenizer_reloads(
     classes rebuild the pipeline instead of reading ``tokenizer.json`` (transformers 5 loads
     every ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer``, with Qwen's pre-tokenizer).
     """
-    import transformers
-
     reloaded = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     ids = sorted(tokenizer.get_vocab().values())
     vocabulary = tokenizer.decode(ids[:: max(1, len(ids) // 256)], skip_special_tokens=True)

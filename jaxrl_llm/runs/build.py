@@ -36,32 +36,37 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def check_model_path(spec: ModelSpec) -> None:
-    """Raises FileNotFoundError, before any compute, if ``spec.path`` is not a model directory."""
+    """Raises FileNotFoundError (or ValueError, for a directory of several GGUF files), before
+    any compute, if ``spec.path`` is neither a model directory nor a GGUF file."""
     if spec.path is None:
+        return
+    try:
+        gguf_file = models.gguf.find_file(spec.path)
+    except (FileNotFoundError, ValueError) as error:
+        raise type(error)(f"model.path: {error}") from None
+    if gguf_file is not None:
         return
     if not os.path.isdir(spec.path):
         raise FileNotFoundError(
-            f"model.path {spec.path!r} is not a directory (a Hugging Face model directory "
+            f"model.path {spec.path!r} is neither a GGUF file nor a directory (a Hugging Face model directory "
             "with config.json, safetensors weights and a tokenizer)."
         )
     if not os.path.isfile(os.path.join(spec.path, "config.json")):
-        raise FileNotFoundError(f"model.path {spec.path!r} has no config.json: not a Hugging Face model directory.")
+        raise FileNotFoundError(
+            f"model.path {spec.path!r} has no config.json and no .gguf file: not a Hugging Face model directory."
+        )
 
 
 def check_positions(config: RunConfig) -> None:
     """Raises ValueError, before any compute, if ``train.sampling.max_new_tokens`` leave no room for
-    a prompt in a model directory's ``max_position_embeddings`` (the sampler checks each
-    batch's prompt width; the built-in model's limit is checked by the config)."""
+    a prompt in a checkpoint's ``max_position_embeddings`` (the sampler checks each batch's
+    prompt width; the built-in model's limit is checked by the config)."""
     if config.model.path is None:
         return
     check_model_path(config.model)
-    limit = getattr(
-        transformers.AutoConfig.from_pretrained(config.model.path, local_files_only=True),
-        "max_position_embeddings",
-        None,
-    )
+    limit = models.read_config(config.model.path).max_position_embeddings
     budget = config.train.sampling.max_new_tokens
-    if limit is not None and budget >= limit:
+    if budget >= limit:
         raise ValueError(
             f"train.sampling.max_new_tokens ({budget}) leaves no room for a prompt in the model in "
             f"{config.model.path!r} (max_position_embeddings = {limit}); lower it."
@@ -69,9 +74,9 @@ def check_positions(config: RunConfig) -> None:
 
 
 def tokenizer(spec: ModelSpec, *, tool_calling: bool = False) -> transformers.PreTrainedTokenizerBase:
-    """The model directory's tokenizer, or the built-in character tokenizer with its chat
-    template: with ``tool_calling`` (a task with tools or an environment), the character
-    tokenizer's tool-calling one (:func:`jaxrl_llm.tasks.build_chat_tokenizer`)."""
+    """The model directory's or GGUF file's tokenizer, or the built-in character tokenizer with
+    its chat template: with ``tool_calling`` (a task with tools or an environment), the
+    character tokenizer's tool-calling one (:func:`jaxrl_llm.tasks.build_chat_tokenizer`)."""
     if spec.path is None:
         if tool_calling:
             return tasks.build_chat_tokenizer(BUILTIN_ALPHABET)
@@ -79,7 +84,7 @@ def tokenizer(spec: ModelSpec, *, tool_calling: bool = False) -> transformers.Pr
         built.chat_template = BUILTIN_CHAT_TEMPLATE
         return built
     check_model_path(spec)
-    return transformers.AutoTokenizer.from_pretrained(spec.path)
+    return models.load_tokenizer(spec.path)
 
 
 def model_config(spec: ModelSpec, task: tasks.Task, max_positions: int) -> models.ModelConfig:
@@ -126,8 +131,7 @@ def model(
         check_model_path(spec)
         dtype, compute = _DTYPES[spec.param_dtype], _DTYPES[spec.dtype or spec.param_dtype]
         if abstract:
-            hf_config = transformers.AutoConfig.from_pretrained(spec.path, local_files_only=True)
-            built = models.ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=compute)
+            built = models.read_config(spec.path, dtype=dtype, compute_dtype=compute)
             model_, params = models.abstract(dataclasses.replace(built, **layout))
         else:
             model_, params = models.from_pretrained(
@@ -266,14 +270,17 @@ def task(
     spec: TaskSpec, tokenizer_: transformers.PreTrainedTokenizerBase, *, checkpoint: str | None = None
 ) -> tasks.Task:
     """The task a :class:`TaskSpec` names, over ``tokenizer_`` (stop ids also from
-    ``checkpoint``'s ``generation_config.json``)."""
+    ``checkpoint``: a model directory's ``generation_config.json``, a GGUF file's EOS and
+    end-of-turn ids)."""
     reward_fns = [reward_function(name) for name in spec.rewards] or None
     common: dict[str, Any] = dict(tokenizer=tokenizer_)
     if spec.reward_weights is not None:
         common["reward_weights"] = spec.reward_weights
-    text: dict[str, Any] = dict(
-        common, system_prompt=spec.system_prompt, stop_strings=spec.stop_strings, checkpoint=checkpoint
-    )
+    stops: dict[str, Any] = dict(checkpoint=checkpoint)
+    if checkpoint is not None and models.gguf.find_file(checkpoint) is not None:
+        ids = [tokenizer_.eos_token_id, *models.read_config(checkpoint).eos_token_ids]
+        stops = dict(eos_ids=tuple(dict.fromkeys(i for i in ids if i is not None)))
+    text: dict[str, Any] = dict(common, system_prompt=spec.system_prompt, stop_strings=spec.stop_strings, **stops)
     if spec.name == "calculator":
         if reward_fns is not None:
             raise ValueError(
