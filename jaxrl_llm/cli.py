@@ -305,9 +305,11 @@ def user_traceback(error: BaseException | None) -> list[str]:
 
 @contextlib.contextmanager
 def _storage_noise_muted():
-    """While a run writes its files: the errors orbax's writer threads log for a file
-    system that is full or read-only are dropped (the run reports the failure itself, in
-    one line), and so, from then on, are Python's "Exception ignored" reports of them at exit."""
+    """While a run writes its files: the warnings of orbax and the other libraries that log
+    through absl (``Waiting for previous save to complete took 17.56 seconds``) are dropped,
+    their errors kept; the errors orbax's writer threads log for a file system that is full
+    or read-only are dropped too (the run reports the failure itself, in one line), and so,
+    from then on, are Python's "Exception ignored" reports of them at exit."""
 
     def noise(record: logging.LogRecord) -> bool:
         text = record.getMessage() + ("".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
@@ -320,6 +322,8 @@ def _storage_noise_muted():
         _UNRAISABLE_HOOK = sys.unraisablehook
         sys.unraisablehook = _unraisable
     loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    absl_level = loggers[0].level
+    loggers[0].setLevel(max(absl_level, logging.ERROR))
     for logger in loggers:
         logger.addFilter(noise)
     try:
@@ -327,6 +331,7 @@ def _storage_noise_muted():
     finally:
         for logger in loggers:
             logger.removeFilter(noise)
+        loggers[0].setLevel(absl_level)
 
 
 _UNRAISABLE_HOOK = None

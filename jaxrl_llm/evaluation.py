@@ -28,6 +28,7 @@ the probability that ``k`` of them drawn without replacement hold a solved one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,6 +117,25 @@ def pass_at_k(num_samples: int | np.ndarray, num_correct: int | np.ndarray, k: i
     factors = np.where(in_product, 1.0 - k / i, 1.0)  # [U, I]
     estimate = (1.0 - np.prod(factors, axis=1))[inverse.reshape(-1)].reshape(n.shape)  # [...]
     return float(estimate) if estimate.ndim == 0 else estimate
+
+
+def wilson_interval(successes: float, trials: float, *, z: float = 1.959964) -> tuple[float, float]:
+    r"""The Wilson score interval of a success probability (95% for the default ``z``): with
+    :math:`\hat p = s / n`,
+
+    .. math::
+        \frac{\hat p + \frac{z^2}{2n} \pm z \sqrt{\frac{\hat p (1 - \hat p)}{n} + \frac{z^2}{4n^2}}}
+             {1 + \frac{z^2}{n}}
+
+    (Wilson 1927), which stays inside ``[0, 1]`` and holds its coverage at small ``n`` and
+    at accuracies near 0 or 1, where the normal approximation does not."""
+    if trials <= 0:
+        raise ValueError(f"wilson_interval: `trials` must be > 0; got {trials}.")
+    p = successes / trials
+    center = p + z * z / (2 * trials)
+    spread = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    scale = 1 + z * z / trials
+    return max(0.0, (center - spread) / scale), min(1.0, (center + spread) / scale)
 
 
 def pass_at_k_values(num_samples: int) -> tuple[int, ...]:

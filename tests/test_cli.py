@@ -114,8 +114,8 @@ def test_conventions_give_the_method_a_peers_numerics_and_explicit_fields_win(tm
     assert exit_info.value.code == 2
 
 
-def test_the_default_config_file_is_the_embedded_default_and_every_named_config_loads():
-    assert run_config.load("default") == runs.RunConfig()
+def test_the_toy_config_file_is_run_config_default_and_every_named_config_loads():
+    assert run_config.load("toy") == runs.RunConfig()
     for path in run_config.CONFIG_DIRECTORY.glob("*.toml"):
         run_config.load(path)
     tiny = run_config.load("tiny")
@@ -175,7 +175,8 @@ def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_
         (["--train.num-prompts", "0"], "num_prompts"),
         (["--method", "grpo++"], "Unknown algorithm 'grpo++'; known: pg, "),
         (["--config", "no-such-config"], "no config named 'no-such-config'"),
-        (["--model.path", "/no/such/model"], "is not a directory"),
+        (["--model.path", "/no/such/model"], "is neither a GGUF file nor a directory"),
+        (["--model.path", "/no/such/model.gguf"], "model.path: No GGUF file at /no/such/model.gguf"),
         (["--task.name", "jsonl"], "set task.path"),
         (["--task.rewards", "exact_matc"], "unknown reward 'exact_matc'; the built-in ones are exact_match"),
         (["--train.max-new-tokens", "100000"], "= 100512 positions, more than the built-in model takes"),
@@ -338,7 +339,7 @@ def test_eval_of_an_exported_model_directory_matches_the_runs_evaluation(finishe
     }
     with pytest.raises(SystemExit) as exit_:
         cli.main(["eval", "--model", str(tmp_path / "missing")])
-    assert exit_.value.code == 2 and "is not a directory" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "is neither a GGUF file nor a directory" in capsys.readouterr().err
 
 
 @pytest.mark.slow

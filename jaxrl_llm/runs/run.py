@@ -51,6 +51,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -391,7 +392,7 @@ def train_run(
     resume: bool = False,
     overwrite: bool = False,
     progress: bool | None = None,
-    stream=sys.stdout,
+    stream: Any = "stdout",
 ) -> RunResult:
     """Runs ``config`` in ``run_dir``, or continues the run there from its latest checkpoint.
 
@@ -409,9 +410,12 @@ def train_run(
       resume: require a run to continue in ``run_dir``.
       overwrite: replace the run in ``run_dir`` (only a run directory's own entries are
         deleted; see :func:`check_run_directory`).
-      progress: the progress bar (``None``: only on a terminal).
-      stream: where messages and the summary go (``None``: nowhere).
+      progress: the progress bar on standard error (``None``: when that is a terminal,
+        else a line every few steps on ``stream``; ``False``: neither).
+      stream: where messages, progress lines and the summary go: a text stream, ``None``
+        (nowhere) or ``"stdout"``, ``sys.stdout`` at the time of the call.
     """
+    stream = sys.stdout if stream == "stdout" else stream
     with contextlib.ExitStack() as lock:
         refused = None
         if distributed.is_main_process():  # process 0 holds the directory for the run
@@ -456,8 +460,13 @@ def _train_run(
         )
         return RunResult(run_dir, config, None, [], warm, summary)
     policy = policy_of(config, model, params, state)
-    recorder = _recorder(config, run_dir, start, *policy, task, mesh, main=main, progress=progress)
-    steps = _RunSteps(config, recorder, checkpointer)
+    recorder = _recorder(config, run_dir, start, *policy, task, mesh, main=main, progress=progress, stream=stream)
+
+    def evaluated(state: training.TrainState) -> dict[str, float]:
+        with called_in(f"the held-out evaluation after train step {int(state.step) - 1}"):
+            return evaluate_model(*policy_of(config, model, params, state), task, config, mesh=mesh)
+
+    steps = _RunSteps(config, recorder, checkpointer, evaluate=evaluated)
     try:
         state, history = training.train(
             model,
@@ -587,6 +596,7 @@ def _warm_started(
         "seconds": time.perf_counter() - started,
     }
     if config.train.eval_every:
+        _print(f"Evaluating on the {task.split_size('test')} held-out prompts (greedy)...", stream)
         with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
             warm.update(evaluate_model(model, params, task, config, mesh=mesh))
     if config.lora.build() is not None:
@@ -595,7 +605,8 @@ def _warm_started(
         _write_json(run_dir / WARM_START_FILE, warm)
     if "eval_greedy_accuracy" in warm:
         before = f"After the warm start ({warm['steps']} steps)" if warm["steps"] else "Before training"
-        _print(f"{before}: held-out greedy accuracy {warm['eval_greedy_accuracy']:.2f}.", stream)
+        accuracy = records.accuracy_with_interval(warm["eval_greedy_accuracy"], warm["eval_examples"])
+        _print(f"{before}: held-out greedy accuracy {accuracy} in {warm['eval_seconds']:.0f} s.", stream)
     return model, params, warm
 
 
@@ -692,8 +703,12 @@ def _recorder(
     *,
     main: bool,
     progress: bool | None,
+    stream=None,
 ):
-    """The run's records from step ``start`` on (process 0's; the others write nothing).
+    """The run's records from step ``start`` on (process 0's; the others write nothing),
+    with a progress bar on standard error when ``progress``, or by default when standard
+    error is a terminal; otherwise, unless ``progress`` is False, a line every few steps
+    on ``stream`` (:func:`~jaxrl_llm.runs.records.step_line`).
 
     Ctrl-C during the evaluation of step ``start - 1`` left its record without it; the
     checkpoint holds the params it evaluates, so it is run now, as it would have been."""
@@ -702,15 +717,17 @@ def _recorder(
         unevaluated.update(evaluate_model(model, params, task, config, mesh=mesh))
     if not main:
         return _NoRecords()
+    bar = records.is_terminal(sys.stderr) if progress is None else progress
     recorder = records.RunRecorder(
         run_dir,
         total_steps=config.steps,
         start_step=start - (unevaluated is not None),
         tensorboard=config.tensorboard,
         plot_every=config.plot_every,
-        progress=progress,
+        progress=bar,
         wandb_project=config.wandb_project,
         wandb_config=to_dict(config),
+        step_lines=stream if progress is None and not bar else None,
     )
     if unevaluated is not None:
         recorder.log(start - 1, unevaluated)
@@ -719,10 +736,18 @@ def _recorder(
 
 class _RunSteps:
     """What :func:`train_run` does at the end of each step (records, samples, checkpoints
-    every ``save_every`` steps and at the last) and when the run stops early."""
+    every ``save_every`` steps and at the last, the held-out evaluation of the last step
+    when ``train.eval_every`` did not fall on it) and when the run stops early."""
 
-    def __init__(self, config: RunConfig, recorder, checkpointer: training.Checkpointer):
-        self.config, self.recorder, self.checkpointer = config, recorder, checkpointer
+    def __init__(
+        self,
+        config: RunConfig,
+        recorder,
+        checkpointer: training.Checkpointer,
+        *,
+        evaluate: Callable[[training.TrainState], dict[str, float]],
+    ):
+        self.config, self.recorder, self.checkpointer, self.evaluate = config, recorder, checkpointer, evaluate
 
     def save(self, state: training.TrainState, metrics: dict[str, float] | None = None) -> None:
         """A checkpoint of ``state``, unless it is step 0 or saved already (also by a save Ctrl-C interrupted)."""
@@ -734,13 +759,15 @@ class _RunSteps:
     def on_step(self, end: training.StepEnd) -> None:
         """``training.train``'s callback."""
         config = self.config
+        done = end.step + 1
+        if done == config.steps and config.train.eval_every and "eval_greedy_accuracy" not in end.metrics:
+            end.metrics.update(self.evaluate(end.state))  # the run's last step is always evaluated
         self.recorder.log(end.step, end.metrics)
         if config.samples_prompts and (end.step + 1) % config.samples_every == 0:
             self.recorder.log_samples(
                 end.step,
                 records.sample_rows(end.collected.first_round, step=end.step, max_prompts=config.samples_prompts),
             )
-        done = end.step + 1
         if done % config.save_every == 0 or done == config.steps:
             self.save(end.state, end.metrics)
 
@@ -863,10 +890,19 @@ def _summary(run_dir: pathlib.Path, warm: dict[str, Any], wall_seconds: float) -
             f"Held-out greedy accuracy: {warm['eval_greedy_accuracy']:.2f} "
             f"{'after the warm start' if warm.get('steps') else 'before training'} -> "
             f"{last['eval_greedy_accuracy']:.2f} at step {last['step'] + 1} "
-            f"({100 * (last['eval_greedy_accuracy'] - warm['eval_greedy_accuracy']):+.0f} points)."
+            f"({100 * (last['eval_greedy_accuracy'] - warm['eval_greedy_accuracy']):+.0f} points); 95% intervals "
+            f"{_interval(warm)} -> {_interval(last)}."
         )
     lines.append(f"Plots: {run_dir / records.PLOT_FILE}; TensorBoard: tensorboard --logdir {run_dir}")
     return "\n".join(lines)
+
+
+def _interval(evaluated: dict[str, Any]) -> str:
+    """The Wilson 95% interval of an evaluation's greedy accuracy, ``"0.59-0.72"``."""
+    low, high = evaluation.wilson_interval(
+        evaluated["eval_greedy_accuracy"] * evaluated["eval_examples"], evaluated["eval_examples"]
+    )
+    return f"{low:.2f}-{high:.2f}"
 
 
 # ----------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_a_run_directory_holding_other_files_is_not_replaced_and_a_clean_one_is(
 
 
 def test_a_start_that_completed_no_step_is_not_a_run_yet(tmp_path):
-    other = runs.load("default")
+    other = runs.load("toy")
     started = _fake_run(tmp_path / "started", steps=False)
     assert not run.has_completed_step(started)
     assert run.check_run_directory(other, started) is None  # a new run takes its place

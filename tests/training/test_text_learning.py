@@ -1,4 +1,4 @@
-"""The embedded default run (``make run``) raises held-out accuracy by at least 20 points.
+"""The built-in toy run (``--config toy``, ``RunConfig()``) raises held-out accuracy by at least 20 points.
 
 The whole text pipeline, end to end, as ``jaxrl-llm train`` runs it (``runs.train_run``
 on ``RunConfig()``): the built-in character tokenizer with its chat template, the
@@ -15,9 +15,9 @@ preferring ``a + b`` to ``a + b + 1``, carries over to expressions it never trai
 
 Held-out greedy accuracy after the warm start -> after 40 GRPO steps: seed 0 0.35 -> 0.80,
 seed 1 0.10 -> 0.70, seed 2 0.55 -> 0.85. The test runs seed 0 and asks for the 20 points
-the README promises.
+docs/runs.md promises.
 
-With LoRA (``experiments/configs/lora.toml``: rank-8 adapters on every linear layer over the
+With LoRA (``experiments/configs/toy-lora.toml``: rank-8 adapters on every linear layer over the
 warm-started base, learning rate 2e-3): seed 0 0.35 -> 0.95, seed 1 0.10 -> 0.95, seed 2
 0.55 -> 0.95. The test asks the same 20 points of seed 0, with the base left bitwise as the
 warm start made it.
@@ -34,7 +34,7 @@ MARGIN = 0.2  # greedy accuracy gained on the 20 held-out expressions: 4 of them
 
 
 @pytest.mark.slow
-def test_the_default_run_raises_the_held_out_accuracy_of_its_warm_start_by_20_points(tmp_path):
+def test_the_toy_run_raises_the_held_out_accuracy_of_its_warm_start_by_20_points(tmp_path):
     config = runs.RunConfig()
     result = runs.train_run(config, tmp_path / "run", progress=False, stream=None)
     metrics = runs.read_metrics(tmp_path / "run")
@@ -63,8 +63,8 @@ def test_the_default_run_raises_the_held_out_accuracy_of_its_warm_start_by_20_po
 
 
 @pytest.mark.slow
-def test_the_default_run_with_lora_raises_the_held_out_accuracy_by_20_points_over_a_frozen_base(tmp_path):
-    config = runs.load("lora")
+def test_the_toy_run_with_lora_raises_the_held_out_accuracy_by_20_points_over_a_frozen_base(tmp_path):
+    config = runs.load("toy-lora")
     assert config.lora.build() is not None and config.warm_start == runs.RunConfig().warm_start
     result = runs.train_run(config, tmp_path / "run", progress=False, stream=None)
     evaluations = [row for row in runs.read_metrics(tmp_path / "run") if row.get("eval_greedy_accuracy") is not None]
