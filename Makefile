@@ -56,7 +56,7 @@ run: $(INSTALLED) $(MODEL)
 # Lint and format check (ruff, configured in pyproject.toml), then the suite (its real-model
 # parity test reads $(MODEL)).
 test: $(INSTALLED) $(MODEL) lint
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
@@ -88,6 +88,17 @@ bench-trl: $(TRL_VENV)/.installed
 # Tunix's GRPOLearner (JAX, CPU).
 bench-tunix: $(TUNIX_VENV)/.installed
 	$(TUNIX_VENV)/bin/python benchmarks/tunix_grpo_step.py
+
+# Learning matched against TRL on the real model: jaxrl_llm and TRL's GRPOTrainer train SmolLM2 on the
+# same task, three seeds each (about two and a half hours on 2 cores): benchmarks/results/real_model.*.
+bench-real-model: $(INSTALLED) $(MODEL) $(TRL_VENV)/.installed
+	$(BIN)/python benchmarks/real_model.py $(BENCH_FLAGS)
+
+# llama.cpp (node-llama-cpp's prebuilt CPU binaries, from the npm registry; needs Node.js and npm) runs the
+# GGUF files jaxrl_llm writes, with jaxrl_llm's tokenization and greedy answers: not part of `make test`.
+check-llama-cpp: $(INSTALLED) $(MODEL)
+	cd benchmarks/llama_cpp && npm ci --no-audit --no-fund --loglevel=error
+	$(BIN)/python benchmarks/llama_cpp_check.py
 
 # The wheels a GPU machine without network needs for benchmarks/gpu_side_by_side.py's TRL stage
 # (benchmarks/trl/gpu-wheels.txt), for its Python 3.12 on x86-64 Linux, into .whl/ (one version of

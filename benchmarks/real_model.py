@@ -10,7 +10,8 @@ evaluated by the same code, ``jaxrl-llm eval``: greedy accuracy on the task's 20
 with its Wilson 95% interval. The prompts TRL trains on are the first ``steps x 8 x 4`` of the
 task's train stream (``task.examples("train", ...)``), the stream jaxrl_llm draws from; each
 library shuffles and samples them with its own seed. Processes run one after another, never
-two at once; each library's wall time is its training process's, start to exit (loading the
+two at once; ``--resume`` keeps the runs an earlier invocation finished (the JSON is written after
+each) and runs the rest. Each library's wall time is its training process's, start to exit (loading the
 model included), and its peak RSS that process's (``wait4``). This process imports no JAX.
 
 Outputs (in ``--out``, default ``benchmarks/results``): ``real_model.md`` (the table),
@@ -134,7 +135,7 @@ def _rows(before: float) -> list[tuple[str, object]]:
         ("step time, median of steps 2 on (s)", step_times),
         ("first step (s)", lambda seeds: f"{statistics.fmean(s['steps'][0]['seconds'] for s in seeds):.1f}"),
         ("training process, wall (s)", lambda seeds: spread([s["wall_seconds"] for s in seeds], digits=0)),
-        ("peak RSS (GB)", lambda seeds: f"{max(s['peak_rss_gb'] for s in seeds):.2f}"),
+        ("peak RSS (GiB)", lambda seeds: f"{max(s['peak_rss_gb'] for s in seeds):.2f}"),
     ]
 
 
@@ -202,6 +203,20 @@ def report(results: dict, out: pathlib.Path) -> None:
     print(table(results))
 
 
+def resumed(done: dict, fresh: dict) -> dict:
+    """``fresh`` with the finished runs of ``done``, an earlier invocation's JSON. SystemExit when
+    the two differ in steps, machine or libraries, or when the seeds ``done`` ran do not begin
+    ``fresh``'s."""
+    for key in ("steps", "machine", "libraries"):
+        if done[key] != fresh[key]:
+            raise SystemExit(f"--resume: the earlier runs had {key} {done[key]!r}, these {fresh[key]!r}")
+    for name, finished in done["runs"].items():
+        if done["seeds"][: len(finished)] != fresh["seeds"][: len(finished)]:
+            raise SystemExit(f"--resume: {name} ran seeds {done['seeds'][: len(finished)]}, not a prefix of --seeds")
+    runs = {name: list(finished) for name, finished in done["runs"].items()}
+    return {**fresh, "date": done["date"], "before": done["before"], "runs": runs}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -210,6 +225,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     parser.add_argument("--work", type=pathlib.Path, help="where runs and logs go (default: a temporary directory)")
     parser.add_argument("--report", type=pathlib.Path, help="redraw the table and plot of this JSON; run nothing")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the runs --out's real_model.json holds; run the rest"
+    )
     parser.add_argument("--write-data", type=pathlib.Path, help=argparse.SUPPRESS)  # the child that imports JAX
     args = parser.parse_args(argv)
     if args.write_data:
@@ -236,11 +254,16 @@ def main(argv=None) -> None:
         "steps": args.steps,
         "seeds": args.seeds,
         "libraries": libraries,
-        "before": evaluated(["--model", str(MODEL), *SHARED], work / "before-eval.json"),
         "runs": {name: [] for name in libraries},
     }
-    for seed in args.seeds:
+    if args.resume and (done := args.out / "real_model.json").exists():
+        results = resumed(json.loads(done.read_text()), results)
+    if "before" not in results:
+        results["before"] = evaluated(["--model", str(MODEL), *SHARED], work / "before-eval.json")
+    for index, seed in enumerate(args.seeds):
         for name in libraries:
+            if index < len(results["runs"][name]):
+                continue
             print(f"{name}, seed {seed}...", flush=True)
             results["runs"][name].append(RUNNERS[name](seed, args.steps, work))
             (args.out / "real_model.json").write_text(json.dumps(results, indent=1))  # what is done so far

@@ -19,9 +19,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # of the MLIR fusion emitters, which take longer to compile. XLA's own HLO passes are
 # unchanged, only the machine code is less tuned. The suite's programs are small and compiled
 # once or a few times, so compiling is most of their cost: a file of train steps took 27 s
-# instead of 60. XLA aborts on a flag it does not know, hence the version check. The notebooks,
-# and the test that reproduces a documented run, drop the flags (default_codegen_environ) for
-# the processes they start.
+# instead of 60. XLA aborts on a flag it does not know, hence the version check. The test that
+# reproduces a documented run, and the real model's notebook, drop the flags
+# (default_codegen_environ) for the processes they start.
 QUICK_CODEGEN_FLAGS = ("--xla_backend_optimization_level=0",)
 if tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
     QUICK_CODEGEN_FLAGS += ("--xla_cpu_use_fusion_emitters=false",)

@@ -27,6 +27,7 @@ import tomllib
 from collections.abc import Callable
 from typing import NamedTuple
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +36,7 @@ import pytest
 from jaxrl_llm import algorithms, cli, models, runs, training
 from jaxrl_llm.runs.config import from_dict
 from jaxrl_llm.tasks import DigitSumTask
+from tests.models import gguf_fixtures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -239,9 +241,26 @@ def _lora_check(namespace: dict, code: str):
     assert all(x is y for x, y in zip(jax.tree.leaves(namespace["state"].frozen), jax.tree.leaves(namespace["params"])))
 
 
+def _gguf(tmp_path) -> dict:
+    """A tiny Q4_1 GGUF file, written as llama.cpp's converter writes one, at the example's path."""
+    tokenizer = gguf_fixtures.bpe_tokenizer()
+    path = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path.parent.mkdir()
+    hf_model = gguf_fixtures.tiny_gguf_hf_model("llama", tokenizer, num_hidden_layers=1)
+    gguf_fixtures.write_gguf(path, hf_model, tokenizer, qtype="Q4_1")
+    return {}
+
+
+def _gguf_check(namespace: dict, code: str):
+    written = pathlib.Path("out/policy.q8_0.gguf")
+    assert {tensor.tensor_type.name for tensor in gguf.GGUFReader(written).tensors} == {"F32", "Q8_0"}
+    assert models.load_tokenizer(written).get_vocab() == namespace["tokenizer"].get_vocab()
+
+
 GIVEN: dict[tuple[str, str], tuple[Callable[[pathlib.Path], dict], Callable[[dict, str], None]]] = {
     ("docs/library.md", "core-grpo-update"): (_core, _core_check),
     ("docs/library.md", "model"): (_model, _model_check),
+    ("docs/library.md", "gguf"): (_gguf, _gguf_check),
     ("docs/library.md", "rollout"): (_rollout, _rollout_check),
     ("docs/training.md", "train"): (lambda tmp_path: {}, _train_check),
     ("docs/scale-out.md", "mesh"): (_mesh, _mesh_check),

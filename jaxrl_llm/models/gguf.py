@@ -187,9 +187,10 @@ def read_config(file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtyp
     """The :class:`~jaxrl_llm.models.ModelConfig` a GGUF file's metadata describes.
 
     Raises:
-      ValueError: an architecture other than llama, qwen2 and qwen3, or an option the decoder
+      ValueError: an architecture other than llama, qwen2 and qwen3, an option the decoder
         does not have (a per-layer head count, partial rotary embeddings, rotary scaling other
-        than Llama 3.1's), naming it.
+        than Llama 3.1's), a required metadata key missing, or no ``token_embd.weight``
+        tensor (whose shape gives the vocabulary size), naming it.
     """
     file = pathlib.Path(file)
     reader = _open(file)
@@ -209,8 +210,17 @@ def read_config(file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtyp
             value = value[0]
         return value
 
+    def required(key: str) -> int:
+        if (value := field(key)) is None:
+            raise ValueError(f"{file.name}: its metadata has no {arch}.{key}; not a complete {arch} GGUF file.")
+        return int(value)
+
+    def token_id(key: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{key}")
+        return None if value is None else int(value)
+
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
+    hidden, heads = required("embedding_length"), required("attention.head_count")
     head_dim = int(field("attention.key_length", 0) or hidden // heads)
     rotary = field("rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
@@ -222,21 +232,17 @@ def read_config(file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtyp
     rope = RopeConfig(theta=theta)
     if _ROPE_FREQS in tensors:
         rope = _llama3_rope(np.asarray(tensors[_ROPE_FREQS].data, np.float32), theta=theta, head_dim=head_dim)
-    embedding = tensors.get("token_embd.weight")
-    vocab = field("vocab_size")
-    if vocab is None and "tokenizer.ggml.tokens" in meta:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    if vocab is None and embedding is not None:
-        vocab = int(embedding.shape[1])
-    layers = int(field("block_count"))
-    eos = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id")]
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{file.name} has no token_embd.weight: not a {arch} model's weights.")
+    vocab = int(field("vocab_size") or tensors["token_embd.weight"].shape[1])  # GGML: [hidden, vocab]
+    eos = [token_id(key) for key in ("eos_token_id", "eot_token_id")]
     param_dtype = dtype_from_name(param_dtype)
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(field("feed_forward_length")),
-        num_layers=layers,
+        intermediate_size=required("feed_forward_length"),
+        num_layers=required("block_count"),
         num_heads=heads,
         num_kv_heads=int(field("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -247,9 +253,9 @@ def read_config(file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtyp
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         output_bias=arch != "qwen2" and "blk.0.attn_output.bias" in tensors,
         qk_norm=arch == "qwen3",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        bos_token_id=token_id("bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+        pad_token_id=token_id("padding_token_id"),
         param_dtype=param_dtype,
         dtype=param_dtype if dtype is None else dtype_from_name(dtype),
     )
@@ -326,29 +332,26 @@ def _rotary_heads(config: ModelConfig, hf_name: str) -> int | None:
     return None
 
 
-class _Dequantized:
-    """One GGUF tensor as a :class:`~jaxrl_llm.models.layout.LazyTensor`: float32 values in
-    the Hugging Face layout, dequantized when first read."""
+class _Slice:
+    """One GGUF tensor as a :class:`~jaxrl_llm.models.layout.LazyTensor`: its Hugging Face
+    shape, and its values read (dequantized) only when indexed."""
 
-    def __init__(self, tensor, *, heads: int | None):
-        self._tensor, self._heads = tensor, heads
+    def __init__(self, source: GgufTensors, name: str):
+        self._source, self._name = source, name
 
     def get_shape(self) -> list[int]:
-        return [int(n) for n in reversed(self._tensor.shape)]  # GGML lists the innermost dimension first
-
-    def read(self) -> np.ndarray:
-        values = gguf_lib.quants.dequantize(self._tensor.data, self._tensor.tensor_type)
-        values = np.asarray(values, np.float32).reshape(self.get_shape())
-        return values if self._heads is None else _unpermute(values, self._heads)
+        return self._source.shape(self._name)
 
     def __getitem__(self, box: tuple[slice, ...]) -> np.ndarray:
-        return self.read()[box]
+        return self._source.get_tensor(self._name)[box]
 
 
 class GgufTensors:
     """A GGUF file's tensors by Hugging Face name, dequantized to float32 in the Hugging
     Face layout (:class:`~jaxrl_llm.models.layout.TensorSource`); ``rope_freqs.weight``
-    is read into the config instead (:func:`read_config`).
+    is read into the config instead (:func:`read_config`). The last tensor read is kept
+    (read-only), so the shards a mesh takes of an unstacked parameter dequantize its tensor
+    once, and no more than one dequantized tensor is held at a time.
 
     Raises:
       ValueError: a tensor with no Hugging Face name (of another architecture), naming it.
@@ -356,23 +359,36 @@ class GgufTensors:
 
     def __init__(self, file: str | os.PathLike, config: ModelConfig):
         self.description = str(file)
-        self._tensors: dict[str, _Dequantized] = {}
+        self._config = config
+        self._tensors = {}  # Hugging Face name -> the reader's tensor
         for tensor in _open(pathlib.Path(file)).tensors:
             if tensor.name == _ROPE_FREQS:
                 continue
             name = hf_tensor_name(tensor.name)
             if name is None:
                 raise ValueError(f"{file} has tensor {tensor.name!r}, which no {config.architecture} model has.")
-            self._tensors[name] = _Dequantized(tensor, heads=_rotary_heads(config, name))
+            self._tensors[name] = tensor
+        self._last: tuple[str | None, np.ndarray | None] = (None, None)
 
     def names(self) -> Collection[str]:
         return self._tensors.keys()
 
-    def get_slice(self, name: str) -> _Dequantized:
-        return self._tensors[name]
+    def shape(self, name: str) -> list[int]:
+        return [int(n) for n in reversed(self._tensors[name].shape)]  # GGML lists the innermost dimension first
+
+    def get_slice(self, name: str) -> _Slice:
+        return _Slice(self, name)
 
     def get_tensor(self, name: str) -> np.ndarray:
-        return self._tensors[name].read()
+        if self._last[0] != name:
+            tensor = self._tensors[name]
+            values = gguf_lib.quants.dequantize(tensor.data, tensor.tensor_type)
+            values = np.asarray(values, np.float32).reshape(self.shape(name))
+            heads = _rotary_heads(self._config, name)
+            values = values if heads is None else _unpermute(values, heads)
+            values.flags.writeable = False  # the cached copy: a caller's in-place change would alter the next read
+            self._last = (name, values)
+        return self._last[1]
 
 
 _SPECIAL_TOKENS = {

@@ -242,18 +242,51 @@ def _series(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[np.ndarray, n
     return np.asarray(steps, np.int64), np.asarray(values, np.float64)
 
 
-def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "") -> None:
+def accuracy_points(
+    rows: Sequence[Mapping[str, Any]], *, before: Mapping[str, Any] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The held-out greedy accuracies a plot draws with their Wilson 95% intervals: those of
+    ``before`` (at step -1) and of each row, where ``eval_examples`` is logged beside
+    ``eval_greedy_accuracy`` (the interval needs the count).
+
+    Returns:
+      ``(steps [E], accuracies [E], low [E], high [E])`` over the ``E`` such evaluations, in order.
+    """
+    start = [{**before, "step": -1}] if before else []
+    evaluated = [
+        (row["step"], row["eval_greedy_accuracy"], row["eval_examples"])
+        for row in [*start, *rows]
+        if row.get("eval_greedy_accuracy") is not None and row.get("eval_examples")
+    ]
+    bounds = [evaluation.wilson_interval(accuracy * examples, examples) for _, accuracy, examples in evaluated]
+    steps = np.asarray([step for step, _, _ in evaluated], np.int64)
+    accuracies = np.asarray([accuracy for _, accuracy, _ in evaluated], np.float64)
+    low, high = np.asarray(bounds, np.float64).reshape(-1, 2).T
+    return steps, accuracies, low, high
+
+
+def plot_metrics(
+    rows: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike,
+    *,
+    title: str = "",
+    before: Mapping[str, Any] | None = None,
+) -> None:
     """Draws a run's metrics (:func:`read_metrics`) into a PNG at ``path``, atomically.
 
     Six panels against the step: reward (the mean, a band of one ``reward_std``, and each
     reward function's mean), held-out accuracy (``eval_greedy_accuracy`` and any
-    ``eval_pass@k``), KL to the reference (``kl_exact``, ``kl_k3``), completion length,
-    clip fraction and entropy. A panel whose metrics were not logged says so.
+    ``eval_pass@k``; the greedy accuracy with a band of its Wilson 95% interval where
+    ``eval_examples`` is logged), KL to the reference (``kl_exact``, ``kl_k3``), completion
+    length, clip fraction and entropy. A panel whose metrics were not logged says so.
+    ``before``: the evaluation before the first step (``warm_start.json``'s ``eval_*``),
+    drawn at step -1 when it has ``eval_examples`` (:func:`accuracy_points`).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    names = _all_names(rows)
+    start = {**before, "step": -1} if before and before.get("eval_examples") else None
+    names = _all_names([start, *rows] if start else rows)
     panels = [
         ("reward", ["reward", *reward_function_metrics(names)]),
         ("held-out accuracy", ["eval_greedy_accuracy", *_pass_at_k_metrics(names)]),
@@ -269,6 +302,7 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, 
     axes = figure.subplots(2, 3, sharex=True).ravel()
     for ax, (panel, metrics) in zip(axes, panels, strict=True):
         ax.set_title(panel)
+        banded = False
         ax.grid(alpha=0.3)
         present = [name for name in metrics if name in names]
         if not present:
@@ -283,7 +317,7 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, 
             )
             continue
         for name in present:
-            steps, values = _series(rows, name)
+            steps, values = _series([start, *rows] if start and name in start else rows, name)
             main = name == metrics[0]
             ax.plot(
                 steps,
@@ -297,7 +331,12 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, 
                 _, spread = _series(rows, "reward_std")
                 if len(spread) == len(values):
                     ax.fill_between(steps, values - spread, values + spread, alpha=0.15, label="± reward_std")
-        if len(present) > 1 or (panel == "reward" and "reward_std" in names):
+            if name == "eval_greedy_accuracy":
+                band_steps, _, low, high = accuracy_points(rows, before=before)
+                if len(band_steps):
+                    ax.fill_between(band_steps, low, high, alpha=0.15, label="95% interval")
+                    banded = True
+        if len(present) > 1 or (panel == "reward" and "reward_std" in names) or banded:
             ax.legend(fontsize="small")
     for ax in axes[3:]:
         ax.set_xlabel("train step")
@@ -324,13 +363,13 @@ def step_line(rows: Sequence[Mapping[str, Any]], *, total_steps: int) -> str:
     """One line on the last of ``rows`` (:func:`read_metrics`' records), for a log:
     ``step 12/30  reward 0.44  length 14.2  16.3 s/step  0:04:53 left`` and, when it evaluated,
     ``held-out 0.55 (95% CI 0.48-0.62, n=200) in 31 s``. The time left is the remaining steps at
-    the median seconds a step of the last ten (the first step, compiling, left out)."""
+    the median seconds a step of the last ten, the first step (compiling) left out: none after it."""
     row = rows[-1]
     parts = [f"step {row['step'] + 1}/{total_steps}"]
     for name, label, form in (("reward", "reward", ".3g"), ("completion_length", "length", ".3g")):
         if row.get(name) is not None:
             parts.append(f"{label} {row[name]:{form}}")
-    seconds = [r["step_seconds"] for r in rows[1:][-10:] or rows[-1:] if r.get("step_seconds") is not None]
+    seconds = [r["step_seconds"] for r in rows[1:][-10:] if r.get("step_seconds") is not None]
     if row.get("step_seconds") is not None:
         parts.append(f"{row['step_seconds']:.3g} s/step")
     if seconds and row["step"] + 1 < total_steps:
@@ -426,6 +465,8 @@ class RunRecorder:
         left, the held-out accuracy): progress for a log file or a batch job, where a
         progress bar does not show. ``None``: no lines.
       line_seconds: the least time between two :func:`step_line` lines.
+      before: the evaluation before the first step (``warm_start.json``), which the plot's
+        held-out panel starts from (:func:`plot_metrics`).
       wandb_project: also log to this Weights & Biases project (needs ``wandb``; off by
         default).
       wandb_config: the run's settings, recorded by Weights & Biases.
@@ -451,6 +492,7 @@ class RunRecorder:
         stream: IO[str] | None = None,
         step_lines: IO[str] | None = None,
         line_seconds: float = 10.0,
+        before: Mapping[str, Any] | None = None,
     ):
         _nonnegative_int("total_steps", total_steps)
         _nonnegative_int("start_step", start_step)
@@ -463,6 +505,7 @@ class RunRecorder:
         self.start_step, self.total_steps, self.plot_every = int(start_step), int(total_steps), int(plot_every)
         self._stream = sys.stderr if stream is None else stream
         self._step_lines, self._line_seconds = step_lines, float(line_seconds)
+        self._before = dict(before) if before else None
         self._last_line = -math.inf  # time.monotonic() of the last step line
         self._closed = False
         self._logged = 0  # steps logged by this recorder
@@ -605,7 +648,7 @@ class RunRecorder:
     def plot(self) -> None:
         """Redraws ``run_dir/metrics.png`` from every step so far."""
         if self._rows:
-            plot_metrics(self._rows, self.run_dir / PLOT_FILE, title=self.run_dir.name)
+            plot_metrics(self._rows, self.run_dir / PLOT_FILE, title=self.run_dir.name, before=self._before)
 
     def summary(self) -> str:
         """The run's summary table (:func:`summarize`)."""

@@ -460,7 +460,9 @@ def _train_run(
         )
         return RunResult(run_dir, config, None, [], warm, summary)
     policy = policy_of(config, model, params, state)
-    recorder = _recorder(config, run_dir, start, *policy, task, mesh, main=main, progress=progress, stream=stream)
+    recorder = _recorder(
+        config, run_dir, start, *policy, task, mesh, main=main, progress=progress, stream=stream, before=warm
+    )
 
     def evaluated(state: training.TrainState) -> dict[str, float]:
         with called_in(f"the held-out evaluation after train step {int(state.step) - 1}"):
@@ -704,6 +706,7 @@ def _recorder(
     main: bool,
     progress: bool | None,
     stream=None,
+    before: dict[str, Any] | None = None,
 ):
     """The run's records from step ``start`` on (process 0's; the others write nothing),
     with a progress bar on standard error when ``progress``, or by default when standard
@@ -728,6 +731,7 @@ def _recorder(
         wandb_project=config.wandb_project,
         wandb_config=to_dict(config),
         step_lines=stream if progress is None and not bar else None,
+        before=before,
     )
     if unevaluated is not None:
         recorder.log(start - 1, unevaluated)

@@ -176,8 +176,10 @@ def write_gguf(
     *,
     qtype: str = "F32",
     seed: int = 0,
+    leave_out: tuple[str, ...] = (),
 ) -> pathlib.Path:
-    """``hf_model`` and ``tokenizer`` as a GGUF file, its matrices as ``qtype``."""
+    """``hf_model`` and ``tokenizer`` as a GGUF file, its matrices as ``qtype``, without the
+    tensors named in ``leave_out`` (Hugging Face names)."""
     config = hf_model.config
     arch = config.model_type
     kind = gguf.GGMLQuantizationType[qtype]
@@ -209,7 +211,7 @@ def write_gguf(
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer.chat_template)
     for name, tensor in hf_model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+        if (name == "lm_head.weight" and config.tie_word_embeddings) or name in leave_out:
             continue
         values = tensor.float().numpy()
         if arch == "llama" and ".self_attn.q_proj." in name:

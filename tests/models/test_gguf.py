@@ -154,15 +154,24 @@ def test_files_that_cannot_load_are_refused_by_name(hf_models, tokenizer, tmp_pa
     truncated.write_bytes(first.read_bytes()[:5000])
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         models.from_pretrained(truncated)
-    other = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(other, "gemma2")
-    writer.add_block_count(1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=r"architecture 'gemma2' is not supported; supported: llama"):
-        models.from_pretrained(other)
+    headless = fixtures.write_gguf(
+        tmp_path / "headless.gguf", hf_models["llama"], tokenizer, leave_out=("model.embed_tokens.weight",)
+    )
+    with pytest.raises(ValueError, match="headless.gguf has no token_embd.weight: not a llama model's weights"):
+        models.from_pretrained(headless)
+    for arch, message in [
+        ("gemma2", r"architecture 'gemma2' is not supported; supported: llama"),
+        ("llama", r"its metadata has no llama.embedding_length; not a complete llama GGUF file"),
+    ]:
+        other = tmp_path / f"{arch}.gguf"
+        writer = gguf.GGUFWriter(other, arch)
+        writer.add_block_count(1)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ValueError, match=message):
+            models.from_pretrained(other)
 
 
 # --- Writing ---------------------------------------------------------------------------------------

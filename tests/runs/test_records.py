@@ -215,6 +215,28 @@ def test_plot_of_a_full_run(tmp_path):
     assert (tmp_path / "plot.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+def test_the_accuracy_band_is_the_wilson_interval_of_each_evaluation_and_of_the_one_before(tmp_path):
+    rows = [
+        {"step": 0, "reward": 0.1},
+        {"step": 4, "reward": 0.3, "eval_greedy_accuracy": 0.5, "eval_examples": 8.0},
+        {"step": 9, "reward": 0.6, "eval_greedy_accuracy": 1.0, "eval_examples": 200.0},
+        {"step": 10, "reward": 0.6, "eval_greedy_accuracy": 0.9},  # no count: no interval
+    ]
+    before = {"eval_greedy_accuracy": 0.25, "eval_examples": 20.0, "step": 7}
+    steps, accuracies, low, high = records.accuracy_points(rows, before=before)
+    np.testing.assert_array_equal(steps, [-1, 4, 9])
+    np.testing.assert_array_equal(accuracies, [0.25, 0.5, 1.0])
+    z = 1.959964  # Wilson's interval from its formula: (p + z²/2n ± z √(p(1-p)/n + z²/4n²)) / (1 + z²/n)
+    for p, n, lo, hi in zip(accuracies, [20, 8, 200], low, high, strict=True):
+        half = z * np.sqrt(p * (1 - p) / n + z**2 / (4 * n**2))
+        np.testing.assert_allclose([lo, hi], (np.array([p - half, p + half]) + z**2 / (2 * n)) / (1 + z**2 / n))
+    assert high[-1] == pytest.approx(1.0) and 0.98 < low[-1] < 0.99  # 200 of 200: the interval is below 1, not a point
+    assert records.accuracy_points(rows[:1], before=None)[0].shape == (0,)
+    # Plotted with the evaluation before and no evaluation yet in the rows: the panel is drawn.
+    records.plot_metrics(rows[:1], tmp_path / "plot.png", before=before)
+    assert (tmp_path / "plot.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
 def scored_round() -> ScoredRound:
     """P = 3 prompts, G = 2 completions each; a text prompt, a chat one and another."""
     prompts = ["1 + 1 =", [{"role": "user", "content": "2 + 2?"}], "3 + 3 ="]

@@ -45,6 +45,10 @@ EVERY_STEP_METRICS = {
 }
 
 
+# On one worker of the suite's two (`make test`: `--dist loadgroup`), so the warm start is trained once.
+pytestmark = pytest.mark.xdist_group("warm_started_presets")
+
+
 @pytest.fixture(scope="module")
 def warm_start():
     task = DigitSumTask()
