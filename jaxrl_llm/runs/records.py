@@ -242,6 +242,11 @@ def _series(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[np.ndarray, n
     return np.asarray(steps, np.int64), np.asarray(values, np.float64)
 
 
+def _before_row(before: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The evaluation before the first step as a metrics row at step -1, where it has ``eval_examples``."""
+    return {**before, "step": -1} if before and before.get("eval_examples") else None
+
+
 def accuracy_points(
     rows: Sequence[Mapping[str, Any]], *, before: Mapping[str, Any] | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -252,10 +257,10 @@ def accuracy_points(
     Returns:
       ``(steps [E], accuracies [E], low [E], high [E])`` over the ``E`` such evaluations, in order.
     """
-    start = [{**before, "step": -1}] if before else []
+    start = _before_row(before)
     evaluated = [
         (row["step"], row["eval_greedy_accuracy"], row["eval_examples"])
-        for row in [*start, *rows]
+        for row in ([start, *rows] if start else rows)
         if row.get("eval_greedy_accuracy") is not None and row.get("eval_examples")
     ]
     bounds = [evaluation.wilson_interval(accuracy * examples, examples) for _, accuracy, examples in evaluated]
@@ -285,7 +290,7 @@ def plot_metrics(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    start = {**before, "step": -1} if before and before.get("eval_examples") else None
+    start = _before_row(before)
     names = _all_names([start, *rows] if start else rows)
     panels = [
         ("reward", ["reward", *reward_function_metrics(names)]),
