@@ -142,6 +142,7 @@ class ScoredRound:
     truncated_prompts: int  # prompts that lost their first tokens
     reward_seconds: float  # host time in decoding and reward functions
     episode_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # multi-turn runs' statistics
+    messages: list[list[dict]] | None = None  # [R] episodes' completions as TRL's message lists (None: single-turn)
 
 
 def rollout_and_score(
@@ -158,11 +159,13 @@ def rollout_and_score(
     prompt_bucket: int = 8,
     on_reward_error: str = "raise",
     shaping: Any = None,
+    trainer_state: rewards.TrainerState | None = None,
 ) -> ScoredRound:
     """Samples ``G = num_samples`` completions of each prompt of ``batch`` and scores them.
 
     ``shaping``, when given, is a reward function (TRL's convention) whose values are
     added to the task's rewards but not logged among them: DAPO's overlong punishment.
+    ``trainer_state`` is passed to the reward functions.
     """
     tokens, mask, truncated_prompts = fit_prompts(
         batch, max_length=max_prompt_length, truncation=prompt_truncation, bucket=prompt_bucket, pad_id=task.pad_id
@@ -192,10 +195,12 @@ def rollout_and_score(
             for name, values in batch.columns.items()
         },
     )
-    result = rewards_by_process(task.reward_fns, task.reward_weights, on_error=on_reward_error, **arguments)
+    result = rewards_by_process(
+        task.reward_fns, task.reward_weights, on_error=on_reward_error, trainer_state=trainer_state, **arguments
+    )
     total = result.total
     if shaping is not None:
-        total = total + rewards_by_process([shaping], [1.0], **arguments).total
+        total = total + rewards_by_process([shaping], [1.0], trainer_state=trainer_state, **arguments).total
     reward_seconds = time.perf_counter() - started
     return ScoredRound(
         prompts=list(batch.prompts),
@@ -216,17 +221,20 @@ def rollout_and_score(
     )
 
 
-def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **arguments) -> rewards.RewardResult:
+def rewards_by_process(
+    reward_fns, weights, *, on_error: str = "raise", trainer_state: rewards.TrainerState | None = None, **arguments
+) -> rewards.RewardResult:
     """:func:`jaxrl_llm.rewards.compute_rewards` of every row, each process of a
     multi-process run calling the reward functions on its share of the rows only (the
-    ``i``-th of ``jax.process_count()`` equal blocks), every process getting all of them.
+    ``i``-th of ``jax.process_count()`` equal blocks), every process getting all of them
+    but what the functions log (``logged``, ``extra``), which stays with its process.
 
     A reward function that raises on one process stops every process, with the original
     error where it happened: the others would otherwise wait for it in their next
     collective. One process: ``compute_rewards`` itself.
     """
     if jax.process_count() == 1:
-        return rewards.compute_rewards(reward_fns, weights, on_error=on_error, **arguments)
+        return rewards.compute_rewards(reward_fns, weights, on_error=on_error, trainer_state=trainer_state, **arguments)
     num_rows = len(arguments["completions"])
     rows = np.array_split(np.arange(num_rows), jax.process_count())[jax.process_index()]
 
@@ -242,7 +250,12 @@ def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **argume
     failure = None
     try:
         result = rewards.compute_rewards(
-            reward_fns, weights, on_error=on_error, first_row=int(rows[0]) if len(rows) else 0, **local
+            reward_fns,
+            weights,
+            on_error=on_error,
+            first_row=int(rows[0]) if len(rows) else 0,
+            trainer_state=trainer_state,
+            **local,
         )
     except Exception as error:  # noqa: BLE001 (raised again below, on every process)
         failure, result = error, None
@@ -270,4 +283,5 @@ def rewards_by_process(reward_fns, weights, *, on_error: str = "raise", **argume
         total=totals["total"],
         values={name: totals[name] for name in names},
         errors={name: int(totals[f"errors/{name}"]) for name in names if totals[f"errors/{name}"]},
+        logged=result.logged,
     )

@@ -19,8 +19,8 @@ class EpisodeConfig:
     many, a turn that calls tools ends the episode (``turn_limited``). ``None``: no limit
     but the token budget."""
     tool_timeout: float | None = 30.0
-    """Seconds a round's tool calls may take; a call still running is cut off with an
-    error result. ``None``: wait."""
+    """Seconds one tool call may take; a call still running is cut off with an error
+    result (:func:`jaxrl_llm.episodes.tools.call_tools`). ``None``: wait."""
     tool_call_format: str = "auto"
     """How the model writes tool calls: ``"auto"`` (from the tokenizer:
     :func:`jaxrl_llm.episodes.parsing.detect_format`) or one of

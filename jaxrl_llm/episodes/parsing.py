@@ -164,18 +164,50 @@ def _call(value: Any, text: str, argument_keys: Sequence[str]) -> ToolCall | Mal
         return ToolCall(name, {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
+            arguments = _loads(arguments)
+        except ValueError as error:
             return MalformedCall(text, f'"{key}" is a string that is not valid JSON ({error})')
     if not isinstance(arguments, dict):
         return MalformedCall(text, f'"{key}" must be a JSON object; got a JSON {type(arguments).__name__}')
     return ToolCall(name, arguments)
 
 
-def _decode(body: str, text: str, argument_keys: Sequence[str]) -> ToolCall | MalformedCall:
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects in a call, its own object counted: deeper is malformed
+(rendering it again, with the chat template or ``copy.deepcopy``, would recurse as deep)."""
+
+
+def _loads(body: str) -> Any:
+    """``json.loads(body)``, with every way model text can make it fail a ValueError: bad
+    JSON, an integer of more digits than Python converts, nesting past the recursion limit
+    or :data:`MAX_JSON_DEPTH`."""
     try:
         value = json.loads(body)
-    except json.JSONDecodeError as error:
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value``'s lists and dicts nest (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_JSON_DEPTH:
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _decode(body: str, text: str, argument_keys: Sequence[str]) -> ToolCall | MalformedCall:
+    try:
+        value = _loads(body)
+    except ValueError as error:  # json.JSONDecodeError among them
         return MalformedCall(text, f"the call is not valid JSON ({error})")
     return _call(value, text, argument_keys)
 
@@ -228,7 +260,12 @@ def _parse_with_template(text: str, tokenizer: Any, prefix: Any, tools: Any) -> 
 
 def _template_call(entry: Any) -> ToolCall | MalformedCall:
     """A call from a parsed ``tool_calls`` entry (nested ``{"type", "function"}`` or flat)."""
-    text = json.dumps(entry, default=str)
+    try:
+        text = json.dumps(entry, default=repr)
+    except (ValueError, RecursionError) as error:  # a huge integer, a nesting too deep
+        return MalformedCall("<a tool call>", f"the call cannot be written as JSON ({type(error).__name__}: {error})")
+    if _depth(entry) > MAX_JSON_DEPTH:
+        return MalformedCall(text, f"the call is nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(entry, dict) and "function" in entry:
         if entry.get("type", "function") != "function":
             return MalformedCall(text, f"unsupported tool call type {entry.get('type')!r} (only 'function')")

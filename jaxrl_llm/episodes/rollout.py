@@ -74,6 +74,7 @@ class Episodes:
     completion_mask: np.ndarray  # [B, C] bool: the model's tokens (the loss mask)
     logprobs: np.ndarray  # [B, C] float32: log pi_T of the model's tokens, 0 elsewhere
     lengths: np.ndarray  # [B] int32: completion tokens of every kind
+    openings: np.ndarray  # [B] int32: the first of them, the row's rest of its prompt (an observation)
     truncated: np.ndarray  # [B] bool: the budget ended the episode (mid-turn, or before a tool result)
     turn_limited: np.ndarray  # [B] bool: max_turns ended it with tool calls unanswered
     turns: np.ndarray  # [B] int32: the model's messages
@@ -89,6 +90,11 @@ class Episodes:
     def model_tokens(self) -> np.ndarray:
         """``[B]`` the model's tokens per episode."""
         return self.completion_mask.sum(axis=1).astype(np.int32)
+
+    @property
+    def tool_tokens(self) -> np.ndarray:
+        """``[B]`` the tool results' tokens per episode, with the template's ids around them."""
+        return self.lengths - self.openings - self.model_tokens
 
 
 class _Turn(NamedTuple):
@@ -396,6 +402,7 @@ def sample_episodes(
         row.add(opening, model=False)
 
     budget = sampling_config.max_new_tokens
+    token_chars = conversation.longest_token_chars(tokenizer)
     completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
     max_slots = _cache_slots(width, completion_width)
     if max_slots > model.config.max_position_embeddings:
@@ -509,7 +516,9 @@ def sample_episodes(
         calling = _record_turn(rows, on_device, turn, tokenizer, format=format, max_turns=config.max_turns,
                                stop_ids=stop_ids)  # fmt: skip
         if calling:
-            extensions = _run_tools(rows, calling, tokenizer, timeout=config.tool_timeout, budget=budget)
+            extensions = _run_tools(
+                rows, calling, tokenizer, timeout=config.tool_timeout, budget=budget, token_chars=token_chars
+            )
             if extensions:
                 feed(extensions)
         turn_index += 1
@@ -547,10 +556,15 @@ def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, format, max_turns, 
     return calling
 
 
-def _run_tools(rows, calling: dict[int, int], tokenizer, *, timeout, budget: int) -> dict[int, list[int]]:
+def _run_tools(
+    rows, calling: dict[int, int], tokenizer, *, timeout, budget: int, token_chars: int
+) -> dict[int, list[int]]:
     """Runs the pending calls of the rows in ``calling`` (all at once), appends the tool
     messages and returns ``{row: ids to feed}`` (the end-of-turn id, then the template's
-    ids around the results); a row whose results do not fit its budget is finished."""
+    ids around the results); a row whose results do not fit its budget is finished. Text
+    results longer than the budget left times ``token_chars`` (the most characters a token
+    stands for) cannot fit and are dropped untokenized: a tool that returns megabytes costs
+    no more than one that returns a line."""
     jobs = [(row, call) for row in calling for call in rows[row].pending]
     results = call_tools([(rows[row].toolbox, call) for row, call in jobs], timeout=timeout)
     by_row: dict[int, list] = {}
@@ -564,6 +578,10 @@ def _run_tools(rows, calling: dict[int, int], tokenizer, *, timeout, budget: int
         row.failures += sum(r.failed for r in results)
         row.timeouts += sum(r.timed_out for r in results)
         messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        characters = sum(len(r.content) for r in results if isinstance(r.content, str))
+        if characters > (budget - row.used) * token_chars:
+            row.finished = row.truncated = True
+            continue
         suffix = conversation.tool_suffix_ids(tokenizer, messages, end_of_turn=end_of_turn)
         if row.used + len(suffix) > budget:  # TRL: the results are dropped, the episode ends
             row.finished = row.truncated = True
@@ -592,6 +610,7 @@ def _episodes(rows, prompt_tokens, prompt_mask, width: int, pad_id: int, with_en
         completion_mask=model_mask,
         logprobs=logprobs,
         lengths=np.array([len(row.ids) for row in rows], np.int32),
+        openings=np.array([row.opening for row in rows], np.int32),
         truncated=np.array([row.truncated for row in rows]),
         turn_limited=np.array([row.turn_limited for row in rows]),
         turns=np.array([sum(m["role"] == "assistant" for m in row.messages) for row in rows], np.int32),

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm import models, rollouts, sampling, tasks
+from jaxrl_llm import models, rewards, rollouts, sampling, tasks
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments
 from jaxrl_llm.episodes.rollout import Episodes, sample_episodes
@@ -74,6 +74,7 @@ def score_prompts(
     prompt_bucket: int = 8,
     on_reward_error: str = "raise",
     shaping: Any = None,
+    trainer_state: rewards.TrainerState | None = None,
 ) -> ScoredRound:
     """``G = num_samples`` scored rollouts of each prompt of ``batch``: single-turn
     completions (:func:`jaxrl_llm.rollouts.rollout_and_score`) without a ``toolset``,
@@ -85,6 +86,7 @@ def score_prompts(
         prompt_bucket=prompt_bucket,
         on_reward_error=on_reward_error,
         shaping=shaping,
+        trainer_state=trainer_state,
     )
     if toolset is None:
         return rollouts.rollout_and_score(
@@ -124,6 +126,7 @@ def rollout_and_score(
     prompt_bucket: int = 8,
     on_reward_error: str = "raise",
     shaping: Any = None,
+    trainer_state: rewards.TrainerState | None = None,
 ) -> ScoredRound:
     """Runs ``G = num_samples`` episodes of each prompt of ``batch`` and scores them.
 
@@ -169,10 +172,10 @@ def rollout_and_score(
     )
     reward_fns = (*task.reward_fns, *toolset.reward_functions())
     weights = (*task.reward_weights, *[1.0] * (len(reward_fns) - len(task.reward_fns)))
-    result = rewards_by_process(reward_fns, weights, on_error=on_reward_error, **arguments)
+    result = rewards_by_process(reward_fns, weights, on_error=on_reward_error, trainer_state=trainer_state, **arguments)
     total = result.total
     if shaping is not None:
-        total = total + rewards_by_process([shaping], [1.0], **arguments).total
+        total = total + rewards_by_process([shaping], [1.0], trainer_state=trainer_state, **arguments).total
     texts = [task.tokenizer.decode(ids, skip_special_tokens=False) for ids in episodes.completion_ids]
     return ScoredRound(
         prompts=list(batch.prompts),
@@ -191,18 +194,22 @@ def rollout_and_score(
         truncated_prompts=0,
         reward_seconds=time.perf_counter() - started,
         episode_metrics=episode_metrics(episodes),
+        messages=episodes.completions,
     )
 
 
 def episode_metrics(episodes: Episodes) -> dict[str, float]:
     """A batch of episodes' statistics: turns, tool calls (TRL's ``tools/call_frequency``,
     calls per episode, and ``tools/failure_frequency``, failed calls per call), the
-    model's tokens against the rest, and the episodes the limits ended."""
+    model's tokens, the tool results' (with the template's ids around them) and the
+    openings' (the rows' rests of their prompts: an environment's observation), and the
+    episodes the limits ended."""
     calls = int(episodes.tool_calls.sum())
     return {
         "episodes/turns": float(episodes.turns.mean()),
         "episodes/model_tokens": float(episodes.model_tokens.mean()),
-        "episodes/tool_tokens": float((episodes.lengths - episodes.model_tokens).mean()),
+        "episodes/tool_tokens": float(episodes.tool_tokens.mean()),
+        "episodes/opening_tokens": float(episodes.openings.mean()),
         "episodes/truncated": float(episodes.truncated.mean()),
         "episodes/turn_limited": float(episodes.turn_limited.mean()),
         "tools/call_frequency": float(episodes.tool_calls.mean()),

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import math
 import numbers
 import os
+import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -70,7 +72,7 @@ class ToolResult(NamedTuple):
     name: str  # the tool called ("unknown" for a malformed call that shows none)
     content: str | list  # str(result), a list of content blocks as returned, or str({"error": ...})
     failed: bool  # the call raised, timed out, was malformed or named no tool
-    timed_out: bool  # abandoned at the timeout
+    timed_out: bool  # cut off at the timeout
 
 
 def call_tools(
@@ -83,19 +85,25 @@ def call_tools(
     Args:
       calls: ``(toolbox, call)`` pairs: the tools by name available to the call's episode,
         and the call (:func:`~jaxrl_llm.episodes.parsing.parse_turn`).
-      timeout: seconds, from when this function is called, after which a call still
-        running is abandoned; ``None`` waits for every call.
+      timeout: seconds one call may take, its result's conversion to text included;
+        ``None`` waits for every call.
 
-    Calls run concurrently: each sync tool in a daemon thread, except that the calls to
-    methods of one object (an environment) run one after another in their order here, in
-    one thread, as the model wrote them; async tools run on one event loop, in a daemon
-    thread this module starts once. As TRL: a result becomes ``str(result)`` (a list is
-    kept), and a tool that raises (arguments that do not fit its signature included),
-    a name not in the toolbox (``"Tool {name} not found."``) or a malformed call becomes
+    As TRL: sync tools (an environment's methods among them) run one after another in the
+    calling thread, in the order of ``calls``, so that a tool may use ``signal`` as it does
+    under TRL; async tools run concurrently meanwhile, on one event loop in a daemon thread
+    this module starts once. A result becomes ``str(result)`` (a list is kept), and a tool
+    that raises an ``Exception`` (arguments that do not fit its signature included), a
+    name not in the toolbox (``"Tool {name} not found."``) or a malformed call becomes
     ``str({"error": message})`` with ``failed``. A call past the timeout gets such an error
-    too, with ``timed_out``: an async one is cancelled, but a sync thread cannot be killed,
-    so a hung sync tool is left running as a daemon thread (its later calls in the same
-    object's sequence are not started), and may still change its object's state.
+    too, with ``timed_out``:
+
+    - a sync call in the main thread is interrupted by ``SIGALRM`` (``signal.setitimer``),
+      the previous handler and timer restored after it. A tool that arms its own alarm
+      (``signal.alarm``) replaces this one for the rest of its call, and its own timeout
+      applies;
+    - an async call is cancelled;
+    - a sync call from another thread (where ``signal`` does not work) runs in a daemon
+      thread that is abandoned at the timeout, and may still change its object's state.
 
     Raises:
       ValueError: ``timeout`` is not ``None`` or a finite number > 0.
@@ -105,94 +113,139 @@ def call_tools(
         not isinstance(timeout, numbers.Real) or isinstance(timeout, bool) or not 0 < timeout < math.inf
     ):
         raise ValueError(f"call_tools: `timeout` must be a finite number of seconds > 0, or None; got {timeout!r}.")
-    deadline = None if timeout is None else time.monotonic() + timeout
     results: list[ToolResult | None] = [None] * len(calls)
-    sequences: dict[Any, list[tuple[int, Callable, dict]]] = {}  # one thread each
+    synchronous: list[tuple[int, Callable, dict]] = []
     coroutines: dict[int, concurrent.futures.Future] = {}
-    names = []
     for index, (toolbox, call) in enumerate(calls):
         if isinstance(call, MalformedCall):
-            names.append(call.name)
             results[index] = _error(call.name, f"The tool call could not be parsed: {call.reason}.")
             continue
         if not isinstance(call, ToolCall):
             raise TypeError(f"call_tools: call {index} must be a ToolCall or MalformedCall; got {type(call).__name__}.")
-        names.append(call.name)
         tool = toolbox.get(call.name)
         if tool is None:
             results[index] = _error(call.name, f"Tool {call.name} not found.")
         elif inspect.iscoroutinefunction(tool):
-            coroutines[index] = asyncio.run_coroutine_threadsafe(
-                _awaited(tool, call.arguments, deadline), _event_loop()
-            )
+            coroutines[index] = asyncio.run_coroutine_threadsafe(_awaited(tool, call.arguments, timeout), _event_loop())
         else:
-            owner = tool.__self__ if inspect.ismethod(tool) else None
-            key = ("object", id(owner)) if owner is not None else ("call", index)
-            sequences.setdefault(key, []).append((index, tool, call.arguments))
-    workers = [_Worker(jobs) for jobs in sequences.values()]
-    for worker in workers:
-        worker.thread.start()
-
-    def remaining() -> float | None:
-        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-    outcomes: dict[int, tuple[bool, Any]] = {}  # index -> (returned, value or exception)
-    concurrent.futures.wait(list(coroutines.values()), timeout=remaining())
+            synchronous.append((index, tool, call.arguments))
+    submitted = time.monotonic()
+    for index, tool, arguments in synchronous:
+        name = calls[index][1].name
+        results[index] = _result(name, functools.partial(_called, tool, arguments), timeout)
+    waited = None if timeout is None else max(submitted + timeout - time.monotonic(), 0.0)
+    concurrent.futures.wait(list(coroutines.values()), timeout=waited)
     for index, future in coroutines.items():
-        if not future.done():
+        name = calls[index][1].name
+        if not future.done() or future.cancelled():
             future.cancel()  # cancels the task on the loop
-        elif not future.cancelled():
-            error = future.exception()
-            outcomes[index] = (True, future.result()) if error is None else (False, error)
-    for worker in workers:
-        worker.thread.join(remaining())
-        worker.abandoned.set()  # a thread past the deadline starts no more calls
-        outcomes.update(dict(worker.outcomes))
-    for index, name in enumerate(names):
-        if results[index] is not None:
-            continue
-        if index not in outcomes or isinstance(outcomes[index][1], _TimedOut):
-            results[index] = _error(name, f"Tool {name} timed out after {timeout:g} s.", timed_out=True)
-        elif outcomes[index][0]:
-            value = outcomes[index][1]
-            results[index] = ToolResult(name, value if isinstance(value, list) else str(value), False, False)
+            results[index] = _timed_out(name, timeout)
+        elif isinstance(future.exception(), _TimedOut):
+            results[index] = _timed_out(name, timeout)
+        elif future.exception() is not None:
+            results[index] = _error(name, _message(future.exception()))
         else:
-            error = outcomes[index][1]
-            results[index] = _error(name, str(error) or type(error).__name__)
+            results[index] = _result(name, functools.partial(_content, future.result()), timeout)
     return results
+
+
+def _content(value: Any) -> str | list:
+    return value if isinstance(value, list) else str(value)
+
+
+def _called(tool: Callable, arguments: dict) -> str | list:
+    return _content(tool(**arguments))
+
+
+def _result(name: str, produce: Callable[[], str | list], timeout: float | None) -> ToolResult:
+    """``produce()``'s content as ``name``'s result, with at most ``timeout`` seconds to give it."""
+    try:
+        return ToolResult(name, _within(produce, timeout), False, False)
+    except _TimedOut:
+        return _timed_out(name, timeout)
+    except Exception as error:
+        return _error(name, _message(error))
+
+
+def _within(produce: Callable[[], Any], timeout: float | None) -> Any:
+    """``produce()``, interrupted with :class:`_TimedOut` after ``timeout`` seconds."""
+    if timeout is None:
+        return produce()
+    if threading.current_thread() is not threading.main_thread():
+        return _in_daemon_thread(produce, timeout)
+    armed = [True]
+
+    def on_alarm(signum, frame):
+        if armed[0]:  # one raise at most, however late the alarm is handled
+            armed[0] = False
+            raise _TimedOut
+
+    previous_handler = signal.signal(signal.SIGALRM, on_alarm)
+    previous_delay, _ = signal.setitimer(signal.ITIMER_REAL, timeout)
+    started = time.monotonic()
+
+    def disarm() -> None:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if previous_delay:  # an alarm the caller had armed goes on, less the time spent here
+            signal.setitimer(signal.ITIMER_REAL, max(previous_delay - (time.monotonic() - started), 1e-6))
+
+    try:
+        try:
+            return produce()
+        finally:
+            disarm()
+    except _TimedOut:
+        disarm()  # again, in case the alarm interrupted the first
+        raise
+
+
+def _in_daemon_thread(produce: Callable[[], Any], timeout: float) -> Any:
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, produce()))
+        except BaseException as error:  # reported to the caller, not printed by the thread
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=run, name="jaxrl_llm-tool", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        raise _TimedOut
+    returned, value = outcome[0]
+    if returned:
+        return value
+    raise value
+
+
+def _message(error: BaseException) -> str:
+    """``str(error)``, or the exception's type when that is empty or raises."""
+    try:
+        return str(error) or type(error).__name__
+    except Exception:
+        return type(error).__name__
 
 
 def _error(name: str, message: str, *, timed_out: bool = False) -> ToolResult:
     return ToolResult(name, str({"error": message}), True, timed_out)
 
 
-class _TimedOut(Exception):
-    """An async call cancelled at the deadline (not a TimeoutError the tool raised itself)."""
+def _timed_out(name: str, timeout: float | None) -> ToolResult:
+    return _error(name, f"Tool {name} timed out after {timeout:g} s.", timed_out=True)
 
 
-class _Worker:
-    """A daemon thread that runs ``jobs`` (index, tool, arguments) one after another."""
-
-    def __init__(self, jobs: list[tuple[int, Callable, dict]]):
-        self.jobs = jobs
-        self.outcomes: dict[int, tuple[bool, Any]] = {}
-        self.abandoned = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="jaxrl_llm-tool", daemon=True)
-
-    def _run(self) -> None:
-        for index, tool, arguments in self.jobs:
-            if self.abandoned.is_set():
-                return
-            try:
-                self.outcomes[index] = (True, tool(**arguments))
-            except BaseException as error:  # a tool's SystemExit too: the thread reports, not dies
-                self.outcomes[index] = (False, error)
+class _TimedOut(BaseException):
+    """A call cut off at the timeout (not a TimeoutError the tool raised itself). A
+    ``BaseException``, so that a tool's own ``except Exception`` does not swallow it."""
 
 
-async def _awaited(tool: Callable, arguments: dict, deadline: float | None) -> Any:
-    if deadline is None:
+async def _awaited(tool: Callable, arguments: dict, timeout: float | None) -> Any:
+    if timeout is None:
         return await tool(**arguments)
-    scope = asyncio.timeout(max(deadline - time.monotonic(), 0.0))
+    scope = asyncio.timeout(timeout)
     try:
         async with scope:
             return await tool(**arguments)

@@ -1,7 +1,8 @@
 """Reward functions in TRL's convention, and how the trainer calls them.
 
 Each reward function is called with keyword arguments only,
-``fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]``
+``fn(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...,
+log_extra=..., log_metric=...) -> list[float | None]``
 (see :mod:`jaxrl_llm.rewards.combine`); the built-ins follow the same convention, so they
 can be passed as they are or with options bound by ``functools.partial``:
 
@@ -18,7 +19,7 @@ The package exports what a user calls; the library's own helpers stay in their m
 
 from jaxrl_llm.rewards import extraction, sandbox
 from jaxrl_llm.rewards.code import code_execution, extract_code
-from jaxrl_llm.rewards.combine import RewardFunctionError, RewardResult, compute_rewards
+from jaxrl_llm.rewards.combine import RewardFunctionError, RewardResult, TrainerState, compute_rewards
 from jaxrl_llm.rewards.length import length_penalty, overlong_penalty, soft_overlong_punishment
 from jaxrl_llm.rewards.reward_model import RewardModel
 from jaxrl_llm.rewards.text import exact_match, format_reward, math_equivalence
@@ -27,6 +28,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardModel",
     "RewardResult",
+    "TrainerState",
     "code_execution",
     "compute_rewards",
     "exact_match",

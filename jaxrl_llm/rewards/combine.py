@@ -4,11 +4,16 @@ A reward function is called with keyword arguments only:
 
 .. code-block:: python
 
-    fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+       trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
 
-every argument a list of length ``B`` in rollout order, each dataset column repeated to
-line up with the ``G`` completions of its prompt, so a function written for TRL's
-``GRPOTrainer`` (``def accuracy(completions, answer, **kwargs)``) works unchanged. It
+every data argument a list of length ``B`` in rollout order, each dataset column repeated
+to line up with the ``G`` completions of its prompt, so a function written for TRL's
+``GRPOTrainer`` (``def accuracy(completions, answer, **kwargs)``) works unchanged. As
+TRL's, ``trainer_state`` says where training is (:class:`TrainerState`: ``global_step``,
+``max_steps``, ``epoch``), ``log_metric(name, value)`` logs a scalar (the step's metric
+``name``, the mean of the values logged) and ``log_extra(column, values)`` a column of
+``B`` values beside the completions (``samples.jsonl``). It
 returns ``B`` numbers, where ``None`` means "does not apply". The reward is the weighted
 sum over the functions that apply,
 
@@ -31,8 +36,55 @@ from typing import Any
 
 import numpy as np
 
-ARGUMENTS = ("prompts", "completions", "completion_ids")
+ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 """The arguments every reward function receives; no dataset column may take these names."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerState:
+    """Where training is, as a reward function reads it from TRL's ``trainer_state`` (the
+    fields of ``transformers.TrainerState`` TRL's rewards use), for curricula."""
+
+    global_step: int = 0
+    """Train steps completed: the step being scored is ``global_step`` (0-based)."""
+    max_steps: int = 0
+    """The steps the run trains for (0 outside a run: an evaluation on its own)."""
+    epoch: float = 0.0
+    """Passes over the train split so far (prompts drawn / its size); 0 for a task
+    without a fixed size (an endless generator)."""
+
+
+class _BadLog(TypeError):
+    """A reward function called ``log_metric`` or ``log_extra`` with what they do not take."""
+
+
+class _Log:
+    """Collects what reward functions log through ``log_metric`` and ``log_extra``."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.metrics: dict[str, list[float]] = {}
+        self.extra: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar for the step's metric ``name`` (values averaged)."""
+        if not isinstance(name, str) or not name:
+            raise _BadLog(f"log_metric: `name` must be a non-empty str; got {name!r:.80}.")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value):
+            raise _BadLog(f"log_metric({name!r}, ...): `value` must be a finite number; got {value!r:.80}.")
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """TRL's ``log_extra``: a column of one value per completion beside the completions."""
+        if not isinstance(column, str) or not column:
+            raise _BadLog(f"log_extra: `column` must be a non-empty str; got {column!r:.80}.")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != self.batch:
+            raise _BadLog(
+                f"log_extra({column!r}, ...): `values` must be a list of one value per completion ({self.batch}); "
+                f"got {type(values).__name__}{f' of {len(values)}' if isinstance(values, Sequence) else ''}."
+            )
+        self.extra[column] = list(values)  # logged again: the last values
+
 
 ON_ERROR = ("raise", "zero")
 """What a reward function that raises does to the run: stop it, or score the batch's
@@ -104,6 +156,8 @@ class RewardResult:
     total: np.ndarray  # [B] float32: sum_j w_j r_ij over the functions that apply
     values: dict[str, np.ndarray]  # name -> [B] float32, NaN where the function returned None
     errors: dict[str, int]  # name -> rows scored 0 because the function raised (on_error="zero")
+    logged: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # log_metric: name -> values
+    extra: dict[str, list] = dataclasses.field(default_factory=dict)  # log_extra: column -> [B] values
 
     @property
     def unscored(self) -> np.ndarray:
@@ -189,6 +243,7 @@ def compute_rewards(
     columns: Mapping[str, Sequence[Any]],
     on_error: str = "raise",
     first_row: int = 0,
+    trainer_state: TrainerState | None = None,
 ) -> RewardResult:
     """Calls each reward function in TRL's convention and combines the results.
 
@@ -198,6 +253,10 @@ def compute_rewards(
       columns: name -> ``[B]`` values, already repeated per completion.
       on_error: ``"raise"`` (default) or ``"zero"``, see :data:`ON_ERROR`.
       first_row: the number of the first row in error messages (a part of a larger batch).
+      trainer_state: passed to the functions (default: ``TrainerState()``, step 0 of 0).
+
+    What the functions log comes back in ``logged`` (``log_metric``) and ``extra``
+    (``log_extra``; a column logged twice keeps its last values).
 
     Raises:
       RewardFunctionError: a function raised (with ``on_error="raise"``; the original
@@ -217,16 +276,21 @@ def compute_rewards(
         completions=list(completions),
         completion_ids=[list(ids) for ids in completion_ids],
     )
+    log = _Log(batch)
+    context = dict(trainer_state=trainer_state or TrainerState(), log_extra=log.log_extra, log_metric=log.log_metric)
     values, errors = {}, {}
     for name, fn in zip(reward_names(reward_fns), reward_fns, strict=True):
         try:
             try:
-                values[name] = _checked(name, fn(**arguments), batch, prompts, completions, first_row=first_row)
+                returned = fn(**arguments, **context)
+                values[name] = _checked(name, returned, batch, prompts, completions, first_row=first_row)
             except RewardFunctionError:
                 raise
+            except _BadLog as error:  # a misuse of log_metric / log_extra, not a bad example
+                raise RewardFunctionError(f"Reward function {name!r}: {error}") from None
             except Exception:
                 # Which rows raise? One call per row names the example, and scores the others.
-                values[name], errors[name] = _row_by_row(name, fn, arguments, batch, on_error, first_row)
+                values[name], errors[name] = _row_by_row(name, fn, arguments, batch, on_error, first_row, context)
         except RewardFunctionError as error:
             error.function = fn
             raise
@@ -246,19 +310,27 @@ def compute_rewards(
             f"The weighted sum of the rewards overflows float32 at "
             f"{_example(row, prompts, completions, first_row)}; scale the rewards or weights."
         )
-    return RewardResult(total=total, values=values, errors={name: count for name, count in errors.items() if count})
+    return RewardResult(
+        total=total,
+        values=values,
+        errors={name: count for name, count in errors.items() if count},
+        logged=log.metrics,
+        extra=log.extra,
+    )
 
 
 def _row_by_row(
-    name: str, fn: Any, arguments: dict[str, list], batch: int, on_error: str, first_row: int
+    name: str, fn: Any, arguments: dict[str, list], batch: int, on_error: str, first_row: int, context: dict
 ) -> tuple[np.ndarray, int]:
     """``fn`` called on one row at a time, after it raised on the whole batch: ``[B]``
-    values (0 where it raises) and the count of rows that raised."""
+    values (0 where it raises) and the count of rows that raised. Its ``log_extra`` calls
+    then log nothing (they would log one value a call)."""
+    context = dict(context, log_extra=lambda column, values: None)
     prompts, completions = arguments["prompts"], arguments["completions"]
     values, failed = np.zeros(batch, np.float32), 0
     for row in range(batch):
         try:
-            returned = fn(**{key: column[row : row + 1] for key, column in arguments.items()})
+            returned = fn(**{key: column[row : row + 1] for key, column in arguments.items()}, **context)
         except Exception as error:
             if on_error == "raise":
                 raise RewardFunctionError(

@@ -175,7 +175,10 @@ def sample_rows(scored_round: ScoredRound, *, step: int, max_prompts: int) -> li
       chat messages), ``reward`` the task's weighted sum (the logged ``reward``; shaping
       such as DAPO's overlong penalty aside), ``rewards`` each function's value (``None``
       where it did not apply), ``length`` the completion's tokens (its stop token
-      included) and ``truncated`` whether it hit the token budget without stopping.
+      included) and ``truncated`` whether it hit the token budget without stopping. An
+      episode's row also has ``messages``, the completion as TRL's message list (the
+      model's turns with their ``tool_calls``, and the tools'); ``extra``, when reward
+      functions logged columns with ``log_extra``, holds the row's value of each.
     """
     if not isinstance(max_prompts, numbers.Integral) or isinstance(max_prompts, bool) or max_prompts < 0:
         raise ValueError(f"sample_rows: `max_prompts` must be an integer >= 0; got {max_prompts!r}.")
@@ -198,6 +201,8 @@ def sample_rows(scored_round: ScoredRound, *, step: int, max_prompts: int) -> li
                     "rewards": {name: json_ready(float(values[row])) for name, values in result.values.items()},
                     "length": int(rollouts.lengths[row]),
                     "truncated": bool(rollouts.truncated[row]),
+                    **({} if scored_round.messages is None else {"messages": json_ready(scored_round.messages[row])}),
+                    **({"extra": {c: json_ready(v[row]) for c, v in result.extra.items()}} if result.extra else {}),
                 }
             )
     return rows

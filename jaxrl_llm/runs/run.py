@@ -174,21 +174,33 @@ def has_completed_step(run_dir: str | os.PathLike) -> bool:
     return latest_checkpoint(run_dir) is not None or bool(metrics.is_file() and records.read_metrics(run_dir))
 
 
+_CHECKPOINT_ENTRY = re.compile(r"\d+|unreadable-\d+(\.\d+)?|\d+\.orbax-checkpoint-tmp.*")
+"""The entries of a run's ``checkpoints/``: steps, those set aside as unreadable, and orbax's temporaries."""
+
+
 def _is_legacy_run(run_dir: pathlib.Path) -> bool:
-    """Whether a directory without :data:`MARKER_FILE` is a run's from before markers: its
-    ``config.json`` reads as a run config and ``checkpoints/`` holds only checkpoints."""
+    """Whether a directory without :data:`MARKER_FILE` is a run's from before markers:
+    everything in it is what a run writes. Its ``config.json`` is a whole run config (every
+    section a run writes, not ``{}``), ``checkpoints/`` holds only checkpoints, ``eval/``
+    only ``step-<n>.json`` files, and ``wandb/`` exists only if the config logs there."""
     try:
-        if stored_config(run_dir) is None:
-            return False
-    except RunDirectoryError:
+        config = stored_config(run_dir)
+        written = json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (RunDirectoryError, OSError, ValueError):
         return False
-    checkpoints = run_dir / CHECKPOINTS
-    return not checkpoints.exists() or (
-        checkpoints.is_dir()
-        and all(
-            re.fullmatch(r"(unreadable-)?\d+|\d+\.orbax-checkpoint-tmp.*", entry.name)
-            for entry in checkpoints.iterdir()
-        )
+    if config is None or not isinstance(written, dict) or not set(to_dict(RunConfig())) <= set(written):
+        return False
+
+    def holds_only(name: str, pattern: str) -> bool:
+        directory = run_dir / name
+        if not directory.exists():
+            return True
+        return directory.is_dir() and all(re.fullmatch(pattern, entry.name) for entry in directory.iterdir())
+
+    return (
+        holds_only(CHECKPOINTS, _CHECKPOINT_ENTRY.pattern)
+        and holds_only("eval", r"step-\d+\.json")
+        and (config.wandb_project is not None or not (run_dir / "wandb").exists())
     )
 
 
@@ -552,10 +564,17 @@ def _continued(
     if mesh is not None:
         like = _placed(like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
     params = None if config.lora.build() is None else load_base(run_dir, config, task, mesh=mesh)
-    state = _restore(checkpointer, like)
+    try:
+        state = _restore(checkpointer, like)
+    except RuntimeError:  # none can be read: each one's error is in ``skipped``
+        unreadable = "; ".join(f"checkpoint {step}: {why}" for step, why in checkpointer.skipped.items())
+        raise RunDirectoryError(
+            f"cannot resume {str(run_dir)!r}: none of its checkpoints can be read ({unreadable}). Start again in "
+            f"another --run-dir, or in this one with --overwrite (which deletes them)."
+        ) from None
     start = int(state.step)
     for unreadable in (s for s in checkpointer.all_steps() if s > start):
-        aside = run_dir / CHECKPOINTS / f"unreadable-{unreadable}"
+        aside = _aside(run_dir / CHECKPOINTS, unreadable)
         if main:
             os.replace(run_dir / CHECKPOINTS / str(unreadable), aside)
         why = checkpointer.skipped.get(unreadable, "not restored")
@@ -567,6 +586,16 @@ def _continued(
     warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
     _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
     return model, state.params if params is None else params, state, warm
+
+
+def _aside(checkpoints: pathlib.Path, step: int) -> pathlib.Path:
+    """Where an unreadable checkpoint of ``step`` is moved: ``unreadable-<step>``, or
+    ``unreadable-<step>.<k>`` when its step was set aside before (corrupted again)."""
+    aside, again = checkpoints / f"unreadable-{step}", 1
+    while aside.exists():
+        again += 1
+        aside = checkpoints / f"unreadable-{step}.{again}"
+    return aside
 
 
 def _placed(like, shardings):
@@ -785,9 +814,10 @@ class _RunSteps:
             for done, metrics in enumerate(stopped.history, start=start):
                 if not self.recorder.rows or self.recorder.rows[-1]["step"] < done:
                     self.recorder.log(done, metrics)
-        with _reported(f"save a checkpoint of step {step}", stream):
-            self.save(stopped.state)
-            _print(f"Saved a checkpoint of step {step}.", stream)
+        if step > 0:  # step 0 is the starting point, never saved
+            with _reported(f"save a checkpoint of step {step}", stream):
+                self.save(stopped.state)
+                _print(f"Saved a checkpoint of step {step}.", stream)
         with _reported("close the records", stream):
             self.recorder.close()
         with _reported("close the checkpoints", stream):

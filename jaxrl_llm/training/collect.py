@@ -54,8 +54,10 @@ def collect_batch(
     position: int,
     prompt_bucket: int = 8,
     toolset: scoring.Toolset | None = None,
+    trainer_state: rewards.TrainerState | None = None,
 ) -> CollectedBatch:
-    """Rollouts and rewards for one train step, from the task's train stream at ``position``.
+    """Rollouts and rewards for one train step, from the task's train stream at ``position``
+    (``trainer_state``: what the reward functions are told of the run).
 
     Without dynamic sampling: one round of ``P`` prompts times ``G`` completions. With it
     (DAPO): groups whose task rewards are all equal (all right or all wrong; the overlong
@@ -98,6 +100,7 @@ def collect_batch(
             prompt_bucket=prompt_bucket,
             on_reward_error=config.on_reward_error,
             shaping=shaping,
+            trainer_state=trainer_state,
         )
         rounds.append(scored)
         grouped = scored.result.total.reshape(num_prompts, group)  # the task's rewards: shaping is no signal

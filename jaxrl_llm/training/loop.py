@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, sampling, sharding, tasks
+from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, rewards, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.episodes import scoring
 from jaxrl_llm.rewards.combine import called_in
@@ -438,11 +438,16 @@ class _Scored(NamedTuple):
     host_metrics: dict[str, float]
 
 
-def _rollout_and_score(run: _Run, state: TrainState) -> _Scored:
+def _rollout_and_score(run: _Run, state: TrainState, *, max_steps: int) -> _Scored:
     """Steps 1-3 up to the update: rollouts and rewards (refilled while groups carry no
     signal, with DAPO's dynamic sampling), then ``score`` (reference and old log-probs,
-    values, advantages)."""
+    values, advantages). ``max_steps``: the steps the run ends at, for the reward
+    functions' ``trainer_state``."""
     started = time.perf_counter()
+    drawn, train_size = int(state.prompts_drawn), run.task.split_size("train")
+    trainer_state = rewards.TrainerState(
+        global_step=int(state.step), max_steps=max_steps, epoch=drawn / train_size if train_size else 0.0
+    )
     with called_in(f"the rollout of train step {int(state.step)}"):
         collected = collect_batch(
             run.rollout,
@@ -454,6 +459,7 @@ def _rollout_and_score(run: _Run, state: TrainState) -> _Scored:
             position=int(state.prompts_drawn),
             prompt_bucket=run.prompt_bucket,
             toolset=run.toolset,
+            trainer_state=trainer_state,
         )
     rollouts = collected.rollouts
     batch = Batch.from_rollout(
@@ -478,7 +484,7 @@ def _rollout_metrics(collected: CollectedBatch, config: TrainConfig) -> dict[str
     task_rewards = first.result.total  # [P * G]: the task's weighted sum, shaping aside
     lengths = first.rollouts.lengths
     grouped = first.rollouts.rewards.reshape(config.num_prompts, config.group_size)  # as the advantages see them
-    return dict(
+    metrics = dict(
         reward=float(task_rewards.mean()),
         reward_std=float(task_rewards.std()),
         **{f"reward_{name}": mean for name, mean in first.result.means().items()},
@@ -492,6 +498,13 @@ def _rollout_metrics(collected: CollectedBatch, config: TrainConfig) -> dict[str
         refill_rounds=float(collected.refill_rounds),
         **first.episode_metrics,
     )
+    # What the reward functions logged with log_metric, as TRL: each name's mean.
+    if clash := sorted(set(first.result.logged) & set(metrics)):
+        raise rewards.RewardFunctionError(
+            f"A reward function logged metric(s) {clash} with log_metric, names the run's own metrics take; "
+            f"choose other names."
+        )
+    return metrics | {name: float(np.mean(values)) for name, values in first.result.logged.items()}
 
 
 def _step_metrics(
@@ -565,7 +578,7 @@ def _run_steps(run: _Run, state: TrainState, steps: int) -> tuple[TrainState, li
         try:
             for _ in range(steps):
                 step = int(state.step)
-                scored = _rollout_and_score(run, state)
+                scored = _rollout_and_score(run, state, max_steps=first_step + steps)
                 update_started = time.perf_counter()
                 # The update consumes (donates) the state: from here on only its result is valid.
                 with _interrupts_held():
@@ -595,8 +608,10 @@ def _stopped(
     where = f"train stopped at step {first_step + len(history)} ({len(history)} of {steps} steps done)"
     if isinstance(error, KeyboardInterrupt):
         return RunInterrupted(f"{where}: interrupted; `.state` and `.history` hold the run so far.", state, history)
+    detail = str(error)
+    detail = detail[:-1] if detail.endswith(".") and not detail.endswith("..") else detail  # one period, ours
     return RunStopped(
-        f"{where}: {type(error).__name__}: {error}; `.state` and `.history` hold the run so far.", state, history
+        f"{where}: {type(error).__name__}: {detail}; `.state` and `.history` hold the run so far.", state, history
     )
 
 

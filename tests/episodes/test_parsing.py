@@ -5,6 +5,7 @@ import types
 import pytest
 
 from jaxrl_llm.episodes.parsing import (
+    MAX_JSON_DEPTH,
     TOOL_CALL_FORMATS,
     MalformedCall,
     ToolCall,
@@ -202,6 +203,51 @@ class TestResponseTemplate:
             parse_turn("x", format="response_template")
         with pytest.raises(ValueError, match="without one"):
             parse_turn("x", format="response_template", tokenizer=build_char_tokenizer("abc"))
+
+
+def nested(levels):
+    value = 0
+    for _ in range(levels):
+        value = {"x": value}
+    return value
+
+
+HOSTILE_BODIES = {
+    "a thousand open brackets": '{"name": "f", "arguments": ' + "[" * 1000,
+    "brackets nested past the depth limit": '{"name": "f", "arguments": {"x": ' + "[" * 65 + "]" * 65 + "}}",
+    "an integer of 5000 digits": '{"name": "f", "arguments": {"x": ' + "7" * 5000 + "}}",
+    "arguments as a string of deep JSON": '{"name": "f", "arguments": "' + "[" * 2000 + '"}',
+}
+
+
+class TestHostileText:
+    """Model output is untrusted: whatever it writes is a malformed call, never an exception."""
+
+    @pytest.mark.parametrize("body", HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
+    @pytest.mark.parametrize("format", ["hermes", "llama3"])
+    def test_is_a_malformed_call(self, body, format):
+        text = f"<tool_call>{body}</tool_call>" if format == "hermes" else body
+        (call,) = parse_turn(text, format=format).calls
+        assert isinstance(call, MalformedCall), call
+
+    def test_an_unclosed_block_of_brackets(self):
+        (call,) = parse_turn("<tool_call>" + "[" * 1000, format="hermes").calls
+        assert isinstance(call, MalformedCall)
+
+    def test_nesting_at_the_limit_parses(self):
+        def call(lists):  # the call's object, its arguments and ``lists`` lists: lists + 2 levels
+            body = '{"name": "f", "arguments": {"x": ' + "[" * lists + "]" * lists + "}}"
+            return parse_turn(f"<tool_call>{body}</tool_call>", format="hermes").calls[0]
+
+        assert isinstance(call(MAX_JSON_DEPTH - 2), ToolCall)
+        assert isinstance(call(MAX_JSON_DEPTH - 1), MalformedCall)
+
+    @pytest.mark.parametrize("arguments", [{"x": 10**5000}, nested(70)], ids=["huge integer", "70 levels"])
+    def test_template_entries(self, arguments):
+        parsed = {"role": "assistant", "tool_calls": [entry("f", arguments)]}
+        tokenizer = types.SimpleNamespace(response_template={}, parse_response=lambda text, **_: parsed)
+        (call,) = parse_turn("...", format="response_template", tokenizer=tokenizer).calls
+        assert isinstance(call, MalformedCall), call
 
 
 def test_bad_format():

@@ -280,6 +280,32 @@ def test_the_budget_ends_episodes_and_drops_results_that_do_not_fit():
     np.testing.assert_array_equal([len(c) for c in episodes.completions], 5)  # the dropped result's message too
 
 
+def test_a_result_of_megabytes_is_dropped_untokenized(monkeypatch):
+    def add(a: int, b: int) -> str:  # noqa: F811 (the tool's name is what the model calls)
+        """Answers with ten megabytes.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return "5" * 10_000_000
+
+    rendered = []
+    suffix_ids = rollout.conversation.tool_suffix_ids
+    monkeypatch.setattr(
+        rollout.conversation,
+        "tool_suffix_ids",
+        lambda tok, messages, **kw: (
+            rendered.append(sum(len(m["content"]) for m in messages)) or suffix_ids(tok, messages, **kw)
+        ),
+    )
+    model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0}))
+    episodes = run(model, params, group=2, temperature=0.0, tools=(add,), budget=40)
+    assert rendered == [] and episodes.truncated.all()
+    np.testing.assert_array_equal(episodes.tool_calls, 1)
+    assert [[m["role"] for m in c] for c in episodes.completions] == [["assistant"]] * 4  # 2 prompts x 2
+
+
 def test_tool_errors_malformed_calls_and_timeouts_are_results():
     release = threading.Event()
 
@@ -363,6 +389,23 @@ def test_environments_with_their_own_openings():
     assert reward(prompts=None, completions=None, environments=episodes.environments) == list(
         map(float, episodes.tool_calls)
     )
+    # The tokens that are not the model's: the opening, then each round's results with their template ids.
+    tok = tokenizer()
+    for b in range(len(episodes.lengths)):
+        ids = episodes.completion_ids[b]
+        opening = tok.decode(ids[: episodes.openings[b]])  # the end of the row's prompt, after the group's
+        assert opening and (episodes.prompts[b][-1]["content"] + "<eos><|assistant|>").endswith(opening)
+        results = sum(len(rollout.conversation.tool_suffix_ids(tok, [m], end_of_turn=tok.eos_token_id)) for m in
+                      episodes.completions[b] if m["role"] == "tool")  # fmt: skip
+        assert episodes.tool_tokens[b] == results, b
+
+
+def test_an_episode_without_tool_calls_has_no_tool_tokens():
+    model, params = scripted_model({"<|assistant|>": {"5": 20.0}})
+    episodes = run(model, params, group=2, tools=(), environments=Environments(AdderEnv), columns={"answer": [5, 2]})
+    np.testing.assert_array_equal(episodes.tool_calls, 0)
+    np.testing.assert_array_equal(episodes.tool_tokens, 0)
+    assert (episodes.openings > 0).all()
 
 
 def test_bad_settings_are_refused():

@@ -1,6 +1,7 @@
 """Checking tools and calling them: TRL's documented tools run unchanged."""
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -190,38 +191,42 @@ class TestCallTools:
         (result,) = run(ToolCall("fetch", {"url": "x"}), toolbox={"fetch": fetch})
         assert result.failed and not result.timed_out and "did not answer" in result.content
 
-    def test_sync_tools_run_concurrently(self):
-        together = threading.Barrier(4, timeout=5)  # broken unless all four calls are in flight at once
+    def test_sync_tools_run_in_the_calling_thread_in_order(self):
+        log = []
 
-        def meet(x: int) -> int:
-            together.wait()
-            return x
-
-        results = run(*[ToolCall("meet", {"x": x}) for x in range(4)], toolbox={"meet": meet})
-        assert results == [ToolResult("meet", str(x), False, False) for x in range(4)]
-
-    def test_methods_of_one_object_run_in_order(self):
-        together = threading.Barrier(2, timeout=5)
+        def record(label: str) -> str:
+            log.append((label, threading.current_thread() is threading.main_thread()))
+            return label
 
         class Env:
-            def __init__(self):
-                self.log = []
+            def act(self, label: str) -> str:
+                return record(label)
 
-            def act(self, label: str, meet: bool) -> int:
-                if meet:  # waits for the other object's call: the two objects run side by side
-                    together.wait()
-                self.log.append(label)
-                return len(self.log)
-
-        one, two = Env(), Env()
+        env = Env()
         calls = [
-            ({"act": one.act}, ToolCall("act", {"label": "first", "meet": True})),
-            ({"act": two.act}, ToolCall("act", {"label": "other", "meet": True})),
-            ({"act": one.act}, ToolCall("act", {"label": "second", "meet": False})),
+            ({"record": record}, ToolCall("record", {"label": "first"})),
+            ({"act": env.act}, ToolCall("act", {"label": "second"})),
+            ({"record": record}, ToolCall("record", {"label": "third"})),
         ]
         results = call_tools(calls, timeout=5)
-        # Run side by side, "second" would finish while "first" waits at the barrier.
-        assert one.log == ["first", "second"] and [r.content for r in results] == ["1", "1", "2"]
+        assert log == [("first", True), ("second", True), ("third", True)]
+        assert [r.content for r in results] == ["first", "second", "third"]
+
+    def test_async_tools_run_concurrently_with_the_sync_ones(self):
+        started = threading.Event()
+
+        async def signal_start(x: int) -> int:
+            started.set()
+            return x
+
+        def wait_for_the_async_tool(x: int) -> int:
+            if not started.wait(5):
+                raise RuntimeError("the async tool did not start while the sync one ran")
+            return x
+
+        toolbox = {"signal_start": signal_start, "wait": wait_for_the_async_tool}
+        results = run(ToolCall("wait", {"x": 1}), ToolCall("signal_start", {"x": 2}), toolbox=toolbox)
+        assert results == [ToolResult("wait", "1", False, False), ToolResult("signal_start", "2", False, False)]
 
     def test_hung_sync_tool_times_out(self):
         release = threading.Event()
@@ -263,9 +268,7 @@ class TestCallTools:
         assert fine == ToolResult("async_add", "5", False, False)
         assert cancelled.wait(2)
 
-    def test_later_calls_of_a_hung_object_never_start(self):
-        release = threading.Event()
-
+    def test_a_hung_method_is_interrupted_and_the_objects_next_call_runs(self):
         class Env:
             def __init__(self):
                 self.calls = []
@@ -273,22 +276,117 @@ class TestCallTools:
             def step(self, wait: bool) -> str:
                 self.calls.append(wait)
                 if wait:
-                    release.wait(10)
+                    threading.Event().wait(10)
                 return "ok"
 
         env = Env()
+        start = time.monotonic()
+        results = run(
+            ToolCall("step", {"wait": True}), ToolCall("step", {"wait": False}), timeout=0.3, toolbox={"step": env.step}
+        )
+        assert time.monotonic() - start < 1.5
+        assert [(r.content, r.timed_out) for r in results] == [
+            ("{'error': 'Tool step timed out after 0.3 s.'}", True),
+            ("ok", False),
+        ]
+        assert env.calls == [True, False]
+
+    def test_a_tool_that_catches_every_exception_is_still_cut_off(self):
+        def stubborn(x: int) -> str:
+            try:
+                time.sleep(10)
+            except Exception:
+                return "caught"
+            return "slept"
+
+        (result,) = run(ToolCall("stubborn", {"x": 1}), timeout=0.3, toolbox={"stubborn": stubborn})
+        assert result.timed_out
+
+    def test_a_tool_with_its_own_signal_timeout(self):
+        # The pattern of TRL's examples/scripts/grpo_agent.py: a SIGALRM context manager.
+        class ToolTimeout(Exception):
+            pass
+
+        def query(seconds: float) -> str:
+            def on_alarm(signum, frame):
+                raise ToolTimeout("Operation timed out after 1 seconds")
+
+            signal.signal(signal.SIGALRM, on_alarm)
+            signal.alarm(1)
+            try:
+                time.sleep(seconds)
+            finally:
+                signal.alarm(0)
+            return "rows"
+
+        toolbox = {"query": query}
+        fast, slow = run(ToolCall("query", {"seconds": 0.01}), ToolCall("query", {"seconds": 5}), toolbox=toolbox)
+        assert fast == ToolResult("query", "rows", False, False)
+        assert slow == ToolResult("query", "{'error': 'Operation timed out after 1 seconds'}", True, False)
+
+    def test_the_callers_alarm_is_restored(self):
+        fired = []
+        previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
         try:
-            results = run(
-                ToolCall("step", {"wait": True}),
-                ToolCall("step", {"wait": False}),
-                timeout=0.3,
-                toolbox={"step": env.step},
-            )
+            signal.setitimer(signal.ITIMER_REAL, 0.4)
+            (result,) = run(ToolCall("multiply", {"a": 2, "b": 3}), timeout=5)
+            assert result.content == "6"
+            remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+            assert 0 < remaining <= 0.4
+            time.sleep(0.6)
+            assert fired == [signal.SIGALRM]
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def test_the_results_text_is_made_within_the_timeout(self):
+        class Slow:
+            def __str__(self):
+                time.sleep(10)
+                return "late"
+
+        class Broken:
+            def __str__(self):
+                raise RuntimeError("no text")
+
+        def slow() -> str:
+            """Returns something slow to print."""
+            return Slow()
+
+        def broken() -> str:
+            """Returns something that cannot be printed."""
+            return Broken()
+
+        async def async_slow() -> str:
+            """Returns something slow to print."""
+            return Slow()
+
+        toolbox = {"slow": slow, "broken": broken, "async_slow": async_slow}
+        start = time.monotonic()
+        late, failed, async_late = run(
+            ToolCall("slow", {}), ToolCall("broken", {}), ToolCall("async_slow", {}), timeout=0.3, toolbox=toolbox
+        )
+        assert time.monotonic() - start < 2
+        assert late.timed_out and async_late.timed_out
+        assert failed == ToolResult("broken", "{'error': 'no text'}", True, False)
+
+    def test_from_another_thread_a_hung_tool_is_abandoned(self):
+        release = threading.Event()
+
+        def hang(x: int) -> int:
+            release.wait(10)
+            return x
+
+        outcome = []
+        worker = threading.Thread(
+            target=lambda: outcome.extend(run(ToolCall("hang", {"x": 1}), timeout=0.3, toolbox={"hang": hang}))
+        )
+        try:
+            worker.start()
+            worker.join(5)
         finally:
             release.set()
-        assert [r.timed_out for r in results] == [True, True]
-        time.sleep(0.1)
-        assert env.calls == [True]
+        assert [r.timed_out for r in outcome] == [True]
 
     def test_no_timeout_waits(self):
         async def nap(seconds: float) -> str:

@@ -42,6 +42,7 @@ def test_functions_get_every_argument_by_keyword_and_the_sum_is_weighted_over_th
         return [0.5, None, 2.0]
 
     result = _compute([accuracy, spy], [2.0, -1.0])
+    assert {key: seen.pop(key) for key in ("trainer_state", "log_extra", "log_metric")}
     assert seen == {"prompts": PROMPTS, "completions": COMPLETIONS, "completion_ids": IDS, **COLUMNS}
     # Slow reference: r_i = sum over j with r_ij not None of w_j r_ij.
     expected = [2.0 * 1 - 1.0 * 0.5, 2.0 * 0, 2.0 * 1 - 1.0 * 2.0]
@@ -179,3 +180,53 @@ def test_columns_may_not_shadow_the_functions_own_arguments():
         _compute([accuracy], columns={**COLUMNS, "completions": [1, 2, 3]})
     with pytest.raises(ValueError, match="`on_reward_error` must be one of"):
         _compute([accuracy], on_error="ignore")
+
+
+# TRL 1.16's documented uses of `trainer_state`, `log_metric` and `log_extra`, as written there.
+def curriculum(completions, trainer_state, **kwargs):
+    weight = min(1.0, trainer_state.global_step / max(trainer_state.max_steps, 1) * 2)
+    return [weight * float(c.isdigit()) for c in completions]
+
+
+def logging_accuracy(completions, answer, log_extra=None, log_metric=None, **kwargs):
+    correct = [c == a for c, a in zip(completions, answer)]
+    if log_extra:
+        log_extra("golden_answer", list(answer))
+    if log_metric:
+        log_metric("accuracy", sum(correct) / len(correct))
+    return [float(c) for c in correct]
+
+
+def test_functions_get_trainer_state_and_what_they_log_comes_back():
+    result = rewards.compute_rewards(
+        [curriculum, logging_accuracy],
+        [1.0, 1.0],
+        prompts=PROMPTS,
+        completions=COMPLETIONS,
+        completion_ids=IDS,
+        columns=COLUMNS,
+        trainer_state=rewards.TrainerState(global_step=5, max_steps=20, epoch=0.25),
+    )
+    np.testing.assert_allclose(result.values["curriculum"], [0.5, 0.5, 0.5])
+    assert result.logged == {"accuracy": [pytest.approx(2 / 3)]}
+    assert result.extra == {"golden_answer": ["2", "4", "6"]}
+    default = _compute([curriculum])  # outside a run: step 0 of 0
+    np.testing.assert_array_equal(default.values["curriculum"], [0, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "log, message",
+    [
+        (lambda log_metric, **_: log_metric("accuracy", float("nan")), "must be a finite number"),
+        (lambda log_metric, **_: log_metric(3, 0.5), "`name` must be a non-empty str"),
+        (lambda log_extra, **_: log_extra("answer", ["a"]), r"one value per completion \(3\); got list of 1"),
+        (lambda log_extra, **_: log_extra("answer", "abc"), "one value per completion"),
+    ],
+)
+def test_bad_logs_are_named(log, message):
+    def logs_badly(completions, **kwargs):
+        log(**kwargs)
+        return [0.0] * len(completions)
+
+    with pytest.raises(rewards.RewardFunctionError, match=message):
+        _compute([logs_badly])

@@ -12,7 +12,7 @@ import io
 
 import pytest
 
-from jaxrl_llm import runs
+from jaxrl_llm import cli, runs
 from jaxrl_llm.runs import run
 from tests.training.test_checkpoint import flip_bytes
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 @pytest.mark.slow
-def test_a_run_continues_from_the_checkpoint_before_a_corrupt_latest_one(tmp_path):
+def test_a_run_continues_from_the_checkpoint_before_a_corrupt_latest_one(tmp_path, capsys):
     tiny = runs.load("tiny")
     config = dataclasses.replace(
         tiny,
@@ -57,3 +57,26 @@ def test_a_run_continues_from_the_checkpoint_before_a_corrupt_latest_one(tmp_pat
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
     for again, before in zip(rows[:3], first, strict=True):  # step 2 again, from the good state
         assert {k: again[k] for k in METRICS} == {k: before[k] for k in METRICS}
+
+    # The same step corrupted again: set aside beside the first, and the run goes on.
+    flip_bytes(checkpoints / "5")
+    result = run.train_run(config, run_dir, resume=True, progress=False, stream=None)  # steps=3: ends at once
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["3", "4", "unreadable-3", "unreadable-5"]
+    flip_bytes(checkpoints / "4")
+    (checkpoints / "unreadable-4").mkdir()
+    out = io.StringIO()
+    run.train_run(dataclasses.replace(config, steps=5), run_dir, resume=True, progress=False, stream=out)
+    assert f"moved to {checkpoints / 'unreadable-4.2'}, continuing from step 3." in out.getvalue()
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "3", "4", "5", "unreadable-3", "unreadable-4", "unreadable-4.2", "unreadable-5"
+    ]  # fmt: skip
+
+    # None readable: one message, and the command that starts again.
+    for step in ("3", "4", "5"):
+        flip_bytes(checkpoints / step)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--run-dir", str(run_dir), "--resume", "--progress", "off"])
+    err = capsys.readouterr().err.strip().split("\n")
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert f"cannot resume {str(run_dir)!r}: none of its checkpoints can be read (checkpoint 5: ValueError: " in err[0]
+    assert err[0].endswith("Start again in another --run-dir, or in this one with --overwrite (which deletes them).")

@@ -223,6 +223,16 @@ def test_a_failing_reward_function_is_reported_in_a_few_lines_and_the_fixed_comm
     assert cli.main(["train", "--config", write_config(), "--run-dir", "r", "--progress", "off"]) == 0
 
 
+def test_a_run_failing_at_its_first_step_says_only_that_no_checkpoint_was_saved(project, capsys):
+    root, write_config = project
+    argv = ["train", "--config", write_config(reward="my_rewards:crashes"), "--run-dir", "r", "--progress", "off"]
+    assert cli.main([*argv, "--train.eval-every", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "train stopped at step 0 (0 of 1 steps done): RewardFunctionError: In the rollout of train step 0" in err
+    assert "Saved a checkpoint" not in err and ".." not in err
+    assert err.strip().split("\n")[-1] == "No checkpoint was saved; fix the cause and run the same command again."
+
+
 def test_a_reward_function_failing_mid_run_names_the_step_and_how_to_continue(project, capsys, monkeypatch):
     root, write_config = project
     argv = ["train", "--config", write_config(steps=3), "--run-dir", "r", "--progress", "off"]

@@ -190,6 +190,28 @@ def test_a_directory_with_a_run_config_but_not_a_runs_checkpoints_is_not_replace
     assert run.check_run_directory(runs.load("tiny"), legacy, overwrite=True) is None
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: (d / run.CONFIG_FILE).write_text("{}"),  # not what a run writes
+        lambda d: (d / "eval" / "results.json").write_text("precious"),  # a run writes step-<n>.json there
+        lambda d: (d / "wandb" / "run-1").mkdir(parents=True),  # the config logs to no wandb project
+    ],
+    ids=["empty config", "eval results", "wandb without a project"],
+)
+def test_a_directory_without_a_marker_is_replaced_only_if_it_holds_exactly_a_runs_files(tmp_path, make):
+    directory = _fake_run(tmp_path / "d")
+    (directory / run.MARKER_FILE).unlink()
+    (directory / "eval").mkdir()
+    (directory / "eval" / "step-3.json").write_text("{}")
+    assert run.check_run_directory(runs.load("tiny"), directory, overwrite=True) is None
+    make(directory)
+    before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+    with pytest.raises(run.RunDirectoryError, match="is not a run directory.*nothing was deleted"):
+        run.check_run_directory(runs.load("tiny"), directory, overwrite=True)
+    assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
+
+
 def test_clearing_a_run_removes_links_without_following_them(tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir()

@@ -172,6 +172,32 @@ def test_a_dataset_is_walked_in_epochs_and_a_resumed_run_sees_the_prompts_of_the
     assert seen == straight
 
 
+def test_reward_functions_get_the_trainer_state_and_log_metrics_as_under_trl():
+    tokenizer = tasks.build_char_tokenizer("abcde")
+    states = []
+
+    def curriculum(completions, trainer_state, log_metric, **kwargs):  # TRL's signature
+        states.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
+        log_metric("progress", trainer_state.global_step / trainer_state.max_steps)
+        log_metric("progress", 1.0)  # logged twice: the step's metric is the mean
+        return [0.0] * len(completions)
+
+    task = tasks.from_records([{"prompt": letter} for letter in "abcde"], tokenizer=tokenizer, reward_fns=[curriculum])
+    model, params = _tiny_model(tokenizer, max_positions=16)
+    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
+    state, history = training.train(model, params, algorithms.PG, run, steps=2, task=task)
+    _, resumed = training.train(model, params, algorithms.PG, run, steps=1, task=task, state=state)
+    assert states == [(0, 2, 0.0), (1, 2, 0.4), (2, 3, 0.8)]  # 2 of 5 prompts a step
+    assert [m["progress"] for m in history + resumed] == pytest.approx([0.5, 0.75, 2 / 3 / 2 + 0.5])
+    task = tasks.from_records(
+        [{"prompt": "a"}],
+        tokenizer=tokenizer,
+        reward_fns=[lambda log_metric, completions, **_: log_metric("reward", 1.0) or [0.0] * len(completions)],
+    )
+    with pytest.raises(training.RunStopped, match=r"logged metric\(s\) \['reward'\] with log_metric"):
+        training.train(model, params, algorithms.PG, run, steps=1, task=task)
+
+
 def test_a_reward_function_that_raises_stops_the_run_naming_it_or_scores_zero_and_is_counted():
     tokenizer = tasks.build_char_tokenizer("abcde")
 
