@@ -19,11 +19,11 @@ def loss(w, x):
 grad = jax.jit(jax.grad(loss))
 x, w = jnp.ones((2**14, 16)), (jnp.ones((16, 1024)) / 16, jnp.ones((1024, 16)) / 1024)
 faults = []
-for _ in range(40):
+for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     jax.block_until_ready(grad(w, x))
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(applied, sorted(faults[20:])[10])  # the median call once the heap has grown to its size
+print(applied, sorted(faults[10:])[5])  # the median call once the heap has grown to its size
 """
 HIDDEN_PAGES = 2**14 * 1024 * 4 // 4096
 

@@ -28,10 +28,11 @@ QUICKER = {
     "05_a_real_model.ipynb": {
         "STEPS = 20": "STEPS = 1",
         "test_size=200": "test_size=16",
+        "num_prompts=8, group_size=8,": "num_prompts=2, group_size=2,",
     },
 }
 """Settings a notebook runs with here instead of its own (its committed outputs show its own):
-fewer training steps and held-out examples, enough to run every cell. The real model's 20 GRPO
+fewer training steps, rollouts and held-out examples, enough to run every cell. The real model's 20 GRPO
 steps and 200 held-out sums take 8 minutes, 04's calculator run 3. Shortened, the notebooks are
 compile-bound and run with the suite's quick code generation, except those in DEFAULT_CODEGEN."""
 DEFAULT_CODEGEN = {"05_a_real_model.ipynb"}

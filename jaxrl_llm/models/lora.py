@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 
@@ -54,6 +55,7 @@ __all__ = [
     "init_adapters",
     "load_adapter",
     "merge",
+    "read_adapter_config",
     "save_adapter",
     "split",
 ]
@@ -258,41 +260,130 @@ def save_adapter(
         save_file(peft_tensors(adapters), staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
 
 
+_PEFT_METADATA = frozenset(
+    {"task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+     "megatron_core", "qalora_group_size"}
+)  # fmt: skip
+"""Keys of a PEFT LoRA config that do not change what the adapter computes."""
+_PEFT_PLAIN = {
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "lora_bias": False,
+    "modules_to_save": None,
+    "exclude_modules": None,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "megatron_config": None,
+    "trainable_token_indices": None,
+    "loftq_config": {},
+    "eva_config": None,
+    "corda_config": None,
+    "lora_ga_config": None,
+    "velora_config": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "monteclora_config": None,
+    "layer_replication": None,
+    "target_parameters": None,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
+    "ensure_weight_tying": False,
+}
+"""Keys of a PEFT LoRA config with the value plain LoRA has: another value is a variant
+this library does not compute (DoRA, biases, other modules, per-layer ranks, aLoRA,
+QALoRA, ...) and is refused."""
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+"""``init_lora_weights`` values whose adapters pair with a base PEFT changed at
+initialisation (unless converted to plain LoRA on saving)."""
+
+
 def _lora_config_from_peft(config: dict, where: pathlib.Path, dtype) -> LoraConfig:
-    """A :class:`LoraConfig` from a PEFT ``adapter_config.json``; what it cannot represent is refused."""
+    """A :class:`LoraConfig` from a PEFT ``adapter_config.json``: what it cannot represent,
+    keys it does not know with a value set, and values of the wrong type are refused by name."""
 
     def refuse(what: str) -> ValueError:
         return ValueError(f"load_adapter: {where / ADAPTER_CONFIG}: {what}")
 
+    if not isinstance(config, dict):
+        raise refuse(f"expected a JSON object; got a JSON {type(config).__name__}.")
     if config.get("peft_type", "LORA") != "LORA":
         raise refuse(f"peft_type {config.get('peft_type')!r} is not supported; only 'LORA'.")
-    unsupported = {
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "bias": "none",
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-    }
-    for key, allowed in unsupported.items():
-        value = config.get(key, allowed)
-        if value != allowed and not (allowed is None and value == []) and not (allowed == {} and value is None):
-            raise refuse(f"{key}={value!r} is not supported (only {allowed!r}).")
-    targets = config.get("target_modules")
+    for key, plain in _PEFT_PLAIN.items():
+        value = config.get(key, plain)
+        if value != plain and not (value in (None, [], {}) and plain in (None, [], {})):
+            raise refuse(f"{key}={value!r:.80} is not supported: only plain LoRA ({key}={plain!r}).")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise refuse(
+            f"init_lora_weights={init!r} pairs the adapter with a base PEFT changed at initialisation; save it "
+            f"converted to plain LoRA (PEFT's path_initial_model_for_weight_conversion)."
+        )
+    known = {*_PEFT_METADATA, *_PEFT_PLAIN, "peft_type", "init_lora_weights", "r", "lora_alpha", "lora_dropout",
+             "use_rslora", "target_modules"}  # fmt: skip
+    if unknown := sorted(key for key in config if key not in known and config[key] not in (None, False, [], {}, "")):
+        raise refuse(f"unknown key(s) {unknown} set: a LoRA variant this library does not know; refused.")
+
+    def typed(key: str, types: tuple, default, check=lambda value: True, expected: str = ""):
+        value = config.get(key, default)
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types) or not check(value):
+            raise refuse(f"{key} must be {expected}; got {value!r:.80}.")
+        return value
+
+    rank = typed("r", (int,), None, lambda v: v > 0, "an integer > 0")
+    alpha = typed("lora_alpha", (int, float), 8, math.isfinite, "a finite number")
+    dropout = typed("lora_dropout", (int, float), 0.0, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    rslora = typed("use_rslora", (bool,), False, expected="true or false")
+    targets = typed(
+        "target_modules",
+        (str, list),
+        None,
+        lambda v: isinstance(v, str) or (v and all(isinstance(t, str) for t in v)),
+        'a module name, a list of them or "all-linear"',
+    )
     if isinstance(targets, str) and targets != "all-linear":
         targets = [targets]
     try:
         return LoraConfig(
-            rank=int(config["r"]),
-            alpha=float(config.get("lora_alpha", 8)),
-            targets=targets if isinstance(targets, str) else tuple(targets or ()),
-            rslora=bool(config.get("use_rslora", False)),
-            dropout=float(config.get("lora_dropout", 0.0)),
+            rank=rank,
+            alpha=float(alpha),
+            targets=targets if isinstance(targets, str) else tuple(targets),
+            rslora=rslora,
+            dropout=float(dropout),
             dtype=dtype,
         )
-    except (KeyError, TypeError, ValueError) as error:
+    except (TypeError, ValueError) as error:
         raise refuse(f"not a LoRA config this library can use ({error}).") from error
+
+
+def read_adapter_config(path: str | os.PathLike, *, dtype=jnp.float32) -> LoraConfig:
+    """The :class:`LoraConfig` of a PEFT adapter directory (its ``adapter_config.json``),
+    the adapters in ``dtype``.
+
+    Raises:
+      FileNotFoundError: no ``adapter_config.json`` there.
+      ValueError: not JSON, not plain LoRA, or a value of the wrong type (named).
+    """
+    where = pathlib.Path(path)
+    if not (where / ADAPTER_CONFIG).is_file():
+        raise FileNotFoundError(f"load_adapter: {where} has no {ADAPTER_CONFIG} (a PEFT adapter directory has both).")
+    try:
+        peft_config = json.loads((where / ADAPTER_CONFIG).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"load_adapter: {where / ADAPTER_CONFIG} is not valid JSON ({error}).") from None
+    return _lora_config_from_peft(peft_config, where, dtype)
+
+
+def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file. Raises ValueError naming the file if it cannot be read."""
+    try:
+        with safe_open(path, framework="numpy") as file:
+            return {name: file.get_tensor(name) for name in file.keys()}
+    except Exception as error:  # safetensors' own error type, or an OSError
+        raise ValueError(f"load_adapter: {path} cannot be read (truncated or not safetensors?): {error}") from None
 
 
 def load_adapter(path: str | os.PathLike, model: Model, *, dtype=jnp.float32) -> tuple[Model, Params]:
@@ -308,32 +399,31 @@ def load_adapter(path: str | os.PathLike, model: Model, *, dtype=jnp.float32) ->
     if model.config.lora is not None:
         raise ValueError("load_adapter: `model` has adapters already; pass its base (lora.base_model).")
     where = pathlib.Path(path)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (where / name).is_file():
-            raise FileNotFoundError(f"load_adapter: {where} has no {name} (a PEFT adapter directory has both).")
-    lora = _lora_config_from_peft(json.loads((where / ADAPTER_CONFIG).read_text()), where, dtype)
+    lora = read_adapter_config(where, dtype=dtype)
+    if not (where / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"load_adapter: {where} has no {ADAPTER_WEIGHTS} (a PEFT adapter directory has both).")
     lora_model = adapted(model, lora)
     specs = _adapter_shapes(dataclasses.replace(lora_model.config, scan_layers=False))  # PEFT's: per layer
-    with safe_open(where / ADAPTER_WEIGHTS, framework="numpy") as file:
-        # PEFT names a tensor by its module path, with the adapter's name (".default") or without.
-        stored = {name.replace(".default.", "."): name for name in file.keys()}
-        expected = {peft_name(path): path for path in specs}
-        missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
-        if missing or extra:
-            found = [f"{len(missing)} missing ({', '.join(missing[:3])})" if missing else "",
-                     f"{len(extra)} unexpected ({', '.join(extra[:3])})" if extra else ""]  # fmt: skip
-            raise ValueError(
-                f"load_adapter: the tensors of {where / ADAPTER_WEIGHTS} do not fit the model with {lora}: "
-                f"{'; '.join(part for part in found if part)}."
-            )
-        leaves = {}
-        for name, path in expected.items():
-            shape = specs[path].get_value().shape
-            tensor = file.get_tensor(stored[name])  # [r, in] or [out, r]
-            is_a = path[-1].endswith("_lora_a")
-            flat = (int(np.prod(shape[:-1])), shape[-1]) if is_a else (shape[0], int(np.prod(shape[1:])))
-            if tensor.T.shape != flat:
-                raise ValueError(f"load_adapter: {name} has shape {tuple(tensor.shape)}; the model needs {flat[::-1]}.")
-            leaves[path] = specs[path].replace(jnp.asarray(tensor.T.reshape(shape), dtype))
+    tensors = _read_tensors(where / ADAPTER_WEIGHTS)
+    # PEFT names a tensor by its module path, with the adapter's name (".default") or without.
+    stored = {name.replace(".default.", "."): name for name in tensors}
+    expected = {peft_name(path): path for path in specs}
+    missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if missing or extra:
+        found = [f"{len(missing)} missing ({', '.join(missing[:3])})" if missing else "",
+                 f"{len(extra)} unexpected ({', '.join(extra[:3])})" if extra else ""]  # fmt: skip
+        raise ValueError(
+            f"load_adapter: the tensors of {where / ADAPTER_WEIGHTS} do not fit the model with {lora}: "
+            f"{'; '.join(part for part in found if part)}."
+        )
+    leaves = {}
+    for name, path in expected.items():
+        shape = specs[path].get_value().shape
+        tensor = tensors[stored[name]]  # [r, in] or [out, r]
+        is_a = path[-1].endswith("_lora_a")
+        flat = (int(np.prod(shape[:-1])), shape[-1]) if is_a else (shape[0], int(np.prod(shape[1:])))
+        if tensor.T.shape != flat:
+            raise ValueError(f"load_adapter: {name} has shape {tuple(tensor.shape)}; the model needs {flat[::-1]}.")
+        leaves[path] = specs[path].replace(jnp.asarray(tensor.T.reshape(shape), dtype))
     adapters = nnx.from_flat_state(leaves)
     return lora_model, stack_layers(adapters) if lora_model.config.scan_layers else adapters

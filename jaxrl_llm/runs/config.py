@@ -317,6 +317,11 @@ class LoraSpec:
     default): none, every weight trained. The base is the model after the warm start; the
     reference is the base itself; PPO's critic is adapters of its own and a value head over it."""
 
+    adapter: str | None = None
+    """A PEFT adapter directory to go on training (an SFT adapter; TRL: a ``PeftModel`` as
+    the model): the run starts from its tensors over ``model`` as it is (no warm start), and
+    its ``adapter_config.json`` gives rank, alpha, targets and rsLoRA (set here, they must
+    agree) and dropout (unless set here). The reference stays the base."""
     rank: int = 0
     """``r``, PEFT's ``r`` (0: no adapters)."""
     alpha: float = 32.0
@@ -344,7 +349,9 @@ class LoraSpec:
             self._config(self.rank or 1)  # every field checked, at rank 0 too
         except ValueError as error:
             raise ValueError(str(error).replace("LoraConfig:", f"{where}:", 1)) from None
-        if not self.rank:
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"{where}: `adapter` must be the path of a PEFT adapter directory; got {self.adapter!r}.")
+        if not self.rank and self.adapter is None:
             changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
             if changed:
                 raise ValueError(
@@ -353,8 +360,37 @@ class LoraSpec:
                 )
 
     def build(self) -> models.LoraConfig | None:
-        """The adapters' :class:`~jaxrl_llm.models.LoraConfig`; ``None`` for rank 0."""
-        return self._config(self.rank) if self.rank else None
+        """The adapters' :class:`~jaxrl_llm.models.LoraConfig`; ``None`` for rank 0 without an adapter."""
+        spec = self.resolved() if self.adapter is not None and not self.rank else self
+        return spec._config(spec.rank) if spec.rank else None
+
+    def resolved(self) -> LoraSpec:
+        """These settings with ``adapter``'s (its ``adapter_config.json``) filled in.
+
+        Raises:
+          FileNotFoundError, ValueError: the adapter cannot be read, or is not plain LoRA.
+          ValueError: a setting given here differs from the adapter's.
+        """
+        if self.adapter is None:
+            return self
+        config = models.lora.read_adapter_config(self.adapter)
+        read = dict(
+            rank=config.rank,
+            alpha=config.alpha,
+            targets=(config.targets,) if isinstance(config.targets, str) else tuple(config.targets),
+            rslora=config.rslora,
+        )
+        defaults = LoraSpec()
+        if clash := [
+            f"lora.{name} = {getattr(self, name)!r} (the adapter's: {value!r})"
+            for name, value in read.items()
+            if getattr(self, name) not in (getattr(defaults, name), value)
+        ]:
+            raise ValueError(
+                f"LoraSpec: {', '.join(clash)}: the adapter {self.adapter} was trained with its own; leave them out."
+            )
+        dropout = config.dropout if self.dropout == defaults.dropout else self.dropout
+        return dataclasses.replace(self, **read, dropout=dropout)
 
     def _config(self, rank: int) -> models.LoraConfig:
         targets = "all-linear" if self.targets == ("all-linear",) else self.targets
@@ -425,7 +461,7 @@ class RunConfig:
         _checks.nonnegative_int(where, "samples_prompts", self.samples_prompts)
         algorithms.get(self.method)  # a preset's name (the error lists them)
         training.step.check_supported(self.algorithm, self.train)
-        if self.model.quantization is not None and not self.lora.rank:
+        if self.model.quantization is not None and not (self.lora.rank or self.lora.adapter):
             raise ValueError(
                 f"{where}: model.quantization = {self.model.quantization!r} stores a frozen base, which only "
                 "LoRA adapters train over; set lora.rank (e.g. 16), or leave model.quantization out."
@@ -441,6 +477,11 @@ class RunConfig:
             )
         if self.warm_start == DEMO_WARM_START and not self.is_demo:
             object.__setattr__(self, "warm_start", WarmStartConfig())  # the demo's stays with the demo
+        if self.lora.adapter is not None and self.warm_start.enabled:
+            raise ValueError(
+                f"{where}: lora.adapter goes on training an adapter over the model as it is; a warm start would "
+                "change the base under it. Set warm_start.steps = 0, or leave lora.adapter out."
+            )
 
 
 # ----------------------------------------------------------------------------------------

@@ -351,18 +351,20 @@ def check_run_directory(
 
 
 def absolute_paths(config: RunConfig) -> RunConfig:
-    """``config`` with its model, data, reward, tool and environment paths absolute (a
-    ``module:function`` in the current directory as its file's path): a run continues
-    from anywhere."""
+    """``config`` with its model, data, reward, tool, environment and adapter paths absolute
+    (a ``module:function`` in the current directory as its file's path) and a LoRA
+    adapter's settings filled in: a run continues from anywhere."""
 
     def absolute(path: str | None) -> str | None:
         return None if path is None else os.path.abspath(os.path.expanduser(path))
 
     task = run_config.code_sources(config.task, [os.getcwd()])
+    lora = config.lora.resolved()  # an adapter's settings, stored: a resumed run does not read it again
     return dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, path=absolute(config.model.path)),
         task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path)),
+        lora=dataclasses.replace(lora, adapter=absolute(lora.adapter)),
     )
 
 
@@ -454,14 +456,14 @@ def _train_run(
     stored, task = _checked_start(config, run_dir, mesh, resume=resume, overwrite=overwrite)
     _open_run_directory(config, run_dir, new=stored is None, main=main)
     checkpointer = training.Checkpointer(run_dir / CHECKPOINTS, max_to_keep=config.keep_checkpoints)
-    state, start = None, 0
+    state, start, adapters = None, 0, None
     if stored is not None and checkpointer.latest_step() is not None:
         model, params, state, warm = _continued(
             config, task, checkpointer, run_dir, mesh, rules, main=main, stream=stream
         )
         start = int(state.step)
     else:
-        model, params, warm = _warm_started(config, task, run_dir, mesh, main=main, stream=stream)
+        model, params, adapters, warm = _warm_started(config, task, run_dir, mesh, main=main, stream=stream)
     if start >= config.steps:
         checkpointer.close()
         summary = _summary(run_dir, warm, time.perf_counter() - called)
@@ -472,6 +474,8 @@ def _train_run(
         )
         return RunResult(run_dir, config, None, [], warm, summary)
     policy = policy_of(config, model, params, state)
+    if adapters is not None:  # a new run from an adapter: its policy is the adapter's
+        policy = models.lora.adapted(model, config.lora.build()), models.lora.combine(params, adapters)
     recorder = _recorder(
         config, run_dir, start, *policy, task, mesh, main=main, progress=progress, stream=stream, before=warm
     )
@@ -497,6 +501,7 @@ def _train_run(
             tools=build.tools(config.task),
             environment_factory=build.environment_factory(config.task),
             lora=config.lora.build(),
+            adapters=adapters,
         )
     except (training.RunStopped, training.RunInterrupted) as stopped:  # NonFiniteUpdates: finite params
         steps.keep(stopped, start=start, stream=stream)
@@ -607,10 +612,11 @@ def _placed(like, shardings):
 
 def _warm_started(
     config: RunConfig, task, run_dir: pathlib.Path, mesh: jax.sharding.Mesh | None, *, main: bool, stream
-) -> tuple[models.Model, models.Params, dict[str, Any]]:
-    """``(model, params, warm_start)`` of a new run: the model built, warm-started
+) -> tuple[models.Model, models.Params, models.Params | None, dict[str, Any]]:
+    """``(model, params, adapters, warm_start)`` of a new run: the model built, warm-started
     (``config.warm_start``), quantized after it (``model.quantization``, which the warm start
-    trains without), and evaluated when the run evaluates; ``warm_start.json`` written."""
+    trains without), the adapters of ``lora.adapter`` read over it (else ``None``), and the
+    policy evaluated when the run evaluates; ``warm_start.json`` written."""
     quantization = config.model.quantization
     trained = config  # the warm start trains the unquantized model
     if quantization is not None and config.warm_start.enabled:
@@ -626,10 +632,19 @@ def _warm_started(
         "last_loss": float(np.mean(losses[-20:])) if losses else None,
         "seconds": time.perf_counter() - started,
     }
+    adapters = None
+    if config.lora.adapter is not None:
+        lora_model, adapters = models.lora.load_adapter(config.lora.adapter, model, dtype=config.lora.build().dtype)
+        if lora_model.config.lora != config.lora.build():
+            raise RunDirectoryError(
+                f"lora.adapter {config.lora.adapter} changed since the run stored its settings "
+                f"({lora_model.config.lora} now, {config.lora.build()} stored)."
+            )
     if config.train.eval_every:
         _print(f"Evaluating on the {task.split_size('test')} held-out prompts (greedy)...", stream)
+        policy = (model, params) if adapters is None else (lora_model, models.lora.combine(params, adapters))
         with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
-            warm.update(evaluate_model(model, params, task, config, mesh=mesh))
+            warm.update(evaluate_model(*policy, task, config, mesh=mesh))
     if config.lora.build() is not None:
         _save_base(run_dir, config, params, stored=bool(losses) or config.model.path is None, main=main)
     if main:
@@ -638,7 +653,7 @@ def _warm_started(
         before = f"After the warm start ({warm['steps']} steps)" if warm["steps"] else "Before training"
         accuracy = records.accuracy_with_interval(warm["eval_greedy_accuracy"], warm["eval_examples"])
         _print(f"{before}: held-out greedy accuracy {accuracy} in {warm['eval_seconds']:.0f} s.", stream)
-    return model, params, warm
+    return model, params, adapters, warm
 
 
 def _save_base(run_dir: pathlib.Path, config: RunConfig, params: models.Params, *, stored: bool, main: bool) -> None:
@@ -1100,10 +1115,15 @@ def export_run(
         return step
     base_path = base_record(run_dir)["path"]
     if base_path is None or models.gguf.find_file(base_path) is not None:
-        base_path = str(out_path / BASE_CHECKPOINT)
+        # The base goes beside the adapters, named relative to them: the directory moves whole.
+        base_path = BASE_CHECKPOINT
         base, _ = models.lora.split(params)
         models.save_pretrained(
-            base_path, models.lora.base_model(model), base, tokenizer=task.tokenizer, generation_config=generation
+            out_path / base_path,
+            models.lora.base_model(model),
+            base,
+            tokenizer=task.tokenizer,
+            generation_config=generation,
         )
     models.lora.save_adapter(out, model, params, base_model_name_or_path=base_path)
     return step

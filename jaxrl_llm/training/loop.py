@@ -55,6 +55,7 @@ from jaxrl_llm.training.state import (
     TrainState,
     check_params,
     check_state,
+    check_tree,
     init_state,
     policy_params,
     rollout_key,
@@ -307,17 +308,31 @@ def _lora_state(
     *,
     state: TrainState | None,
     ref_params: models.Params | None,
+    adapters: models.Params | None = None,
 ) -> tuple[models.Model, TrainState]:
-    """The LoRA model and the state of a LoRA run on the base ``params``: fresh, or the
-    caller's ``state`` (of a LoRA run with this config, its ``frozen`` base set or, as a
-    checkpoint restores it, ``None``) once checked, its base ``params``."""
+    """The LoRA model and the state of a LoRA run on the base ``params``: fresh (from
+    ``adapters``, or PEFT's initialisation), or the caller's ``state`` (of a LoRA run with
+    this config, its ``frozen`` base set or, as a checkpoint restores it, ``None``) once
+    checked, its base ``params``."""
     if ref_params is not None:
         raise ValueError("train: with `lora`, the reference is the base `params` itself: do not pass `ref_params`.")
     check_params(model, params)
     lora_model = models.lora.adapted(model, lora)
     if state is None:
-        adapters = models.lora.init_adapters(lora_model.config, jax.random.fold_in(jax.random.key(config.seed), 1))
+        if adapters is None:
+            adapters = models.lora.init_adapters(lora_model.config, jax.random.fold_in(jax.random.key(config.seed), 1))
+        else:
+            check_tree(
+                "adapters",
+                adapters,
+                models.lora.abstract_adapters(lora_model),
+                f"the adapters of {lora}",
+                dtypes=True,
+                advice="Were they loaded (lora.load_adapter) for this model, with this LoraConfig?",
+            )
         return lora_model, init_state(lora_model, adapters, algorithm, config, frozen=params)
+    if adapters is not None:
+        raise ValueError("train: `adapters` start a fresh LoRA run; a `state` to continue from has its own.")
     if isinstance(state, TrainState):
         if not jax.tree.leaves(models.lora.split(state.params)[1]):
             raise ValueError("train: with `lora`, `state` must be a LoRA run's state (adapters as its params).")
@@ -635,6 +650,7 @@ def train(
     tools: Sequence[Callable] | None = None,
     environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
     lora: models.LoraConfig | None = None,
+    adapters: models.Params | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
 
@@ -696,6 +712,10 @@ def train(
         params (``lora.merge`` makes them a plain model); a ``state`` to continue from is a
         LoRA run's. A method with GAE trains a critic of its own adapters and value head over
         the same base.
+      adapters: with ``lora``, the adapters to start from instead of PEFT's initialisation:
+        an adapter trained before (TRL's ``PeftModel`` as the model), read with
+        ``lora_model, adapters = lora.load_adapter(path, model)`` and passed with
+        ``lora=lora_model.config.lora``. The reference stays the base without them.
 
     Returns:
       The final state and one dict of float metrics per step. The state's reference (and
@@ -724,10 +744,14 @@ def train(
     if toolset is not None and rollout is not None:
         raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)
+    if lora is None and adapters is not None:
+        raise ValueError("train: `adapters` need `lora=`, their LoraConfig (lora_model.config.lora of load_adapter).")
     if lora is None:
         state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
     else:
-        model, state = _lora_state(model, params, algorithm, config, lora, state=state, ref_params=ref_params)
+        model, state = _lora_state(
+            model, params, algorithm, config, lora, state=state, ref_params=ref_params, adapters=adapters
+        )
     if compilation_cache:
         compilation_cache_lib.enable()
     state, compiled = _compile(

@@ -97,10 +97,28 @@ def test_what_the_adapter_format_cannot_hold_is_refused(tmp_path):
         ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
         ({"target_modules": ["q_proj", "lm_head"]}, "targets"),
         ({"peft_type": "IA3"}, "peft_type"),
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+        ({"use_qalora": True}, "use_qalora"),
+        ({"init_lora_weights": "pissa_niter_4"}, "pairs the adapter with a base PEFT changed"),
+        ({"future_variant": {"on": True}}, r"unknown key\(s\) \['future_variant'\]"),
+        ({"use_rslora": "false"}, "use_rslora must be true or false; got 'false'"),
+        ({"r": 2.0}, "r must be an integer > 0"),
+        ({"r": True}, "r must be an integer > 0"),
+        ({"lora_alpha": "16"}, "lora_alpha must be a finite number"),
+        ({"lora_dropout": 1.5}, r"lora_dropout must be a number in \[0, 1\)"),
+        ({"target_modules": [3]}, "target_modules must be"),
     ]:
         config_file.write_text(json.dumps({**written, **change}))
         with pytest.raises(ValueError, match=message):
             lora.load_adapter(tmp_path / "adapter", model)
+    config_file.write_text(json.dumps({**written, "future_option": None, "qalora_group_size": 32}))  # off: fine
+    lora.load_adapter(tmp_path / "adapter", model)
+    weights = tmp_path / "adapter" / lora.ADAPTER_WEIGHTS
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=f"{weights} cannot be read"):
+        lora.load_adapter(tmp_path / "adapter", model)
+    weights.write_bytes(whole)
     config_file.write_text(json.dumps({**written, "r": 3}))  # the tensors are rank 2
     with pytest.raises(ValueError, match="has shape"):
         lora.load_adapter(tmp_path / "adapter", model)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from jaxrl_llm import algorithms, cli, models, runs, training
 from jaxrl_llm.models import lora
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
-from tests.models.test_lora import KERNELS
+from tests.models.test_lora import KERNELS, perturbed
 from tests.runs.test_resume import (
     command,
     complete_checkpoints,
@@ -196,7 +197,7 @@ def test_export_writes_the_merged_model_or_the_adapters_in_pefts_format(lora_run
     assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "adapter"), "--adapter"]) == 0
     assert "Exported the adapters of step 6" in capsys.readouterr().out
     config = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
-    assert config["r"] == RANK and config["base_model_name_or_path"] == str(tmp_path / "adapter" / "base")
+    assert config["r"] == RANK and config["base_model_name_or_path"] == "base"  # beside it, wherever it goes
     base_model, base = models.from_pretrained(tmp_path / "adapter" / "base", jnp.float32)
     chex.assert_trees_all_equal(base, lora.split(params)[0])  # the warm-started base, as it is
     loaded_model, adapters = lora.load_adapter(tmp_path / "adapter", base_model)
@@ -238,6 +239,31 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
     with pytest.raises(SystemExit) as exit_:
         cli.main(["eval", "--run-dir", str(run_dir)])
     assert exit_.value.code == 2 and "is not the one it started from" in capsys.readouterr().err
+
+
+def test_a_run_goes_on_training_a_peft_adapter_with_the_base_as_reference(tmp_path, reward):
+    base = dataclasses.replace(tiny(reward, steps=2), warm_start=run_config.WarmStartConfig())
+    base = dataclasses.replace(base, train=dataclasses.replace(base.train, reference_metrics=True))
+    task = build.run_task(base)
+    model, params = build.model(base, task)
+    models.save_pretrained(tmp_path / "base-model", model, params, tokenizer=task.tokenizer)
+    sft_model, adapters = lora.add_adapters(model, models.LoraConfig(rank=2, alpha=4.0, targets=("q_proj",)),
+                                            jax.random.key(1))  # fmt: skip
+    adapters = perturbed(adapters, scale=0.1)
+    lora.save_adapter(tmp_path / "sft", sft_model, lora.combine(params, adapters))  # someone's SFT adapter
+    model_spec = dataclasses.replace(base.model, path=str(tmp_path / "base-model"))
+    config = dataclasses.replace(base, model=model_spec, lora=run_config.LoraSpec(adapter=str(tmp_path / "sft")))
+    result = runs.train_run(config, tmp_path / "run", progress=False, stream=None)
+    stored = run_config.from_dict(json.loads((tmp_path / "run" / run.CONFIG_FILE).read_text()))
+    assert (stored.lora.rank, stored.lora.alpha, stored.lora.targets) == (2, 4.0, ("q_proj",))
+    assert result.history[0]["kl_k3"] > 0  # step 0's policy is the adapter's, the reference the base
+    chex.assert_trees_all_equal(result.state.frozen, params)
+
+    with pytest.raises(ValueError, match=r"lora.rank = 8 \(the adapter's: 2\)"):
+        runs.train_run(dataclasses.replace(config, lora=run_config.LoraSpec(adapter=str(tmp_path / "sft"), rank=8)),
+                       tmp_path / "other", progress=False, stream=None)  # fmt: skip
+    with pytest.raises(ValueError, match="a warm start would change the base under it"):
+        dataclasses.replace(config, warm_start=run_config.WarmStartConfig(steps=5))
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Every preset improves a warm-started language model on the digit task (experiments/compare_methods.py)."""
 
+import functools
+
 import chex
 import numpy as np
 import pytest
@@ -49,10 +51,16 @@ EVERY_STEP_METRICS = {
 pytestmark = pytest.mark.xdist_group("warm_started_presets")
 
 
-@pytest.fixture(scope="module")
-def warm_start():
+@functools.cache  # once a worker: xdist may tear a module fixture down between the group's tests
+def _warm_started():
     task = DigitSumTask()
     model, params, losses = compare_methods.warm_started_model(CONFIG, task)
+    return task, model, params, losses
+
+
+@pytest.fixture
+def warm_start():
+    task, model, params, losses = _warm_started()
     assert losses[-1] < losses[0]
     return task, model, params
 

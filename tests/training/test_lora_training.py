@@ -5,6 +5,7 @@ stacked base (``scan_layers``) the adapters are stacked too and train as the unr
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +49,42 @@ def test_only_the_adapters_train_and_the_reference_is_the_base():
     reference = lora.combine(params, state.ref_params)
     np.testing.assert_array_equal(models.forward(lora_model, reference, tokens), base_logits)
     assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
+
+
+def test_training_continues_an_adapter_saved_before_with_the_base_as_reference(tmp_path):
+    model, params = models.init(CONFIG, jax.random.key(0))
+    lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(1))
+    lora.save_adapter(tmp_path / "sft", lora_model, lora.combine(params, perturbed(adapters, scale=0.1)))
+    loaded_model, loaded = lora.load_adapter(tmp_path / "sft", model)  # someone's SFT adapter
+    config = dataclasses.replace(RUN, reference_metrics=True)
+    start, _ = training.train(
+        model,
+        params,
+        algorithms.get("grpo"),
+        config,
+        steps=0,
+        task=TASK,
+        lora=loaded_model.config.lora,
+        adapters=loaded,
+    )
+    chex.assert_trees_all_equal(start.params, loaded)  # the run starts from the adapter
+    assert all(not np.any(x) for x in jax.tree.leaves(start.ref_params))  # the reference: the base alone
+    _, history = training.train(
+        model,
+        params,
+        algorithms.get("grpo"),
+        config,
+        steps=1,
+        task=TASK,
+        lora=loaded_model.config.lora,
+        adapters=loaded,
+    )
+    assert history[0]["kl_k3"] > 0  # already away from the base at step 0
+    with pytest.raises(ValueError, match="`adapters` need `lora=`"):
+        training.train(model, params, algorithms.get("grpo"), config, steps=0, task=TASK, adapters=loaded)
+    other = models.LoraConfig(rank=2, alpha=8.0)
+    with pytest.raises(ValueError, match="adapters"):
+        training.train(model, params, algorithms.get("grpo"), config, steps=0, task=TASK, lora=other, adapters=loaded)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "stacked"])
