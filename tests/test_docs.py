@@ -238,6 +238,7 @@ def _lora_check(namespace: dict, code: str):
     assert len(namespace["history"]) == 2
     assert (pathlib.Path("my-adapter") / "adapter_config.json").is_file()
     assert namespace["merged_model"].config.lora is None
+    assert len(namespace["more"]) == 1 and namespace["sft_model"].config.lora == models.LoraConfig(rank=8, alpha=16)
     assert all(x is y for x, y in zip(jax.tree.leaves(namespace["state"].frozen), jax.tree.leaves(namespace["params"])))
 
 
