@@ -199,3 +199,14 @@ def nonnegative_int(fn: str, name: str, value: object) -> None:
     """Requires a Python int >= 0."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{fn}: `{name}` must be an integer >= 0; got {value!r}.")
+
+
+MAX_SEED = 2**63 - 1
+"""The largest seed ``jax.random.key`` takes (a C long)."""
+
+
+def seed(fn: str, name: str, value: object) -> None:
+    """Requires an integer seed in ``[0, MAX_SEED]``."""
+    nonnegative_int(fn, name, value)
+    if value > MAX_SEED:
+        raise ValueError(f"{fn}: `{name}` must be an integer in [0, 2**63 - 1]; got {value!r}.")

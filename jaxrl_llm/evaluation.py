@@ -147,9 +147,11 @@ def pass_at_k_values(num_samples: int) -> tuple[int, ...]:
     return tuple(ks if ks[-1] == num_samples else [*ks, num_samples])
 
 
-def _correct_name(task: tasks.Task, correct_reward: int | str) -> str:
-    """The logged name of the reward function that decides whether a completion is solved."""
-    names = rewards.combine.reward_names(task.reward_fns)
+def _correct_name(task: tasks.Task, correct_reward: int | str, toolset: scoring.Toolset | None = None) -> str:
+    """The logged name of the reward function that decides whether a completion is solved
+    (the task's, then the environments' ``get_reward``)."""
+    extra = [] if toolset is None else toolset.reward_functions()
+    names = rewards.combine.reward_names([*task.reward_fns, *extra])
     allowed = f"an index in [0, {len(names)}) into the task's reward functions or one of their names {names}"
     if isinstance(correct_reward, str):
         if correct_reward not in names:
@@ -284,7 +286,8 @@ def evaluate(
         progress=progress,
     )
     toolset = scoring.Toolset.build(task, tools=tools, environment_factory=environment_factory)
-    correct = _correct_name(task, correct_reward)
+    tasks.check_task(task, needs_rewards=not (toolset is not None and toolset.reward_functions()))
+    correct = _correct_name(task, correct_reward, toolset)
     size = _split_size(task, split)
     greedy_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=None, top_p=None, min_p=None)
     backends = [
@@ -355,7 +358,7 @@ def _check_arguments(
 ) -> None:
     """Raises ValueError naming the first of ``evaluate``'s arguments that is out of range."""
     fn = "evaluate"
-    tasks.check_task(task)
+    tasks.check_task(task, needs_rewards=False)  # checked with the environments' rewards once they are built
     _checks.one_of(fn, "split", split, tasks.base.SPLITS)
     _checks.nonnegative_int(fn, "num_samples", num_samples)
     for name, value in (("batch_size", batch_size), ("prompt_bucket", prompt_bucket)):

@@ -143,6 +143,7 @@ class ScoredRound:
     reward_seconds: float  # host time in decoding and reward functions
     episode_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # multi-turn runs' statistics
     messages: list[list[dict]] | None = None  # [R] episodes' completions as TRL's message lists (None: single-turn)
+    row_prompts: list | None = None  # [R] episodes' own prompts, an environment's observation appended
 
 
 def rollout_and_score(

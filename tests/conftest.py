@@ -68,6 +68,14 @@ settings.register_profile("ci", parent=settings.get_profile("default"), derandom
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules with slow tests (``@pytest.mark.slow``: end-to-end runs) first, each kept
+    whole (its module fixtures set up once), the rest after in their order: the two workers
+    of ``make test`` start on the long tests and end on short ones, together."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module not in slow_modules)
+
+
 def pytest_unconfigure(config):
     if "_SESSION_CACHE" in globals() and not hasattr(config, "workerinput"):  # the process that made it
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

@@ -181,6 +181,7 @@ def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_
         (["--task.rewards", "exact_matc"], "unknown reward 'exact_matc'; the built-in ones are exact_match"),
         (["--train.max-new-tokens", "100000"], "= 100512 positions, more than the built-in model takes"),
         (["--train.seed", "-1"], "seed"),
+        (["--train.seed", str(10**20)], "`seed` must be an integer in [0, 2**63 - 1]; got 100000000000000000000"),
         (["--train.sampling.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
         (["--train.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
         (["--train.optimizer.adam-b1", "1"], "OptimizerConfig: `adam_b1` must be in [0.0, 1.0); got 1.0"),
@@ -193,6 +194,17 @@ def test_bad_settings_exit_with_status_2_and_a_message_before_any_compute(argv, 
     assert exit_.value.code == 2
     assert message in " ".join(capsys.readouterr().err.split()).replace("│ ", "").replace(" │", "")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_json_config_that_is_not_an_object_is_refused_by_name(tmp_path, capsys):
+    path = tmp_path / "list.json"
+    path.write_text('[{"steps": 3}]')
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--config", str(path), "--run-dir", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    assert f"{path}: a run config is an object of settings" in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(ValueError, match="a run config is a table"):
+        run_config.from_dict([{"steps": 3}])
 
 
 def test_an_unknown_key_in_a_config_file_names_the_allowed_keys(tmp_path, capsys):

@@ -51,12 +51,3 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: Sequence[Mapping[str, Any]], 
             "independently of the later ones."
         )
     return full[len(prefix) :]
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """The most characters one token of ``tokenizer`` stands for (its longest token string:
-    a byte-level token's string has a character per byte, a byte-fallback token's
-    ``<0xNN>`` six), so that a text of ``n`` characters takes at least
-    ``n / longest_token_chars`` tokens: a bound that spares tokenizing what cannot fit."""
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max(len(token) for token in tokens if token is not None)

@@ -402,7 +402,7 @@ def sample_episodes(
         row.add(opening, model=False)
 
     budget = sampling_config.max_new_tokens
-    token_chars = conversation.longest_token_chars(tokenizer)
+    token_chars = tasks.base.longest_token_chars(tokenizer)
     completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
     max_slots = _cache_slots(width, completion_width)
     if max_slots > model.config.max_position_embeddings:

@@ -195,6 +195,7 @@ def rollout_and_score(
         reward_seconds=time.perf_counter() - started,
         episode_metrics=episode_metrics(episodes),
         messages=episodes.completions,
+        row_prompts=episodes.prompts,
     )
 
 

@@ -21,6 +21,7 @@ import transformers
 
 import jaxrl_llm
 from jaxrl_llm import episodes, models, rewards, sharding, tasks, training
+from jaxrl_llm.episodes import scoring
 from jaxrl_llm.runs.config import (
     BUILTIN_ALPHABET,
     BUILTIN_CHAT_TEMPLATE,
@@ -231,8 +232,11 @@ def tools(spec: TaskSpec) -> list[Callable[..., Any]]:
     return [imported(name, where="task.tools") for name in spec.tools]
 
 
-def environment_factory(spec: TaskSpec) -> Callable[[], Any] | None:
-    """The task's ``environment`` factory, imported (:func:`imported`), or ``None``."""
+def environment_factory(spec: TaskSpec) -> Callable[[], Any] | dict[str, Callable[[], Any]] | None:
+    """The task's ``environment`` factory, or its factories by name, imported
+    (:func:`imported`); ``None`` without one."""
+    if isinstance(spec.environment, dict):
+        return {name: imported(entry, where=f"task.environment.{name}") for name, entry in spec.environment.items()}
     return None if spec.environment is None else imported(spec.environment, where="task.environment")
 
 
@@ -292,6 +296,8 @@ def task(
         ids = [tokenizer_.eos_token_id, *models.read_config(checkpoint).eos_token_ids]
         stops = dict(eos_ids=tuple(dict.fromkeys(i for i in ids if i is not None)))
     text: dict[str, Any] = dict(common, system_prompt=spec.system_prompt, stop_strings=spec.stop_strings, **stops)
+    if spec.name == "environment":  # the environment owns the data and scores with get_reward (or the rewards)
+        return dataclasses.replace(tasks.environment_task(tokenizer_, **stops), reward_fns=reward_fns or ())
     if spec.name == "calculator":
         if reward_fns is not None:
             raise ValueError(
@@ -319,7 +325,7 @@ def task(
             reward_fns=reward_fns,
             **text,
         )
-    reward_fns = reward_fns or [rewards.exact_match]
+    reward_fns = reward_fns or ([] if spec.environment is not None else [rewards.exact_match])  # TRL: get_reward alone
     source = dict(
         prompt=spec.prompt, test_fraction=spec.test_fraction, split_seed=spec.seed, reward_fns=reward_fns, **text
     )
@@ -363,6 +369,8 @@ def demonstrations(
         count = _demonstration_count(config, task_)
         conversations = task_.demonstrations(count if limit is None else min(count, limit), seed=config.train.seed)
         return tasks.calculator.sft_arrays(task_.tokenizer, conversations, tools=task_.tools)
+    if config.task.tools or config.task.environment:
+        return _episode_demonstrations(config, task_, limit=limit)
     rng = np.random.default_rng(config.train.seed)
 
     def target(record) -> str:
@@ -387,6 +395,47 @@ def demonstrations(
         max_new_tokens=config.train.sampling.max_new_tokens,
         seed=config.train.seed,
     )
+
+
+def _episode_demonstrations(
+    config: RunConfig, task_: tasks.Task, *, limit: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The warm start of a task with tools or an environment: each train prompt (a
+    conversation) followed by its ``completion`` column, a final answer (a string) or a
+    demonstration episode (a list of messages: the assistant's with their ``tool_calls``,
+    the tools' results, the final answer), rendered as the rollouts render them, with the
+    tools' schemas (an environment's methods among them); the assistant's tokens learned."""
+    warm = config.warm_start
+    if isinstance(config.task.environment, dict):
+        raise ValueError(
+            "warm_start: a table of environments offers each example other tools, which the demonstrations do not "
+            "follow yet; warm-start with one environment, or without (warm_start.steps = 0)."
+        )
+    toolset = scoring.Toolset.build(
+        task_, tools=tools(config.task), environment_factory=environment_factory(config.task)
+    )
+    row_tools = toolset.tools if toolset.environments is None else toolset.environments.tools_for(None)
+    count = _demonstration_count(config, task_)
+    batch = task_.examples("train", np.arange(count if limit is None else min(count, limit)), seed=config.train.seed)
+    if warm.completion not in batch.columns:
+        raise ValueError(
+            f"warm_start.completion: the task's examples have no column {warm.completion!r}; they have "
+            f"{', '.join(batch.columns)}."
+        )
+    conversations = []
+    for index, (prompt, completion) in enumerate(zip(batch.prompts, batch.columns[warm.completion], strict=True)):
+        if isinstance(prompt, str):
+            raise ValueError(f"warm_start: example {index}'s prompt is text; a task with tools needs conversations.")
+        if isinstance(completion, str):
+            completion = [{"role": "assistant", "content": completion}]
+        elif not (isinstance(completion, list) and completion and all(isinstance(m, dict) for m in completion)):
+            raise ValueError(
+                f"warm_start.completion: example {index}'s {warm.completion!r} must be the answer (a string) or a "
+                f"demonstration episode (a list of messages: the assistant's, with their tool_calls, and the "
+                f"tools'); got {completion!r:.120}."
+            )
+        conversations.append([*prompt, *completion])
+    return tasks.calculator.sft_arrays(task_.tokenizer, conversations, tools=row_tools, pad_id=task_.pad_id)
 
 
 def check_demonstrations(config: RunConfig, task_: tasks.Task) -> None:

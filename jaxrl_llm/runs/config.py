@@ -70,6 +70,7 @@ TASKS = {
     "dataset": "a local datasets dataset: Parquet, Arrow or a save_to_disk directory (task.path)",
     "reasoning_gym": "one of reasoning-gym's procedural datasets (task.dataset), scored by its own checker",
     "calculator": "sums, the hard ones through an `add` tool (multi-turn episodes), for the built-in character model",
+    "environment": "no dataset: the environment owns the data (task.environment), its reset() gives each prompt",
 }
 """The task sources a config can name, as ``jaxrl-llm tasks`` lists them."""
 
@@ -153,7 +154,9 @@ class ModelSpec:
 class TaskSpec:
     """The prompts and their rewards (:mod:`jaxrl_llm.tasks`)."""
 
-    name: Literal["arithmetic", "digits", "jsonl", "dataset", "reasoning_gym", "calculator"] = "arithmetic"
+    name: Literal["arithmetic", "digits", "jsonl", "dataset", "reasoning_gym", "calculator", "environment"] = (
+        "arithmetic"
+    )
     """The source of prompts and rewards (``jaxrl-llm tasks`` describes each)."""
     path: str | None = None
     """``jsonl`` / ``dataset``: the training data (``jsonl``: one JSON object per line)."""
@@ -195,9 +198,11 @@ class TaskSpec:
     ``path/to/file.py:function`` (found as ``rewards`` are). With tools or an
     ``environment`` the rollouts are multi-turn episodes (``train.episodes`` sets their
     limits) and the prompts must be conversations."""
-    environment: str | None = None
+    environment: str | dict[str, str] | None = None
     """TRL's ``environment_factory`` as ``module:Factory`` (or ``path/to/file.py:Factory``):
-    a class or function returning an environment, one per episode."""
+    a class or function returning an environment, one per episode; or a table of them by
+    name (``[task.environment]``, ``game = "envs:Game"``), each example's ``environment``
+    column naming its own."""
     seed: int = 0
     """Seeds the procedural splits (``reasoning_gym``'s items, the held-out fraction)."""
 
@@ -205,14 +210,23 @@ class TaskSpec:
         where = "TaskSpec"
         _checks.one_of(where, "name", self.name, tuple(TASKS))
         if self.name in ("jsonl", "dataset") and self.path is None:
-            raise ValueError(f"{where}: task {self.name!r} reads its examples from `path`; set task.path.")
+            raise ValueError(
+                f"{where}: task {self.name!r} reads its examples from `path`; set task.path (or, for an environment "
+                f"that owns the data, task.name = 'environment')."
+            )
+        if self.name == "environment" and (self.environment is None or isinstance(self.environment, dict)):
+            raise ValueError(
+                f"{where}: task 'environment' takes its prompts from one environment's reset(): set "
+                f"task.environment = 'module:Factory' (a table of environments routes a dataset's `environment` "
+                f"column: use task 'jsonl' or 'dataset')."
+            )
         if self.name == "reasoning_gym" and not self.dataset:
             raise ValueError(
                 f"{where}: task 'reasoning_gym' needs `dataset`, e.g. 'basic_arithmetic' "
                 "(`jaxrl-llm tasks` lists them)."
             )
         _checks.positive_int(where, "size", self.size)
-        _checks.nonnegative_int(where, "seed", self.seed)
+        _checks.seed(where, "seed", self.seed)
         _checks.finite_number(where, "test_fraction", self.test_fraction)
         _checks.in_range(where, "test_fraction", self.test_fraction, 0.0, 1.0, closed="[)")
         if self.reward_weights is not None and len(self.reward_weights) != max(len(self.rewards), 1):
@@ -220,7 +234,13 @@ class TaskSpec:
                 f"{where}: `reward_weights` needs one weight per reward function "
                 f"({len(self.rewards)} given in `rewards`); got {len(self.reward_weights)}."
             )
-        for field, entry in [*(("tools", tool) for tool in self.tools), ("environment", self.environment)]:
+        environments = self.environment if isinstance(self.environment, dict) else {None: self.environment}
+        if isinstance(self.environment, dict) and not self.environment:
+            raise ValueError(f'{where}: a table of environments needs at least one, `name = "module:Factory"`.')
+        for field, entry in [
+            *(("tools", tool) for tool in self.tools),
+            *(("environment", e) for e in environments.values()),
+        ]:
             if entry is not None and (not isinstance(entry, str) or not entry.rpartition(":")[0]):
                 raise ValueError(
                     f"{where}: a `{field}` entry is code to import, `module:name` or `path/to/file.py:name`; "
@@ -500,6 +520,8 @@ def _type_name(kind) -> str:
         return " or ".join("null (leave it out)" if a is type(None) else _type_name(a) for a in args)
     if origin is tuple:
         return f"a list (each {_type_name(args[0])})"
+    if origin is dict:
+        return f"a table (of {_type_name(args[1])})"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         kind, getattr(kind, "__name__", str(kind))
     )
@@ -529,6 +551,9 @@ def _coerce(kind, value, where: str):
         if isinstance(value, (list, tuple)):
             element = args[0]
             return tuple(_coerce(element, v, f"{where}[{i}]") for i, v in enumerate(value))
+    elif origin is dict:
+        if isinstance(value, dict):
+            return {_coerce(args[0], k, where): _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
     elif kind is bool:
         if isinstance(value, bool):
             return value
@@ -584,6 +609,8 @@ def from_dict(data: dict, *, where: str = "config") -> RunConfig:
     gives it a peer library's numerics (:meth:`~jaxrl_llm.algorithms.Algorithm.matching`),
     and ``algorithm`` overrides its fields. Raises ValueError naming an unknown key and the
     allowed ones, or a value out of range."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a run config is a table (an object) of settings; got {type(data).__name__}.")
     data = dict(data)
     method = _coerce(str, data.pop("method", RunConfig.method), f"{where}.method")
     conventions = data.pop("conventions", None)
@@ -646,9 +673,14 @@ def read(name_or_path: str | os.PathLike) -> tuple[dict, pathlib.Path]:
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8.") from None
     try:
-        return (tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)), path
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f'{path}: a run config is an object of settings ({{"steps": 30, ...}}); got a JSON {type(data).__name__}.'
+        )
+    return data, path
 
 
 def load(name_or_path: str | os.PathLike, *, method: str | None = None, conventions: str | None = None) -> RunConfig:
@@ -672,7 +704,13 @@ def code_sources(task: TaskSpec, directories: Sequence[str | os.PathLike]) -> Ta
         task,
         rewards=tuple(code_source(name, directories) for name in task.rewards),
         tools=tuple(code_source(name, directories) for name in task.tools),
-        environment=None if task.environment is None else code_source(task.environment, directories),
+        environment=(
+            {name: code_source(entry, directories) for name, entry in task.environment.items()}
+            if isinstance(task.environment, dict)
+            else None
+            if task.environment is None
+            else code_source(task.environment, directories)
+        ),
     )
 
 

@@ -176,9 +176,10 @@ def sample_rows(scored_round: ScoredRound, *, step: int, max_prompts: int) -> li
       such as DAPO's overlong penalty aside), ``rewards`` each function's value (``None``
       where it did not apply), ``length`` the completion's tokens (its stop token
       included) and ``truncated`` whether it hit the token budget without stopping. An
-      episode's row also has ``messages``, the completion as TRL's message list (the
-      model's turns with their ``tool_calls``, and the tools'); ``extra``, when reward
-      functions logged columns with ``log_extra``, holds the row's value of each.
+      episode's ``prompt`` is its own (an environment's observation appended), and its row
+      also has ``messages``, the completion as TRL's message list (the model's turns with
+      their ``tool_calls``, and the tools'); ``extra``, when reward functions logged
+      columns with ``log_extra``, holds the row's value of each.
     """
     if not isinstance(max_prompts, numbers.Integral) or isinstance(max_prompts, bool) or max_prompts < 0:
         raise ValueError(f"sample_rows: `max_prompts` must be an integer >= 0; got {max_prompts!r}.")
@@ -195,7 +196,9 @@ def sample_rows(scored_round: ScoredRound, *, step: int, max_prompts: int) -> li
             rows.append(
                 {
                     "step": int(step),
-                    "prompt": json_ready(prompts[prompt_index]),
+                    "prompt": json_ready(
+                        prompts[prompt_index] if scored_round.row_prompts is None else scored_round.row_prompts[row]
+                    ),
                     "completion": json_ready(completions[row]),
                     "reward": json_ready(float(result.total[row])),
                     "rewards": {name: json_ready(float(values[row])) for name, values in result.values.items()},

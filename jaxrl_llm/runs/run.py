@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import importlib.util
 import json
 import math
@@ -542,6 +543,9 @@ def _open_run_directory(config: RunConfig, run_dir: pathlib.Path, *, new: bool, 
     if main:
         if new:  # a new run, in place of a run's files (--overwrite, or a start with no step)
             _clear(run_dir)
+        for entry in run_dir.iterdir():  # a killed writer's temporary (.metrics.png.<pid>.tmp, ...): no writer now
+            if entry.name not in RUN_ENTRIES and any(entry.name.startswith(f".{name}.") for name in RUN_ENTRIES):
+                entry.unlink(missing_ok=True) if not entry.is_dir() or entry.is_symlink() else shutil.rmtree(entry)
         (run_dir / MARKER_FILE).write_text("A jaxrl_llm run directory: `jaxrl-llm train --run-dir` continues it.\n")
         _write_json(run_dir / CONFIG_FILE, to_dict(config))
     distributed.barrier("run directory ready")
@@ -667,8 +671,28 @@ def _save_base(run_dir: pathlib.Path, config: RunConfig, params: models.Params, 
         with training.Checkpointer(run_dir / BASE_CHECKPOINT, max_to_keep=None) as checkpointer:
             checkpointer.save(0, params)
     digests = training.checkpoint.digests(params)
+    record = {"path": None if stored else config.model.path, "digests": digests}
+    if not stored:  # a model directory or GGUF file: its config and tokenizer must stay too
+        record.update(_model_file_digests(config.model.path))
     if main:
-        _write_json(run_dir / BASE_FILE, {"path": None if stored else config.model.path, "digests": digests})
+        _write_json(run_dir / BASE_FILE, record)
+
+
+def _model_file_digests(path: str) -> dict[str, str]:
+    """SHA-256 digests of a model directory's or GGUF file's config (as :func:`models.read_config`
+    reads it) and tokenizer (its vocabulary, added tokens and chat template): what a LoRA run's
+    base is besides its arrays."""
+    config = dataclasses.asdict(models.read_config(path))
+    tokenizer = models.load_tokenizer(path)
+    vocabulary = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "added": sorted((t.content, i) for i, t in tokenizer.added_tokens_decoder.items()),
+        "chat_template": tokenizer.chat_template,
+    }
+    return {
+        f"{name}_digest": hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+        for name, value in (("config", config), ("tokenizer", vocabulary))
+    }
 
 
 def load_base(
@@ -695,6 +719,13 @@ def load_base(
     else:
         _, params = build.model(config, task, mesh=mesh)
         where = f"model.path {record['path']!r}"
+        now = _model_file_digests(record["path"])
+        if changed := [name.removesuffix("_digest") for name in now if name in record and record[name] != now[name]]:
+            raise RunDirectoryError(
+                f"the base of the LoRA run in {str(run_dir)!r} ({where}) is not the one it started from: its "
+                f"{' and its '.join(changed)} changed since (a setting such as rms_norm_eps, or token ids). Put "
+                "back the model it trained over, or start a new run."
+            )
     digests, expected = training.checkpoint.digests(params), record["digests"]
     changed = sorted(name for name in digests.keys() | expected.keys() if digests.get(name) != expected.get(name))
     if changed:

@@ -11,7 +11,7 @@ from jaxrl_llm.tasks.char_tokenizer import DIGITS_AND_OPERATORS, build_char_toke
 from jaxrl_llm.tasks.digits import DigitSumTask
 from jaxrl_llm.tasks.expressions import arithmetic
 from jaxrl_llm.tasks.reasoning_gym_tasks import reasoning_gym
-from jaxrl_llm.tasks.text import TextTask, from_dataset, from_jsonl, from_records
+from jaxrl_llm.tasks.text import TextTask, environment_task, from_dataset, from_jsonl, from_records
 
 __all__ = [
     "DIGITS_AND_OPERATORS",
@@ -25,6 +25,7 @@ __all__ = [
     "build_char_tokenizer",
     "build_chat_tokenizer",
     "check_task",
+    "environment_task",
     "from_dataset",
     "from_jsonl",
     "from_records",

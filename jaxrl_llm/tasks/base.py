@@ -95,8 +95,10 @@ class Task(Protocol):
         split generates example ``i`` from ``(seed, i)``; a finite one ignores ``seed``."""
 
 
-def check_task(task: Any) -> None:
-    """Raises TypeError or ValueError naming what makes ``task`` unusable as a :class:`Task`."""
+def check_task(task: Any, *, needs_rewards: bool = True) -> None:
+    """Raises TypeError or ValueError naming what makes ``task`` unusable as a :class:`Task`;
+    without ``needs_rewards``, reward functions are not required (a run whose environments
+    score the episodes with ``get_reward``, as TRL allows)."""
     missing = [
         name
         for name in (
@@ -115,8 +117,11 @@ def check_task(task: Any) -> None:
         raise TypeError(
             f"{type(task).__name__} is not a Task: it lacks {', '.join(missing)} (see jaxrl_llm.tasks.Task)."
         )
-    if not task.reward_fns:
-        raise ValueError(f"{type(task).__name__}: a task needs at least one reward function; got none.")
+    if needs_rewards and not task.reward_fns:
+        raise ValueError(
+            f"{type(task).__name__}: a task needs at least one reward function (or, in a run, an environment with "
+            f"get_reward); got none."
+        )
     if bad := [fn for fn in task.reward_fns if not callable(fn)]:
         raise TypeError(f"{type(task).__name__}: reward functions must be callable; got {bad!r}.")
     if len(task.reward_weights) != len(task.reward_fns):
@@ -285,3 +290,13 @@ def special_ids(
 def columns_of(records: Sequence[Mapping[str, Any]], names: Iterable[str]) -> dict[str, list[Any]]:
     """``{name: [value of each record]}`` for the given column names."""
     return {name: [record.get(name) for record in records] for name in names}
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest token string:
+    a byte-level token's string has a character per byte, a byte-fallback token's
+    ``<0xNN>`` six), so that a text of ``n`` characters takes at least
+    ``n / longest_token_chars`` tokens: a bound that spares tokenizing what cannot fit
+    (a prompt, a tool result)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(token) for token in tokens if token is not None)

@@ -196,6 +196,10 @@ class TextTask:
     stop_strings: tuple[str, ...] = ()
     columns: tuple[str, ...] = dataclasses.field(init=False)
     """The columns reward functions receive (besides ``prompts``), fixed at construction."""
+    environment_prompts: bool = dataclasses.field(init=False)
+    """The dataset has no prompt column (a dataset with only an ``environment`` column, or
+    none, as TRL allows): each example's prompt is an empty user message, which an
+    environment's ``reset()`` fills. A run without environments refuses such a task."""
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -213,7 +217,7 @@ class TextTask:
         eos_ids, pad_id = special_ids(self.tokenizer, eos_ids=self.eos_ids, checkpoint=self.checkpoint)
         set_("eos_ids", eos_ids)
         set_("pad_id", pad_id if self.pad_id is None else self.pad_id)
-        check_task(self)
+        check_task(self, needs_rewards=False)  # a run checks again: its environments may score instead
         self._check_sources(set_)
         self._check_templates(set_)
         self._check_columns(set_)
@@ -325,12 +329,22 @@ class TextTask:
                 )
             set_("columns", tuple(names))
         else:
-            if self.prompt not in names:
+            missing = self.prompt not in names
+            if missing and not self.chat_template:
                 raise _fail(
-                    f"no prompt column {self.prompt!r}; the dataset's columns are {_listing(names)}. Pass "
-                    f"`prompt=` a column name, or a format string such as 'Solve {{question}}'."
+                    f"{self.missing_prompt_message(names)} (Without one, an environment's reset() gives the prompt: "
+                    f"a conversation, which needs a chat template, and the task uses none.)"
                 )
             set_("columns", tuple(n for n in names if n != self.prompt))
+        set_("environment_prompts", not self.is_format and self.prompt not in names)
+
+    def missing_prompt_message(self, names: Iterable[str] | None = None) -> str:
+        """Why a task without its prompt column cannot run without environments (no period)."""
+        names = self.columns if names is None else names
+        return (
+            f"no prompt column {self.prompt!r}; the dataset's columns are {_listing(names)}. Pass `prompt=` a "
+            f"column name, or a format string such as 'Solve {{question}}'"
+        )
 
     @property
     def is_format(self) -> bool:
@@ -362,6 +376,8 @@ class TextTask:
                     f"the prompt format {self.prompt!r} failed on {where} ({type(error).__name__}: {error}); "
                     f"its columns are {_listing(record)}."
                 ) from None
+        if self.environment_prompts:
+            return [{"role": "user", "content": ""}]  # TRL's: the environment's reset() gives the prompt
         if self.prompt not in record:
             raise _fail(f"{where} has no prompt column {self.prompt!r}; its columns are {_listing(record)}.")
         value = record[self.prompt]
@@ -380,6 +396,31 @@ class TextTask:
             f"the prompt column {self.prompt!r} of {where} must hold a string or a conversation "
             f"[{{'role': ..., 'content': ...}}, ...]; got {value!r:.120}."
         )
+
+    def check_prompts(self, split: str, *, max_characters: int | None = None) -> None:
+        """Reads every prompt of a finite ``split`` (one record at a time) before any compute:
+        raises ValueError naming the first example whose prompt is not a string or a
+        conversation, or, with ``max_characters``, has more characters than that (the
+        prompt length limit times the most characters a token stands for: it cannot fit,
+        and tokenizing it first could take gigabytes). A procedural split is skipped."""
+        size = self.split_size(split)
+        if size is None or self.environment_prompts:
+            return
+        for index in range(size):
+            prompt = self._prompt_of(self._record(split, index, 0), split, index)
+            if max_characters is None:
+                continue
+            characters = (
+                len(prompt)
+                if isinstance(prompt, str)
+                else sum(len(m.get("content")) for m in prompt if isinstance(m.get("content"), str))
+            )
+            if characters > max_characters:
+                raise _fail(
+                    f"the prompt of example {index} of the {split} split has {characters:,} characters, more than "
+                    f"max_prompt_length tokens can hold ({max_characters:,} characters at most); shorten it or drop "
+                    f"the example, or raise max_prompt_length."
+                )
 
     def render(self, prompt: str | Sequence[Mapping[str, str]]) -> str:
         """The text the model reads for ``prompt`` (a string or a conversation): the chat
@@ -577,6 +618,32 @@ def _sequence(fn: str, name: str, records: Any) -> Sequence[Record]:
     if isinstance(records, Iterable):
         return list(records)
     raise TypeError(f"{fn}: `{name}` must be a sequence of dicts (one per example); got {type(records).__name__}.")
+
+
+def environment_task(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    *,
+    eos_ids: tuple[int, ...] | int | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    system_prompt: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> TextTask:
+    """The task of a run whose environment owns the data (TRL: ``GRPOTrainer`` without a
+    ``train_dataset``): an endless train split of examples without columns, whose prompts
+    are empty user messages that each episode's ``reset()`` fills; no test split, and no
+    reward functions (the environment's ``get_reward`` scores). ``tokenizer`` needs a
+    chat template (TRL's ``processing_class``)."""
+    return TextTask(
+        tokenizer=tokenizer,
+        reward_fns=(),
+        example=lambda split, index, seed: {},
+        sizes={"train": None, "test": 0},
+        system_prompt=system_prompt,
+        chat_template=True,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        eos_ids=eos_ids,
+        checkpoint=checkpoint,
+    )
 
 
 def from_records(

@@ -233,7 +233,7 @@ class TrainConfig:
             _checks.positive_int(where, field, getattr(self, field))
         for field in ("max_refill_rounds", "eval_every", "eval_samples"):
             _checks.nonnegative_int(where, field, getattr(self, field))
-        _checks.nonnegative_int(where, "seed", self.seed)
+        _checks.seed(where, "seed", self.seed)
         if not self.sampling.temperature > 0:
             raise ValueError(
                 f"{where}: `sampling.temperature` must be a finite number > 0 (the policy trained is "

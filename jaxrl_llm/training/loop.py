@@ -651,6 +651,7 @@ def train(
     environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
     lora: models.LoraConfig | None = None,
     adapters: models.Params | None = None,
+    tokenizer: Any = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
 
@@ -661,7 +662,11 @@ def train(
       config: the run's settings.
       steps: train steps (rollout batches) to run.
       task: prompts, tokenizer, stop ids and reward functions: any
-        :class:`jaxrl_llm.tasks.Task` (default: :class:`~jaxrl_llm.tasks.DigitSumTask`).
+        :class:`jaxrl_llm.tasks.Task` (default: :class:`~jaxrl_llm.tasks.DigitSumTask`, or
+        with an ``environment_factory`` that owns the data, TRL's ``GRPOTrainer`` without a
+        ``train_dataset``, :func:`jaxrl_llm.tasks.environment_task` over ``tokenizer``). A
+        task may have no reward functions when its environments have ``get_reward``, and
+        no prompt column when they give the prompts (``reset()``), as under TRL.
       state: continue from this state instead of a fresh one (it is donated: its
         buffers are reused by the first update; its reference is not).
       ref_params: the frozen reference (default: ``params``; only for runs that use one:
@@ -712,6 +717,8 @@ def train(
         params (``lora.merge`` makes them a plain model); a ``state`` to continue from is a
         LoRA run's. A method with GAE trains a critic of its own adapters and value head over
         the same base.
+      tokenizer: without a ``task``, with an ``environment_factory``: the tokenizer (TRL's
+        ``processing_class``; it needs a chat template).
       adapters: with ``lora``, the adapters to start from instead of PEFT's initialisation:
         an adapter trained before (TRL's ``PeftModel`` as the model), read with
         ``lora_model, adapters = lora.load_adapter(path, model)`` and passed with
@@ -737,10 +744,29 @@ def train(
     """
     _checks.nonnegative_int("train", "steps", steps)
     _checks.positive_int("train", "prompt_bucket", prompt_bucket)
+    if task is None and environment_factory is not None:  # the environment owns the data
+        if tokenizer is None:
+            raise ValueError(
+                "train: without a `task`, the environment gives the prompts, and `tokenizer=` (TRL's "
+                "processing_class, with a chat template) renders them; pass it, or pass a task."
+            )
+        task = tasks.environment_task(tokenizer)
+    elif tokenizer is not None:
+        raise ValueError("train: `tokenizer=` is for a run without a task; a task brings its own tokenizer.")
     task = tasks.DigitSumTask() if task is None else task
-    tasks.check_task(task)
-    check_evaluation(task, config)
     toolset = scoring.Toolset.build(task, tools=tools, environment_factory=environment_factory)
+    environments = None if toolset is None else toolset.environments
+    tasks.check_task(task, needs_rewards=not (toolset is not None and toolset.reward_functions()))
+    if getattr(task, "environment_prompts", False) and environments is None:
+        raise ValueError(f"TextTask: {task.missing_prompt_message()}; only an environment_factory gives prompts.")
+    check_evaluation(task, config)
+    if isinstance(task, tasks.TextTask):  # every prompt read once, before any compute
+        sampling_config = config.sampling
+        limit = None
+        if sampling_config.prompt_truncation == "error":
+            limit = sampling_config.max_prompt_length * tasks.base.longest_token_chars(task.tokenizer)
+        for split in ("train", "test") if config.eval_every else ("train",):
+            task.check_prompts(split, max_characters=limit)
     if toolset is not None and rollout is not None:
         raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms, objectives, training
+from jaxrl_llm import algorithms, objectives, tasks, training
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.tasks.base import PromptBatch, check_split
 from tests.episodes.test_rollout import CALL, AdderEnv, add, chain, run, scripted_model, tokenizer
@@ -82,6 +82,64 @@ def test_environments_rewards_and_metrics():
         # get_reward (calls made) is a reward function logged under the class name, weight 1.
         assert metrics["reward_AdderEnv"] == pytest.approx(metrics["tools/call_frequency"])
         assert metrics["reward"] == pytest.approx(metrics["reward_answered"] + metrics["reward_AdderEnv"], abs=1e-5)
+
+
+def test_an_environment_that_owns_the_data_needs_no_task_and_scores_alone(monkeypatch):
+    # TRL: GRPOTrainer(model, environment_factory=Env, processing_class=tokenizer) without a
+    # train_dataset or reward_funcs: reset() gives each episode's prompt, get_reward its reward.
+    model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0, "5": 20.0}))
+    config = dataclasses.replace(CONFIG, eval_every=0)
+    ends = []
+    _, history = training.train(
+        model, params, algorithms.get("grpo"), config, steps=1, environment_factory=AdderEnv, tokenizer=tokenizer(),
+        callback=ends.append,
+    )  # fmt: skip
+    (metrics,) = history
+    assert metrics["reward"] == pytest.approx(metrics["reward_AdderEnv"]) and metrics["tools/call_frequency"] > 0
+    first = ends[0].collected.first_round
+    assert all(p == [{"role": "user", "content": ""}] for p in first.prompts)  # TRL's placeholder...
+    assert all(p[-1]["content"].strip().isdigit() for p in first.row_prompts)  # ...that reset() fills
+    with pytest.raises(ValueError, match="without a `task`, the environment gives the prompts, and `tokenizer=`"):
+        training.train(model, params, algorithms.get("grpo"), config, steps=1, environment_factory=AdderEnv)
+
+    # A dataset of only an `environment` column routes examples to a dict of environments;
+    # without environments the same dataset is refused (no prompt column), before any compute.
+    routes = tasks.from_records([{"environment": "adder"}] * 4, tokenizer=tokenizer(), reward_fns=())
+    _, history = training.train(
+        model, params, algorithms.get("grpo"), config, steps=1, task=routes, environment_factory={"adder": AdderEnv}
+    )
+    assert history[0]["reward"] == pytest.approx(history[0]["reward_AdderEnv"])
+    monkeypatch.setattr(training.loop, "_compile", lambda *a, **k: pytest.fail("compiled before the checks"))
+    with_answers = tasks.from_records([{"environment": "adder"}] * 4, tokenizer=tokenizer(), reward_fns=[answered])
+    with pytest.raises(ValueError, match="no prompt column 'prompt'.*only an environment_factory gives prompts"):
+        training.train(model, params, algorithms.get("grpo"), config, steps=1, task=with_answers, tools=[add])
+
+    with pytest.raises(ValueError, match="at least one reward function"):
+        training.train(
+            model,
+            params,
+            algorithms.get("grpo"),
+            config,
+            steps=1,
+            task=routes,
+            environment_factory={"adder": _NoReward},
+        )
+
+
+class _NoReward:
+    """An environment without get_reward: a run needs a reward function then."""
+
+    def reset(self, **kwargs) -> str | None:
+        return " 1"
+
+    def add(self, a: int, b: int) -> int:
+        """Adds two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
 
 
 def test_text_prompts_are_refused_with_tools():

@@ -2,6 +2,7 @@
 tools and environment in a module beside the config, named in ``[task]``; it records its
 episodes, evaluates them, and a run stopped and continued ends where the straight one does."""
 
+import dataclasses
 import json
 import re
 import signal
@@ -13,7 +14,9 @@ import chex
 import pytest
 
 from jaxrl_llm import cli, runs
-from jaxrl_llm.runs import run
+from jaxrl_llm.episodes import conversation
+from jaxrl_llm.runs import build, run
+from jaxrl_llm.runs import config as run_config
 from tests.runs.test_resume import complete_checkpoints, environment, stop_after_a_checkpoint, without_timings
 
 MODULE = textwrap.dedent('''\
@@ -123,6 +126,115 @@ def test_tools_and_an_environment_from_a_module_beside_the_config(project, tmp_p
     *_, continued_params, step = runs.restore_policy(tmp_path / "stopped")
     assert step == 4
     chex.assert_trees_all_equal(continued_params, straight_params)  # bitwise
+
+
+def test_the_warm_start_of_a_tool_task_renders_its_prompts_as_the_rollouts_do(project, tmp_path):
+    # The completion column: a final answer, or a demonstration episode (a call, its result, the answer).
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    episode = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+    rows = [{"prompt": [{"role": "user", "content": "2+3"}], "completion": episode}] * 3
+    rows += [{"prompt": [{"role": "user", "content": "1+1"}], "completion": "2"}] * 3
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = run_config.load(project(1))
+    config = dataclasses.replace(
+        config,
+        task=dataclasses.replace(config.task, environment=None, test_fraction=0.0),
+        warm_start=run_config.WarmStartConfig(steps=1, completion="completion"),
+        train=dataclasses.replace(config.train, eval_every=0),
+    )
+    config = run.absolute_paths(config)
+    task = build.run_task(config)
+    tokens, attention, learned = build.demonstrations(config, task)
+    tools = build.tools(config.task)
+    by_prompt = {}
+    for row in range(len(tokens)):
+        ids = tokens[row][attention[row]].tolist()
+        prompt_width = tokens.shape[1] - learned.shape[1]
+        prompt_ids = tokens[row, :prompt_width][attention[row, :prompt_width]].tolist()
+        text = task.tokenizer.decode(tokens[row, prompt_width:][learned[row]].tolist(), skip_special_tokens=False)
+        by_prompt[task.tokenizer.decode(prompt_ids)] = (prompt_ids, text, ids)
+    for prompt, expected_text in (("2+3", ("<tool_call>", "5")), ("1+1", ("2",))):
+        rendered = conversation.render_prompt(task.tokenizer, [{"role": "user", "content": prompt}], tools)
+        (match,) = [v for v in by_prompt.values() if v[0] == rendered]  # the prompt the rollouts see, schemas included
+        assert all(part in match[1] for part in expected_text), match[1]
+    assert "<|tools|>add(a,b)" in task.tokenizer.decode(rendered)  # the schema, as the built-in template writes it
+
+
+OWNED = textwrap.dedent('''\
+    import random
+
+
+    class IncrementEnv:  # TRL's documented environment: it owns the data and scores itself
+        def reset(self, **kwargs) -> str | None:
+            self.counter = 0
+            self.target = random.randint(1, 6)
+            return f"Increment the counter by {self.target}."
+
+        def get_reward(self) -> float:
+            return float(self.counter == self.target)
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the internal counter.
+
+            Args:
+                step: Value to add to the counter.
+
+            Returns:
+                The updated counter value.
+            """
+            self.counter += step
+            return self.counter
+
+
+    class DecrementEnv(IncrementEnv):
+        def reset(self, **kwargs) -> str | None:
+            self.counter = 9
+            self.target = 9 - random.randint(1, 6)
+            return f"Decrement the counter to {self.target}."
+
+        def increment(self, step: int) -> int:
+            """
+            Add to the counter (negative steps decrement).
+
+            Args:
+                step: Value to add to the counter.
+            """
+            self.counter += step
+            return self.counter
+    ''')
+
+
+def test_an_environment_that_owns_the_data_and_a_table_of_environments_from_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "owned.py").write_text(OWNED)
+    head = CONFIG.split("[task]")[0].format(steps=1)
+    train = "[train]" + CONFIG.split("[train]")[1].replace("eval_every = 2", "eval_every = 0")
+    (tmp_path / "owned.toml").write_text(
+        head + '[task]\nname = "environment"\nenvironment = "owned:IncrementEnv"\n\n' + train
+    )
+    assert cli.main(["train", "--config", "owned.toml", "--run-dir", "owned", "--progress", "off"]) == 0
+    (metrics,) = runs.read_metrics(tmp_path / "owned")
+    assert "reward_IncrementEnv" in metrics and "reward_exact_match" not in metrics  # get_reward alone
+    sample = json.loads((tmp_path / "owned" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"][-1]["content"].startswith("Increment the counter by")  # what reset() returned
+
+    # A dataset of only an `environment` column routes each example to one of a table of environments.
+    (tmp_path / "routes.jsonl").write_text("".join(json.dumps({"environment": n}) + "\n" for n in ["up", "down"] * 4))
+    table = '[task]\nname = "jsonl"\npath = "routes.jsonl"\n\n[task.environment]\nup = "owned:IncrementEnv"\n'
+    table += 'down = "owned:DecrementEnv"\n\n'
+    (tmp_path / "table.toml").write_text(head + table + train)
+    assert cli.main(["train", "--config", "table.toml", "--run-dir", "table", "--progress", "off"]) == 0
+    (metrics,) = runs.read_metrics(tmp_path / "table")
+    assert {"reward_IncrementEnv", "reward_DecrementEnv"} <= metrics.keys()
+    assert run.stored_config(tmp_path / "table").task.environment == {
+        "up": f"{tmp_path / 'owned.py'}:IncrementEnv",
+        "down": f"{tmp_path / 'owned.py'}:DecrementEnv",
+    }
 
 
 @pytest.mark.slow

@@ -240,6 +240,23 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
         cli.main(["eval", "--run-dir", str(run_dir)])
     assert exit_.value.code == 2 and "is not the one it started from" in capsys.readouterr().err
 
+    # The same weights under another config, or with two token ids swapped, are another base too.
+    models.save_pretrained(base_dir, model, params, tokenizer=task.tokenizer)
+    config_file = base_dir / "config.json"
+    original = config_file.read_text()
+    config_file.write_text(json.dumps({**json.loads(original), "rms_norm_eps": 1e-3}))
+    with pytest.raises(run.RunDirectoryError, match="its config changed since"):
+        runs.train_run(dataclasses.replace(config, steps=4), run_dir, progress=False, stream=None)
+    config_file.write_text(original)
+    tokenizer_file = base_dir / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_file.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    (a, i), (b, j) = list(vocab.items())[5:7]
+    vocab[a], vocab[b] = j, i
+    tokenizer_file.write_text(json.dumps(tokenizer))
+    with pytest.raises(run.RunDirectoryError, match="its tokenizer changed since"):
+        runs.train_run(dataclasses.replace(config, steps=4), run_dir, progress=False, stream=None)
+
 
 def test_a_run_goes_on_training_a_peft_adapter_with_the_base_as_reference(tmp_path, reward):
     base = dataclasses.replace(tiny(reward, steps=2), warm_start=run_config.WarmStartConfig())

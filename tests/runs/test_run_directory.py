@@ -226,3 +226,14 @@ def test_an_export_under_a_file_is_refused_before_reading_anything(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(run.RunDirectoryError, match=r"lies under .*notes.txt', which is a file"):
         run.export_run(tmp_path / "no-run", tmp_path / "notes.txt" / "policy")
+
+
+def test_a_killed_writers_temporaries_are_removed_when_the_run_opens_again(tmp_path):
+    directory = _fake_run(tmp_path / "run")
+    (directory / f".{records.PLOT_FILE}.4242.tmp").write_bytes(b"half a png")
+    (directory / f".{run.CONFIG_FILE}.abc123").write_text("{")
+    (directory / "notes.txt").write_text("mine")
+    run._open_run_directory(runs.load("tiny"), directory, new=False, main=True)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [run.MARKER_FILE, run.CONFIG_FILE, run.CHECKPOINTS, records.METRICS_FILE, "notes.txt"]
+    )

@@ -151,6 +151,27 @@ def test_a_prompt_longer_than_the_limit_is_an_error_or_left_truncated_and_counte
     assert history[0]["truncated_prompts"] == 1
 
 
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("ab" * 500_000, r"the prompt of example 5 of the train split has 1,000,000 characters, more than"),
+        (17, r"the prompt column 'prompt' of example 5 of the train split must hold a string"),
+    ],
+    ids=["a megabyte", "a number"],
+)
+def test_every_prompt_is_checked_before_any_compute(bad, message, monkeypatch):
+    tokenizer = tasks.build_char_tokenizer("abc")
+    records = [{"prompt": "ab"}] * 5 + [{"prompt": bad}] + [{"prompt": "abc"}] * 4
+    task = tasks.from_records(
+        records, tokenizer=tokenizer, reward_fns=[lambda completions, **_: [0.0] * len(completions)]
+    )
+    model, params = _tiny_model(tokenizer, max_positions=32)
+    monkeypatch.setattr(training.loop, "_compile", lambda *a, **k: pytest.fail("compiled before the prompts were read"))
+    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8)
+    with pytest.raises(ValueError, match=message):
+        training.train(model, params, algorithms.PG, run, steps=1, task=task)
+
+
 def test_a_dataset_is_walked_in_epochs_and_a_resumed_run_sees_the_prompts_of_the_uninterrupted_one():
     tokenizer = tasks.build_char_tokenizer("abcde")
     seen = []
