@@ -56,7 +56,7 @@ run: $(INSTALLED) $(MODEL)
 # Lint and format check (ruff, configured in pyproject.toml), then the suite (its real-model
 # parity test reads $(MODEL)).
 test: $(INSTALLED) $(MODEL) lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
+	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder -q
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -69,9 +69,10 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules with slow tests (``@pytest.mark.slow``: end-to-end runs) first, each kept
-    whole (its module fixtures set up once), the rest after in their order: the two workers
-    of ``make test`` start on the long tests and end on short ones, together."""
+    """The modules with slow tests (``@pytest.mark.slow``: end-to-end runs) first, the rest
+    after, each module kept whole: ``make test`` (``--dist loadscope --no-loadscope-reorder``)
+    hands whole modules to its two workers in this order, so a module's fixtures are set up
+    once, and they start on the long modules and end on short ones, together."""
     slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module not in slow_modules)
 

@@ -480,6 +480,29 @@ def warm_start(
     return params, losses
 
 
+def check_memory(config: RunConfig, task_: tasks.Task) -> None:
+    """Raises ValueError, before anything is allocated, when the train state cannot fit this
+    machine's memory: the model's parameters, once for a LoRA base (adapters aside), else four
+    times (the parameters, their gradients, Adam's two moments), once more for a reference.
+    One process without a mesh only (a sharded state is spread over devices and hosts)."""
+    if jax.process_count() > 1 or config.mesh.build() is not None:
+        return
+    spec = config.model
+    built = model_config(spec, task_, 1) if spec.path is None else models.read_config(spec.path)  # rotary: no table
+    _, params = models.abstract(built)
+    size = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    copies = 1 if config.lora.build() is not None else 4 + training.state.uses_reference(config.algorithm, config.train)
+    needed, available = copies * size, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > available:
+        count = sum(leaf.size for leaf in jax.tree.leaves(params))
+        raise ValueError(
+            f"the train state needs about {needed / 2**30:,.1f} GiB ({count:,} parameters x {copies} copies: "
+            f"parameters, gradients, Adam's moments{', the reference' if copies == 5 else ''}), more than this "
+            f"machine's {available / 2**30:,.1f} GiB of memory. Make the model smaller (model.hidden_size, "
+            f"num_layers), or train LoRA adapters ([lora] rank)."
+        )
+
+
 def abstract_state(config: RunConfig, model_: models.Model, params: models.Params) -> training.TrainState:
     """The run's :class:`~jaxrl_llm.training.TrainState` as shapes and dtypes: what a
     checkpoint restores into. A LoRA run's (``config.lora``) has the adapters as ``params``

@@ -531,6 +531,7 @@ def _checked_start(
             "`pip install wandb`, or leave wandb_project unset."
         )
     task = build.run_task(config)
+    build.check_memory(config, task)
     training.loop.check_evaluation(task, config.train)
     if config.warm_start.enabled:
         build.check_demonstrations(config, task)

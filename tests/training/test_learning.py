@@ -1,7 +1,5 @@
 """Every preset improves a warm-started language model on the digit task (experiments/compare_methods.py)."""
 
-import functools
-
 import chex
 import numpy as np
 import pytest
@@ -47,20 +45,10 @@ EVERY_STEP_METRICS = {
 }
 
 
-# On one worker of the suite's two (`make test`: `--dist loadgroup`), so the warm start is trained once.
-pytestmark = pytest.mark.xdist_group("warm_started_presets")
-
-
-@functools.cache  # once a worker: xdist may tear a module fixture down between the group's tests
-def _warm_started():
+@pytest.fixture(scope="module")  # a module runs on one worker (`make test`: `--dist loadscope`): trained once
+def warm_start():
     task = DigitSumTask()
     model, params, losses = compare_methods.warm_started_model(CONFIG, task)
-    return task, model, params, losses
-
-
-@pytest.fixture
-def warm_start():
-    task, model, params, losses = _warm_started()
     assert losses[-1] < losses[0]
     return task, model, params
 
