@@ -182,8 +182,10 @@ def test_config_file_values_of_the_wrong_type_are_refused(content, message, tmp_
         (["--train.max-new-tokens", "100000"], "= 100512 positions, more than the built-in model takes"),
         (["--train.seed", "-1"], "seed"),
         (["--train.seed", str(10**20)], "`seed` must be an integer in [0, 2**63 - 1]; got 100000000000000000000"),
-        (["--model.hidden-size", "10000000", "--model.num-heads", "1", "--model.num-kv-heads", "1"],
-         "GiB of memory. Make the model smaller"),  # fmt: skip
+        (
+            ["--model.hidden-size", "10000000", "--model.num-heads", "1", "--model.num-kv-heads", "1"],
+            "GiB of memory. Make the model smaller",
+        ),  # fmt: skip
         (["--train.sampling.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
         (["--train.top-p", "0"], "SamplingConfig: `top_p` must be in (0.0, 1.0]; got 0.0"),
         (["--train.optimizer.adam-b1", "1"], "OptimizerConfig: `adam_b1` must be in [0.0, 1.0); got 1.0"),
