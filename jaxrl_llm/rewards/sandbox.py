@@ -37,6 +37,9 @@ others. The layers, outermost first:
     ``/root`` and the parent's ``$HOME`` are covered with empty read-only tmpfs (the
     interpreter's own directories are bound back in), and every other mount is
     remounted read-only, except the working directory.
+``disk_quota``
+    The working directory is a tmpfs of ``disk_mb`` in the mount namespace: the program's
+    processes together write at most that, and nothing of it reaches the host's disk.
 ``uid_drop`` (as root)
     The program runs as a fresh unprivileged uid/gid, unique to the execution, with no
     supplementary groups: ``RLIMIT_NPROC`` binds (it does not bind root), the program
@@ -174,6 +177,10 @@ class SandboxLimits:
     """Address space per process, MiB (``RLIMIT_AS``); over it, allocations fail."""
     file_size_mb: int = 16
     """Largest file a process may write, MiB (``RLIMIT_FSIZE``)."""
+    disk_mb: int = 64
+    """What all the program's files together may take, MiB: its working directory is a
+    tmpfs of this size in the mount namespace (``disk_quota``); without one, only
+    ``file_size_mb`` holds."""
     max_processes: int = 16
     """Processes and threads the program may have at once (``RLIMIT_NPROC``)."""
     max_open_files: int = 64
@@ -196,6 +203,7 @@ class SandboxLimits:
             "cpu_seconds": 1,
             "memory_mb": 64,  # the interpreter itself needs a few tens of MiB
             "file_size_mb": 0,
+            "disk_mb": 1,
             "max_processes": 1,
             "max_open_files": 16,
             "max_output_bytes": 1,
@@ -346,6 +354,7 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
             "rlimits": _rlimits(limits, _process_limit(limits.max_processes, is_root, bool(unshare))),
             "uid": uid,
             "mounts": bool(unshare),
+            "disk_mb": limits.disk_mb,
             "hide": _hide_candidates() if unshare else [],
             "drop_privileges": limits.drop_privileges,
             "audit": limits.audit_hook,

@@ -41,6 +41,7 @@ import linecache
 import os
 import re
 import resource
+import stat
 import sys
 import time
 import traceback
@@ -74,7 +75,7 @@ def main() -> None:
     libc = load_libc()
     active, problems = ["rlimits"], []
     if config["mounts"]:
-        layers, trouble = setup_filesystem(libc, config["hide"], config["workdir"])
+        layers, trouble = setup_filesystem(libc, config["hide"], config["workdir"], config["disk_mb"], config["uid"])
         active += layers
         problems += trouble
     send(report, event="setup", active=active, problems=problems)
@@ -184,14 +185,19 @@ def unescape(field: str) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-def setup_filesystem(libc, hide: list[str], workdir: str) -> tuple[list[str], list[str]]:
-    """Hide ``hide`` and make every mount but ``workdir`` read-only. Returns the layers now
-    active ("hidden_dirs", "readonly_fs") and the problems met; a layer that fails is
-    left out, not fatal."""
+def setup_filesystem(libc, hide: list[str], workdir: str, disk_mb: int, uid: int | None) -> tuple[list[str], list[str]]:
+    """Hide ``hide``, give ``workdir`` ``disk_mb`` MiB of its own and make every other mount
+    read-only. Returns the layers now active ("hidden_dirs", "disk_quota", "readonly_fs")
+    and the problems met; a layer that fails is left out, not fatal."""
     active, problems = [], []
     try:
         if hide_directories(libc, hide, workdir):
             active.append("hidden_dirs")
+        try:
+            cap_workdir(libc, workdir, disk_mb, uid)
+            active.append("disk_quota")
+        except OSError as e:
+            problems.append(f"disk_quota: {e}")
         failed = remount_readonly(libc, workdir)
         if failed:
             problems.append("readonly_fs: could not remount " + "; ".join(failed[:5]))
@@ -227,6 +233,27 @@ def hide_directories(libc, hide: list[str], workdir: str) -> list[str]:
             os.close(fd)
         hidden.append(h)
     return hidden
+
+
+def cap_workdir(libc, workdir: str, disk_mb: int, uid: int | None) -> None:
+    """Mount a tmpfs of ``disk_mb`` MiB over ``workdir``, with its files (the program)
+    copied in: all the program's processes together can write no more than that, and it
+    is gone with the mount namespace, never on the host's disk."""
+    saved = []
+    for name in os.listdir(workdir):
+        path = os.path.join(workdir, name)
+        status = os.lstat(path)
+        if stat.S_ISREG(status.st_mode):
+            with open(path, "rb") as f:
+                saved.append((name, f.read(), status))
+    owner = "" if uid is None else f",uid={uid},gid={uid}"
+    mount(libc, "tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=0700{owner}")
+    for name, data, status in saved:
+        path = os.path.join(workdir, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        os.chmod(path, stat.S_IMODE(status.st_mode))
+        os.chown(path, status.st_uid, status.st_gid)
 
 
 def remount_readonly(libc, workdir: str) -> list[str]:

@@ -7,6 +7,7 @@ reason, where this machine lacks the layer that case needs."""
 import ast
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -187,6 +188,32 @@ def test_memory_bomb_fails():
 def test_file_size_limit():
     result = run_python("open('big', 'wb').write(b'x' * (3 << 20))", limits=SandboxLimits(file_size_mb=1))
     assert result.status == "failed" and "File too large" in result.stderr
+
+
+DISK_FILLER = """
+import os
+written = 0
+try:
+    for i in range(64):  # 16 MiB files, as many as the disk takes
+        with open(f"f{i}", "wb") as f:
+            f.write(b"x" * (16 << 20))
+        written += 16
+except OSError as e:
+    print(written, e.strerror, flush=True)
+    raise
+"""
+
+
+def test_the_files_of_a_program_together_are_capped(layers):
+    need(layers, "mount_namespace")
+    before = shutil.disk_usage(tempfile.gettempdir()).used
+    limits = SandboxLimits(timeout=20.0, cpu_seconds=10, memory_mb=256, file_size_mb=16, disk_mb=40)
+    results = run_many([DISK_FILLER, DISK_FILLER], limits=limits)
+    for result in results:
+        assert "disk_quota" in result.protections and result.status == "failed", result
+        written, reason = result.stdout.split(maxsplit=1)
+        assert int(written) <= 40 and "No space left" in reason, result.stdout
+    assert shutil.disk_usage(tempfile.gettempdir()).used - before < 16 << 20  # nothing reached the host's disk
 
 
 FORK_BOMB = """
