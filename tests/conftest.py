@@ -69,12 +69,23 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules with slow tests (``@pytest.mark.slow``: end-to-end runs) first, the rest
-    after, each module kept whole: ``make test`` (``--dist loadscope --no-loadscope-reorder``)
-    hands whole modules to its two workers in this order, so a module's fixtures are set up
-    once, and they start on the long modules and end on short ones, together."""
+    """The modules with slow tests (``@pytest.mark.slow``: end-to-end runs) first, the smaller
+    before the larger, then the others, the larger first, each module kept whole: ``make test``
+    (``--dist loadscope --no-loadscope-reorder``) hands whole modules to its two workers in
+    this order, so a module's fixtures are set up once, and the workers start on the long
+    modules and finish together on small ones."""
     slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.module not in slow_modules)
+    sizes: dict = {}
+    for item in items:
+        sizes[item.module] = sizes.get(item.module, 0) + 1
+
+    def order(item):
+        slow = item.module in slow_modules
+        # Slow modules with the fewest tests first (a single end-to-end experiment is the longest
+        # item); then the others, the larger first, so that the small ones even out the end.
+        return (not slow, sizes[item.module] if slow else -sizes[item.module], item.module.__name__)
+
+    items.sort(key=order)
 
 
 def pytest_unconfigure(config):
