@@ -91,11 +91,11 @@ def call_tools(
     As TRL: sync tools (an environment's methods among them) run one after another in the
     calling thread, in the order of ``calls``, so that a tool may use ``signal`` as it does
     under TRL; async tools run concurrently meanwhile, on one event loop in a daemon thread
-    this module starts once. A result becomes ``str(result)`` (a list is kept), and a tool
-    that raises an ``Exception`` (arguments that do not fit its signature included), a
-    name not in the toolbox (``"Tool {name} not found."``) or a malformed call becomes
-    ``str({"error": message})`` with ``failed``. A call past the timeout gets such an error
-    too, with ``timed_out``:
+    this module starts once. A result becomes ``str(result)`` (a list is kept). A tool that
+    raises an ``Exception`` or ``SystemExit`` (arguments that do not fit its signature
+    included), a name not in the toolbox (``"Tool {name} not found."``) and a malformed call
+    become ``str({"error": message})`` with ``failed``; a ``KeyboardInterrupt`` stops the
+    caller. A call past the timeout gets an error too, with ``timed_out``:
 
     - a sync call in the main thread is interrupted by ``SIGALRM`` (``signal.setitimer``),
       the previous handler and timer restored after it. A tool that arms its own alarm
@@ -163,7 +163,7 @@ def _result(name: str, produce: Callable[[], str | list], timeout: float | None)
         return ToolResult(name, _within(produce, timeout), False, False)
     except _TimedOut:
         return _timed_out(name, timeout)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # a tool's sys.exit (argparse on bad arguments) too
         return _error(name, _message(error))
 
 

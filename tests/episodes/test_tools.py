@@ -162,6 +162,28 @@ class TestCallTools:
         (result,) = run(ToolCall("divide", {"a": 1, "b": 0}))
         assert result == ToolResult("divide", "{'error': 'division by zero'}", True, False)
 
+    def test_a_tool_that_exits_is_a_failed_call_and_ctrl_c_is_not_swallowed(self):
+        def exits(code: int) -> int:
+            """Exits, as argparse does on bad arguments.
+
+            Args:
+                code: The exit status.
+            """
+            raise SystemExit(code)
+
+        def interrupted(x: int) -> int:
+            """Ctrl-C arrives while it runs.
+
+            Args:
+                x: Anything.
+            """
+            raise KeyboardInterrupt
+
+        (result,) = run(ToolCall("exits", {"code": 2}), toolbox={"exits": exits})
+        assert result == ToolResult("exits", "{'error': '2'}", True, False)
+        with pytest.raises(KeyboardInterrupt):
+            run(ToolCall("interrupted", {"x": 1}), toolbox={"interrupted": interrupted})
+
     def test_unknown_tool(self):
         (result,) = run(ToolCall("search", {"query": "x"}))
         assert result == ToolResult("search", "{'error': 'Tool search not found.'}", True, False)
