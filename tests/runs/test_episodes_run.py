@@ -3,6 +3,7 @@ tools and environment in a module beside the config, named in ``[task]``; it rec
 episodes, evaluates them, and a run stopped and continued ends where the straight one does."""
 
 import dataclasses
+import inspect
 import json
 import re
 import signal
@@ -17,6 +18,7 @@ from jaxrl_llm import cli, runs
 from jaxrl_llm.episodes import conversation
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
+from tests.episodes.test_environments import IncrementEnv
 from tests.runs.test_resume import complete_checkpoints, environment, stop_after_a_checkpoint, without_timings
 
 MODULE = textwrap.dedent('''\
@@ -164,31 +166,12 @@ def test_the_warm_start_of_a_tool_task_renders_its_prompts_as_the_rollouts_do(pr
     assert "<|tools|>add(a,b)" in task.tokenizer.decode(rendered)  # the schema, as the built-in template writes it
 
 
-OWNED = textwrap.dedent('''\
-    import random
-
-
-    class IncrementEnv:  # TRL's documented environment: it owns the data and scores itself
-        def reset(self, **kwargs) -> str | None:
-            self.counter = 0
-            self.target = random.randint(1, 6)
-            return f"Increment the counter by {self.target}."
-
-        def get_reward(self) -> float:
-            return float(self.counter == self.target)
-
-        def increment(self, step: int) -> int:
-            """
-            Increment the internal counter.
-
-            Args:
-                step: Value to add to the counter.
-
-            Returns:
-                The updated counter value.
-            """
-            self.counter += step
-            return self.counter
+# TRL's documented IncrementEnv (owns the data, scores itself), from the test of environments, and a
+# second one beside it: a module a user would write for the command line.
+OWNED = (
+    "import random\n\n\n"
+    + inspect.getsource(IncrementEnv)
+    + textwrap.dedent('''\
 
 
     class DecrementEnv(IncrementEnv):
@@ -207,6 +190,7 @@ OWNED = textwrap.dedent('''\
             self.counter += step
             return self.counter
     ''')
+)
 
 
 def test_an_environment_that_owns_the_data_and_a_table_of_environments_from_the_command_line(tmp_path, monkeypatch):

@@ -57,28 +57,17 @@ def test_training_continues_an_adapter_saved_before_with_the_base_as_reference(t
     lora.save_adapter(tmp_path / "sft", lora_model, lora.combine(params, perturbed(adapters, scale=0.1)))
     loaded_model, loaded = lora.load_adapter(tmp_path / "sft", model)  # someone's SFT adapter
     config = dataclasses.replace(RUN, reference_metrics=True)
-    start, _ = training.train(
-        model,
-        params,
-        algorithms.get("grpo"),
-        config,
-        steps=0,
-        task=TASK,
-        lora=loaded_model.config.lora,
-        adapters=loaded,
-    )
+
+    def from_the_adapter(steps):
+        return training.train(
+            model, params, algorithms.get("grpo"), config, steps=steps, task=TASK, lora=loaded_model.config.lora,
+            adapters=loaded,
+        )  # fmt: skip
+
+    start, _ = from_the_adapter(0)
     chex.assert_trees_all_equal(start.params, loaded)  # the run starts from the adapter
     assert all(not np.any(x) for x in jax.tree.leaves(start.ref_params))  # the reference: the base alone
-    _, history = training.train(
-        model,
-        params,
-        algorithms.get("grpo"),
-        config,
-        steps=1,
-        task=TASK,
-        lora=loaded_model.config.lora,
-        adapters=loaded,
-    )
+    _, history = from_the_adapter(1)
     assert history[0]["kl_k3"] > 0  # already away from the base at step 0
     with pytest.raises(ValueError, match="`adapters` need `lora=`"):
         training.train(model, params, algorithms.get("grpo"), config, steps=0, task=TASK, adapters=loaded)
