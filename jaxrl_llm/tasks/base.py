@@ -26,6 +26,7 @@ import json
 import numbers
 import os
 import pathlib
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -297,6 +298,15 @@ def longest_token_chars(tokenizer: Any) -> int:
     a byte-level token's string has a character per byte, a byte-fallback token's
     ``<0xNN>`` six), so that a text of ``n`` characters takes at least
     ``n / longest_token_chars`` tokens: a bound that spares tokenizing what cannot fit
-    (a prompt, a tool result)."""
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max(len(token) for token in tokens if token is not None)
+    (a prompt, a tool result). Kept per tokenizer while its vocabulary's size stays: a
+    rollout asks every step."""
+    size = len(tokenizer)
+    cached = _LONGEST_TOKEN_CHARS.get(tokenizer)
+    if cached is None or cached[0] != size:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
+        cached = (size, max(len(token) for token in tokens if token is not None))
+        _LONGEST_TOKEN_CHARS[tokenizer] = cached
+    return cached[1]
+
+
+_LONGEST_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (size, chars)
