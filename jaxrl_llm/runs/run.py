@@ -651,7 +651,8 @@ def _warm_started(
         with called_in(f"the held-out evaluation {'after the warm start' if losses else 'before training'}"):
             warm.update(evaluate_model(*policy, task, config, mesh=mesh))
     if config.lora.build() is not None:
-        _save_base(run_dir, config, params, stored=bool(losses) or config.model.path is None, main=main)
+        stored = bool(losses) or config.model.path is None
+        _save_base(run_dir, config, params, task.tokenizer, stored=stored, main=main)
     if main:
         _write_json(run_dir / WARM_START_FILE, warm)
     if "eval_greedy_accuracy" in warm:
@@ -661,7 +662,9 @@ def _warm_started(
     return model, params, adapters, warm
 
 
-def _save_base(run_dir: pathlib.Path, config: RunConfig, params: models.Params, *, stored: bool, main: bool) -> None:
+def _save_base(
+    run_dir: pathlib.Path, config: RunConfig, params: models.Params, tokenizer, *, stored: bool, main: bool
+) -> None:
     """Records a LoRA run's base before its first step: ``base.json`` (``model.path``, or
     ``None`` when the base is ``stored`` in ``base/``, and the digest of every array) and,
     when ``stored``, the base itself (the built-in model, or weights a warm start changed)."""
@@ -674,17 +677,16 @@ def _save_base(run_dir: pathlib.Path, config: RunConfig, params: models.Params, 
     digests = training.checkpoint.digests(params)
     record = {"path": None if stored else config.model.path, "digests": digests}
     if not stored:  # a model directory or GGUF file: its config and tokenizer must stay too
-        record.update(_model_file_digests(config.model.path))
+        record.update(_model_file_digests(config.model.path, tokenizer))
     if main:
         _write_json(run_dir / BASE_FILE, record)
 
 
-def _model_file_digests(path: str) -> dict[str, str]:
+def _model_file_digests(path: str, tokenizer) -> dict[str, str]:
     """SHA-256 digests of a model directory's or GGUF file's config (as :func:`models.read_config`
-    reads it) and tokenizer (its vocabulary, added tokens and chat template): what a LoRA run's
-    base is besides its arrays."""
+    reads it) and of ``tokenizer``, the run's, read from it (its vocabulary, added tokens and
+    chat template): what a LoRA run's base is besides its arrays."""
     config = dataclasses.asdict(models.read_config(path))
-    tokenizer = models.load_tokenizer(path)
     vocabulary = {
         "vocab": sorted(tokenizer.get_vocab().items()),
         "added": sorted((t.content, i) for i, t in tokenizer.added_tokens_decoder.items()),
@@ -720,7 +722,7 @@ def load_base(
     else:
         _, params = build.model(config, task, mesh=mesh)
         where = f"model.path {record['path']!r}"
-        now = _model_file_digests(record["path"])
+        now = _model_file_digests(record["path"], task.tokenizer)
         if changed := [name.removesuffix("_digest") for name in now if name in record and record[name] != now[name]]:
             raise RunDirectoryError(
                 f"the base of the LoRA run in {str(run_dir)!r} ({where}) is not the one it started from: its "
