@@ -77,14 +77,13 @@ def code_execution(
     for completion :math:`c_i` and test snippet :math:`t_i` (Python, usually
     ``assert`` statements), ``r_i = None`` where :math:`t_i` is ``None`` (the example
     has no tests: the reward does not apply). Both run in
-    :func:`jaxrl_llm.rewards.sandbox.run_python`'s sandbox, the tests handed over only
-    once the completion's code has returned, and "to its end" is checked by the
-    sandbox, not taken from the program's word (its module docstring, "Completion",
-    says what that proves). An exception, a failed assert, a timeout, a broken
-    resource limit, a crash, an output flood, an exit before the tests ran
-    (``sys.exit(0)`` in the solution), or a thread still running when they end all
-    score 0.0. The ``B`` programs run in parallel on ``max_workers`` threads (default:
-    the CPU count).
+    :func:`jaxrl_llm.rewards.sandbox.run_python`'s sandbox: the tests in a process of
+    their own, which calls the completion's functions across a channel that carries only
+    data, so they compare values, never the completion's objects, and the verdict is
+    theirs, not the program's word (its module docstring, "Tests"). An exception, a
+    failed assert, a timeout, a broken resource limit, a crash, an output flood or an
+    exit before the tests ended (``sys.exit(0)`` in the solution) all score 0.0. The
+    ``B`` programs run in parallel on ``max_workers`` threads (default: the CPU count).
 
     Args:
       completions: ``[B]`` completion texts, or TRL conversational completions (lists

@@ -61,50 +61,45 @@ others. The layers, outermost first:
     every ``ctypes`` call and (re)importing ``ctypes`` / ``cffi`` / ``_posixsubprocess``;
     ``sys.settrace`` / ``sys.setprofile``.
 
-Completion
-    Exit status 0 is not a pass: a program can leave early (``os._exit(0)``) or write
-    whatever message a launcher would. A pass needs a proof that the program's code and
-    then the tests returned, checked by the supervisor -- the sandbox's first process,
-    which the program cannot read, write or reopen the descriptors of (it is
-    non-dumpable and, with ``drop_privileges``, the program has another uid or no
-    capabilities). Over two pipes:
+Tests
+    Exit status 0 is not a pass: a program can leave early (``os._exit(0)``), write
+    whatever a launcher would, or make itself look right from inside (an object equal to
+    everything, a patched ``math.isclose``, a replaced ``AssertionError``). So ``tests``
+    never run in the program's process. The supervisor -- the sandbox's first process,
+    which the program cannot read, write or reopen the descriptors of (non-dumpable and,
+    with ``drop_privileges``, another uid or no capabilities) -- starts the program, and
+    once it is ready, a second process of its own for the tests, which never runs a line
+    of the program's code:
 
-    1. The program's process runs ``source``; when that returns, the launcher says
-       "solution-done" and the supervisor hands over ``tests``. Until then the tests
-       were only in the supervisor (an anonymous file whose descriptor the program's
-       process closes before ``source`` runs).
-    2. It runs the tests in ``source``'s namespace; when they return, the launcher joins
-       the threads left (as a normal exit would) and says "tests-done". The supervisor
-       SIGKILLs every other process of the sandbox (it is their reaper: ``setsid()``
-       daemons included) and waits until the program has one thread; only then does it
-       draw a random 128-bit secret and write it to the program. With threads left
-       (after a 0.5 s grace) it withholds it and the run fails, saying why.
-    3. The launcher moves the secret back with ``splice`` -- pipe to pipe inside the
-       kernel, never through the program's memory -- and exits 0.
-       :attr:`ExecutionResult.completed` is whether the secret came back.
+    1. The program runs ``source`` as ``__main__`` (waiting for its threads that are not
+       daemons, as an exit would), then sends what its top-level names hold and answers
+       requests over a pair of pipes.
+    2. The tests run in the tests' process, in a namespace of those names: data (``None``,
+       ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``bytearray`` and
+       lists, tuples, sets, dicts and deques of them, NumPy scalars as Python numbers) by
+       value; the program's modules as the same modules imported there; its functions,
+       classes and other objects as stand-ins. Calling a stand-in, or reading its
+       attributes, items, length, iteration, membership, truth, ``repr`` or ``str``, is
+       a request, and what comes back is data or a stand-in again; the arguments go as
+       data (the mutable ones come back as the call left them) or as the stand-ins they
+       are. An exception the program's code raised is raised in the tests as the
+       built-in exception of that name (``Exception`` for the program's own classes),
+       with the program's traceback as a note. A stand-in equals only itself.
+    3. The verdict is the tests' process's: once the tests' code has returned it writes
+       "returned" on a pipe only it holds and exits 0. :attr:`ExecutionResult.completed`
+       is whether it did. Anything else fails: an exception or failed ``assert``, the
+       program ending before the tests did (even if the tests catch that), or an answer
+       that is not data.
 
-    An exception in either part exits 1 at once, through ``os._exit`` bound before
-    ``source`` ran, so a failing test never reaches "tests-done" whatever the program
-    replaced (``sys.exit``, ``traceback``, ``AssertionError``, ``sys.excepthook``).
-
-    What a pass proves: the secret did not exist before the program, alone and
-    single-threaded, said "tests-done", and is never in its memory, so nothing prepared
-    in advance produces it -- a marker, an early exit, a replaced exit function, a scan
-    of the heap, frames or descriptors, a thread or a forked process. It goes to
-    whatever in the program next reads the release pipe, and the launcher does only
-    after the tests' code returned without raising.
-
-    What it cannot prove: code in the program's process is the program's. A solution
-    that does the launcher's part itself -- says "solution-done" and "tests-done" and
-    moves the secret, from its top level, from a function the tests call, or from a
-    hook it left (``atexit``, an exception's ``__str__``, a signal handler, a trace
-    function where the audit hook is off) -- passes: the pipes are its own descriptors
-    and the protocol is in the launcher's source, which it can read. And solution code
-    that runs while the tests do can make them pass without being right (an object
-    equal to everything, patched helpers, a trace function skipping their lines). So a pass means "the
-    tests' code returned, or the program was written against this sandbox's protocol";
-    only tests run in a process that never runs the solution's code (exchanging plain
-    data with it) could rule out the second.
+    So the tests compare values they built with values that crossed as data: nothing
+    the program prepares, patches or returns decides a comparison, and no descriptor,
+    frame, thread or process of the program reaches the verdict. What the tests rely on
+    is the program's answers, as they would for any program. The semantics differ from
+    running the tests in the program's process in a few places, each a failure rather
+    than a pass: the program's global values are read once, when its code has returned;
+    a stand-in's equality and hash are by identity; the tests can pass the program data
+    and its own objects, not functions of theirs; ``except`` a class the program defined
+    does not match (it arrives as ``Exception``).
 
 What is not protected: an audit hook is a tripwire, not a boundary -- code that sets out
 to defeat it can (monkeypatch the stdlib functions it relies on, race it from a thread,
@@ -118,8 +113,8 @@ interpreter only root can read keeps uid 0 without capabilities: it can still wr
 root-owned files. Reads are not confined: what is not hidden stays readable (read-only),
 the interpreter's import path included. The kernel is shared (no seccomp filter, no VM),
 and memory is bounded per process, not per sandbox (no cgroup): ``max_processes *
-memory_mb`` at worst. And a pass can be faked from inside by a program written to do
-so (see "Completion").
+memory_mb`` at worst. The tests are the caller's code: they run with the supervisor's
+rights (the CPU, memory and file limits apply, the audit hook does not).
 """
 
 from __future__ import annotations
@@ -225,12 +220,13 @@ class ExecutionResult:
 
     ``status``:
 
-    - ``"passed"``: the program and then its tests ran to their ends, proven to the
-      supervisor (module docstring, "Completion"), and it exited 0;
-    - ``"failed"``: exited non-zero (an exception, a failed ``assert``, ``MemoryError``
-      under the address-space limit), exited before the end (``sys.exit(0)``,
-      ``os._exit(0)``: the tests did not run), or still had other threads when the
-      tests ended (``stderr`` says so);
+    - ``"passed"``: the program's code returned and then its tests' code did, in the
+      tests' own process (module docstring, "Tests");
+    - ``"failed"``: an exception or a failed ``assert`` in either (``MemoryError``
+      under the address-space limit included), an exit before the end (``sys.exit(0)``,
+      ``os._exit(0)``: in the program's code the tests did not run; in a function they
+      call they did not end), or an answer to the tests that is not data (``stderr``
+      says so);
     - ``"timeout"``: past the wall-clock deadline or the CPU-seconds limit;
     - ``"output_limit"``: wrote more than ``max_output_bytes`` to stdout or stderr;
     - ``"crashed"``: killed by a signal (segfault, file-size limit, ...);
@@ -239,15 +235,17 @@ class ExecutionResult:
 
     status: Status
     returncode: int | None
-    """The program's exit status; ``-N`` for signal N; ``None`` if it was killed by us."""
+    """The run's exit status: 0 for a pass; the program's own when it ended before its
+    tests did; else the tests' process's (1 for failed tests); ``-N`` for signal N;
+    ``None`` if the sandbox was killed at its deadline or for its output."""
     stdout: str
     stderr: str
     """Decoded as UTF-8 (invalid bytes replaced), each at most ``max_output_bytes``."""
     seconds: float
     """Wall-clock seconds from spawn to clean-up."""
     completed: bool
-    """True when the program returned the per-run secret: it and its tests ran to their
-    ends (module docstring, "Completion")."""
+    """True when the tests' code returned, in the tests' own process (module docstring,
+    "Tests")."""
     protections: tuple[str, ...]
     """The containment layers that were active (module docstring), sorted."""
     notes: tuple[str, ...] = ()
@@ -263,8 +261,9 @@ def run_python(source: str, *, tests: str | None = None, limits: SandboxLimits =
 
     The program runs as ``__main__`` from ``solution.py`` in a new, empty working
     directory, with stdin at ``/dev/null``. ``tests`` (Python source, e.g. ``assert``
-    statements) run after it in the same namespace; the program never sees them before
-    its own code has returned (module docstring, "Completion"). Returns the
+    statements) run after it, in a process of their own, in a namespace of the names the
+    program defined, whose functions and objects answer them across a channel that
+    carries only data; the program never sees them (module docstring, "Tests"). Returns the
     :class:`ExecutionResult`; raises only for bad arguments. See the module docstring
     for what is and is not contained.
     """
@@ -405,8 +404,8 @@ def _process_limit(max_processes: int, is_root: bool, namespaced: bool) -> int:
     if is_root:
         return max_processes  # a fresh uid owns nothing else (root itself is exempt)
     if namespaced:
-        return max_processes + 2  # unshare and the supervisor share the namespace
-    return _count_tasks(os.getuid()) + 1 + max_processes
+        return max_processes + 3  # unshare, the supervisor and the tests' process share the namespace
+    return _count_tasks(os.getuid()) + 2 + max_processes  # the supervisor and the tests' process
 
 
 def _rlimits(limits: SandboxLimits, nproc: int) -> dict[str, list[int]]:

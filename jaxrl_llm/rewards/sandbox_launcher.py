@@ -1,4 +1,5 @@
-"""The program the sandbox runs as its first process: the supervisor, which launches the untrusted program.
+"""The program the sandbox runs as its first process: the supervisor, which starts the
+untrusted program and, beside it, the process that runs its tests.
 
 :mod:`jaxrl_llm.rewards.sandbox` reads this file once, when it is imported, and runs its
 source behind util-linux ``unshare`` where namespaces work::
@@ -7,7 +8,8 @@ source behind util-linux ``unshare`` where namespaces work::
 
 never by ``import`` or ``-m``: ``-I`` keeps ``PYTHONPATH``, the user's site directory and
 the current directory off ``sys.path`` (a sibling such as ``code.py`` cannot shadow a
-standard module in the program), and the source run on its own does not import
+standard module in the program, and a module the program writes into its directory is
+never imported by the tests' process), and the source run on its own does not import
 :mod:`jaxrl_llm`, which would load JAX into every sandbox. Held in memory, it does not
 depend on the file staying in view (the sandbox hides ``/root`` and the home directories)
 or unchanged (a program that overwrites the file changes no later run). So it is trusted
@@ -17,27 +19,35 @@ What it reads: one JSON object, its last argument -- ``workdir`` and ``program``
 working directory and the program's source file in it), two descriptors it inherits
 (``report_fd``, a pipe to the parent; ``tests_fd``, an anonymous file holding the
 tests), ``rlimits`` (``{"RLIMIT_CPU": [soft, hard], ...}``), ``uid`` (a fresh uid to run
-the program as, or null), ``mounts`` and ``hide`` (whether to set up the file system, and
-the directories to cover), and the switches ``drop_privileges`` and ``audit``. Nothing
-secret is in it: the tests stay in the anonymous file until the supervisor hands them
-over, and the proof of completion is made later, in the supervisor only.
+the program as, or null), ``mounts``, ``disk_mb`` and ``hide`` (whether to set up the file
+system, the working directory's size and the directories to cover), and the switches
+``drop_privileges`` and ``audit``. Nothing secret is in it: the tests stay in the
+anonymous file until the supervisor has started the program.
 
 What it writes: JSON lines on ``report_fd`` -- "setup" and "ready" (the layers active and
-the problems met), "setup_error" (the program could not be started) and "exit" (the
-program's exit status, whether it returned the proof of completion, its CPU seconds).
+the problems met), "setup_error" (the program could not be started) and "exit" (the run's
+exit status, whether the tests' code returned, the CPU seconds of both processes).
 
 What it does, as PID 1 of the namespaces: hides directories and remounts the rest
-read-only (:func:`setup_filesystem`), then forks. The first process stays the supervisor
-(:func:`supervise`): it runs the completion protocol with the program (the sandbox
-module's docstring, "Completion"), waits for it and reports. The other becomes the
-program (:func:`become_program`: limits, privileges, the audit hook of
-:func:`install_guard`) and runs the source, then the tests (:func:`run`).
+read-only (:func:`setup_filesystem`), then forks the program (:func:`become_program`:
+limits, privileges, the audit hook of :func:`install_guard`), which runs its source and
+then answers calls (:func:`serve`). Once the program is ready, the supervisor -- now
+non-dumpable -- reads the tests and forks the tests' process (:func:`run_tests`), which
+runs them in a namespace of its own where the program's functions and objects are
+stand-ins (:class:`Remote`): each call, attribute or item crosses to the program as a
+request, and what comes back is plain data (:func:`encode`, :func:`decode`), so the
+tests compare values they built themselves. The verdict is that process's: it writes
+"returned" to the supervisor once the tests' code has returned, then exits 0
+(:func:`supervise`, which reports).
 """
 
 import builtins
+import collections
 import ctypes
+import importlib
 import json
 import linecache
+import math
 import os
 import re
 import resource
@@ -45,7 +55,6 @@ import stat
 import sys
 import time
 import traceback
-import types
 
 # mount(2) flags
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
@@ -63,13 +72,21 @@ KEEP_FLAGS = {
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER = 1, 4, 24, 28, 36
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 38, 47
 
-SETUP_FAILED = 70  # exit status of a program's process that could not get ready (EX_SOFTWARE)
-SECRET_SIZE = 33  # the proof of completion: 32 hex digits and a newline
+# Exit statuses of the sandbox's processes
+SETUP_FAILED = 70  # the program's process could not get ready (EX_SOFTWARE)
+TESTS_FAILED = 1  # the tests raised (an assert, or an exception the program's code raised)
+PROGRAM_BROKE_PROTOCOL = 2  # the program's answers could not be read as data
+PROGRAM_ENDED = 3  # the program was gone before the tests' code returned
+RETURNED = b"returned\n"  # the tests' process to the supervisor: the tests' code returned
+
+MAX_MESSAGE_BYTES = 1 << 26  # one request or answer on the channel between the two processes
+MAX_DEPTH = 100  # nesting of a value sent as data; deeper, the program's object is sent as a stand-in
+SMALL_INT = 1 << 63  # larger ints cross in hexadecimal (no 4,300-digit limit, no JSON number limits)
 
 
 def main() -> None:
-    """Prepare the file system, fork, and be the supervisor in one process and the program
-    in the other. Both end in ``os._exit``, unless the program raises ``SystemExit``."""
+    """Prepare the file system, fork the program, then the tests' process; be the
+    supervisor. Every process ends in ``os._exit``, unless the program raises ``SystemExit``."""
     config = json.loads(sys.argv[-1])
     report = config["report_fd"]
     libc = load_libc()
@@ -80,41 +97,54 @@ def main() -> None:
         problems += trouble
     send(report, event="setup", active=active, problems=problems)
 
-    status_r, status_w = os.pipe()  # program -> supervisor: "ready", "solution-done", "tests-done", the secret
-    release_r, release_w = os.pipe()  # supervisor -> program: the tests, then the secret
+    status_r, status_w = os.pipe()  # program -> supervisor: "ready" or "setup_error", one line
+    calls_r, calls_w = os.pipe()  # tests -> program: requests
+    answers_r, answers_w = os.pipe()  # program -> tests: what its code was, then answers
+    verdict_r, verdict_w = os.pipe()  # tests -> supervisor: RETURNED
     supervisor = os.getpid()
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program stay ours (PID 1 already is)
     try:
-        pid = os.fork()
+        program = os.fork()
     except OSError as e:
         send(report, event="setup_error", message=f"fork: {e}")
         os._exit(SETUP_FAILED)
-    if pid:
-        os.close(status_w)
-        os.close(release_r)
-        status, completed, why = supervise(libc, pid, status_r, release_w, config["tests_fd"], report)
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        send(
-            report,
-            event="exit",
-            returncode=os.waitstatus_to_exitcode(status),
-            completed=completed,
-            why=why,
-            cpu_seconds=usage.ru_utime + usage.ru_stime,
-        )
-        os._exit(0)
+    if program == 0:
+        for fd in (status_r, calls_w, answers_r, verdict_r, verdict_w, config["tests_fd"], report):
+            os.close(fd)
+        source = become_program(libc, config, status_w, supervisor, active, problems)
+        filename = config["program"]
+        del libc, config  # the program can walk its frames up to this one: no libc handle, no configuration
+        run_program(source, filename, calls_r, answers_w)
 
-    for fd in (status_r, release_w, config["tests_fd"], report):
+    for fd in (status_w, calls_r, answers_w):
         os.close(fd)
-    source = become_program(libc, config, status_w, supervisor, active, problems)
-    filename = config["program"]
-    del libc, config  # the program can walk its frames up to this one: no libc handle, no configuration
-    module = types.ModuleType("__main__")
-    module.__file__ = filename
-    module.__builtins__ = builtins
-    sys.modules["__main__"] = module
-    sys.argv = [filename]
-    run(source, filename, module.__dict__, status_w, release_r)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no reading or writing our memory, or reopening our descriptors
+    ready = forward_ready(status_r, report)
+    tests = read_file(config["tests_fd"])  # only now: the program's process never held them
+    os.close(config["tests_fd"])
+    tester = None
+    if ready:
+        try:
+            tester = os.fork()
+        except OSError as e:
+            send(report, event="setup_error", message=f"fork: {e}")
+            os._exit(SETUP_FAILED)
+        if tester == 0:
+            os.close(report)
+            os.close(verdict_r)
+            why = set_rlimits({name: value for name, value in config["rlimits"].items() if name != "RLIMIT_NPROC"})
+            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+            if why is not None or os.getppid() != supervisor:
+                os._exit(SETUP_FAILED)
+            del libc
+            run_tests(tests, config["workdir"], calls_w, answers_r, verdict_w)
+    for fd in (calls_w, answers_r, verdict_w):
+        os.close(fd)
+    returncode, returned = supervise(program, tester, verdict_r)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    send(report, event="exit", returncode=returncode, completed=returned, cpu_seconds=usage.ru_utime + usage.ru_stime)
+    os._exit(0)
 
 
 def send(fd: int, **message) -> None:
@@ -288,83 +318,62 @@ def remount_readonly(libc, workdir: str) -> list[str]:
 # The supervisor: the first process, which the program cannot read, write or signal.
 
 
-def supervise(
-    libc, program: int, status_r: int, release_w: int, tests_fd: int, report: int
-) -> tuple[int, bool, str | None]:
-    """Forward the program's "ready"; hand it the tests once its own code has returned,
-    and the secret once the tests have (if it is then alone); return (wait status, whether
-    the secret came back, why it was withheld)."""
-    import select  # the supervisor's alone: the program's process never loads it
-
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no reading or writing our memory, or reopening our descriptors
-    tests = read_file(tests_fd)
-    os.close(tests_fd)
-    stage, partial, out, secret, completed, why, status = "ready", b"", b"", None, False, None, None
-    release = release_w
-
-    def handle(line):
-        nonlocal stage, out, secret, completed, why, release
-        if stage == "ready":  # "ready" or "setup_error", for the parent
-            try:
-                os.write(report, line + b"\n")
-            except OSError:
-                pass
-            stage = "solution"
-        elif stage == "solution" and line == b"solution-done":
-            out, stage = len(tests).to_bytes(8, "big") + tests, "tests"
-        elif stage == "tests" and line == b"tests-done":
-            why = isolate(program)
-            if why is None:
-                secret = os.urandom(16).hex().encode()  # born now, in this process only
-                out, stage = out + secret + b"\n", "proof"
-            else:
-                os.close(release)  # the program reads EOF and exits 1
-                out, stage, release = b"", "refused", None
-        elif stage == "proof" and line == secret:
-            completed, stage = True, "done"
-
-    def receive():
-        """Act on the complete lines waiting in the status pipe; False at EOF."""
-        nonlocal partial
-        for _ in range(64):  # a flood does not starve the rest of the loop
-            try:
-                chunk = os.read(status_r, 65536)
-            except BlockingIOError:
-                return True
-            if not chunk:
-                return False
-            *lines, partial = (partial + chunk).split(b"\n")
-            if len(partial) > 4096:
-                partial = b"\xff"  # an over-long line, which then matches nothing
-            for line in lines:
-                handle(line)
-        return True
-
-    os.set_blocking(status_r, False)
-    os.set_blocking(release_w, False)
+def forward_ready(status_r: int, report: int) -> bool:
+    """Pass the program's first line ("ready" or "setup_error") on to the parent; whether
+    the program is ready (it has then started its source)."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 1 << 16:
+        chunk = os.read(status_r, 1 << 16)
+        if not chunk:
+            break
+        line += chunk
+    os.close(status_r)
+    line = line.split(b"\n")[0]
     try:
-        exited = os.pidfd_open(program)  # readable once the program exits
-    except (AttributeError, OSError):
-        exited = None
-    watch = [status_r] + ([exited] if exited is not None else [])
-    while status is None:
-        sending = [release] if out and release is not None else []
-        ready, writable, _ = select.select(watch, sending, [], None if exited is not None else 0.01)
-        if status_r in ready and not receive():
-            watch.remove(status_r)  # EOF
-        if writable and release is not None:
-            try:
-                out = out[os.write(release, out[:65536]) :]
-            except BlockingIOError:
-                pass
-            except OSError:
-                out = b""  # nobody reads any more
-        status = reap(program)
-    if status_r in watch:
-        receive()  # what it wrote just before it exited
-    if release is not None:
-        os.close(release)
-    return status, completed, why
+        os.write(report, line + b"\n")
+    except OSError:
+        pass
+    try:
+        return json.loads(line).get("event") == "ready"
+    except (ValueError, AttributeError):
+        return False
+
+
+def supervise(program: int, tester: int | None, verdict_r: int) -> tuple[int, bool]:
+    """Wait for the tests' process (or, without one, the program), reaping every process of
+    the sandbox; return the run's exit status and whether the tests' code returned.
+
+    The exit status is 0 when it did; the program's own when the program ended before the
+    tests did (an exception, an early exit, a signal); else the tests' process's
+    (``TESTS_FAILED``, ``PROGRAM_BROKE_PROTOCOL``, or ``-N`` for signal N)."""
+    statuses: dict[int, int] = {}
+    while (tester or program) not in statuses:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid in (program, tester):
+            statuses[pid] = status
+        if pid == program and tester is not None and tester not in statuses:
+            kill_descendants(keep={tester})  # what it left could hold its end of the channel open
+    returned = tester is not None and read_pipe(verdict_r) == RETURNED
+    if program not in statuses:  # told by the tests' process to exit; a moment, then SIGKILL
+        deadline = time.monotonic() + 0.5
+        while program not in statuses and time.monotonic() < deadline:
+            pid, status = os.waitpid(program, os.WNOHANG)
+            if pid:
+                statuses[program] = status
+            else:
+                time.sleep(0.002)
+    kill_descendants(keep=set())
+    reap_all()
+    tested = tester is not None and tester in statuses
+    tests_code = os.waitstatus_to_exitcode(statuses[tester]) if tested else PROGRAM_ENDED
+    if returned and tests_code == 0:
+        return 0, True
+    if tests_code == PROGRAM_ENDED:
+        return (os.waitstatus_to_exitcode(statuses[program]) if program in statuses else -9), False
+    return (tests_code or TESTS_FAILED), False  # 0 without RETURNED: an exit from inside the tests
 
 
 def read_file(fd: int) -> bytes:
@@ -378,62 +387,53 @@ def read_file(fd: int) -> bytes:
     return data
 
 
-def reap(program: int) -> int | None:
-    """Reap every child that has exited (the supervisor is the reaper of the whole
-    sandbox); the wait status of ``program`` if it is one of them, else None."""
-    status = None
-    while True:
+def read_pipe(fd: int, limit: int = 64) -> bytes:
+    """What is waiting in the pipe ``fd`` (at most ``limit`` bytes); every writer is gone."""
+    os.set_blocking(fd, False)
+    data = b""
+    while len(data) <= limit:
         try:
-            reaped, wait_status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+            chunk = os.read(fd, limit + 1)
+        except BlockingIOError:
             break
-        if reaped == 0:
+        if not chunk:
             break
-        if reaped == program:
-            status = wait_status
-    return status
+        data += chunk
+    return data
 
 
-def isolate(program: int) -> str | None:
-    """SIGKILL every process under the supervisor (this process) but ``program``; None once
-    that is the only one left and has a single thread, else why not (after a short grace
-    period: a joined thread lingers for a moment)."""
-    supervisor = os.getpid()
-    deadline = time.monotonic() + 0.5
-    while True:
-        children, threads = {}, 0
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
+def kill_descendants(keep: set[int]) -> None:
+    """SIGKILL every process under this one (the reaper of the whole sandbox) but ``keep``."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rpartition(b")")[2].split()
-                children.setdefault(int(fields[1]), []).append((int(name), fields[0]))
-                if int(name) == program:
-                    threads = int(fields[17])
+                    parents[int(name)] = int(f.read().rpartition(b")")[2].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
-        others, todo = [], [supervisor]
-        while todo:
-            for child, state in children.get(todo.pop(), ()):
-                todo.append(child)
-                if child != program and state not in (b"Z", b"X"):
-                    others.append(child)
-        for other in others:
-            try:
-                os.kill(other, 9)
-            except OSError:
-                pass
-        if not others and threads == 1:
-            return None
-        if time.monotonic() > deadline:
-            if others:
-                return f"processes of the program outlived SIGKILL when its tests ended: {others}"
-            return (
-                f"the program had {threads} threads when its tests ended; it must be down to one "
-                "(threads left running could take the proof of completion)"
-            )
-        time.sleep(0.002)
+    todo, found = [os.getpid()], []
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in keep]
+        found += children
+        todo += children
+    for pid in found:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def reap_all() -> None:
+    """Reap every child that has exited, without waiting for the others."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 # --------------------------------------------------------------------------------------
@@ -483,6 +483,7 @@ def become_program(libc, config: dict, status_w: int, supervisor: int, active: l
         except Exception as e:  # degrade: the other layers still hold
             problems.append(f"audit_hook: {e!r}")
     send(status_w, event="ready", active=active, problems=problems)
+    os.close(status_w)
     return source
 
 
@@ -634,67 +635,513 @@ def install_guard(workdir: str) -> None:
     sys.addaudithook(guard)
 
 
-def run(
-    source,
-    filename,
-    namespace,
-    status_w,
-    release_r,
-    size=SECRET_SIZE,
-    read=os.read,
-    write=os.write,
-    splice=getattr(os, "splice", None),  # noqa: B008 (bound once, at definition, before the guard)
-    blocking=os.set_blocking,
-    _exit=os._exit,
-    compile=compile,
-    exec=exec,
-    modules=sys.modules,
-    lines=linecache.cache,
-    print_exception=traceback.print_exception,
-):
-    """The solution, the tests the supervisor then hands over, then the proof. What it
-    calls is bound here, before the solution runs, as fast locals (rebinding them would
-    take a trace function). An exception exits 1 at once. From "tests-done" on it calls
-    only built-in functions, and the secret goes from pipe to pipe inside the kernel
-    (splice), never through this process's memory."""
+def run_program(source: str, filename: str, calls: int, answers: int) -> None:
+    """Run the program's source as ``__main__``, wait for its threads (as an exit would),
+    then answer the tests' process (:func:`serve`). An exception exits 1, with its
+    traceback; ``SystemExit`` exits as it says, before the tests ran."""
+    module = type(sys)("__main__")
+    module.__file__ = filename
+    module.__builtins__ = builtins
+    sys.modules["__main__"] = module
+    sys.argv = [filename]
     try:
-        exec(compile(source, filename, "exec"), namespace)
-        blocking(status_w, True)  # the solution may have cleared it: the flag is shared
-        blocking(release_r, True)
-        write(status_w, b"solution-done\n")
-        data = b""
-        while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
-            chunk = read(release_r, 1 << 16)
-            if not chunk:
-                _exit(1)
-            data += chunk
-        tests = data[8:]
-        lines["<tests>"] = (len(tests), None, tests.decode("utf-8", "replace").splitlines(True), "<tests>")
-        exec(compile(tests, "<tests>", "exec"), namespace)
+        exec(compile(source, filename, "exec"), module.__dict__)
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            for thread in threading.enumerate():
+                if thread is not threading.current_thread() and not thread.daemon:
+                    thread.join()
     except SystemExit:
         raise
     except BaseException as exc:
-        print_exception(type(exc), exc, exc.__traceback__.tb_next)
-        _exit(1)
-    shutdown = getattr(modules.get("threading"), "_shutdown", None)
-    if shutdown is not None:
-        shutdown()  # join the threads left behind, as a normal exit does
-    blocking(status_w, True)
-    blocking(release_r, True)
-    write(status_w, b"tests-done\n")
-    moved = 0
-    while moved < size:
-        left = size - moved
+        sys.stderr.write(describe(exc))
+        os._exit(1)
+    serve(module.__dict__, calls, answers)
+
+
+def serve(namespace: dict, calls: int, answers: int) -> None:
+    """Send what the program's top-level names hold, then answer requests until told to
+    exit: ``call``, ``getattr``, ``setattr``, ``getitem``, ``setitem``, ``delitem``,
+    ``len``, ``iter``, ``next``, ``contains``, ``bool``, ``repr`` and ``str`` of an object
+    the program sent as a stand-in. The answer to a call also carries the arguments sent
+    as data that are mutable (lists, dicts, sets, bytearrays, deques), as the call left
+    them. This runs in the program's process: nothing here is trusted by the tests."""
+    objects: dict[int, object] = {}  # the objects sent as stand-ins, kept alive: their ids stay theirs
+
+    def refer(value):
+        if isinstance(value, type(sys)):
+            objects[id(value)] = value
+            return ["module", value.__name__, id(value)]
         try:
-            n = splice(release_r, status_w, left) if splice else write(status_w, read(release_r, left))
-        except BlockingIOError:  # cleared again before the supervisor made us alone
-            blocking(status_w, True)
-            blocking(release_r, True)
-            continue
-        if not n:
-            _exit(1)  # withheld: see the supervisor's report
-        moved += n
-    _exit(0)
+            if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a NumPy scalar
+                return encode(value.item(), refer)
+            for base in (bool, int, float, complex, str):  # an IntEnum, a str subclass, ...
+                if isinstance(value, base):
+                    return encode(base(value), refer)
+        except Exception:
+            pass
+        objects[id(value)] = value
+        return ["ref", id(value), type(value).__name__]
+
+    def encode_or_refer(value):
+        try:
+            return encode(value, refer)
+        except Exception:  # a container whose items could not be read
+            return refer(value)
+
+    def resolve(encoded):
+        return objects[encoded[1]]
+
+    def loaded(value):  # a large value as a stand-in: the tests read the part they need
+        encoded = encode_or_refer(value)
+        if type(encoded) is list and encoded[0] not in ("ref", "module") and len(json.dumps(encoded)) > 1 << 20:
+            objects[id(value)] = value
+            return ["ref", id(value), type(value).__name__]
+        return encoded
+
+    names = [name for name in namespace if not (name.startswith("__") and name.endswith("__"))]
+    write_message(answers, ["loaded", [[name, loaded(namespace[name])] for name in names]])
+    while True:
+        try:
+            request = read_message(calls)
+        except EOFError:
+            os._exit(0)  # the tests' process is gone
+        if request[0] == "exit":
+            os._exit(request[1])
+        try:
+            answer = ["ok", *perform(request, resolve, refer)]
+        except Exception as exc:
+            try:
+                args = encode(list(exc.args), refer)
+            except Exception:
+                args = ["list", []]
+            answer = ["raised", type(exc).__name__, args, describe(exc)]
+        write_message(answers, answer)
+
+
+MUTABLE = (list, dict, set, bytearray, collections.deque)
+
+
+def perform(request: list, resolve, refer) -> tuple:
+    """Carry out one request on the program's objects; (the result, the mutable arguments
+    sent as data as the call left them, ``[[position or name, value], ...]``)."""
+    op, target, *operands = request
+    subject = resolve(target)
+    changed = []
+    if op == "call":
+        args = [decode(value, resolve) for value in operands[0]]
+        kwargs = {name: decode(value, resolve) for name, value in operands[1]}
+        result = subject(*args, **kwargs)
+        positional = [(i, encoded, args[i]) for i, encoded in enumerate(operands[0])]
+        named = [(name, encoded, kwargs[name]) for name, encoded in operands[1]]
+        for key, encoded, value in positional + named:
+            if isinstance(value, MUTABLE) and not (type(encoded) is list and encoded[0] == "ref"):
+                changed.append([key, encode(value, refer)])
+    elif op == "getattr":
+        result = getattr(subject, operands[0])
+    elif op == "setattr":
+        result = setattr(subject, operands[0], decode(operands[1], resolve))
+    elif op == "getitem":
+        result = subject[decode(operands[0], resolve)]
+    elif op == "setitem":
+        subject[decode(operands[0], resolve)] = decode(operands[1], resolve)
+        result = None
+    elif op == "delitem":
+        del subject[decode(operands[0], resolve)]
+        result = None
+    elif op in ("len", "iter", "next", "bool", "repr", "str"):
+        result = {"len": len, "iter": iter, "next": next, "bool": bool, "repr": repr, "str": str}[op](subject)
+    elif op == "contains":
+        result = decode(operands[0], resolve) in subject
+    else:
+        raise ValueError(f"unknown request {op!r}")
+    return encode(result, refer), changed
+
+
+# --------------------------------------------------------------------------------------
+# The tests' process: forked by the supervisor, never running a line of the program's code.
+
+
+class ProgramEnded(BaseException):
+    """The program's process is gone (a ``BaseException``: the tests' ``except Exception``
+    does not take it; the tests' process remembers it anyway)."""
+
+
+class ProgramBrokeProtocol(BaseException):
+    """An answer that is not an encoded value."""
+
+
+class Channel:
+    """The tests' end of the channel: one request, one answer, every value checked as it
+    is decoded. Once the program is gone or sent garbage, every request fails."""
+
+    def __init__(self, calls: int, answers: int):
+        self.calls, self.answers = calls, answers
+        self.stand_ins: dict[int, Remote] = {}  # one per object of the program, so ``is`` works
+        self.ended = False
+        self.broken: str | None = None
+
+    def receive(self) -> list:
+        if self.ended:
+            raise ProgramEnded
+        if self.broken is not None:
+            raise ProgramBrokeProtocol(self.broken)
+        try:
+            message = read_message(self.answers)
+            if type(message) is not list or not message or type(message[0]) is not str:
+                raise ValueError("an answer must be a list that starts with its kind")
+            return message
+        except EOFError:
+            self.ended = True
+            raise ProgramEnded from None
+        except (ValueError, RecursionError, MemoryError) as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            raise ProgramBrokeProtocol(self.broken) from None
+
+    def request(self, op: str, subject, *operands):
+        """Send ``[op, subject, *operands]`` (already encoded) and decode the answer."""
+        if self.ended:
+            raise ProgramEnded
+        try:
+            write_message(self.calls, [op, ["ref", subject._ref], *operands])
+        except OSError:
+            self.ended = True
+            raise ProgramEnded from None
+        answer = self.receive()
+        try:
+            if answer[0] == "ok" and len(answer) == 3 and type(answer[2]) is list:
+                return self.decode(answer[1]), [(key, self.decode(value)) for key, value in answer[2]]
+            if not (answer[0] == "raised" and len(answer) == 4 and type(answer[1]) is str and type(answer[3]) is str):
+                raise ValueError(f"an answer of kind {answer[0]!r}")
+            raised = remote_exception(answer[1], self.decode(answer[2]), answer[3])
+        except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            raise ProgramBrokeProtocol(self.broken) from None
+        raise raised
+
+    def decode(self, value):
+        return decode(value, self.stand_in)
+
+    def stand_in(self, encoded: list):
+        """The tests' object for one of the program's: the same module, imported here; or a
+        :class:`Remote`."""
+        if encoded[0] == "module" and len(encoded) == 3 and type(encoded[1]) is str:
+            module = trusted_module(encoded[1])
+            if module is not None:
+                return module
+            encoded = ["ref", encoded[2], "module"]
+        if len(encoded) != 3 or type(encoded[1]) is not int or type(encoded[2]) is not str:
+            raise ValueError("a stand-in is ['ref', id, type name]")
+        if encoded[1] not in self.stand_ins:
+            self.stand_ins[encoded[1]] = Remote(encoded[1], encoded[2][:200])
+        return self.stand_ins[encoded[1]]
+
+
+CHANNEL: Channel | None = None  # the tests' process's channel, set by run_tests
+
+
+def trusted_module(name: str):
+    """The module ``name`` as imported in the tests' process, or None: not found, or found
+    in the program's working directory (the current directory, never on ``sys.path``)."""
+    if name == "__main__":
+        return None  # here, that is this launcher
+    try:
+        module = importlib.import_module(name)
+    except Exception:
+        return None
+    where = getattr(module, "__file__", None) or ""
+    return None if where.startswith(os.getcwd() + os.sep) else module
+
+
+def remote_exception(name: str, args, text: str) -> Exception:
+    """The exception for one the program's code raised: the built-in exception of that
+    name (so the tests' ``except ValueError`` works), else ``Exception``; with the
+    program's traceback as a note."""
+    kind = getattr(builtins, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind, args = Exception, [f"{name}: {', '.join(map(str, args))}"]
+    try:
+        exc = kind(*args)
+    except Exception:
+        exc = kind(*map(str, args))
+    exc.add_note("In the program:\n" + text[-4000:].rstrip())
+    return exc
+
+
+class Remote:
+    """One of the program's objects (a function, a class, an instance) as the tests see it.
+
+    Calls, attributes, items, ``len``, iteration, membership, truth, ``repr`` and ``str``
+    are requests to the program, and their results come back as data or further stand-ins;
+    the arguments go as data or as the stand-ins they are. Equality and hashing are by
+    identity: an object of the program never decides whether it equals a value of the
+    tests."""
+
+    __slots__ = ("_ref", "_type", "__weakref__")
+
+    def __init__(self, ref: int, type_name: str):
+        object.__setattr__(self, "_ref", ref)
+        object.__setattr__(self, "_type", type_name)
+
+    def __call__(self, *args, **kwargs):
+        encoded = [encode(value, refer_in_tests) for value in args]
+        named = [[name, encode(value, refer_in_tests)] for name, value in kwargs.items()]
+        result, changed = CHANNEL.request("call", self, encoded, named)
+        for key, value in changed:  # what the call did to the mutable arguments the tests passed
+            if type(key) is int and 0 <= key < len(args):
+                update_in_place(args[key], value)
+            elif type(key) is str and key in kwargs:
+                update_in_place(kwargs[key], value)
+        return result
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # protocol lookups stay here
+        return CHANNEL.request("getattr", self, name)[0]
+
+    def __setattr__(self, name, value):
+        CHANNEL.request("setattr", self, name, encode(value, refer_in_tests))
+
+    def __getitem__(self, key):
+        return CHANNEL.request("getitem", self, encode(key, refer_in_tests))[0]
+
+    def __setitem__(self, key, value):
+        CHANNEL.request("setitem", self, encode(key, refer_in_tests), encode(value, refer_in_tests))
+
+    def __delitem__(self, key):
+        CHANNEL.request("delitem", self, encode(key, refer_in_tests))
+
+    def __contains__(self, value):
+        return CHANNEL.request("contains", self, encode(value, refer_in_tests))[0] is True
+
+    def __len__(self):
+        return CHANNEL.request("len", self)[0]
+
+    def __bool__(self):
+        return CHANNEL.request("bool", self)[0] is True
+
+    def __iter__(self):
+        return CHANNEL.request("iter", self)[0]
+
+    def __next__(self):
+        return CHANNEL.request("next", self)[0]
+
+    def __repr__(self):
+        try:
+            text = CHANNEL.request("repr", self)[0]
+        except Exception:
+            text = None
+        return text if type(text) is str else f"<{self._type} of the program>"
+
+    def __str__(self):
+        try:
+            text = CHANNEL.request("str", self)[0]
+        except Exception:
+            text = None
+        return text if type(text) is str else repr(self)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+def refer_in_tests(value):
+    """How the tests' side sends what is not plain data: a stand-in as its reference."""
+    if isinstance(value, Remote):
+        return ["ref", value._ref]
+    for base in (bool, int, float, complex, str):
+        if isinstance(value, base):
+            return encode(base(value), refer_in_tests)
+    raise TypeError(
+        "the tests can give the program data (None, bool, int, float, complex, str, bytes, bytearray, range, "
+        f"slice, and lists, tuples, sets, dicts and deques of them) or its own objects, not {type(value).__name__}"
+    )
+
+
+def update_in_place(old, new) -> None:
+    """Make the tests' mutable argument ``old`` hold ``new``, what the program's call left in
+    its copy, keeping the objects inside it where their types agree."""
+    if isinstance(old, (list, collections.deque)) and isinstance(new, (list, collections.deque)):
+        if len(old) != len(new):
+            old.clear()
+            old.extend(new)
+            return
+        for i, item in enumerate(new):
+            if isinstance(old[i], MUTABLE) and type(old[i]) is type(item):
+                update_in_place(old[i], item)
+            else:
+                old[i] = item
+    elif isinstance(old, dict) and isinstance(new, dict):
+        for key in [key for key in old if key not in new]:
+            del old[key]
+        for key, item in new.items():
+            if key in old and isinstance(old[key], MUTABLE) and type(old[key]) is type(item):
+                update_in_place(old[key], item)
+            else:
+                old[key] = item
+    elif isinstance(old, set) and isinstance(new, set):
+        old.clear()
+        old.update(new)
+    elif isinstance(old, bytearray) and isinstance(new, (bytes, bytearray)):
+        old[:] = new
+
+
+def run_tests(tests: bytes, workdir: str, calls: int, answers: int, verdict: int) -> None:
+    """Receive what the program's names hold, run ``tests`` in a namespace of those, then
+    tell the supervisor ``RETURNED`` if the tests' code returned, tell the program to exit
+    and exit: 0, ``TESTS_FAILED``, ``PROGRAM_ENDED`` or ``PROGRAM_BROKE_PROTOCOL``."""
+    global CHANNEL
+    os.chdir(workdir)
+    CHANNEL = channel = Channel(calls, answers)
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    returned = False
+    try:
+        loaded = channel.receive()
+        if loaded[0] != "loaded" or len(loaded) != 2 or type(loaded[1]) is not list:
+            raise ValueError("the first message must be ['loaded', [[name, value], ...]]")
+        for name, value in loaded[1]:
+            if type(name) is not str:
+                raise ValueError("a name must be a str")
+            namespace[name] = channel.decode(value)
+    except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
+        channel.broken = f"{type(e).__name__}: {e}"
+    except (ProgramEnded, ProgramBrokeProtocol):
+        pass
+    else:
+        linecache.cache["<tests>"] = (len(tests), None, tests.decode("utf-8", "replace").splitlines(True), "<tests>")
+        try:
+            exec(compile(tests, "<tests>", "exec"), namespace)
+            returned = True
+        except BaseException as exc:
+            sys.stderr.write(describe(exc))
+    if channel.ended:
+        code = PROGRAM_ENDED
+    elif channel.broken is not None:
+        print(f"sandbox: the program's answer could not be read as data ({channel.broken})", file=sys.stderr)
+        code = PROGRAM_BROKE_PROTOCOL
+    elif returned:
+        os.write(verdict, RETURNED)
+        code = 0
+    else:
+        code = TESTS_FAILED
+    try:
+        write_message(calls, ["exit", code])
+    except OSError:
+        pass
+    os._exit(code)
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` with its traceback, as Python prints it, less this launcher's frames."""
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if frame.filename != "<string>"]
+    lines = ["Traceback (most recent call last):\n"] if frames else []
+    return "".join([*lines, *traceback.format_list(frames), *traceback.format_exception_only(exc)])
+
+
+# --------------------------------------------------------------------------------------
+# Values on the channel: JSON, one message per length-prefixed frame.
+#
+# None, bool, str, a float that is finite and an int below 2**63 in size are themselves;
+# everything else is a list led by its kind: ["int", hex], ["float", "nan" | "inf" |
+# "-inf"], ["complex", re, im], ["range" | "slice", start, stop, step], ["bytes", hex],
+# ["bytearray", hex], ["list" | "tuple" |
+# "set" | "frozenset" | "deque", [items]], ["dict", [[key, value], ...]], and a stand-in,
+# ["ref", id, type name] or ["module", name, id] (the tests send ["ref", id]).
+
+
+SEQUENCES = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "deque": collections.deque}
+
+
+def encode(value, refer, depth: int = 0):
+    """``value`` as JSON-ready data; ``refer(value)`` for what is not data (or nested more
+    than ``MAX_DEPTH`` deep)."""
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        return value if -SMALL_INT < value < SMALL_INT else ["int", hex(value)]
+    if kind is float:
+        return value if math.isfinite(value) else ["float", repr(value)]
+    if kind is complex:
+        return ["complex", encode(value.real, refer), encode(value.imag, refer)]
+    if kind is range or kind is slice:
+        return [kind.__name__, *(encode(part, refer, depth + 1) for part in (value.start, value.stop, value.step))]
+    if depth >= MAX_DEPTH:
+        return refer(value)
+    if isinstance(value, (bytes, bytearray)):
+        return ["bytearray" if isinstance(value, bytearray) else "bytes", bytes(value).hex()]
+    if isinstance(value, dict):
+        return ["dict", [[encode(k, refer, depth + 1), encode(v, refer, depth + 1)] for k, v in value.items()]]
+    for name, sequence in SEQUENCES.items():
+        if isinstance(value, sequence):
+            return [name, [encode(item, refer, depth + 1) for item in value]]
+    return refer(value)
+
+
+def decode(value, stand_in):
+    """The value ``encode`` made, with ``stand_in(encoded)`` for the references; raises
+    ``ValueError`` (or ``TypeError``, ``KeyError``, ``RecursionError``) for anything else."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is not list or not value or type(value[0]) is not str:
+        raise ValueError(f"not an encoded value: {str(value)[:100]}")
+    tag, rest = value[0], value[1:]
+    if tag in SEQUENCES and len(rest) == 1 and type(rest[0]) is list:
+        return SEQUENCES[tag](decode(item, stand_in) for item in rest[0])
+    if tag == "dict" and len(rest) == 1 and type(rest[0]) is list:
+        pairs = rest[0]
+        if not all(type(pair) is list and len(pair) == 2 for pair in pairs):
+            raise ValueError("a dict is a list of [key, value] pairs")
+        return {decode(k, stand_in): decode(v, stand_in) for k, v in pairs}
+    if len(rest) == 1 and type(rest[0]) is str:
+        if tag == "int":
+            return int(rest[0], 16)
+        if tag == "float" and rest[0] in ("nan", "inf", "-inf"):
+            return float(rest[0])
+        if tag in ("bytes", "bytearray"):
+            return (bytes if tag == "bytes" else bytearray).fromhex(rest[0])
+    if tag in ("range", "slice") and len(rest) == 3:
+        parts = [decode(part, stand_in) for part in rest]
+        if tag == "range" and all(type(part) is int for part in parts):
+            return range(*parts)
+        if tag == "slice":
+            return slice(*parts)
+    if tag == "complex" and len(rest) == 2:
+        real, imag = decode(rest[0], stand_in), decode(rest[1], stand_in)
+        if type(real) is float and type(imag) is float:
+            return complex(real, imag)
+    if tag in ("ref", "module"):
+        return stand_in(value)
+    raise ValueError(f"not an encoded value: {str(value)[:100]}")
+
+
+def write_message(fd: int, message) -> None:
+    """Send ``message`` as JSON, after its length in 8 bytes."""
+    data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    view = memoryview(len(data).to_bytes(8, "big") + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def read_message(fd: int):
+    """The next message on ``fd``; ``EOFError`` at its end, ``ValueError`` for one over
+    ``MAX_MESSAGE_BYTES`` or not JSON."""
+    size = int.from_bytes(read_exactly(fd, 8), "big")
+    if size > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a message of {size} bytes (at most {MAX_MESSAGE_BYTES})")
+    return json.loads(read_exactly(fd, size))
+
+
+def read_exactly(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd``; ``EOFError`` if it ends first."""
+    chunks = []
+    while size:
+        chunk = os.read(fd, min(size, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ reason, where this machine lacks the layer that case needs."""
 
 import ast
 import glob
+import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -15,6 +17,8 @@ import sys
 import tempfile
 import time
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
 from jaxrl_llm.rewards import sandbox
@@ -382,12 +386,14 @@ def test_temp_dir_with_a_space_and_non_ascii(tmp_path, monkeypatch, layers):
 
 # ---------------------------------------------------------- forging a pass
 
-# The completion marker of an earlier design, written wherever the program might reach
-# the channel that reports it: every descriptor named in a frame, every int in a dict on
-# the heap, every descriptor number 3..255. Then a status-0 exit.
+# What a forger writes wherever it might reach a channel that reports a pass: every
+# descriptor named in a frame, every int in a dict on the heap, every descriptor number
+# 3..255. The payloads: the completion marker of an earlier design, the tests' process's
+# word to the supervisor, and, framed as the channel frames its messages, an "exit 0"
+# and the launcher's own list of names. Then a status-0 exit.
 FORGE = """
 def forge():
-    import gc, os, sys
+    import gc, json, os, sys
     fds = set(range(3, 256))
     frame = sys._getframe(0)
     while frame is not None:
@@ -397,23 +403,57 @@ def forge():
     for o in gc.get_objects():
         if type(o) is dict:
             fds.update(v for v in o.values() if type(v) is int and 0 <= v < 4096)
+    frames = [json.dumps(m).encode() for m in (["exit", 0], ["ok", True, []], ["loaded", []])]
+    payload = b'{"completed": true}\\n' + b"returned\\n" + b"".join(len(f).to_bytes(8, "big") + f for f in frames)
     for fd in sorted(fds - {0, 1, 2}):
         try:
-            os.write(fd, b'{"completed": true}\\n')
+            os.write(fd, payload)
         except OSError:
             pass
     os._exit(0)
 """
-FAILING = "\nassert 1 == 2, 'the tests'\n"
+ADD = "\ndef add(a, b):\n    return a + b\n"
+FAILING = "assert add(1, 2) == 4, 'the tests'"  # fails for the honest add above
 
 FORGERIES = {
-    # The fault probe's own: the launcher's status pipe, one frame up.
-    "caller locals": "import os, sys\nstatus = sys._getframe(0).f_back.f_locals['status_w']\n"
-    "os.write(status, b'{\"completed\": true}\\n')\nos._exit(0)",
-    "every reachable descriptor": FORGE + "forge()",
-    "replaced exit": "import sys, builtins\nsys.exit = builtins.exit = lambda *a, **k: None",
-    "replaced exit that forges": FORGE + "import sys, builtins\nsys.exit = builtins.exit = lambda *a, **k: forge()",
-    "patched failure path": FORGE
+    # The fault probe's attack on the design before this one, where the tests ran in the
+    # program's process: its launcher's pipes, read from the frame that ran the
+    # solution, and its protocol replayed.
+    "the protocol replayed": ADD
+    + """
+import os, sys
+scope = sys._getframe(1).f_locals
+status, release = scope.get("status_w"), scope.get("release_r")
+os.write(status, b"solution-done\\n")
+data = b""
+while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
+    data += os.read(release, 65536)
+os.write(status, b"tests-done\\n")
+os.write(status, os.read(release, 33))
+os._exit(0)
+""",
+    # The same on this design: every descriptor in the launcher's frames, by the names
+    # they have now, sent every message a pass could be made of.
+    "the launcher's locals": ADD
+    + """
+import os, sys
+frame = sys._getframe(0)
+while frame is not None:
+    for name, fd in frame.f_locals.items():
+        if type(fd) is int and name in ("status_w", "calls", "answers", "verdict"):
+            for message in (b"solution-done\\n", b"tests-done\\n", b"returned\\n"):
+                try:
+                    os.write(fd, message)
+                except OSError:
+                    pass
+    frame = frame.f_back
+os._exit(0)
+""",
+    "every reachable descriptor": ADD + FORGE + "forge()",
+    "from the function the tests call": FORGE + "def add(a, b):\n    forge()",
+    "replaced exit": ADD + "import sys, builtins\nsys.exit = builtins.exit = lambda *a, **k: None",
+    "patched failure path": ADD
+    + FORGE
     + """
 import builtins, os, sys, traceback
 sys.exit = builtins.exit = builtins.quit = os._exit = lambda *a, **k: None
@@ -422,63 +462,58 @@ sys.excepthook = lambda *a: forge()
 builtins.AssertionError = builtins.SystemExit = type('Harmless', (Exception,), {})
 builtins.__build_class__ = lambda *a, **k: forge()
 """,
-    "thread after the tests": FORGE
-    + "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.5), forge())).start()",
+    "a thread during the tests": ADD
+    + FORGE
+    + "import threading, time\nthreading.Thread(target=forge, daemon=True).start()",
+    "equal to everything": """
+class Anything:
+    def __eq__(self, other):
+        return True
+    __ne__ = lambda self, other: False
+    __hash__ = object.__hash__
+    __bool__ = lambda self: True
+def add(a, b):
+    return Anything()
+""",
+    "an int equal to everything": """
+class Four(int):
+    __eq__ = lambda self, other: True
+def add(a, b):
+    return Four(a + b)
+""",
+    "a patched module the tests use": ADD + "import math\nmath.isclose = lambda *a, **k: True",
+    "garbage on the channel": FORGE.replace("payload = ", "payload = b'\\xff' * 64 or ")
+    + "def add(a, b):\n    forge()",
 }
+FORGERY_TESTS = {"a patched module the tests use": "assert math.isclose(add(1, 2), 4)"}
 
 
-@pytest.mark.parametrize("forgery", list(FORGERIES.values()), ids=list(FORGERIES))
+@pytest.mark.parametrize("forgery", list(FORGERIES), ids=list(FORGERIES))
 def test_a_forged_completion_does_not_pass(forgery):
-    result = run_python(forgery + FAILING, limits=FAST)
+    tests = FORGERY_TESTS.get(forgery, FAILING)
+    result = run_python(FORGERIES[forgery], tests=tests, limits=FAST)
     assert (result.status, result.completed) == ("failed", False), result
 
 
 def test_a_forked_child_cannot_forge_completion():
-    source = FORGE + "import os\nif os.fork() == 0:\n    forge()\nos.wait()\nos._exit(0)" + FAILING
-    result = run_python(source, limits=NO_HOOK)
+    source = ADD + FORGE + "import os\nif os.fork() == 0:\n    forge()\nos.wait()\nos._exit(0)"
+    result = run_python(source, tests=FAILING, limits=NO_HOOK)
     assert (result.status, result.completed) == ("failed", False), result
 
 
-def test_a_forked_thief_is_killed_before_the_proof_is_released():
-    # Once the tests are handed over, 8 processes block in reads of the release pipe;
-    # alive when the secret comes, they would most likely win it (the run then times out)
-    # and print it.
-    source = """
-import os, time
-if os.fork() == 0:
-    while not os.path.exists('go'):
-        time.sleep(0.001)
-    for fd in range(3, 64):
-        try:
-            pipe = os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:')
-            flags = int(open(f'/proc/self/fdinfo/{fd}').read().split('flags:')[1].split()[0], 8)
-        except OSError:
-            continue
-        if pipe and flags & 3 == os.O_RDONLY:
-            for _ in range(7):
-                if os.fork() == 0:
-                    break
-            print('stolen', os.read(fd, 64), flush=True)
-    time.sleep(60)
-"""
-    result = run_python(source, tests="open('go', 'w').close()\ntime.sleep(0.3)", limits=NO_HOOK)
-    assert (result.status, result.completed, result.stdout) == ("passed", True, ""), result
-
-
 @pytest.mark.parametrize("daemon", [True, False])
-def test_threads_left_running_when_the_tests_end(daemon):
-    # Joined like at a normal exit, if they can be; one still running could take the proof.
+def test_threads_left_running(daemon):
+    # A normal exit waits for the threads that are not daemons, so their program's code
+    # has not returned before they end; a daemon thread is no matter: the verdict is the
+    # tests' process's, and the program is killed when they are done.
     seconds = 60 if daemon else 0.3
     source = f"import threading, time\nthreading.Thread(target=time.sleep, args=({seconds},), daemon={daemon}).start()"
     result = run_python(source, tests="assert 1 + 1 == 2", limits=FAST)
-    if daemon:
-        assert (result.status, result.returncode, result.completed) == ("failed", 1, False)
-        assert "the program had 2 threads when its tests ended" in result.stderr
-    else:
-        assert result.passed, result
+    assert (result.status, result.returncode, result.completed) == ("passed", 0, True), result
+    assert result.seconds < (2.0 if daemon else 5.0)
 
 
-def test_tests_run_after_the_program_in_its_namespace_unseen_by_it():
+def test_tests_run_after_the_program_unseen_by_it():
     source = """
 import gc, sys
 seen = open(__file__).read() + open('/proc/self/cmdline', 'rb').read().decode('latin-1')
@@ -492,6 +527,183 @@ def add(a, b):
     result = run_python(source, tests="x = 1\nassert add(1, 2) == 4, 'jaxrl-hidden'", limits=FAST)
     assert (result.status, result.returncode, result.completed) == ("failed", 1, False)
     assert 'File "<tests>", line 2' in result.stderr and "assert add(1, 2) == 4" in result.stderr
+
+
+SOLUTION = """
+import collections, math
+LIMIT = 10 ** 30
+TABLE = list(range(300_000))  # past the 1 MiB a name's value may take as data: a stand-in
+def add(a, b):
+    return a + b
+def union(a, b):
+    return a | b
+class Solution:
+    def two_sum(self, nums, target):
+        seen = {}
+        for i, x in enumerate(nums):
+            if target - x in seen:
+                return [seen[target - x], i]
+            seen[x] = i
+def sort_in_place(xs, *, table):
+    xs.sort()
+    table['sorted'] = True
+    table['rows'][0].append(0)
+def countdown(n):
+    yield from range(n, 0, -1)
+class Node:
+    def __init__(self, value, next=None):
+        self.value, self.next = value, next
+def last(node):
+    while node.next is not None:
+        node = node.next
+    return node
+class InvalidInput(Exception):
+    pass
+def check(x):
+    if x < 0:
+        raise ValueError(f"negative: {x}")
+    raise InvalidInput(x)
+def counts(text):
+    return collections.Counter(text)
+print('program', add(2, 3))
+"""
+TESTS_OF_SOLUTION = """
+assert add(1, 2) == 3 and add('a', 'b') == 'ab' and add((1,), (2,)) == (1, 2)
+assert add(LIMIT, 1) == 10 ** 30 + 1 and add(float('inf'), 1) == float('inf') and add(1j, 1) == 1 + 1j
+assert add([1, {2: b'x'}], [{3}]) == [1, {2: b'x'}, {3}] and type(union(frozenset({1}), {2})) is frozenset
+assert Solution().two_sum([2, 7, 11, 15], 9) == [0, 1]
+xs, table = [3, 1, 2], {'rows': [[5]]}
+row = table['rows'][0]
+assert sort_in_place(xs, table=table) is None
+assert xs == [1, 2, 3] and table == {'rows': [[5, 0]], 'sorted': True} and row == [5, 0]
+assert list(countdown(3)) == [3, 2, 1] and sum(countdown(4)) == 10
+head = Node(1, Node(2, Node(3)))
+assert last(head).value == 3 and last(head) is last(head) and last(head) is head.next.next
+head.next.next.next = Node(4)
+assert last(head).value == 4 and len([1 for _ in countdown(2)]) == 2
+try:
+    check(-1)
+except ValueError as e:
+    assert e.args == ('negative: -1',), e.args
+try:
+    check(1)
+except Exception as e:
+    assert type(e) is Exception and str(e) == 'InvalidInput: 1'
+assert counts('abca') == {'a': 2, 'b': 1, 'c': 1} and math.isclose(add(0.1, 0.2), 0.3)
+try:
+    add(lambda: 1, 2)
+except TypeError as e:
+    assert 'the tests can give the program data' in str(e) and 'not function' in str(e)
+assert len(TABLE) == 300_000 and TABLE[-1] == 299_999 and 7 in TABLE and TABLE[2:4] == [2, 3]
+print('tests', add(3, 4))
+"""
+
+
+def test_tests_see_the_programs_objects_as_data():
+    result = run_python(SOLUTION, tests=TESTS_OF_SOLUTION, limits=FAST)
+    assert (result.status, result.returncode, result.completed) == ("passed", 0, True), result
+    assert result.stdout == "program 5\ntests 7\n"
+
+
+def test_an_exception_in_the_program_shows_both_tracebacks():
+    result = run_python(SOLUTION, tests="x = 1\ncheck(-2)", limits=FAST)
+    assert (result.status, result.returncode, result.completed) == ("failed", 1, False)
+    stderr = result.stderr
+    assert (
+        'File "<tests>", line 2' in stderr and "solution.py" in stderr and stderr.count("ValueError: negative: -2") == 2
+    )
+    assert 'File "<string>"' not in stderr  # the launcher's own frames are left out
+
+
+@pytest.mark.parametrize(
+    "during_the_tests, status, returncode",
+    [
+        ("import os\ndef add(a, b):\n    os._exit(0)", "failed", 0),
+        ("import sys\ndef add(a, b):\n    sys.exit(5)", "failed", 5),
+        ("import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGSEGV)", "crashed", -11),
+    ],
+)
+def test_a_program_that_ends_during_its_tests_fails(during_the_tests, status, returncode):
+    tests = "try:\n    add(1, 2)\nexcept BaseException:\n    pass"  # the tests cannot swallow its end
+    result = run_python(during_the_tests, tests=tests, limits=FAST)
+    assert (result.status, result.returncode, result.completed) == (status, returncode, False), result
+
+
+def test_answers_that_are_not_data_fail_the_run():
+    # An oversized frame, then one that is not JSON: each says why.
+    for payload in ("(1 << 40).to_bytes(8, 'big')", "(5).to_bytes(8, 'big') + b'{{{{{'"):
+        source = f"""
+import os, sys
+def add(a, b):
+    answers = sys._getframe(2).f_locals['answers']
+    os.write(answers, {payload})
+    return 3
+"""
+        result = run_python(source, tests="assert add(1, 2) == 3", limits=FAST)
+        assert (result.status, result.returncode, result.completed) == ("failed", 2, False), result
+        assert "the program's answer could not be read as data" in result.stderr
+
+
+def test_launcher_encodes_values_losslessly():
+    # Everything the channel sends as data comes back equal and of the same types, at
+    # every depth; what is not data goes through ``refer``.
+    launcher = _load_launcher()
+    strategy = st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.integers(min_value=2**63)
+        | st.floats()
+        | st.text()
+        | st.binary()
+        | st.complex_numbers()
+        | st.builds(range, st.integers(), st.integers(), st.integers().filter(bool))
+        | st.builds(slice, st.none() | st.integers(), st.integers(), st.none() | st.integers()),
+        lambda inner: (
+            st.lists(inner)
+            | st.tuples(inner, inner)
+            | st.dictionaries(st.integers() | st.text(), inner)
+            | st.frozensets(st.integers())
+            | st.sets(st.text())
+        ),
+        max_leaves=20,
+    )
+
+    def typed(value):  # equality that tells 1, 1.0 and True apart and nan from nan
+        if isinstance(value, (float, complex)):
+            return (type(value), repr(value))  # nan as nan
+        if isinstance(value, dict):
+            return (dict, sorted((repr(typed(k)), typed(v)) for k, v in value.items()))
+        if isinstance(value, (list, tuple)):
+            return (type(value), [typed(v) for v in value])
+        if isinstance(value, (set, frozenset)):
+            return (type(value), sorted(repr(typed(v)) for v in value))
+        return (type(value), value)
+
+    @hypothesis.given(strategy)
+    def round_trip(value):
+        refused = lambda v: pytest.fail(f"sent as a stand-in: {v!r}")  # noqa: E731
+        wire = json.loads(json.dumps(launcher.encode(value, refused), allow_nan=False))
+        assert typed(launcher.decode(wire, refused)) == typed(value)
+
+    round_trip()
+    stand_ins = []
+    nested = [[[]]]
+    for _ in range(200):
+        nested = [nested]
+    encoded = launcher.encode([object, nested], lambda v: stand_ins.append(v) or ["ref", len(stand_ins)])
+    assert encoded[0] == "list" and encoded[1][0] == ["ref", 1]
+    assert stand_ins[0] is object and len(stand_ins) == 2  # the class, and the list past MAX_DEPTH
+    for bad in ([], ["list"], ["dict", [[1]]], ["float", "1e500"], ["nope", 1], {"a": 1}, ["int", 5]):
+        with pytest.raises((ValueError, TypeError)):
+            launcher.decode(bad, lambda v: pytest.fail("not a stand-in"))
+
+
+def _load_launcher():
+    spec = importlib.util.spec_from_file_location("sandbox_launcher_under_test", sandbox._LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    return launcher
 
 
 def test_trace_functions_are_refused_by_the_hook():
