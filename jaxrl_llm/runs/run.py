@@ -467,10 +467,10 @@ def _train_run(
         model, params, adapters, warm = _warm_started(config, task, run_dir, mesh, main=main, stream=stream)
     if start >= config.steps:
         checkpointer.close()
-        summary = _summary(run_dir, warm, time.perf_counter() - called)
+        summary = _summary(run_dir, warm, time.perf_counter() - called, steps=start)
         _print(
-            f"{run_dir} is complete ({config.steps} steps). Pass a larger --steps to continue it, or "
-            f"--overwrite to start again.\n{summary}",
+            f"{run_dir} is complete: its latest checkpoint holds {start} steps (--steps {config.steps}). Pass a "
+            f"larger --steps to continue it, or --overwrite to start again.\n{summary}",
             stream,
         )
         return RunResult(run_dir, config, None, [], warm, summary)
@@ -510,7 +510,7 @@ def _train_run(
         raise
     recorder.close()
     checkpointer.close()
-    summary = _summary(run_dir, warm, time.perf_counter() - called) if main else ""
+    summary = _summary(run_dir, warm, time.perf_counter() - called, steps=int(state.step)) if main else ""
     _print(summary, stream)
     return RunResult(run_dir, config, state, history, warm, summary)
 
@@ -959,8 +959,10 @@ def _unevaluated_record(run_dir: pathlib.Path, start: int, config: RunConfig) ->
     return {name: value for name, value in last.items() if name != "step"}
 
 
-def _summary(run_dir: pathlib.Path, warm: dict[str, Any], wall_seconds: float) -> str:
-    rows = records.read_metrics(run_dir)
+def _summary(run_dir: pathlib.Path, warm: dict[str, Any], wall_seconds: float, *, steps: int) -> str:
+    """The run's summary over its first ``steps`` steps, those its latest checkpoint holds (a run
+    killed after logging steps it had not saved has their lines until it continues)."""
+    rows = [row for row in records.read_metrics(run_dir) if row["step"] < steps]
     lines = [
         f"Run {run_dir}:",
         f"wall time {records.duration(wall_seconds)} (loading, warm start, steps, evaluations, checkpoints and plots)",

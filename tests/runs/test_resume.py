@@ -9,6 +9,7 @@ parameters must be bitwise equal to the reference's and every line of ``metrics.
 equal, timings aside: the prompts, keys and counters all live in the checkpointed state.
 """
 
+import io
 import json
 import os
 import signal
@@ -207,3 +208,29 @@ def test_a_run_stored_with_flat_train_settings_resumes(tmp_path):
     )
     assert [row["step"] for row in runs.read_metrics(tmp_path / "run")] == [0, 1, 2, 3]
     assert len(continued.history) == 2 and int(continued.state.step) == 4
+
+
+@pytest.mark.slow
+def test_a_complete_run_killed_after_logging_unsaved_steps_sums_up_its_checkpoint(tmp_path):
+    """A run SIGKILLed after logging steps it had not saved, continued with ``--steps`` no
+    larger than its checkpoint: the summary counts the checkpoint's steps, not the lines the
+    killed run left after them."""
+    import dataclasses
+
+    tiny = runs.load("tiny")
+    config = dataclasses.replace(
+        tiny,
+        steps=2,
+        save_every=2,
+        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
+        train=dataclasses.replace(tiny.train, eval_every=0),
+    )
+    run.train_run(config, tmp_path / "run", progress=False, stream=None)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    with metrics.open("a") as file:  # steps 2 and 3, logged before the kill, in no checkpoint
+        file.writelines(json.dumps({**last, "step": step}) + "\n" for step in (2, 3))
+    printed = io.StringIO()
+    done = run.train_run(config, tmp_path / "run", resume=True, progress=False, stream=printed)
+    assert "is complete: its latest checkpoint holds 2 steps (--steps 2)" in printed.getvalue()
+    assert "2 train steps recorded (steps 0 to 1)" in done.summary, done.summary
