@@ -539,16 +539,7 @@ class RunRecorder:
             self._metrics_file = self._open(METRICS_FILE)
             self._samples_file = self._open(SAMPLES_FILE)
             if tensorboard:
-                from tensorboardX import SummaryWriter
-
-                # purge_step hides the earlier events of steps >= start_step; the suffix keeps two
-                # writers started within one second (the name's timestamp) from sharing a file.
-                self._tensorboard = SummaryWriter(
-                    str(self.run_dir / TENSORBOARD_DIR),
-                    purge_step=self.start_step,
-                    flush_secs=10,
-                    filename_suffix=f".{time.time_ns()}",
-                )
+                self._tensorboard = _TensorBoardEvents(self.run_dir / TENSORBOARD_DIR, purge_step=self.start_step)
             if wandb_project is not None:
                 self._wandb = self._start_wandb(wandb_project, wandb_config)
             if progress is None:
@@ -618,8 +609,7 @@ class RunRecorder:
         self._logged += 1
         finite = {name: value for name, value in row.items() if name != "step" and value is not None}
         if self._tensorboard is not None:
-            for name, value in finite.items():
-                self._tensorboard.add_scalar(tensorboard_tag(name), value, global_step=step)
+            self._tensorboard.add_scalars(finite, step=step)
         if self._wandb is not None:
             self._wandb.log(finite, step=step)
         if self.plot_every and self._logged % self.plot_every == 0:
@@ -694,6 +684,37 @@ class RunRecorder:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+class _TensorBoardEvents:
+    """A TensorBoard event file written in the caller's thread, through tensorboardX's
+    ``EventsWriter``: a write that fails (a full disk) raises in the step that made it,
+    where the run handles it. (``SummaryWriter`` writes from a thread of its own, which
+    prints the error's traceback after the run's message, and whose full queue would then
+    block the next step.)"""
+
+    def __init__(self, directory: Path, *, purge_step: int):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.summary import scalar
+
+        self._event, self._scalar = Event, scalar
+        directory.mkdir(parents=True, exist_ok=True)
+        # The suffix keeps two writers started within one second (the name's timestamp) from sharing a file.
+        self._writer = EventsWriter(str(directory / "events"), f".{time.time_ns()}")
+        # Hides the events of earlier files at steps >= purge_step (a continued run), as SummaryWriter(purge_step=).
+        self._writer.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+
+    def add_scalars(self, values: Mapping[str, float], *, step: int) -> None:
+        """One scalar event a metric (tagged :func:`tensorboard_tag`), flushed to the file."""
+        for name, value in values.items():
+            summary = self._scalar(tensorboard_tag(name), value)
+            self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=summary))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _require(module: str, need: str, instead: str) -> None:

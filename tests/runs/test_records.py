@@ -1,11 +1,13 @@
 """The records of a training run: metrics.jsonl, samples.jsonl, TensorBoard, plots,
 progress, Weights & Biases and the summary (jaxrl_llm.runs.records)."""
 
+import errno
 import io
 import json
 import math
 import struct
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -179,6 +181,26 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
     raw = read_tensorboard(directory, purge=False)  # in the files, hidden by the restart event
     assert [step for step, _ in raw["train/reward"]] == [*range(6), *range(3, 8)]
     assert [step for step, _ in raw["eval/pass_at_4"]] == [4]
+
+
+def test_a_failed_tensorboard_write_raises_in_the_step_that_made_it(tmp_path, monkeypatch):
+    # Not in a writer thread of its own, whose traceback would follow the run's message.
+    from tensorboardX import record_writer
+
+    in_threads = []
+    monkeypatch.setattr(threading, "excepthook", in_threads.append)
+    with quiet_recorder(tmp_path, tensorboard=True) as recorder:
+        recorder.log(0, step_metrics(0))
+
+        def disk_full(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(record_writer.RecordWriter, "write", disk_full)
+        with pytest.raises(OSError, match="No space left on device"):
+            recorder.log(1, step_metrics(1))
+        monkeypatch.undo()
+    assert in_threads == [] and [t for t in threading.enumerate() if "EventLogger" in type(t).__name__] == []
+    assert [step for step, _ in read_tensorboard(tmp_path / "tensorboard")["train/reward"]] == [0]
 
 
 def test_tensorboard_tags():
