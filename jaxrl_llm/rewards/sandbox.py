@@ -69,21 +69,29 @@ Tests
     which the program cannot read, write or reopen the descriptors of (non-dumpable and,
     with ``drop_privileges``, another uid or no capabilities) -- starts the program, and
     once it is ready, a second process of its own for the tests, which never runs a line
-    of the program's code:
+    of the program's code (it has the program's limits and privileges, the program's uid
+    or no capabilities, and is non-dumpable: the program cannot read or write its memory
+    or reach its descriptors):
 
     1. The program runs ``source`` as ``__main__`` (waiting for its threads that are not
        daemons, as an exit would), then sends what its top-level names hold and answers
        requests over a pair of pipes.
     2. The tests run in the tests' process, in a namespace of those names: data (``None``,
-       ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``bytearray`` and
-       lists, tuples, sets, dicts and deques of them, NumPy scalars as Python numbers) by
-       value; the program's modules as the same modules imported there; its functions,
-       classes and other objects as stand-ins. Calling a stand-in, or reading its
+       ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``bytearray``,
+       ``range``, ``slice`` and lists, tuples, sets, dicts and deques of them, NumPy
+       scalars as Python numbers; at most 64 MiB an answer) by value; its functions,
+       classes and other objects as stand-ins; its modules as the tests' process's own
+       module of that name, one it has loaded or one of a fixed list it imports itself
+       (``math``, ``re``, ``collections``, ``numpy``, ...: never a name the program
+       chose, since importing runs code), else left out. Nor do the program's names
+       shadow the tests' built-ins (``sorted``, ``isinstance``) or module names
+       (``math``, ``np``) with anything but those modules. Calling a stand-in, or reading its
        attributes, items, length, iteration, membership, truth, ``repr`` or ``str``, is
        a request, and what comes back is data or a stand-in again; the arguments go as
        data (the mutable ones come back as the call left them) or as the stand-ins they
        are. An exception the program's code raised is raised in the tests as the
-       built-in exception of that name (``Exception`` for the program's own classes),
+       built-in exception of that name (``Exception`` for the program's own classes;
+       ``StopIteration`` out of a call becomes ``RuntimeError``, as out of a generator),
        with the program's traceback as a note. A stand-in equals only itself.
     3. The verdict is the tests' process's: once the tests' code has returned it writes
        "returned" on a pipe only it holds and exits 0. :attr:`ExecutionResult.completed`
@@ -97,9 +105,12 @@ Tests
     is the program's answers, as they would for any program. The semantics differ from
     running the tests in the program's process in a few places, each a failure rather
     than a pass: the program's global values are read once, when its code has returned;
-    a stand-in's equality and hash are by identity; the tests can pass the program data
-    and its own objects, not functions of theirs; ``except`` a class the program defined
-    does not match (it arrives as ``Exception``).
+    a stand-in's equality and hash are by identity (``isinstance`` with the program's
+    class, or comparing two of its dataclasses, does not work); the tests can pass the
+    program data and its own objects, not functions of theirs; ``except`` a class the
+    program defined does not match (it arrives as ``Exception``); the tests cannot capture
+    the program's output (``redirect_stdout``); a module the tests use they import
+    themselves, unless it is one of the fixed list.
 
 What is not protected: an audit hook is a tripwire, not a boundary -- code that sets out
 to defeat it can (monkeypatch the stdlib functions it relies on, race it from a thread,
@@ -110,11 +121,11 @@ rlimits, the session and the clean environment: a program that gets past the hoo
 then write the user's files, read their secrets, reach the network, signal their
 processes and leave ``setsid()`` daemons behind. Root without namespaces whose
 interpreter only root can read keeps uid 0 without capabilities: it can still write
-root-owned files. Reads are not confined: what is not hidden stays readable (read-only),
+root-owned files and signal root's processes. Reads are not confined: what is not hidden stays readable (read-only),
 the interpreter's import path included. The kernel is shared (no seccomp filter, no VM),
 and memory is bounded per process, not per sandbox (no cgroup): ``max_processes *
-memory_mb`` at worst. The tests are the caller's code: they run with the supervisor's
-rights (the CPU, memory and file limits apply, the audit hook does not).
+memory_mb`` at worst. The tests are the caller's code: they run under the program's
+limits and privileges, but not the audit hook.
 """
 
 from __future__ import annotations
@@ -376,6 +387,9 @@ def _execute(source: str, tests: str, limits: SandboxLimits) -> ExecutionResult:
             os.close(fd)
         report_w = tests_fd = None
         outcome, out, err, report = _collect(proc, report_r, limits, uid)
+        if outcome == "exited" and proc.returncode != 0:  # the supervisor ends in os._exit(0) when it reports
+            err += f"\nsandbox: the supervisor ended with status {proc.returncode}\n".encode()
+            report = b""
         return _classify(outcome, out, err, report, start, protections, notes, limits)
     finally:
         for fd in (report_r, report_w, tests_fd):
@@ -402,7 +416,7 @@ def _process_limit(max_processes: int, is_root: bool, namespaced: bool) -> int:
     task (thread) of the real uid -- per user namespace when there is one -- so allow for
     what is not the program's."""
     if is_root:
-        return max_processes  # a fresh uid owns nothing else (root itself is exempt)
+        return max_processes + 1  # a fresh uid owns only the program and the tests' process (root is exempt)
     if namespaced:
         return max_processes + 3  # unshare, the supervisor and the tests' process share the namespace
     return _count_tasks(os.getuid()) + 2 + max_processes  # the supervisor and the tests' process
@@ -561,7 +575,11 @@ def _classify(outcome, out, err, report, start, protections, notes, limits) -> E
         except ValueError:
             continue
     ready = next((m for m in messages if m.get("event") == "ready"), None)
-    final = next((m for m in reversed(messages) if m.get("event") == "exit"), None)
+    exits = [m for m in messages if m.get("event") == "exit"]
+    if len(exits) > 1:  # the supervisor writes one; more came from elsewhere
+        err += b"\nsandbox: the supervisor's report has more than one exit status\n"
+        return _result("error", None, out, err, start, False, protections, notes)
+    final = exits[0] if exits else None
     failure = next((m for m in messages if m.get("event") == "setup_error"), None)
     for m in messages:
         if m.get("event") in ("ready", "setup"):
@@ -731,11 +749,21 @@ def _sweep_uid(uid: int) -> None:
 
 
 def _remove_tree(path: str) -> None:
+    """Remove the working directory ``path`` and what is in it, taking back the directories
+    the program made unwritable; a link put in its place is removed, not followed, and
+    nothing outside ``path`` is changed."""
+    if os.path.islink(path):
+        os.unlink(path)
+        return
+
+    def inside(where: str) -> bool:
+        return where == path or where.startswith(path + os.sep)
+
     def retry(func, target, _exc):
-        # The program may have made its own directories unwritable; take them back.
         try:
-            os.chmod(os.path.dirname(target), stat.S_IRWXU)
-            if os.path.isdir(target) and not os.path.islink(target):
+            if inside(os.path.dirname(target)):
+                os.chmod(os.path.dirname(target), stat.S_IRWXU)
+            if inside(target) and os.path.isdir(target) and not os.path.islink(target):
                 os.chmod(target, stat.S_IRWXU)
             func(target)
         except FileNotFoundError:

@@ -119,11 +119,11 @@ def main() -> None:
     for fd in (status_w, calls_r, answers_w):
         os.close(fd)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no reading or writing our memory, or reopening our descriptors
-    ready = forward_ready(status_r, report)
+    layers = forward_ready(status_r, report)
     tests = read_file(config["tests_fd"])  # only now: the program's process never held them
     os.close(config["tests_fd"])
     tester = None
-    if ready:
+    if layers is not None:
         try:
             tester = os.fork()
         except OSError as e:
@@ -132,13 +132,12 @@ def main() -> None:
         if tester == 0:
             os.close(report)
             os.close(verdict_r)
-            why = set_rlimits({name: value for name, value in config["rlimits"].items() if name != "RLIMIT_NPROC"})
-            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
-            if why is not None or os.getppid() != supervisor:
-                os._exit(SETUP_FAILED)
-            del libc
-            run_tests(tests, config["workdir"], calls_w, answers_r, verdict_w)
+            try:
+                become_tests(libc, config, layers, supervisor)
+                del libc
+                run_tests(tests, calls_w, answers_r, verdict_w)
+            finally:
+                os._exit(SETUP_FAILED)  # only if something above raised: run_tests ends in os._exit
     for fd in (calls_w, answers_r, verdict_w):
         os.close(fd)
     returncode, returned = supervise(program, tester, verdict_r)
@@ -318,9 +317,10 @@ def remount_readonly(libc, workdir: str) -> list[str]:
 # The supervisor: the first process, which the program cannot read, write or signal.
 
 
-def forward_ready(status_r: int, report: int) -> bool:
-    """Pass the program's first line ("ready" or "setup_error") on to the parent; whether
-    the program is ready (it has then started its source)."""
+def forward_ready(status_r: int, report: int) -> list | None:
+    """Pass the program's first line ("ready" or "setup_error") on to the parent; the layers
+    active in the program's process once it is ready (it has then started its source), or
+    None."""
     line = b""
     while not line.endswith(b"\n") and len(line) < 1 << 16:
         chunk = os.read(status_r, 1 << 16)
@@ -334,9 +334,11 @@ def forward_ready(status_r: int, report: int) -> bool:
     except OSError:
         pass
     try:
-        return json.loads(line).get("event") == "ready"
-    except (ValueError, AttributeError):
-        return False
+        message = json.loads(line)
+    except ValueError:
+        return None
+    ready = type(message) is dict and message.get("event") == "ready" and type(message.get("active")) is list
+    return message["active"] if ready else None
 
 
 def supervise(program: int, tester: int | None, verdict_r: int) -> tuple[int, bool]:
@@ -485,6 +487,31 @@ def become_program(libc, config: dict, status_w: int, supervisor: int, active: l
     send(status_w, event="ready", active=active, problems=problems)
     os.close(status_w)
     return source
+
+
+def become_tests(libc, config: dict, layers: list, supervisor: int) -> None:
+    """Give the tests' process the program's working directory, its limits but its process
+    count (it starts nothing), and its privileges: the program's uid, or no capabilities, as the program
+    has (``layers``), then non-dumpable (the program cannot read or write its memory, or
+    reopen its descriptors, under the same uid). Exit ``SETUP_FAILED`` if that fails."""
+    try:
+        os.chdir(config["workdir"])  # before the privileges go: the program may have closed it to others
+        why = set_rlimits({name: value for name, value in config["rlimits"].items() if name != "RLIMIT_NPROC"})
+        if "uid_drop" in layers:
+            uid = config["uid"]
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        elif "no_capabilities" in layers:
+            drop_capabilities(libc)
+        check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    except OSError as e:
+        why = str(e)
+    if why is not None or os.getppid() != supervisor:
+        print(f"sandbox: the tests' process could not start: {why}", file=sys.stderr)
+        os._exit(SETUP_FAILED)
 
 
 def fail(status_w: int, message: str) -> None:
@@ -636,9 +663,16 @@ def install_guard(workdir: str) -> None:
 
 
 def run_program(source: str, filename: str, calls: int, answers: int) -> None:
-    """Run the program's source as ``__main__``, wait for its threads (as an exit would),
-    then answer the tests' process (:func:`serve`). An exception exits 1, with its
-    traceback; ``SystemExit`` exits as it says, before the tests ran."""
+    """Once the tests' process is set up, run the program's source as ``__main__``, wait
+    for its threads (as an exit would), then answer the tests' process (:func:`serve`). An
+    exception exits 1, with its traceback; ``SystemExit`` exits as it says, before the
+    tests ran."""
+    try:  # the tests' process is set up (its uid counts in the program's RLIMIT_NPROC from the start)
+        started = read_message(calls) == ["start"]
+    except (EOFError, ValueError):
+        started = False
+    if not started:
+        os._exit(SETUP_FAILED)
     module = type(sys)("__main__")
     module.__file__ = filename
     module.__builtins__ = builtins
@@ -710,7 +744,9 @@ def serve(namespace: dict, calls: int, answers: int) -> None:
             os._exit(request[1])
         try:
             answer = ["ok", *perform(request, resolve, refer)]
-        except Exception as exc:
+        except SystemExit:
+            raise
+        except BaseException as exc:
             try:
                 args = encode(list(exc.args), refer)
             except Exception:
@@ -813,7 +849,7 @@ class Channel:
                 return self.decode(answer[1]), [(key, self.decode(value)) for key, value in answer[2]]
             if not (answer[0] == "raised" and len(answer) == 4 and type(answer[1]) is str and type(answer[3]) is str):
                 raise ValueError(f"an answer of kind {answer[0]!r}")
-            raised = remote_exception(answer[1], self.decode(answer[2]), answer[3])
+            raised = remote_exception(answer[1], self.decode(answer[2]), answer[3], iterating=op == "next")
         except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
             self.broken = f"{type(e).__name__}: {e}"
             raise ProgramBrokeProtocol(self.broken) from None
@@ -823,8 +859,8 @@ class Channel:
         return decode(value, self.stand_in)
 
     def stand_in(self, encoded: list):
-        """The tests' object for one of the program's: the same module, imported here; or a
-        :class:`Remote`."""
+        """The tests' object for one of the program's: the tests' own module of that name
+        (:func:`trusted_module`); else a :class:`Remote`."""
         if encoded[0] == "module" and len(encoded) == 3 and type(encoded[1]) is str:
             module = trusted_module(encoded[1])
             if module is not None:
@@ -840,30 +876,63 @@ class Channel:
 CHANNEL: Channel | None = None  # the tests' process's channel, set by run_tests
 
 
+TESTS_MAY_IMPORT = frozenset(
+    {"bisect", "cmath", "collections", "copy", "datetime", "decimal", "fractions", "functools", "heapq",
+     "itertools", "json", "math", "numpy", "operator", "random", "re", "statistics", "string", "typing"}
+)  # fmt: skip
+"""Modules the tests' process imports itself when the program has them: their names are
+this list's, never the program's word (importing a module runs its code, and some run
+more: ``IPython.__main__`` runs the configuration files under ``$HOME``)."""
+
+
 def trusted_module(name: str):
-    """The module ``name`` as imported in the tests' process, or None: not found, or found
-    in the program's working directory (the current directory, never on ``sys.path``)."""
+    """The tests' process's own module ``name``: one it has loaded already, or imports from
+    ``TESTS_MAY_IMPORT``; else None."""
     if name == "__main__":
         return None  # here, that is this launcher
-    try:
-        module = importlib.import_module(name)
-    except Exception:
-        return None
-    where = getattr(module, "__file__", None) or ""
-    return None if where.startswith(os.getcwd() + os.sep) else module
+    module = sys.modules.get(name)
+    if module is None and name in TESTS_MAY_IMPORT:
+        try:
+            module = importlib.import_module(name)
+        except Exception:
+            return None
+    return module if isinstance(module, type(sys)) else None
 
 
-def remote_exception(name: str, args, text: str) -> Exception:
+def tests_may_take(name: str, value) -> bool:
+    """Whether the program's name ``name`` joins the tests' namespace: never one of Python's
+    (``__builtins__``, ...), a built-in's (``sorted``, ``isinstance``) or a module's
+    (``math``, ``np``) unless it holds the tests' own module, and never a module the tests'
+    process does not have (:func:`trusted_module`): the tests' comparisons stay theirs."""
+    if (name.startswith("__") and name.endswith("__")) or hasattr(builtins, name):
+        return False
+    if isinstance(value, type(sys)):
+        return True  # the tests' own module (a stand-in for one would be the program's)
+    if isinstance(value, Remote) and value._type == "module":
+        return False
+    return name not in sys.stdlib_module_names and name not in TESTS_MAY_IMPORT and name not in MODULE_ALIASES
+
+
+MODULE_ALIASES = frozenset({"np", "pd", "plt", "sp", "tf", "torch", "jnp"})
+"""Names by which tests use modules: the program's objects under them stay out of the tests."""
+
+
+def remote_exception(name: str, args, text: str, *, iterating: bool) -> Exception:
     """The exception for one the program's code raised: the built-in exception of that
-    name (so the tests' ``except ValueError`` works), else ``Exception``; with the
-    program's traceback as a note."""
+    name (so the tests' ``except ValueError`` works), else ``Exception``, with the
+    program's traceback as a note. ``StopIteration`` only answers ``next`` (``iterating``):
+    out of a call it becomes ``RuntimeError``, as out of a generator (PEP 479), so it
+    cannot quietly end a loop of the tests around the call."""
     kind = getattr(builtins, name, None)
+    described = [f"{name}: {', '.join(map(str, args))}"]
     if not (isinstance(kind, type) and issubclass(kind, Exception)):
-        kind, args = Exception, [f"{name}: {', '.join(map(str, args))}"]
+        kind, args = Exception, described
+    elif issubclass(kind, (StopIteration, StopAsyncIteration)) and not iterating:
+        kind, args = RuntimeError, described
     try:
         exc = kind(*args)
-    except Exception:
-        exc = kind(*map(str, args))
+    except Exception:  # arguments the built-in does not take (UnicodeDecodeError's five, ...)
+        exc = Exception(*described)
     exc.add_note("In the program:\n" + text[-4000:].rstrip())
     return exc
 
@@ -985,13 +1054,13 @@ def update_in_place(old, new) -> None:
         old[:] = new
 
 
-def run_tests(tests: bytes, workdir: str, calls: int, answers: int, verdict: int) -> None:
+def run_tests(tests: bytes, calls: int, answers: int, verdict: int) -> None:
     """Receive what the program's names hold, run ``tests`` in a namespace of those, then
     tell the supervisor ``RETURNED`` if the tests' code returned, tell the program to exit
     and exit: 0, ``TESTS_FAILED``, ``PROGRAM_ENDED`` or ``PROGRAM_BROKE_PROTOCOL``."""
     global CHANNEL
-    os.chdir(workdir)
     CHANNEL = channel = Channel(calls, answers)
+    write_message(calls, ["start"])
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     returned = False
     try:
@@ -1001,7 +1070,9 @@ def run_tests(tests: bytes, workdir: str, calls: int, answers: int, verdict: int
         for name, value in loaded[1]:
             if type(name) is not str:
                 raise ValueError("a name must be a str")
-            namespace[name] = channel.decode(value)
+            value = channel.decode(value)
+            if tests_may_take(name, value):
+                namespace[name] = value
     except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
         channel.broken = f"{type(e).__name__}: {e}"
     except (ProgramEnded, ProgramBrokeProtocol):

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -372,6 +373,28 @@ def test_no_workdirs_leak_from_killed_programs(private_tmp):
     assert workdirs(private_tmp) == []
 
 
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_cleaning_up_changes_nothing_outside_the_working_directory(private_tmp, namespaces):
+    # A working directory closed to everyone, and one moved away with a link to another
+    # directory left in its place: the temporary root keeps its mode, the link's target
+    # its files. (Without a mount namespace, the moved directory stays: the program's.)
+    os.chmod(private_tmp, 0o1777)
+    target = tempfile.mkdtemp(dir=os.path.dirname(private_tmp))
+    try:
+        with open(os.path.join(target, "keep"), "w") as f:
+            f.write("x")
+        move = f"import os\nhere = os.getcwd()\nos.rename(here, here + '-moved')\nos.symlink({target!r}, here)"
+        limits = SandboxLimits(timeout=5.0, memory_mb=256, namespaces=namespaces, audit_hook=False)
+        run_many(["import os\nos.chmod('.', 0)", move], limits=limits)
+        assert stat.S_IMODE(os.stat(private_tmp).st_mode) == 0o1777
+        assert os.listdir(target) == ["keep"]
+    finally:
+        shutil.rmtree(target)
+    for moved in glob.glob(os.path.join(private_tmp, "*-moved")):
+        shutil.rmtree(moved)
+    assert workdirs(private_tmp) == []
+
+
 def test_temp_dir_with_a_space_and_non_ascii(tmp_path, monkeypatch, layers):
     # /proc/self/mountinfo escapes the space; the working directory must stay writable.
     need(layers, "readonly_fs")
@@ -484,8 +507,50 @@ def add(a, b):
     "a patched module the tests use": ADD + "import math\nmath.isclose = lambda *a, **k: True",
     "garbage on the channel": FORGE.replace("payload = ", "payload = b'\\xff' * 64 or ")
     + "def add(a, b):\n    forge()",
+    # Found by a review of this design, each of which passed before it was fixed:
+    # importing a module by the program's word (IPython.__main__ runs the configuration
+    # files under $HOME, which is the program's directory) ...
+    "a module whose import runs the program's code": ADD
+    + """
+import os, types
+os.makedirs(".ipython/profile_default", exist_ok=True)
+with open(".ipython/profile_default/ipython_config.py", "w") as f:
+    f.write("import os, sys\\nframe = sys._getframe()\\n"
+            "while frame.f_code.co_name != 'run_tests':\\n    frame = frame.f_back\\n"
+            "os.write(frame.f_locals['verdict'], b'returned\\\\n')\\nos._exit(0)\\n")
+trigger = types.ModuleType("IPython.__main__")
+""",
+    # ... the program's names over the tests' builtins and modules ...
+    "a built-in shadowed": "def sorted(*args, **kwargs):\n    return [1, 2, 3]\ndef f(x):\n    return [3, 1]",
+    "a module name shadowed": ADD + "class Close:\n    def isclose(self, *a):\n        return True\nmath = Close()",
+    "a module alias shadowed": ADD + "class Close:\n    def allclose(self, *a):\n        return True\nnp = Close()",
+    # ... the tests' __builtins__ replaced through the launcher's own list of names ...
+    "the tests' builtins replaced": """
+import sys
+launcher = sys._getframe(1).f_globals
+write = launcher["write_message"]
+def fake_sorted(*args, **kwargs):
+    return [1, 2, 3]
+def forged(fd, message):
+    if message[0] == "loaded":
+        refer = sys._getframe(1).f_locals["refer"]
+        message[1].append(["__builtins__", ["dict", [["sorted", refer(fake_sorted)]]]])
+    write(fd, message)
+launcher["write_message"] = forged
+def f(x):
+    return [3, 1]
+""",
+    # ... and a StopIteration out of a call, which ended the tests' loop around it.
+    "a StopIteration out of a call": "def add(a, b):\n    raise StopIteration",
 }
-FORGERY_TESTS = {"a patched module the tests use": "assert math.isclose(add(1, 2), 4)"}
+FORGERY_TESTS = {
+    "a patched module the tests use": "assert math.isclose(add(1, 2), 4)",
+    "a built-in shadowed": "assert sorted(f(3)) == [1, 2, 3]",
+    "a module name shadowed": "assert math.isclose(add(1, 2), 4)",
+    "a module alias shadowed": "assert np.allclose(add(1, 2), 4)",
+    "the tests' builtins replaced": "assert sorted(f(3)) == [1, 2, 3]",
+    "a StopIteration out of a call": "for got, want in zip(map(add, [1], [2]), [4]):\n    assert got == want",
+}
 
 
 @pytest.mark.parametrize("forgery", list(FORGERIES), ids=list(FORGERIES))
@@ -565,6 +630,8 @@ def check(x):
     raise InvalidInput(x)
 def counts(text):
     return collections.Counter(text)
+def interrupt():
+    raise KeyboardInterrupt("in the program")
 print('program', add(2, 3))
 """
 TESTS_OF_SOLUTION = """
@@ -590,6 +657,12 @@ try:
 except Exception as e:
     assert type(e) is Exception and str(e) == 'InvalidInput: 1'
 assert counts('abca') == {'a': 2, 'b': 1, 'c': 1} and math.isclose(add(0.1, 0.2), 0.3)
+try:
+    interrupt()
+except Exception as e:  # the program's, not the tests' process's: an Exception here
+    assert str(e) == 'KeyboardInterrupt: in the program'
+else:
+    raise AssertionError
 try:
     add(lambda: 1, 2)
 except TypeError as e:
@@ -642,6 +715,15 @@ def add(a, b):
         result = run_python(source, tests="assert add(1, 2) == 3", limits=FAST)
         assert (result.status, result.returncode, result.completed) == ("failed", 2, False), result
         assert "the program's answer could not be read as data" in result.stderr
+
+
+def test_a_report_with_two_exit_statuses_is_an_error():
+    # The supervisor writes one; a second came from something else that reached the pipe.
+    exit_line = b'{"event": "exit", "returncode": 0, "completed": true, "cpu_seconds": 0.1}\n'
+    report = b'{"event": "ready", "active": [], "problems": []}\n' + exit_line * 2
+    result = sandbox._classify("exited", b"", b"", report, time.monotonic(), set(), [], FAST)
+    assert (result.status, result.completed) == ("error", False)
+    assert "more than one exit status" in result.stderr
 
 
 def test_launcher_encodes_values_losslessly():
