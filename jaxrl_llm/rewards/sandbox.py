@@ -84,8 +84,10 @@ Tests
        module of that name, one it has loaded or one of a fixed list it imports itself
        (``math``, ``re``, ``collections``, ``numpy``, ...: never a name the program
        chose, since importing runs code), else left out. Nor do the program's names
-       shadow the tests' built-ins (``sorted``, ``isinstance``) or module names
-       (``math``, ``np``) with anything but those modules. Calling a stand-in, or reading its
+       shadow the tests' built-ins (``sorted``, ``isinstance``) or the name of a module
+       (``math``, ``np``, any installed here) with anything but that module. The tests
+       run as ``__main__`` with ``argv`` of their own (``unittest.main()`` finds their
+       cases; its ``SystemExit`` with status 0 is their end). Calling a stand-in, or reading its
        attributes, items, length, iteration, membership, truth, ``repr`` or ``str``, is
        a request, and what comes back is data or a stand-in again; the arguments go as
        data (the mutable ones come back as the call left them) or as the stand-ins they
@@ -110,7 +112,11 @@ Tests
     program data and its own objects, not functions of theirs; ``except`` a class the
     program defined does not match (it arrives as ``Exception``); the tests cannot capture
     the program's output (``redirect_stdout``); a module the tests use they import
-    themselves, unless it is one of the fixed list.
+    themselves, unless it is one of the fixed list. And a name the tests use without
+    defining or importing it is the program's: ``isclose`` after the program's ``from math
+    import isclose`` is whatever the program made it, so tests import what they use. The
+    tests' working directory is the program's, so files it left there can steer what the
+    tests' libraries read at run time (``./matplotlibrc``), never code they run.
 
 What is not protected: an audit hook is a tripwire, not a boundary -- code that sets out
 to defeat it can (monkeypatch the stdlib functions it relies on, race it from a thread,
@@ -120,12 +126,14 @@ unprivileged user namespaces) and the parent is not root, the OS layers left are
 rlimits, the session and the clean environment: a program that gets past the hook can
 then write the user's files, read their secrets, reach the network, signal their
 processes and leave ``setsid()`` daemons behind. Root without namespaces whose
-interpreter only root can read keeps uid 0 without capabilities: it can still write
-root-owned files and signal root's processes. Reads are not confined: what is not hidden stays readable (read-only),
-the interpreter's import path included. The kernel is shared (no seccomp filter, no VM),
-and memory is bounded per process, not per sandbox (no cgroup): ``max_processes *
-memory_mb`` at worst. The tests are the caller's code: they run under the program's
-limits and privileges, but not the audit hook.
+interpreter only root can read is refused ("error", saying so), since it would run as
+uid 0 on the host's file system (it could write site-packages, and every later run with
+it); ``drop_privileges=False`` runs it as root anyway. Without the audit hook, Unix
+sockets outside the hidden directories stay reachable. Reads are not confined: what is
+not hidden stays readable (read-only), the interpreter's import path included. The
+kernel is shared (no seccomp filter, no VM), and memory is bounded per process, not per
+sandbox (no cgroup): ``max_processes * memory_mb`` at worst. The tests are the caller's
+code: they run under the program's limits and privileges, but not the audit hook.
 """
 
 from __future__ import annotations

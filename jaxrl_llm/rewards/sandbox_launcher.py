@@ -45,6 +45,7 @@ import builtins
 import collections
 import ctypes
 import importlib
+import importlib.util
 import json
 import linecache
 import math
@@ -457,6 +458,14 @@ def become_program(libc, config: dict, status_w: int, supervisor: int, active: l
             fail(status_w, f"dropping privileges: {e}")
         if dropped:
             active.append("uid_drop")
+        elif not config["mounts"]:  # uid 0 on the host's file system: site-packages, other runs' files
+            fail(
+                status_w,
+                f"{problem.removeprefix('uid_drop: ').split('; ')[0]}, and without a mount namespace the program "
+                "would run as root on the host's file system; run where util-linux unshare works "
+                "(SandboxLimits(namespaces=True)), install Python where other users can read it, or pass "
+                "SandboxLimits(drop_privileges=False) to run it as root",
+            )
         else:
             problems.append(problem)
     if config["drop_privileges"] and not dropped and has_capabilities():
@@ -816,6 +825,7 @@ class Channel:
         self.stand_ins: dict[int, Remote] = {}  # one per object of the program, so ``is`` works
         self.ended = False
         self.broken: str | None = None
+        self.loading = True  # reading the program's names: its modules may be the tests' own
 
     def receive(self) -> list:
         if self.ended:
@@ -859,10 +869,10 @@ class Channel:
         return decode(value, self.stand_in)
 
     def stand_in(self, encoded: list):
-        """The tests' object for one of the program's: the tests' own module of that name
-        (:func:`trusted_module`); else a :class:`Remote`."""
+        """The tests' object for one of the program's: among its names, a module as the
+        tests' own module of that name (:func:`trusted_module`); else a :class:`Remote`."""
         if encoded[0] == "module" and len(encoded) == 3 and type(encoded[1]) is str:
-            module = trusted_module(encoded[1])
+            module = trusted_module(encoded[1]) if self.loading else None
             if module is not None:
                 return module
             encoded = ["ref", encoded[2], "module"]
@@ -901,20 +911,30 @@ def trusted_module(name: str):
 
 def tests_may_take(name: str, value) -> bool:
     """Whether the program's name ``name`` joins the tests' namespace: never one of Python's
-    (``__builtins__``, ...), a built-in's (``sorted``, ``isinstance``) or a module's
-    (``math``, ``np``) unless it holds the tests' own module, and never a module the tests'
-    process does not have (:func:`trusted_module`): the tests' comparisons stay theirs."""
+    (``__builtins__``, ...) or a built-in's (``sorted``, ``isinstance``); under a module's
+    name (``math``, ``numpy``, ``np``: any module installed here) only that module as the
+    tests' process's own, and never a module the tests' process does not have
+    (:func:`trusted_module`). So the tests' comparisons stay theirs."""
     if (name.startswith("__") and name.endswith("__")) or hasattr(builtins, name):
         return False
-    if isinstance(value, type(sys)):
-        return True  # the tests' own module (a stand-in for one would be the program's)
-    if isinstance(value, Remote) and value._type == "module":
-        return False
-    return name not in sys.stdlib_module_names and name not in TESTS_MAY_IMPORT and name not in MODULE_ALIASES
+    if isinstance(value, type(sys)):  # the tests' own module, under its own name or its usual alias
+        return name in (value.__name__, value.__name__.rpartition(".")[2]) or MODULE_ALIASES.get(name) == value.__name__
+    return not (isinstance(value, Remote) and value._type == "module") and not names_a_module(name)
 
 
-MODULE_ALIASES = frozenset({"np", "pd", "plt", "sp", "tf", "torch", "jnp"})
+MODULE_ALIASES = {"np": "numpy", "pd": "pandas", "plt": "matplotlib.pyplot", "sp": "scipy", "jnp": "jax.numpy"}
 """Names by which tests use modules: the program's objects under them stay out of the tests."""
+
+
+def names_a_module(name: str) -> bool:
+    """Whether ``name`` is a module's the tests could mean: one of Python's, an alias, or
+    one installed here (found, not imported)."""
+    if name in sys.stdlib_module_names or name in TESTS_MAY_IMPORT or name in MODULE_ALIASES:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return True
 
 
 def remote_exception(name: str, args, text: str, *, iterating: bool) -> Exception:
@@ -1061,7 +1081,10 @@ def run_tests(tests: bytes, calls: int, answers: int, verdict: int) -> None:
     global CHANNEL
     CHANNEL = channel = Channel(calls, answers)
     write_message(calls, ["start"])
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    module = type(sys)("__main__")  # what unittest.main() and doctest.testmod() look for
+    module.__builtins__ = builtins
+    sys.modules["__main__"], sys.argv = module, ["<tests>"]
+    namespace = module.__dict__
     returned = False
     try:
         loaded = channel.receive()
@@ -1073,6 +1096,7 @@ def run_tests(tests: bytes, calls: int, answers: int, verdict: int) -> None:
             value = channel.decode(value)
             if tests_may_take(name, value):
                 namespace[name] = value
+        channel.loading = False
     except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
         channel.broken = f"{type(e).__name__}: {e}"
     except (ProgramEnded, ProgramBrokeProtocol):
@@ -1082,6 +1106,10 @@ def run_tests(tests: bytes, calls: int, answers: int, verdict: int) -> None:
         try:
             exec(compile(tests, "<tests>", "exec"), namespace)
             returned = True
+        except SystemExit as exc:  # unittest.main() ends so: a success if its status is
+            returned = exc.code in (None, 0, False)
+            if not returned:
+                sys.stderr.write(describe(exc))
         except BaseException as exc:
             sys.stderr.write(describe(exc))
     if channel.ended:

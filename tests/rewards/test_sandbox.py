@@ -5,6 +5,7 @@ available everywhere) and without it, which tests the OS layers alone -- skipped
 reason, where this machine lacks the layer that case needs."""
 
 import ast
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -162,7 +163,16 @@ def test_run_many_keeps_order_and_isolates():
 
 
 def test_fallback_without_namespaces_still_contains():
-    result = run_python("import os; print(os.getpid() != 1)", limits=SandboxLimits(timeout=5.0, namespaces=False))
+    limits = SandboxLimits(timeout=5.0, namespaces=False)
+    result = run_python("import os; print(os.getpid() != 1)", limits=limits)
+    if os.geteuid() == 0 and result.status == "error":
+        # As root where an unprivileged uid cannot read the interpreter: the program would keep
+        # uid 0 on the host's file system (it could write site-packages), so it does not run ...
+        assert "without a mount namespace the program would run as root" in result.stderr, result
+        assert "not readable by an unprivileged uid" in result.stderr and result.stdout == ""
+        # ... unless root is asked for.
+        limits = dataclasses.replace(limits, drop_privileges=False)
+        result = run_python("import os; print(os.getpid() != 1)", limits=limits)
     assert result.passed and result.stdout == "True\n"
     assert not {"pid_namespace", "network_namespace", "readonly_fs"} & set(result.protections)
     assert {"session", "rlimits", "clean_env", "audit_hook"} <= set(result.protections)
@@ -384,7 +394,10 @@ def test_cleaning_up_changes_nothing_outside_the_working_directory(private_tmp, 
         with open(os.path.join(target, "keep"), "w") as f:
             f.write("x")
         move = f"import os\nhere = os.getcwd()\nos.rename(here, here + '-moved')\nos.symlink({target!r}, here)"
-        limits = SandboxLimits(timeout=5.0, memory_mb=256, namespaces=namespaces, audit_hook=False)
+        # (Without namespaces, as root, the program may only run as root: asked for here.)
+        limits = SandboxLimits(
+            timeout=5.0, memory_mb=256, namespaces=namespaces, drop_privileges=namespaces, audit_hook=False
+        )
         run_many(["import os\nos.chmod('.', 0)", move], limits=limits)
         assert stat.S_IMODE(os.stat(private_tmp).st_mode) == 0o1777
         assert os.listdir(target) == ["keep"]
@@ -542,6 +555,12 @@ def f(x):
 """,
     # ... and a StopIteration out of a call, which ended the tests' loop around it.
     "a StopIteration out of a call": "def add(a, b):\n    raise StopIteration",
+    # A second review: a module under another's name (numpy's isclose is looser) ...
+    "a module under another's name": ADD + "import numpy as math",
+    # ... and an installed package's name that is not Python's own.
+    "an installed package's name": ADD
+    + "class Special:\n    def comb(self, *a):\n        return 3\n"
+    + "class Scipy:\n    special = Special()\nscipy = Scipy()",
 }
 FORGERY_TESTS = {
     "a patched module the tests use": "assert math.isclose(add(1, 2), 4)",
@@ -550,6 +569,8 @@ FORGERY_TESTS = {
     "a module alias shadowed": "assert np.allclose(add(1, 2), 4)",
     "the tests' builtins replaced": "assert sorted(f(3)) == [1, 2, 3]",
     "a StopIteration out of a call": "for got, want in zip(map(add, [1], [2]), [4]):\n    assert got == want",
+    "a module under another's name": "assert math.isclose(add(1, 2), 3.00002)",
+    "an installed package's name": "assert add(1, 2) == scipy.special.comb(5, 2)",
 }
 
 
@@ -676,6 +697,25 @@ def test_tests_see_the_programs_objects_as_data():
     result = run_python(SOLUTION, tests=TESTS_OF_SOLUTION, limits=FAST)
     assert (result.status, result.returncode, result.completed) == ("passed", 0, True), result
     assert result.stdout == "program 5\ntests 7\n"
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_unittest_main_runs_the_tests_test_cases(right):
+    # They are found in the tests' own __main__, with argv of their own; unittest.main()
+    # ends in SystemExit, a pass when its status is 0.
+    tests = """
+import unittest
+class Adding(unittest.TestCase):
+    def test_small(self):
+        self.assertEqual(add(1, 2), 3)
+    def test_large(self):
+        self.assertEqual(add(10**20, 1), 10**20 + 1)
+unittest.main()
+"""
+    source = "def add(a, b):\n    return a + b" if right else "def add(a, b):\n    return a - b"
+    result = run_python(source, tests=tests, limits=FAST)
+    assert (result.status, result.completed) == (("passed", True) if right else ("failed", False)), result
+    assert "Ran 2 tests" in result.stderr
 
 
 def test_an_exception_in_the_program_shows_both_tracebacks():
