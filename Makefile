@@ -70,6 +70,7 @@ bench: $(INSTALLED) $(TRL_VENV)/.installed $(TUNIX_VENV)/.installed
 	$(BIN)/python benchmarks/grpo_step.py
 	$(BIN)/python benchmarks/loss_memory.py
 	$(BIN)/python benchmarks/state_memory.py
+	$(BIN)/python benchmarks/host_memory.py
 	$(BIN)/python benchmarks/layer_scan.py
 	$(BIN)/python benchmarks/compile_depth.py
 	$(BIN)/python benchmarks/side_by_side.py --scaling $(BENCH_FLAGS)

@@ -116,6 +116,18 @@ def test_loss_memory_prints_both_programs_and_they_agree(capsys):
     assert results["chunked"]["temp"] < results["naive"]["temp"] / 2
 
 
+def test_host_memory_measures_each_case(monkeypatch):
+    # In this process, a few calls each: the growth per call is a number for every case (the
+    # table runs each case in a fresh process), and an unknown case is named.
+    import host_memory
+
+    monkeypatch.setattr(host_memory, "WARM_UP", 1)
+    for case in host_memory.CASES.values():
+        assert np.isfinite(host_memory.measure(case, 2)), case
+    with pytest.raises(ValueError, match="unknown case 'nope'; the cases are"):
+        host_memory.measure("nope", 1)
+
+
 def test_state_memory_prints_each_layout_and_fsdp_holds_an_eighth(capsys):
     import state_memory
 
