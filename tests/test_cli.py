@@ -375,3 +375,26 @@ def test_a_corrupt_latest_checkpoint_is_reported_and_the_previous_one_used(finis
         *_, step = runs.restore_policy(run_dir)
     assert step == 4
     assert any("checkpoint 5" in str(w.message) and "falling back to checkpoint 4" in str(w.message) for w in caught)
+
+
+def test_while_a_run_writes_its_files_orbax_storage_errors_are_muted_and_other_errors_kept():
+    """orbax's writer threads log every failed write of a full or read-only disk through absl
+    (hundreds of lines for one checkpoint); the run reports the failure itself in one line."""
+    import logging
+
+    absl = logging.getLogger("absl")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    absl.addHandler(handler)
+    try:
+        with cli._storage_noise_muted():
+            absl.error("Error writing checkpoint: [Errno 30] Read-only file system: 'run/checkpoints/4'")
+            absl.error('PERMISSION_DENIED: Error opening "run/checkpoints/4/d/0" for writing')
+            absl.error("RESOURCE_EXHAUSTED: Failed to write 312 bytes: No space left on device")
+            absl.warning("Waiting for previous save to complete took 17.56 seconds")
+            absl.error("a reward server is unreachable")
+        absl.error("after the run")
+    finally:
+        absl.removeHandler(handler)
+    assert seen == ["a reward server is unreachable", "after the run"]
