@@ -11,12 +11,12 @@ on its own.
 
 :func:`save_pretrained` writes a directory that ``transformers.AutoModelForCausalLM``
 loads: config and weights and, as an export, the tokenizer (with its chat template, loaded
-back by ``AutoTokenizer``) and ``generation_config.json`` (the stop ids). It writes into a
-hidden staging directory next to the target and swaps it in with two renames when
-complete, so an interrupted save never leaves a half-written checkpoint at the path.
-Leftovers of a save whose process died (its staging directory, or the previous checkpoint
-moved aside by the swap) are cleaned up, or the previous checkpoint renamed back, by the
-next save or load of that path on the same machine.
+back by ``AutoTokenizer``) and ``generation_config.json`` (the stop ids). It writes through
+:func:`jaxrl_llm.models.staging.staged_directory`: into a hidden directory next to the
+target, swapped in with two renames when complete, so an interrupted save never leaves a
+half-written checkpoint at the path, and the leftovers of a save whose process died are
+cleaned up (or the previous checkpoint renamed back) by the next save or load of that path
+on the same machine.
 """
 
 from __future__ import annotations
@@ -28,11 +28,7 @@ import json
 import numbers
 import os
 import pathlib
-import re
-import secrets
-import shutil
-import socket
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -46,6 +42,7 @@ from jaxrl_llm import sharding as sharding_lib
 from jaxrl_llm.models import gguf, layout, quantize
 from jaxrl_llm.models.config import ModelConfig, dtype_from_name
 from jaxrl_llm.models.functional import Model, Params
+from jaxrl_llm.models.staging import recover, staged_directory
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -233,7 +230,7 @@ def checkpoint_directory(path: str | os.PathLike) -> pathlib.Path:
       FileNotFoundError: the directory or its ``config.json`` is missing.
     """
     directory = pathlib.Path(path).resolve()
-    _recover(directory)
+    recover(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
     if not (directory / "config.json").is_file():
@@ -378,29 +375,6 @@ def save_pretrained(
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-@contextlib.contextmanager
-def staged_directory(target: pathlib.Path, *, replaced: Callable[[], set[str]]) -> Iterator[pathlib.Path]:
-    """A hidden staging directory beside ``target`` (``.{name}.saving.*``) to write into; when
-    the block ends without an exception, its files get ``0o666 & ~umask`` and it is swapped
-    in for ``target`` (:func:`_swap_in`, dropping ``target``'s ``replaced()`` names), else it
-    is removed. First cleans up after dead saves to ``target`` (:func:`_recover`). What
-    :func:`save_pretrained` and :func:`jaxrl_llm.models.lora.save_adapter` write through."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _recover(target)
-    file_mode = 0o666 & ~_umask()
-    staging = _sibling(target, "saving")
-    staging.mkdir()  # 0o777 & ~umask
-    try:
-        yield staging
-        for file in staging.iterdir():
-            if file.is_file():  # not a tokenizer's template directory
-                os.chmod(file, file_mode)  # safetensors creates its files 0o600
-        _swap_in(staging, target, replaced=replaced())
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def _generation_config(
     config: ModelConfig,
     *,
@@ -508,46 +482,6 @@ def _check_tokenizer_reloads(
         )
 
 
-def _swap_in(staging: pathlib.Path, target: pathlib.Path, *, replaced: set[str]) -> None:
-    """Moves the finished ``staging`` directory to ``target``.
-
-    An existing ``target``'s entries other than the ``replaced`` names (the previous
-    checkpoint's files) and the names ``staging`` holds are carried into ``staging`` first:
-    symlinks as symlinks, files by hard link where possible. Then ``target`` is renamed aside,
-    ``staging`` renamed to ``target`` (the old directory goes back if that fails) and the old
-    directory removed. A working directory inside ``target`` is re-entered.
-    """
-    if not target.exists():
-        os.replace(staging, target)
-        return
-    with os.scandir(target) as entries:
-        for entry in entries:
-            destination = staging / entry.name
-            if entry.name in replaced or os.path.lexists(destination):
-                continue
-            if entry.is_symlink():
-                os.symlink(os.readlink(entry.path), destination)
-            elif entry.is_dir():
-                shutil.copytree(entry.path, destination, symlinks=True, copy_function=_link_or_copy)
-            else:
-                _link_or_copy(entry.path, destination)
-    try:
-        cwd = pathlib.Path(os.getcwd())
-    except OSError:  # the working directory was deleted
-        cwd = None
-    retired = _sibling(target, "old")
-    try:
-        os.replace(target, retired)
-        os.replace(staging, target)
-    except BaseException:  # an interrupt too: never leave the path without a checkpoint
-        if os.path.lexists(retired):
-            _put_back(retired, target)
-        raise
-    if cwd is not None and (cwd == target or target in cwd.parents):
-        os.chdir(cwd)  # the old inode is going: enter the same path in the new directory
-    shutil.rmtree(retired, ignore_errors=True)
-
-
 def _replaced_names(target: pathlib.Path) -> set[str]:
     """The previous checkpoint's model files in ``target``, which a save drops: ``config.json``,
     ``model.safetensors``, the index and the shards the index lists."""
@@ -556,99 +490,3 @@ def _replaced_names(target: pathlib.Path) -> set[str]:
     with contextlib.suppress(OSError, ValueError, LookupError, TypeError, AttributeError):
         names.update(json.loads((target / INDEX_FILE).read_text())["weight_map"].values())
     return names
-
-
-def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> None:
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
-
-
-# --- Leftovers of interrupted saves --------------------------------------------------------------
-
-
-def _sibling(target: pathlib.Path, kind: str) -> pathlib.Path:
-    """A fresh hidden name next to ``target`` that records this process as its owner:
-    ``.{name}.{kind}.{host name}.{pid namespace}.{pid}.{start time}.{8 hex digits}``."""
-    pid = os.getpid()
-    owner = f"{_machine()}.{pid}.{_start_time(pid) or 0}"
-    return target.with_name(f".{target.name}.{kind}.{owner}.{secrets.token_hex(4)}")
-
-
-def _machine() -> str:
-    """``{host name}.{pid namespace}``: the scope in which a pid names one process."""
-    try:
-        namespace = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid"))
-    except OSError:  # no Linux /proc
-        namespace = "0"
-    return f"{socket.gethostname()}.{namespace}"
-
-
-def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks after boot), ``"zombie"`` once it has exited;
-    None where unknown (no such process, or no Linux /proc)."""
-    try:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return "zombie" if fields[0] in ("Z", "X") else fields[19]
-
-
-def _ended(pid: int, start: str) -> bool:
-    """Whether the process ``pid`` that started at ``start`` has ended: the pid is free, a
-    zombie's, or a later process's (another start time). Unknown counts as running."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process
-        pass
-    now = _start_time(pid)
-    return now is not None and now != start
-
-
-def _put_back(retired: pathlib.Path, target: pathlib.Path) -> None:
-    """A previous checkpoint renamed aside goes back to ``target`` if that is missing, else away."""
-    if os.path.lexists(target):
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):  # another process put one back first; else the next recovery retries
-            os.replace(retired, target)
-
-
-def _recover(target: pathlib.Path) -> None:
-    """Cleans up after saves to ``target`` whose process died on this machine.
-
-    Their staging directories are removed; a previous checkpoint they renamed aside goes back
-    to ``target`` if that is missing (the save died between its two renames), else is
-    removed. Leftovers whose owner (:func:`_sibling`) runs, or ran on another machine, stay.
-    """
-    leftover = re.compile(
-        rf"\.{re.escape(target.name)}\.(saving|old)\.{re.escape(_machine())}\.(\d{{1,9}})\.(\d+)\.[0-9a-f]{{8}}"
-    )
-    try:
-        names = sorted(os.listdir(target.parent))
-    except OSError:  # no parent directory, or an unreadable one
-        return
-    for name in names:
-        match = leftover.fullmatch(name)
-        if match is None or not _ended(int(match[2]), match[3]):
-            continue
-        if match[1] == "old":
-            _put_back(target.parent / name, target)
-        else:
-            shutil.rmtree(target.parent / name, ignore_errors=True)
-
-
-def _umask() -> int:
-    """The process's umask: from /proc on Linux, else by setting and restoring it."""
-    try:
-        match = re.search(r"^Umask:\s+([0-7]+)$", pathlib.Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        match = None
-    if match:
-        return int(match[1], 8)
-    mask = os.umask(0o077)  # not race-free: a file another thread creates meanwhile gets the strictest mask
-    os.umask(mask)
-    return mask

@@ -43,6 +43,7 @@ from jaxrl_llm.models.config import LoraConfig, ModelConfig
 from jaxrl_llm.models.decoder import CausalLM, LoraParam, is_stacked, lora_a_init, stack_layers, unstack_layers
 from jaxrl_llm.models.functional import Model, Params, abstract
 from jaxrl_llm.models.quantize import dequantize
+from jaxrl_llm.models.staging import staged_directory
 
 __all__ = [
     "LoraConfig",
@@ -226,8 +227,6 @@ def save_adapter(
     Raises:
       ValueError: ``model`` has no adapters.
     """
-    from jaxrl_llm.models import hf
-
     lora = model.config.lora
     if lora is None:
         raise ValueError("save_adapter: the model has no adapters (its config's `lora` is None); save_pretrained.")
@@ -255,7 +254,7 @@ def save_adapter(
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"Cannot save an adapter to {target}: it is a file, not a directory.")
     previous = {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin"}  # a previous adapter's files (PEFT's too)
-    with hf.staged_directory(target, replaced=lambda: previous) as staging:
+    with staged_directory(target, replaced=lambda: previous) as staging:
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(peft_tensors(adapters), staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
 

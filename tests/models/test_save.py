@@ -28,6 +28,7 @@ import safetensors.numpy
 
 from jaxrl_llm import models
 from jaxrl_llm.models import hf as hf_io
+from jaxrl_llm.models import staging as staging_io
 
 CONFIG = models.ModelConfig(
     vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8
@@ -285,7 +286,7 @@ def test_leftovers_are_told_apart_by_host_and_process(tiny, fork, tmp_path):
     kept = [
         f".ckpt.saving.elsewhere.{namespace}.{pid}.{start}.{suffix}",  # another host
         f".ckpt.saving.{host}.1{namespace}.{pid}.{start}.{suffix}",  # another pid namespace
-        f".ckpt.saving.{host}.{namespace}.{os.getpid()}.{hf_io._start_time(os.getpid())}.{suffix}",  # running
+        f".ckpt.saving.{host}.{namespace}.{os.getpid()}.{staging_io.start_time(os.getpid())}.{suffix}",  # running
     ]
     reused = f".ckpt.saving.{host}.{namespace}.{os.getpid()}.1.{suffix}"  # an earlier process with this pid
     for name in [*kept, reused]:
