@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm import sharding as sharding_lib
-from jaxrl_llm.models import gguf, layout, quantize
+from jaxrl_llm.models import gguf, layout, lora, quantize
 from jaxrl_llm.models.config import ModelConfig, dtype_from_name
 from jaxrl_llm.models.functional import Model, Params
 from jaxrl_llm.models.staging import recover, staged_directory
@@ -327,8 +327,6 @@ def save_pretrained(
       NotADirectoryError: ``path`` exists and is not a directory.
     """
     if model.config.lora is not None:
-        from jaxrl_llm.models import lora
-
         model, params = lora.merge(model, params)
     model, params = quantize.dequantize(model, params)
     target = pathlib.Path(path).resolve()
