@@ -22,7 +22,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from jaxrl_llm.episodes.tools import _gather, check_tools
+from jaxrl_llm.episodes.tools import check_tools, run_concurrently
 
 _RESERVED = ("reset", "get_reward")
 """The environment's methods that are not tools."""
@@ -201,7 +201,7 @@ def _reward_function(cls: type) -> Callable:
                 else:
                     values[index] = value
         if pending:
-            for index, value in zip(pending, _gather(list(pending.values()))):
+            for index, value in zip(pending, run_concurrently(list(pending.values()))):
                 values[index] = value
         return values
 

@@ -356,9 +356,9 @@ def sample_episodes(
     batch = num_prompts * group
     stop_ids = tuple(sorted({int(e) for e in eos_ids}))
     tools = check_tools(tools, where="tools") if environments is None else environments.tools
-    format = config.tool_call_format
-    if format == "auto":
-        format = parsing.detect_format(tokenizer)
+    call_format = config.tool_call_format
+    if call_format == "auto":
+        call_format = parsing.detect_format(tokenizer)
     examples = [{name: values[p] for name, values in columns.items()} for p in range(num_prompts)]
     row_examples = [copy.deepcopy(examples[b // group]) for b in range(batch)]
     if environments is None:
@@ -513,7 +513,7 @@ def sample_episodes(
             np.int32,
         )
         turn = decode_turn(remaining, jax.random.fold_in(key, turn_index))
-        calling = _record_turn(rows, on_device, turn, tokenizer, format=format, max_turns=config.max_turns,
+        calling = _record_turn(rows, on_device, turn, tokenizer, call_format=call_format, max_turns=config.max_turns,
                                stop_ids=stop_ids)  # fmt: skip
         if calling:
             extensions = _run_tools(
@@ -525,7 +525,7 @@ def sample_episodes(
     return _episodes(rows, prompt_tokens, prompt_mask, completion_width, pad_id, environments is not None)
 
 
-def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, format, max_turns, stop_ids) -> dict[int, int]:
+def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, call_format, max_turns, stop_ids) -> dict[int, int]:
     """Appends each row's turn to its episode and parses it; returns ``{row: end-of-turn
     id}`` of the rows whose turn called tools they may run (the others are finished)."""
     calling = {}
@@ -539,10 +539,10 @@ def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, format, max_turns, 
         stopped = bool(turn.stopped[slot])
         text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
         prefix = None
-        if format == "response_template":
+        if call_format == "response_template":
             # The whole conversation before the turn: a template may pre-write part of it.
             prefix = tokenizer.decode(row.head + row.ids[: len(row.ids) - length], skip_special_tokens=False)
-        parsed = parsing.parse_turn(text, format=format, tokenizer=tokenizer, prefix=prefix, tools=list(row.tools))
+        parsed = parsing.parse_turn(text, format=call_format, tokenizer=tokenizer, prefix=prefix, tools=list(row.tools))
         row.messages.append(parsed.message)
         row.pending = parsed.calls
         if not stopped:

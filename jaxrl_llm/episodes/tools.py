@@ -272,7 +272,7 @@ def _event_loop() -> asyncio.AbstractEventLoop:
         return _loop[0]
 
 
-def _gather(awaitables: Sequence[Awaitable]) -> list:
+def run_concurrently(awaitables: Sequence[Awaitable]) -> list:
     """Runs ``awaitables`` concurrently on the module's event loop; their results, in order
     (the first exception raised is raised here)."""
 
