@@ -9,6 +9,7 @@ parameters must be bitwise equal to the reference's and every line of ``metrics.
 equal, timings aside: the prompts, keys and counters all live in the checkpointed state.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -58,6 +59,19 @@ def without_timings(rows):
 def complete_checkpoints(run_dir):
     directory = run_dir / run.CHECKPOINTS
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def short_tiny(*, steps: int):
+    """The ``tiny`` config for ``steps`` steps, saving every 2, with a 2-step warm start and no
+    evaluations: a whole run in a few seconds."""
+    tiny = runs.load("tiny")
+    return dataclasses.replace(
+        tiny,
+        steps=steps,
+        save_every=2,
+        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
+        train=dataclasses.replace(tiny.train, eval_every=0),
+    )
 
 
 def stop_after_a_checkpoint(process, run_dir, sig, since=0):
@@ -117,16 +131,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_param
 def test_a_run_continues_on_another_mesh_where_the_single_device_run_goes(tmp_path):
     """Two steps FSDP over 4 devices, saved; two more on a 2 x 2 (data x fsdp) mesh, the
     checkpoint restored into that mesh's shards: the metrics of four steps on one device."""
-    import dataclasses
-
-    tiny = runs.load("tiny")
-    config = dataclasses.replace(
-        tiny,
-        steps=4,
-        save_every=2,
-        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
-        train=dataclasses.replace(tiny.train, eval_every=0),
-    )
+    config = short_tiny(steps=4)
     expected = run.train_run(config, tmp_path / "one", progress=False, stream=None).history
     run.train_run(
         dataclasses.replace(config, steps=2, mesh=runs.MeshSpec(data=1, fsdp=4)),
@@ -150,8 +155,6 @@ def test_a_run_continues_on_another_mesh_where_the_single_device_run_goes(tmp_pa
 def test_a_checkpoint_with_a_reference_the_run_no_longer_keeps_still_restores(tmp_path):
     """A method without a KL term keeps no reference now; its checkpoints saved with one
     (before, or with reference_metrics) restore, the reference dropped."""
-    import dataclasses
-
     import jax
 
     from jaxrl_llm import algorithms, models, training
@@ -181,16 +184,7 @@ def test_a_run_stored_with_flat_train_settings_resumes(tmp_path):
     """A run directory with the flat layout stores ``train.temperature``,
     ``train.learning_rate``, ... in ``[train]`` itself: it loads to the same config and the
     same command continues it."""
-    import dataclasses
-
-    tiny = runs.load("tiny")
-    config = dataclasses.replace(
-        tiny,
-        steps=2,
-        save_every=2,
-        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
-        train=dataclasses.replace(tiny.train, eval_every=0),
-    )
+    config = short_tiny(steps=2)
     run.train_run(config, tmp_path / "run", progress=False, stream=None)
     path = tmp_path / "run" / run.CONFIG_FILE
     stored = json.loads(path.read_text())
@@ -215,16 +209,7 @@ def test_a_complete_run_killed_after_logging_unsaved_steps_sums_up_its_checkpoin
     """A run SIGKILLed after logging steps it had not saved, continued with ``--steps`` no
     larger than its checkpoint: the summary counts the checkpoint's steps, not the lines the
     killed run left after them."""
-    import dataclasses
-
-    tiny = runs.load("tiny")
-    config = dataclasses.replace(
-        tiny,
-        steps=2,
-        save_every=2,
-        warm_start=dataclasses.replace(tiny.warm_start, steps=2),
-        train=dataclasses.replace(tiny.train, eval_every=0),
-    )
+    config = short_tiny(steps=2)
     run.train_run(config, tmp_path / "run", progress=False, stream=None)
     metrics = tmp_path / "run" / "metrics.jsonl"
     last = json.loads(metrics.read_text().splitlines()[-1])
