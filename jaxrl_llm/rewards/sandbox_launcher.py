@@ -104,11 +104,7 @@ def main() -> None:
     verdict_r, verdict_w = os.pipe()  # tests -> supervisor: RETURNED
     supervisor = os.getpid()
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program stay ours (PID 1 already is)
-    try:
-        program = os.fork()
-    except OSError as e:
-        send(report, event="setup_error", message=f"fork: {e}")
-        os._exit(SETUP_FAILED)
+    program = fork(report)
     if program == 0:
         for fd in (status_r, calls_w, answers_r, verdict_r, verdict_w, config["tests_fd"], report):
             os.close(fd)
@@ -125,11 +121,7 @@ def main() -> None:
     os.close(config["tests_fd"])
     tester = None
     if layers is not None:
-        try:
-            tester = os.fork()
-        except OSError as e:
-            send(report, event="setup_error", message=f"fork: {e}")
-            os._exit(SETUP_FAILED)
+        tester = fork(report)
         if tester == 0:
             os.close(report)
             os.close(verdict_r)
@@ -145,6 +137,15 @@ def main() -> None:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     send(report, event="exit", returncode=returncode, completed=returned, cpu_seconds=usage.ru_utime + usage.ru_stime)
     os._exit(0)
+
+
+def fork(report: int) -> int:
+    """``os.fork()``; if it fails, say so to the parent ("setup_error") and exit."""
+    try:
+        return os.fork()
+    except OSError as e:
+        send(report, event="setup_error", message=f"fork: {e}")
+        os._exit(SETUP_FAILED)
 
 
 def send(fd: int, **message) -> None:
