@@ -27,6 +27,7 @@ not a multiple of 32) is written as F16, as llama.cpp's converter does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -192,8 +193,33 @@ def read_config(file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtyp
         than Llama 3.1's), a required metadata key missing, or no ``token_embd.weight``
         tensor (whose shape gives the vocabulary size), naming it.
     """
+    file = pathlib.Path(file).resolve()
+    stat = file.stat()  # a file read before: the same path, inode, size and modification time
+    version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return _read_config(file, version, param_dtype=dtype_from_name(param_dtype), dtype=dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_config(file: pathlib.Path, version: tuple[int, int, int], *, param_dtype: Any, dtype: Any) -> ModelConfig:
+    """:func:`read_config` of ``file`` as it is at ``version`` (part of the cache's key): a run
+    reads its model's config several times, and parsing a real model's metadata (its
+    vocabulary and merges) takes seconds."""
+    del version
+    return _config(file, _open(file), param_dtype=param_dtype, dtype=dtype)
+
+
+def read_checkpoint(
+    file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtype: Any | None = None
+) -> tuple[ModelConfig, GgufTensors]:
+    """:func:`read_config` and :class:`GgufTensors` of ``file``, its metadata (a real model's
+    vocabulary and merges: hundreds of thousands of fields) parsed once for both."""
     file = pathlib.Path(file)
     reader = _open(file)
+    config = _config(file, reader, param_dtype=param_dtype, dtype=dtype)
+    return config, GgufTensors(file, config, reader=reader)
+
+
+def _config(file: pathlib.Path, reader: gguf_lib.GGUFReader, *, param_dtype: Any, dtype: Any | None) -> ModelConfig:
     meta = _Metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
@@ -357,11 +383,11 @@ class GgufTensors:
       ValueError: a tensor with no Hugging Face name (of another architecture), naming it.
     """
 
-    def __init__(self, file: str | os.PathLike, config: ModelConfig):
+    def __init__(self, file: str | os.PathLike, config: ModelConfig, *, reader: gguf_lib.GGUFReader | None = None):
         self.description = str(file)
         self._config = config
         self._tensors = {}  # Hugging Face name -> the reader's tensor
-        for tensor in _open(pathlib.Path(file)).tensors:
+        for tensor in (_open(pathlib.Path(file)) if reader is None else reader).tensors:
             if tensor.name == _ROPE_FREQS:
                 continue
             name = hf_tensor_name(tensor.name)

@@ -214,11 +214,12 @@ def from_pretrained(
         raise ValueError(
             "from_pretrained: `rules` place the parameters on a mesh; pass `mesh=` too (sharding.make_mesh(...))."
         )
-    config = read_config(path, dtype=dtype, compute_dtype=compute_dtype)
-    config = dataclasses.replace(config, quantization=quantization, scan_layers=scan_layers)
+    options = dict(quantization=quantization, scan_layers=scan_layers)
     if (file := gguf.find_file(path)) is not None:
-        model, params, _ = layout.read_weights(gguf.GgufTensors(file, config), config, mesh=mesh, rules=rules)
+        config, tensors = gguf.read_checkpoint(file, param_dtype=dtype, dtype=compute_dtype or dtype)
+        model, params, _ = layout.read_weights(tensors, dataclasses.replace(config, **options), mesh=mesh, rules=rules)
     else:
+        config = dataclasses.replace(read_config(path, dtype=dtype, compute_dtype=compute_dtype), **options)
         model, params, _ = read_weights(checkpoint_directory(path), config, mesh=mesh, rules=rules)
     return model, params
 
