@@ -83,6 +83,17 @@ def test_the_tokenizer_is_transformers_gguf_tokenizer(hf_models, tokenizer, tmp_
     assert models.load_tokenizer(tmp_path).get_vocab() == loaded.get_vocab()  # the directory holding the file
 
 
+def test_a_file_read_again_gives_its_config_as_it_is_now(hf_models, tokenizer, tmp_path):
+    """read_config keeps the configs of files read before (a run reads its model's several times):
+    a file written anew in the same place is read again, and each dtype gets its own config."""
+    path = fixtures.write_gguf(tmp_path / "model.gguf", hf_models["llama"], tokenizer)
+    assert models.read_config(path).architecture == "llama"
+    assert models.read_config(path, dtype="bfloat16").param_dtype == jnp.bfloat16
+    assert models.read_config(path).param_dtype == jnp.float32
+    fixtures.write_gguf(path, hf_models["qwen2"], tokenizer)
+    assert models.read_config(path).architecture == "qwen2"
+
+
 @pytest.mark.parametrize("qtype", fixtures.READ_TYPES)
 def test_every_type_loads_as_transformers_loads_it(qtype, hf_models, tokenizer, tmp_path):
     path = fixtures.write_gguf(tmp_path / f"model-{qtype}.gguf", hf_models["llama"], tokenizer, qtype=qtype)
