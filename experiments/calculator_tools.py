@@ -33,6 +33,7 @@ import tyro
 
 from jaxrl_llm import algorithms, host, models, sampling, training
 from jaxrl_llm.episodes import EpisodeConfig, scoring
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import CalculatorTask
 from jaxrl_llm.tasks.calculator import sft_arrays
 
@@ -136,13 +137,12 @@ def run(config: CalculatorConfig) -> list[dict[str, float]]:
     train_config = training.TrainConfig(
         num_prompts=config.num_prompts,
         group_size=config.group_size,
-        max_new_tokens=config.max_new_tokens,
-        max_prompt_length=32,
-        learning_rate=config.learning_rate,
-        warmup_steps=1,
-        max_turns=config.max_turns,
-        temperature=config.temperature,
         seed=config.seed,
+        sampling=SamplingConfig(
+            max_new_tokens=config.max_new_tokens, max_prompt_length=32, temperature=config.temperature
+        ),
+        optimizer=training.OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=1),
+        episodes=EpisodeConfig(max_turns=config.max_turns),
     )
     rl_started = time.perf_counter()
     evaluation_seconds = 0.0

@@ -38,6 +38,10 @@ import tyro
 from jaxrl_llm import algorithms, distributed, host, models, rewards, training
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
+from jaxrl_llm.runs.config import absolute_paths
+from jaxrl_llm.runs.directory import STORAGE_TEXTS, latest_checkpoint, storage_failure, stored_config
+from jaxrl_llm.runs.evaluate import evaluate_model, evaluate_run, format_results
+from jaxrl_llm.runs.export import export_run
 from jaxrl_llm.training.config import GROUPED_FIELDS
 
 PROG = "jaxrl-llm"
@@ -185,7 +189,7 @@ def parse_train(argv: Sequence[str]) -> tuple[argparse.Namespace, run_config.Run
         _help(parser, settings=True)
     args, rest = parser.parse_known_args(argv)
     try:
-        stored = None if args.overwrite or args.config else run.stored_config(args.run_dir)
+        stored = None if args.overwrite or args.config else stored_config(args.run_dir)
         return args, _settings(_base_config(args.config, args.method, stored, args.conventions), rest, parser.prog)
     except (ValueError, OSError) as error:  # a file that cannot be read is named by the error
         raise UsageError(str(error)) from error
@@ -203,12 +207,12 @@ def train(argv: Sequence[str]) -> int:
         with _storage_noise_muted():
             run.train_run(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, progress=progress)
     except (UsageError, ValueError, FileNotFoundError) as error:
-        if (reason := run.storage_failure(error)) is not None:
+        if (reason := storage_failure(error)) is not None:
             return _report(
                 f"{parser.prog}: error: could not use {args.run_dir}: {reason}.",
                 error,
                 args.run_dir,
-                checkpoint=run.latest_checkpoint(args.run_dir),
+                checkpoint=latest_checkpoint(args.run_dir),
                 storage=True,
             )
         # Bad settings, found before any compute; an error importing the user's reward module
@@ -222,7 +226,7 @@ def train(argv: Sequence[str]) -> int:
         return 130
     except training.RunStopped as stopped:
         cause = stopped.__cause__ or stopped
-        reason = run.storage_failure(cause)
+        reason = storage_failure(cause)
         message = (
             f"{_without_api_hint(stopped).partition(': ')[0]}: could not write the run's files: {reason}."
             if reason
@@ -236,13 +240,13 @@ def train(argv: Sequence[str]) -> int:
             storage=reason is not None,
         )
     except (rewards.RewardFunctionError, OSError) as error:  # outside a train step: the warm start's evaluation
-        reason = run.storage_failure(error)
+        reason = storage_failure(error)
         message = f"could not write the run's files: {reason}." if reason else error
         return _report(
             f"{parser.prog}: error: {message}",
             error,
             args.run_dir,
-            checkpoint=run.latest_checkpoint(args.run_dir),
+            checkpoint=latest_checkpoint(args.run_dir),
             storage=reason is not None,
         )
     return 0
@@ -314,7 +318,7 @@ def _storage_noise_muted():
     def noise(record: logging.LogRecord) -> bool:
         text = record.getMessage() + ("".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
         return not any(
-            marker in text for marker in (*run.STORAGE_TEXTS.values(), "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
+            marker in text for marker in (*STORAGE_TEXTS.values(), "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
         )
 
     global _UNRAISABLE_HOOK
@@ -341,7 +345,7 @@ def _unraisable(report) -> None:
     """``sys.unraisablehook`` without the storage failures of orbax's abandoned writes, and
     their "Python is likely shutting down" echoes."""
     error = report.exc_value
-    if error is not None and (run.storage_failure(error) or "Python is likely shutting down" in str(error)):
+    if error is not None and (storage_failure(error) or "Python is likely shutting down" in str(error)):
         return
     _UNRAISABLE_HOOK(report)
 
@@ -373,7 +377,7 @@ def evaluate(argv: Sequence[str]) -> int:
             if args.step is not None and args.step < 1:
                 raise UsageError(f"--step must be a checkpoint's step (>= 1); got {args.step}.")
             try:
-                results = run.evaluate_run(args.run_dir, step=args.step, num_samples=args.num_samples)
+                results = evaluate_run(args.run_dir, step=args.step, num_samples=args.num_samples)
             except (ValueError, FileNotFoundError) as error:
                 raise UsageError(str(error)) from error
             where = f"{args.run_dir}/eval/step-{results['step']}.json"
@@ -381,7 +385,7 @@ def evaluate(argv: Sequence[str]) -> int:
             if args.step is not None:
                 raise UsageError("--step selects a run's checkpoint; it needs --run-dir.")
             base = run_config.load(args.config) if args.config else run_config.RunConfig()
-            config = run.absolute_paths(
+            config = absolute_paths(
                 _settings(
                     dataclasses.replace(base, model=dataclasses.replace(base.model, path=args.model)), rest, parser.prog
                 )
@@ -391,13 +395,13 @@ def evaluate(argv: Sequence[str]) -> int:
                 model, params = build.model(config, task)
             except (ValueError, FileNotFoundError) as error:
                 raise UsageError(str(error)) from error
-            results = run.evaluate_model(model, params, task, config, num_samples=args.num_samples)
+            results = evaluate_model(model, params, task, config, num_samples=args.num_samples)
             where = None
     except UsageError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except rewards.RewardFunctionError as error:
         return _report(f"{parser.prog}: error: {error}", error, None)
-    print(run.format_results(results))
+    print(format_results(results))
     if args.out:
         with open(args.out, "w") as file:
             json.dump(results, file, indent=2)
@@ -441,7 +445,7 @@ def export(argv: Sequence[str]) -> int:
     if args.type is not None and args.format != "gguf":
         parser.exit(2, f"{parser.prog}: error: --type sets a GGUF file's type; add --format gguf.\n")
     try:
-        step = run.export_run(
+        step = export_run(
             args.run_dir,
             args.out,
             step=args.step,
@@ -453,7 +457,7 @@ def export(argv: Sequence[str]) -> int:
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except OSError as error:  # a full or read-only disk
-        parser.exit(1, f"{parser.prog}: error: could not write {args.out}: {run.storage_failure(error) or error}.\n")
+        parser.exit(1, f"{parser.prog}: error: could not write {args.out}: {storage_failure(error) or error}.\n")
     print(f"Exported {'the adapters of ' if args.adapter else ''}step {step} of {args.run_dir} to {args.out}")
     return 0
 

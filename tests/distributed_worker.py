@@ -20,6 +20,8 @@ import sys
 
 import numpy as np
 
+from jaxrl_llm.sampling import SamplingConfig
+
 P, G, S, N = 8, 2, 4, 4  # prompts, group size, prompt tokens, completion tokens
 B = P * G
 STEPS = 2
@@ -48,7 +50,11 @@ def train_config():
 
     # Two minibatches: score recomputes the old log-probs and update shuffles with the state's key.
     return training.TrainConfig(
-        num_prompts=P, group_size=G, max_new_tokens=N, minibatch_size=B // 2, learning_rate=1e-2, warmup_steps=1
+        num_prompts=P,
+        group_size=G,
+        minibatch_size=B // 2,
+        sampling=SamplingConfig(max_new_tokens=N),
+        optimizer=training.OptimizerConfig(learning_rate=1e-2, warmup_steps=1),
     )
 
 

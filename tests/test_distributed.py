@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm import distributed, sharding
+from jaxrl_llm.sampling import SamplingConfig
 from tests import distributed_worker as worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_a_multi_process_run_without_a_mesh_over_every_device_or_with_its_own_backend_is_refused(monkeypatch):
     from jaxrl_llm import training
 
-    config = training.TrainConfig(num_prompts=4, group_size=2, max_new_tokens=2, eval_every=2)
+    config = training.TrainConfig(num_prompts=4, group_size=2, eval_every=2, sampling=SamplingConfig(max_new_tokens=2))
     training.loop.check_processes(config, None)  # one process: anything goes
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ValueError, match=r"spans 2 processes: pass a mesh over all their 8 devices"):

@@ -35,6 +35,7 @@ import pytest
 
 from jaxrl_llm import algorithms, cli, models, runs, training
 from jaxrl_llm.runs.config import from_dict
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import DigitSumTask
 from tests.models import gguf_fixtures
 
@@ -192,7 +193,7 @@ def _mesh(tmp_path) -> dict:
         model=model,
         params=params,
         task=task,
-        config=training.TrainConfig(num_prompts=4, group_size=2, max_new_tokens=2),
+        config=training.TrainConfig(num_prompts=4, group_size=2, sampling=SamplingConfig(max_new_tokens=2)),
     )
 
 

@@ -251,7 +251,12 @@ def _single_device_step(method: str):
     # whose gradient is rounding noise (a token no row holds) would step by about +-lr on
     # that noise; a larger eps keeps the comparison on the arithmetic sharding changes.
     run = dataclasses.replace(
-        RUN, num_prompts=8, group_size=2, minibatch_size=8 if method == "ppo" else None, exact_kl=True, adam_eps=1e-4
+        RUN,
+        num_prompts=8,
+        group_size=2,
+        minibatch_size=8 if method == "ppo" else None,
+        exact_kl=True,
+        optimizer=dataclasses.replace(RUN.optimizer, adam_eps=1e-4),
     )
     model, params = models.init(CONFIG, jax.random.key(0))
     train_step = training.make_train_step(model, algorithm, run)

@@ -763,3 +763,21 @@ def _grouped_name(dotted: str) -> str:
     if len(parts) == 2 and parts[0] == "train" and parts[1] in GROUPED_FIELDS:
         return f"train.{GROUPED_FIELDS[parts[1]]}.{parts[1]}"
     return dotted
+
+
+def absolute_paths(config: RunConfig) -> RunConfig:
+    """``config`` with its model, data, reward, tool, environment and adapter paths absolute
+    (a ``module:function`` in the current directory as its file's path) and a LoRA
+    adapter's settings filled in: a run continues from anywhere."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+    task = code_sources(config.task, [os.getcwd()])
+    lora = config.lora.resolved()  # an adapter's settings, stored: a resumed run does not read it again
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=absolute(config.model.path)),
+        task=dataclasses.replace(task, path=absolute(task.path), test_path=absolute(task.test_path)),
+        lora=dataclasses.replace(lora, adapter=absolute(lora.adapter)),
+    )

@@ -725,3 +725,12 @@ def _require(module: str, need: str, instead: str) -> None:
         raise ImportError(
             f"RunRecorder: {need}, which needs `{module}`: `pip install {module}`, or {instead}."
         ) from error
+
+
+TIMING_METRICS = ("tokens_per_second", "score_traces", "update_traces")
+"""Metrics (besides ``*_seconds``) that depend on the machine or the process, not the run."""
+
+
+def is_timing(name: str) -> bool:
+    """Whether metric ``name`` measures the machine (time, throughput, compilations), not the run."""
+    return name.endswith("_seconds") or name in TIMING_METRICS

@@ -9,13 +9,11 @@
 * :class:`TrainConfig`: the batch's shape, those three, the held-out evaluations, fault
   tolerance and memory.
 
-**Flat names.** Each grouped setting also goes by its flat name, an alias of its group's field (:data:`GROUPED_FIELDS`):
-``TrainConfig(temperature=0.7, learning_rate=1e-5)`` is ``TrainConfig(sampling=
-SamplingConfig(temperature=0.7), optimizer=OptimizerConfig(learning_rate=1e-5))`` (a flat
-name wins over the group given beside it, so ``dataclasses.replace(config,
-temperature=0.7)`` changes that one field), and ``config.temperature`` reads
-``config.sampling.temperature``. A config file's ``[train]`` table and the ``--train.*``
-flags take them too (:func:`nest_flat_settings`), so stored runs resume.
+**Flat names.** In Python a grouped setting is set and read in its group:
+``TrainConfig(sampling=SamplingConfig(temperature=0.7))``, ``config.sampling.temperature``.
+A config file's ``[train]`` table, a stored run's config and the ``--train.*`` flags also
+take each one by its flat name (``temperature = 0.7``, :data:`GROUPED_FIELDS`), moved into
+its group by :func:`nest_flat_settings`, so runs stored before the groups resume.
 """
 
 from __future__ import annotations
@@ -96,37 +94,7 @@ GROUPED_FIELDS: dict[str, str] = {
     field.name: group for group, kind in GROUPS.items() for field in dataclasses.fields(kind)
 }
 """The flat name of each grouped setting -> its group: ``"temperature" -> "sampling"``
-(``train.temperature`` is ``train.sampling.temperature``)."""
-
-
-def _flat_settings_taken(cls):
-    """Makes ``cls(...)`` (a dataclass with the fields of :data:`GROUPS`) also take the flat
-    names of :data:`GROUPED_FIELDS`, each replacing that field of its group."""
-    generated = cls.__init__
-
-    @functools.wraps(generated)
-    def __init__(self, **settings):
-        generated(self, **_grouped(settings, where=cls.__name__))
-
-    cls.__init__ = __init__
-    return cls
-
-
-def _grouped(settings: dict[str, Any], *, where: str) -> dict[str, Any]:
-    """``settings`` with their flat grouped names moved into their group (the one given, or
-    the default). An error names the setting as it was given: ``TrainConfig: `weight_decay`
-    must be ...``."""
-    for group, kind in GROUPS.items():
-        flat = {name: settings.pop(name) for name in [*settings] if GROUPED_FIELDS.get(name) == group}
-        if flat:
-            given = settings.get(group, _DEFAULTS[group])
-            if not isinstance(given, kind):
-                raise ValueError(f"{where}: `{group}` must be of type {kind.__name__}; got {given!r}.")
-            try:
-                settings[group] = dataclasses.replace(given, **flat)
-            except ValueError as error:
-                raise ValueError(str(error).replace(f"{kind.__name__}: ", f"{where}: ", 1)) from None
-    return settings
+(a config file's ``[train] temperature`` is ``[train.sampling] temperature``)."""
 
 
 def nest_flat_settings(table: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -152,11 +120,28 @@ LORA_DECODINGS = ("unmerged", "merged")
 """:attr:`TrainConfig.lora_decoding`'s choices."""
 
 
-@_flat_settings_taken
+def _flat_names_refused(cls):
+    """Makes ``cls(...)`` refuse a grouped setting's flat name with its grouped spelling
+    (``TrainConfig(temperature=0.7)``: ``sampling=SamplingConfig(temperature=0.7)``)."""
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, **settings):
+        if flat := [name for name in settings if name in GROUPED_FIELDS]:
+            spelled = ", ".join(
+                f"{n} as {GROUPED_FIELDS[n]}={GROUPS[GROUPED_FIELDS[n]].__name__}({n}=...)" for n in flat
+            )
+            raise TypeError(f"{cls.__name__}: a grouped setting is passed in its group: {spelled}.")
+        generated(self, **settings)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_flat_names_refused
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Settings of a training run; the defaults fit the digit task on a CPU. The flat names
-    of the grouped settings work too (see the module doc)."""
+    """Settings of a training run; the defaults fit the digit task on a CPU."""
 
     num_prompts: int = 8
     """P: prompts per rollout batch."""
@@ -261,13 +246,6 @@ class TrainConfig:
                     f"{self.micro_batch_size}."
                 )
 
-    def __getattr__(self, name: str) -> Any:
-        """The flat names of the grouped settings: ``config.temperature`` is ``config.sampling.temperature``."""
-        group = GROUPED_FIELDS.get(name)
-        if group is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(getattr(self, group), name)
-
     @property
     def batch_size(self) -> int:
         """B = P * G sequences per rollout batch."""
@@ -282,7 +260,3 @@ class TrainConfig:
         """Forward and backward passes per optimizer step (gradient accumulation)."""
         rows = self.batch_size // self.num_minibatches
         return 1 if self.micro_batch_size is None else rows // self.micro_batch_size
-
-
-_DEFAULTS = {group: getattr(TrainConfig, group) for group in GROUPS}
-"""Each group's default in TrainConfig: what a flat setting given without its group changes."""

@@ -10,6 +10,7 @@ import pytest
 
 from jaxrl_llm import algorithms, objectives, tasks, training
 from jaxrl_llm.episodes.config import EpisodeConfig
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks.base import PromptBatch, check_split
 from tests.episodes.test_rollout import CALL, AdderEnv, add, chain, run, scripted_model, tokenizer
 
@@ -58,7 +59,12 @@ class AddTask:
         )
 
 
-CONFIG = training.TrainConfig(num_prompts=2, group_size=4, max_new_tokens=32, learning_rate=1e-3, warmup_steps=1)
+CONFIG = training.TrainConfig(
+    num_prompts=2,
+    group_size=4,
+    sampling=SamplingConfig(max_new_tokens=32),
+    optimizer=training.OptimizerConfig(learning_rate=1e-3, warmup_steps=1),
+)
 
 
 def test_every_preset_trains_on_episodes():

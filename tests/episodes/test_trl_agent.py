@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import algorithms, cli, models, runs, tasks, training
+from jaxrl_llm.episodes import EpisodeConfig
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import build_char_tokenizer
 from tests.episodes.test_rollout import TEMPLATE, chain, scripted_model
 
@@ -248,7 +250,12 @@ def test_grpo_agent_trains_through_training_train(in_a_directory_with_the_databa
     task = tasks.from_records(
         examples(), tokenizer=tok, reward_fns=[correctness_reward, structure_reward, query_reward]
     )
-    config = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=180, max_prompt_length=64, max_turns=1)
+    config = training.TrainConfig(
+        num_prompts=2,
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=180, max_prompt_length=64),
+        episodes=EpisodeConfig(max_turns=1),
+    )
     ends = []
     _, history = training.train(
         model, params, algorithms.get("grpo"), config, steps=1, task=task, tools=[query_biogrid], callback=ends.append

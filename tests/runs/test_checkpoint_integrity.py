@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl_llm import cli, runs
 from jaxrl_llm.runs import run
+from jaxrl_llm.runs.directory import CHECKPOINTS
 from tests.training.test_checkpoint import flip_bytes
 
 METRICS = ("reward", "loss", "grad_norm", "kl_k3")
@@ -36,7 +37,7 @@ def test_a_run_continues_from_the_checkpoint_before_a_corrupt_latest_one(tmp_pat
         warm_start=dataclasses.replace(tiny.warm_start, steps=2),
         train=dataclasses.replace(tiny.train, eval_every=0),
     )
-    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / run.CHECKPOINTS
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / CHECKPOINTS
     run.train_run(config, run_dir, progress=False, stream=None)
     first = runs.read_metrics(run_dir)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2", "3"]

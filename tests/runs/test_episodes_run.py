@@ -16,8 +16,11 @@ import pytest
 
 from jaxrl_llm import cli, runs
 from jaxrl_llm.episodes import conversation
-from jaxrl_llm.runs import build, run
+from jaxrl_llm.runs import build
 from jaxrl_llm.runs import config as run_config
+from jaxrl_llm.runs.config import absolute_paths
+from jaxrl_llm.runs.directory import stored_config
+from jaxrl_llm.runs.records import is_timing
 from tests.episodes.test_environments import IncrementEnv
 from tests.runs.test_resume import complete_checkpoints, environment, stop_after_a_checkpoint, without_timings
 
@@ -109,7 +112,7 @@ def test_tools_and_an_environment_from_a_module_beside_the_config(project, tmp_p
     assert len(metrics) == 4
     assert {"episodes/turns", "tools/call_frequency", "reward_CounterEnv", "reward_answered"} <= metrics[0].keys()
     assert "eval_greedy_turns" in metrics[1] and "eval_greedy_tool_calls" in metrics[1]
-    stored = run.stored_config(tmp_path / "straight")
+    stored = stored_config(tmp_path / "straight")
     assert stored.task.tools == (f"{tmp_path / 'agent.py'}:add",)  # found beside the config: stored by path
     assert stored.task.environment == f"{tmp_path / 'agent.py'}:CounterEnv"
     samples = [json.loads(line) for line in (tmp_path / "straight" / "samples.jsonl").read_text().splitlines()]
@@ -119,10 +122,8 @@ def test_tools_and_an_environment_from_a_module_beside_the_config(project, tmp_p
     # ends where the straight one does (an episode's state lives in the episode).
     assert cli.main(["train", "--config", project(2), "--run-dir", "stopped", "--progress", "off"]) == 0
     assert cli.main(["train", "--run-dir", "stopped", "--steps", "4", "--resume", "--progress", "off"]) == 0
-    without = [{k: v for k, v in row.items() if not run.is_timing(k)} for row in metrics]
-    continued = [
-        {k: v for k, v in row.items() if not run.is_timing(k)} for row in runs.read_metrics(tmp_path / "stopped")
-    ]
+    without = [{k: v for k, v in row.items() if not is_timing(k)} for row in metrics]
+    continued = [{k: v for k, v in row.items() if not is_timing(k)} for row in runs.read_metrics(tmp_path / "stopped")]
     assert continued == without
     *_, straight_params, _ = runs.restore_policy(tmp_path / "straight")
     *_, continued_params, step = runs.restore_policy(tmp_path / "stopped")
@@ -148,7 +149,7 @@ def test_the_warm_start_of_a_tool_task_renders_its_prompts_as_the_rollouts_do(pr
         warm_start=run_config.WarmStartConfig(steps=1, completion="completion"),
         train=dataclasses.replace(config.train, eval_every=0),
     )
-    config = run.absolute_paths(config)
+    config = absolute_paths(config)
     task = build.run_task(config)
     tokens, attention, learned = build.demonstrations(config, task)
     tools = build.tools(config.task)
@@ -215,7 +216,7 @@ def test_an_environment_that_owns_the_data_and_a_table_of_environments_from_the_
     assert cli.main(["train", "--config", "table.toml", "--run-dir", "table", "--progress", "off"]) == 0
     (metrics,) = runs.read_metrics(tmp_path / "table")
     assert {"reward_IncrementEnv", "reward_DecrementEnv"} <= metrics.keys()
-    assert run.stored_config(tmp_path / "table").task.environment == {
+    assert stored_config(tmp_path / "table").task.environment == {
         "up": f"{tmp_path / 'owned.py'}:IncrementEnv",
         "down": f"{tmp_path / 'owned.py'}:DecrementEnv",
     }

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import cli, evaluation, models, runs
-from jaxrl_llm.runs import run
+from jaxrl_llm.runs.directory import BASE_CHECKPOINT, BASE_FILE, RunDirectoryError
+from jaxrl_llm.runs.export import export_run
+from jaxrl_llm.runs.policy import restore_policy
 from tests.models import gguf_fixtures as fixtures
 
 RUN = """
@@ -130,13 +132,13 @@ def test_a_run_exports_as_a_gguf_file_that_reads_back_to_its_policy(trained, tmp
     out = tmp_path / "policy.gguf"
     assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(out), "--format", "gguf", "--type", "f32"]) == 0
     assert capsys.readouterr().out.strip() == f"Exported step 3 of {run_dir} to {out}"
-    _, _, _, params, _ = run.restore_policy(run_dir)
+    _, _, _, params, _ = restore_policy(run_dir)
     _, loaded = models.from_pretrained(out)
     chex.assert_trees_all_equal(loaded, params)
     fields = gguf.GGUFReader(out).fields
     assert fields["general.sampling.temp"].contents() == 1.0
     assert fields["tokenizer.ggml.eos_token_id"].contents() == models.load_tokenizer(out).eos_token_id
-    again = run.export_run(run_dir, out, format="gguf", file_type="q8_0", overwrite=True)
+    again = export_run(run_dir, out, format="gguf", file_type="q8_0", overwrite=True)
     assert again == 3 and {t.tensor_type.name for t in gguf.GGUFReader(out).tensors} == {"F32", "Q8_0"}
 
 
@@ -164,13 +166,13 @@ def test_a_lora_run_over_a_gguf_base_exports_merged_or_as_peft_adapters_over_a_w
         patch.chdir(tmp_path)
         assert cli.main(["train", "--config", "run.toml", "--run-dir", "run", "--steps", "2", "--progress", "off"]) == 0
     run_dir = tmp_path / "run"
-    assert json.loads((run_dir / run.BASE_FILE).read_text())["path"] == str(gguf_model)  # referenced, not copied
-    _, _, model, params, _ = run.restore_policy(run_dir)
+    assert json.loads((run_dir / BASE_FILE).read_text())["path"] == str(gguf_model)  # referenced, not copied
+    _, _, model, params, _ = restore_policy(run_dir)
     _, merged = models.lora.merge(model, params)
-    run.export_run(run_dir, tmp_path / "merged.gguf", format="gguf", file_type="f32")
+    export_run(run_dir, tmp_path / "merged.gguf", format="gguf", file_type="f32")
     chex.assert_trees_all_equal(models.from_pretrained(tmp_path / "merged.gguf")[1], merged)
-    run.export_run(run_dir, tmp_path / "adapters", adapter=True)
+    export_run(run_dir, tmp_path / "adapters", adapter=True)
     adapter_config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"] == run.BASE_CHECKPOINT  # beside it, wherever it goes
-    with pytest.raises(run.RunDirectoryError, match="drop --adapter"):
-        run.export_run(run_dir, tmp_path / "x.gguf", adapter=True, format="gguf")
+    assert adapter_config["base_model_name_or_path"] == BASE_CHECKPOINT  # beside it, wherever it goes
+    with pytest.raises(RunDirectoryError, match="drop --adapter"):
+        export_run(run_dir, tmp_path / "x.gguf", adapter=True, format="gguf")

@@ -16,8 +16,18 @@ from flax import nnx
 
 from jaxrl_llm import algorithms, cli, models, runs, training
 from jaxrl_llm.models import lora
-from jaxrl_llm.runs import build, run
+from jaxrl_llm.runs import build
 from jaxrl_llm.runs import config as run_config
+from jaxrl_llm.runs.config import differences
+from jaxrl_llm.runs.directory import (
+    BASE_CHECKPOINT,
+    BASE_FILE,
+    CHECKPOINTS,
+    CONFIG_FILE,
+    RUN_MANAGEMENT,
+    RunDirectoryError,
+)
+from jaxrl_llm.runs.policy import load_base
 from tests.models.test_lora import KERNELS, perturbed
 from tests.runs.test_resume import (
     command,
@@ -102,7 +112,7 @@ def test_lora_settings_without_a_rank_are_refused_not_ignored():
 def test_a_ppo_lora_run_checkpoints_its_critics_adapters_not_a_copy_of_the_base(tmp_path, reward):
     config = dataclasses.replace(tiny(reward, steps=2), method="ppo", algorithm=algorithms.get("ppo"))
     result = runs.train_run(config, tmp_path / "run", progress=False, stream=None)
-    paths = stored_paths(tmp_path / "run" / run.CHECKPOINTS / "2")
+    paths = stored_paths(tmp_path / "run" / CHECKPOINTS / "2")
     critic = [path for path in paths if path.startswith("critic_params/")]
     assert critic and all(path.split("/")[-2].endswith(("_lora_a", "_lora_b")) or "/head/" in path for path in critic)
     _, _, _, params, step = runs.restore_policy(tmp_path / "run")
@@ -112,7 +122,7 @@ def test_a_ppo_lora_run_checkpoints_its_critics_adapters_not_a_copy_of_the_base(
 def test_a_continued_run_may_not_change_its_adapters(reward):
     stored = tiny(reward)
     changed = dataclasses.replace(stored, lora=run_config.LoraSpec(rank=8))
-    assert run.differences(stored, changed, ignore=run.RUN_MANAGEMENT) == ["lora.rank: 4 -> 8"]
+    assert differences(stored, changed, ignore=RUN_MANAGEMENT) == ["lora.rank: 4 -> 8"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -134,14 +144,14 @@ def test_a_lora_run_checkpoints_only_the_adapters_and_keeps_its_base_once(lora_r
     root, _, straight = lora_run
     run_dir = root / "straight"
     for step in complete_checkpoints(run_dir):
-        paths = stored_paths(run_dir / run.CHECKPOINTS / str(step))
+        paths = stored_paths(run_dir / CHECKPOINTS / str(step))
         params = [path for path in paths if path.startswith("params/")]
         assert params and all(path.split("/")[-2].endswith(("_lora_a", "_lora_b")) for path in params), params
         assert not any(path.startswith("frozen") for path in paths)
         assert not any(path.startswith("ref_params/") and "lora" not in path for path in paths)
-    record = json.loads((run_dir / run.BASE_FILE).read_text())
+    record = json.loads((run_dir / BASE_FILE).read_text())
     assert record["path"] is None  # the built-in model, warm-started: stored in base/
-    base = run.load_base(run_dir, straight.config, build.run_task(straight.config))
+    base = load_base(run_dir, straight.config, build.run_task(straight.config))
     chex.assert_trees_all_equal(base, straight.state.frozen)  # bitwise what the run trained over
     assert record["digests"] == training.checkpoint.digests(straight.state.frozen)
     _, _, model, params, step = runs.restore_policy(run_dir)
@@ -169,16 +179,16 @@ def test_a_lora_run_that_died_before_its_first_checkpoint_starts_again(lora_run,
     root, _, straight = lora_run
     run_dir = tmp_path / "died"
     shutil.copytree(root / "straight", run_dir)
-    shutil.rmtree(run_dir / run.CHECKPOINTS)  # steps logged, no checkpoint: the run starts over
+    shutil.rmtree(run_dir / CHECKPOINTS)  # steps logged, no checkpoint: the run starts over
     again = runs.train_run(tiny(reward, steps=6), run_dir, progress=False, stream=None)
     chex.assert_trees_all_equal(again.state.params, straight.state.params)
-    chex.assert_trees_all_equal(run.load_base(run_dir, again.config, build.run_task(again.config)), again.state.frozen)
+    chex.assert_trees_all_equal(load_base(run_dir, again.config, build.run_task(again.config)), again.state.frozen)
 
-    (run_dir / run.BASE_FILE).write_text('{"path": null}')
-    with pytest.raises(run.RunDirectoryError, match=r"base.json.* cannot be used: it must hold `path` and `digests`"):
+    (run_dir / BASE_FILE).write_text('{"path": null}')
+    with pytest.raises(RunDirectoryError, match=r"base.json.* cannot be used: it must hold `path` and `digests`"):
         runs.restore_policy(run_dir)
-    (run_dir / run.BASE_FILE).unlink()
-    with pytest.raises(run.RunDirectoryError, match=r"base.json.* cannot be used: .*No such file"):
+    (run_dir / BASE_FILE).unlink()
+    with pytest.raises(RunDirectoryError, match=r"base.json.* cannot be used: .*No such file"):
         runs.restore_policy(run_dir)
 
 
@@ -208,7 +218,7 @@ def test_export_writes_the_merged_model_or_the_adapters_in_pefts_format(lora_run
 def test_export_adapter_of_a_run_without_lora_is_refused_before_reading_it(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / run.CONFIG_FILE).write_text(json.dumps(run_config.to_dict(run_config.load("tiny"))))
+    (run_dir / CONFIG_FILE).write_text(json.dumps(run_config.to_dict(run_config.load("tiny"))))
     with pytest.raises(SystemExit) as exit_:
         cli.main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "out"), "--adapter"])
     assert exit_.value.code == 2 and "trained every weight (lora.rank = 0)" in capsys.readouterr().err
@@ -224,9 +234,9 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base_dir)))
     run_dir = tmp_path / "run"
     result = runs.train_run(config, run_dir, progress=False, stream=None)
-    assert json.loads((run_dir / run.BASE_FILE).read_text())["path"] == str(base_dir)
-    assert not (run_dir / run.BASE_CHECKPOINT).exists()  # referenced, not copied
-    chex.assert_trees_all_equal(run.load_base(run_dir, config, task), result.state.frozen)
+    assert json.loads((run_dir / BASE_FILE).read_text())["path"] == str(base_dir)
+    assert not (run_dir / BASE_CHECKPOINT).exists()  # referenced, not copied
+    chex.assert_trees_all_equal(load_base(run_dir, config, task), result.state.frozen)
 
     flat = dict(nnx.to_flat_state(params))
     up = ("layers", 0, "mlp", "up_proj")
@@ -234,7 +244,7 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
     changed = nnx.from_flat_state(flat)
     models.save_pretrained(base_dir, model, changed, tokenizer=task.tokenizer)
     message = r"is not the one it started from: 1 of its arrays differ .* \(layers/0/mlp/up_proj/value\)"
-    with pytest.raises(run.RunDirectoryError, match=message):
+    with pytest.raises(RunDirectoryError, match=message):
         runs.train_run(dataclasses.replace(config, steps=4), run_dir, progress=False, stream=None)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["eval", "--run-dir", str(run_dir)])
@@ -245,7 +255,7 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
     config_file = base_dir / "config.json"
     original = config_file.read_text()
     config_file.write_text(json.dumps({**json.loads(original), "rms_norm_eps": 1e-3}))
-    with pytest.raises(run.RunDirectoryError, match="its config changed since"):
+    with pytest.raises(RunDirectoryError, match="its config changed since"):
         runs.train_run(dataclasses.replace(config, steps=4), run_dir, progress=False, stream=None)
     config_file.write_text(original)
     tokenizer_file = base_dir / "tokenizer.json"
@@ -254,7 +264,7 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
     (a, i), (b, j) = list(vocab.items())[5:7]
     vocab[a], vocab[b] = j, i
     tokenizer_file.write_text(json.dumps(tokenizer))
-    with pytest.raises(run.RunDirectoryError, match="its tokenizer changed since"):
+    with pytest.raises(RunDirectoryError, match="its tokenizer changed since"):
         runs.train_run(dataclasses.replace(config, steps=4), run_dir, progress=False, stream=None)
 
 
@@ -271,7 +281,7 @@ def test_a_run_goes_on_training_a_peft_adapter_with_the_base_as_reference(tmp_pa
     model_spec = dataclasses.replace(base.model, path=str(tmp_path / "base-model"))
     config = dataclasses.replace(base, model=model_spec, lora=run_config.LoraSpec(adapter=str(tmp_path / "sft")))
     result = runs.train_run(config, tmp_path / "run", progress=False, stream=None)
-    stored = run_config.from_dict(json.loads((tmp_path / "run" / run.CONFIG_FILE).read_text()))
+    stored = run_config.from_dict(json.loads((tmp_path / "run" / CONFIG_FILE).read_text()))
     assert (stored.lora.rank, stored.lora.alpha, stored.lora.targets) == (2, 4.0, ("q_proj",))
     assert result.history[0]["kl_k3"] > 0  # step 0's policy is the adapter's, the reference the base
     chex.assert_trees_all_equal(result.state.frozen, params)
@@ -328,7 +338,7 @@ def test_a_lora_run_over_an_int8_base_quantizes_after_the_warm_start_and_reads_i
     result = runs.train_run(config, run_dir, progress=False, stream=None)
     kernels = {path: leaf for path, leaf in nnx.to_flat_state(result.state.frozen) if path[-1] in KERNELS}
     assert kernels and all(leaf[...].dtype == jnp.int8 for leaf in kernels.values())
-    assert json.loads((run_dir / run.BASE_FILE).read_text())["path"] is None  # warm-started, then quantized
+    assert json.loads((run_dir / BASE_FILE).read_text())["path"] is None  # warm-started, then quantized
     _, task, model, params, _ = runs.restore_policy(run_dir)
     assert model.config.quantization == "int8"
     chex.assert_trees_all_equal(lora.split(params)[0], result.state.frozen)

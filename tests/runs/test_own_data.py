@@ -14,6 +14,8 @@ import transformers
 from jaxrl_llm import cli, runs, tasks
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
+from jaxrl_llm.runs.config import absolute_paths
+from jaxrl_llm.runs.directory import WARM_START_FILE, stored_config
 
 REWARDS = textwrap.dedent("""\
     import re
@@ -128,7 +130,9 @@ def test_a_warm_start_asked_for_on_own_data_trains_on_its_labels_as_they_are(tmp
     config = runs.RunConfig(
         task=runs.TaskSpec(name="jsonl", path=str(path), prompt="question", test_fraction=0.1),
         warm_start=runs.WarmStartConfig(steps=5),
-        train=dataclasses.replace(runs.RunConfig().train, max_new_tokens=24),
+        train=dataclasses.replace(
+            runs.RunConfig().train, sampling=dataclasses.replace(runs.RunConfig().train.sampling, max_new_tokens=24)
+        ),
     )
     task = build.task(config.task, build.tokenizer(config.model))
     tokens, _, completion_mask = build.demonstrations(config, task)
@@ -148,8 +152,8 @@ def test_own_data_through_the_cli_with_a_reward_module_beside_the_config(project
     root, write_config = project
     config = write_config()
     assert cli.main(["train", "--config", config, "--run-dir", "runs/mine", "--progress", "off"]) == 0
-    assert json.loads((root / "runs/mine" / run.WARM_START_FILE).read_text())["steps"] == 0  # no hidden stage
-    stored = run.stored_config(root / "runs/mine")
+    assert json.loads((root / "runs/mine" / WARM_START_FILE).read_text())["steps"] == 0  # no hidden stage
+    stored = stored_config(root / "runs/mine")
     assert stored.task.rewards == (f"{root / 'configs' / 'my_rewards.py'}:correctness",)
     assert "reward_correctness" in runs.read_metrics(root / "runs/mine")[0]
     # The stored run continues from anywhere: its paths are absolute.
@@ -165,7 +169,7 @@ def test_a_reward_module_in_the_current_directory_and_one_that_is_nowhere(projec
     config = cli.parse_train(["--config", write_config(), "--run-dir", "unused"])[1]
     assert config.task.rewards == (f"{root / 'my_rewards.py'}:correctness",)  # cwd first, as python -m
     assert build.reward_function(config.task.rewards[0]).__name__ == "correctness"
-    flags = run.absolute_paths(
+    flags = absolute_paths(
         cli.parse_train(
             [
                 "--run-dir",
@@ -340,7 +344,10 @@ def test_a_completion_budget_the_models_positions_cannot_hold_is_refused_before_
     ).save_pretrained(tmp_path)
     config = runs.RunConfig(model=runs.ModelSpec(path=str(tmp_path)), warm_start=runs.WarmStartConfig())
     build.check_positions(config)
-    too_long = dataclasses.replace(config, train=dataclasses.replace(config.train, max_new_tokens=64))
+    too_long = dataclasses.replace(
+        config,
+        train=dataclasses.replace(config.train, sampling=dataclasses.replace(config.train.sampling, max_new_tokens=64)),
+    )
     with pytest.raises(
         ValueError,
         match=r"max_new_tokens \(64\) leaves no room for a prompt .* "

@@ -24,6 +24,9 @@ import pytest
 
 from jaxrl_llm import runs
 from jaxrl_llm.runs import run
+from jaxrl_llm.runs.config import absolute_paths
+from jaxrl_llm.runs.directory import CHECKPOINTS, CONFIG_FILE, stored_config
+from jaxrl_llm.runs.records import is_timing
 
 STEPS = 12
 
@@ -53,11 +56,11 @@ def environment():
 
 
 def without_timings(rows):
-    return [{k: v for k, v in row.items() if not run.is_timing(k)} for row in rows]
+    return [{k: v for k, v in row.items() if not is_timing(k)} for row in rows]
 
 
 def complete_checkpoints(run_dir):
-    directory = run_dir / run.CHECKPOINTS
+    directory = run_dir / CHECKPOINTS
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
@@ -123,7 +126,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_param
     chex.assert_trees_all_equal(resumed_params, reference_params)  # bitwise
     samples = [row["step"] for row in runs.read_samples(killed)]
     assert samples == sorted(samples) and len(samples) == len(set(samples)) * 2 * 2  # 2 prompts x 2 completions
-    assert json.loads((killed / run.CONFIG_FILE).read_text()) == json.loads((reference / run.CONFIG_FILE).read_text())
+    assert json.loads((killed / CONFIG_FILE).read_text()) == json.loads((reference / CONFIG_FILE).read_text())
     assert np.isfinite([row["reward"] for row in got]).all()
 
 
@@ -186,7 +189,7 @@ def test_a_run_stored_with_flat_train_settings_resumes(tmp_path):
     same command continues it."""
     config = short_tiny(steps=2)
     run.train_run(config, tmp_path / "run", progress=False, stream=None)
-    path = tmp_path / "run" / run.CONFIG_FILE
+    path = tmp_path / "run" / CONFIG_FILE
     stored = json.loads(path.read_text())
     train = stored["train"]
     stored["train"] = {
@@ -196,7 +199,7 @@ def test_a_run_stored_with_flat_train_settings_resumes(tmp_path):
     }  # the layout before the groups
     assert "temperature" in stored["train"] and "learning_rate" in stored["train"]
     path.write_text(json.dumps(stored))
-    assert run.stored_config(tmp_path / "run") == run.absolute_paths(config)
+    assert stored_config(tmp_path / "run") == absolute_paths(config)
     continued = run.train_run(
         dataclasses.replace(config, steps=4), tmp_path / "run", resume=True, progress=False, stream=None
     )

@@ -13,15 +13,28 @@ import pytest
 from jaxrl_llm import cli, rewards, runs, training
 from jaxrl_llm.runs import records, run
 from jaxrl_llm.runs.config import to_dict
+from jaxrl_llm.runs.directory import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    LOCK_FILE,
+    MARKER_FILE,
+    RunDirectoryError,
+    check_run_directory,
+    clear,
+    has_completed_step,
+    locked,
+    storage_failure,
+)
+from jaxrl_llm.runs.export import export_run
 
 
 def _fake_run(directory, *, steps=True):
     """A run directory as a run leaves it (its files without their content), with a
     completed step or not."""
     directory.mkdir(parents=True)
-    (directory / run.MARKER_FILE).write_text("")
-    (directory / run.CONFIG_FILE).write_text(json.dumps(to_dict(runs.load("tiny"))))
-    (directory / run.CHECKPOINTS).mkdir()
+    (directory / MARKER_FILE).write_text("")
+    (directory / CONFIG_FILE).write_text(json.dumps(to_dict(runs.load("tiny"))))
+    (directory / CHECKPOINTS).mkdir()
     if steps:
         (directory / records.METRICS_FILE).write_text('{"step": 0, "reward": 0.5}\n')
     return directory
@@ -57,26 +70,26 @@ def test_a_run_directory_holding_other_files_is_not_replaced_and_a_clean_one_is(
     kept = _fake_run(tmp_path / "kept")
     (kept / "notes.txt").write_text("mine")
     with pytest.raises(
-        run.RunDirectoryError,
+        RunDirectoryError,
         match=r"holds files that are not the run's \(notes.txt\); nothing was "
         r"deleted",
     ):
-        run.check_run_directory(config, kept, overwrite=True)
+        check_run_directory(config, kept, overwrite=True)
     clean = _fake_run(tmp_path / "clean")
-    assert run.check_run_directory(config, clean, overwrite=True) is None
+    assert check_run_directory(config, clean, overwrite=True) is None
 
 
 def test_a_start_that_completed_no_step_is_not_a_run_yet(tmp_path):
     other = runs.load("toy")
     started = _fake_run(tmp_path / "started", steps=False)
-    assert not run.has_completed_step(started)
-    assert run.check_run_directory(other, started) is None  # a new run takes its place
-    with pytest.raises(run.RunDirectoryError, match="holds no completed step to resume from"):
-        run.check_run_directory(other, started, resume=True)
+    assert not has_completed_step(started)
+    assert check_run_directory(other, started) is None  # a new run takes its place
+    with pytest.raises(RunDirectoryError, match="holds no completed step to resume from"):
+        check_run_directory(other, started, resume=True)
     done = _fake_run(tmp_path / "done")
-    assert run.has_completed_step(done)
-    with pytest.raises(run.RunDirectoryError, match="holds a different run"):
-        run.check_run_directory(other, done)
+    assert has_completed_step(done)
+    with pytest.raises(RunDirectoryError, match="holds a different run"):
+        check_run_directory(other, done)
 
 
 def test_one_process_at_a_time_and_a_killed_holder_does_not_block(tmp_path, capsys, monkeypatch):
@@ -85,8 +98,8 @@ def test_one_process_at_a_time_and_a_killed_holder_does_not_block(tmp_path, caps
         [
             sys.executable,
             "-c",
-            "import sys, time; from jaxrl_llm.runs import run\n"
-            f"with run.locked({str(directory)!r}):\n"
+            "import sys, time; from jaxrl_llm.runs.directory import locked\n"
+            f"with locked({str(directory)!r}):\n"
             "    print('locked', flush=True); time.sleep(120)",
         ],
         stdout=subprocess.PIPE,
@@ -102,8 +115,8 @@ def test_one_process_at_a_time_and_a_killed_holder_does_not_block(tmp_path, caps
     finally:
         holder.kill()
         holder.wait()
-    with run.locked(directory):  # the kernel released the killed holder's lock; its file is still there
-        assert (directory / run.LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on host ")
+    with locked(directory):  # the kernel released the killed holder's lock; its file is still there
+        assert (directory / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on host ")
 
 
 @pytest.mark.parametrize(
@@ -128,7 +141,7 @@ def test_storage_failures_are_recognised_through_the_chain(error, reason):
         except Exception as inner:
             raise RuntimeError("train stopped") from inner
     except RuntimeError as outer:
-        assert run.storage_failure(outer) == reason
+        assert storage_failure(outer) == reason
 
 
 @pytest.mark.slow
@@ -161,7 +174,7 @@ def test_a_full_disk_mid_run_is_one_message_naming_the_intact_checkpoint(tmp_pat
         "Could not save a checkpoint of step 4",
         "Could not close the records",
     ]
-    assert training.Checkpointer(directory / run.CHECKPOINTS).all_steps() == [2]
+    assert training.Checkpointer(directory / CHECKPOINTS).all_steps() == [2]
 
 
 def test_a_users_error_reading_a_file_in_a_reward_function_is_not_a_disk_failure():
@@ -173,27 +186,27 @@ def test_a_users_error_reading_a_file_in_a_reward_function_is_not_a_disk_failure
     except rewards.RewardFunctionError as error:
         denied = rewards.RewardFunctionError("Reward function 'grade' raised PermissionError: Permission denied")
         denied.__cause__ = PermissionError(errno.EACCES, "Permission denied", "/srv/answers.txt")
-        assert run.storage_failure(error) is None and run.storage_failure(denied) is None
+        assert storage_failure(error) is None and storage_failure(denied) is None
 
 
 def test_a_directory_with_a_run_config_but_not_a_runs_checkpoints_is_not_replaced(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
-    (project / run.CONFIG_FILE).write_text(json.dumps(to_dict(runs.load("tiny"))))  # a run's config, copied
-    (project / run.CHECKPOINTS / "checkpoint-500").mkdir(parents=True)  # a Hugging Face Trainer's
-    with pytest.raises(run.RunDirectoryError, match="is not a run directory"):
-        run.check_run_directory(runs.load("tiny"), project, overwrite=True)
-    assert (project / run.CHECKPOINTS / "checkpoint-500").is_dir()
+    (project / CONFIG_FILE).write_text(json.dumps(to_dict(runs.load("tiny"))))  # a run's config, copied
+    (project / CHECKPOINTS / "checkpoint-500").mkdir(parents=True)  # a Hugging Face Trainer's
+    with pytest.raises(RunDirectoryError, match="is not a run directory"):
+        check_run_directory(runs.load("tiny"), project, overwrite=True)
+    assert (project / CHECKPOINTS / "checkpoint-500").is_dir()
     legacy = _fake_run(tmp_path / "legacy")  # a run from before markers is still replaced
-    (legacy / run.MARKER_FILE).unlink()
-    (legacy / run.CHECKPOINTS / "4").mkdir()
-    assert run.check_run_directory(runs.load("tiny"), legacy, overwrite=True) is None
+    (legacy / MARKER_FILE).unlink()
+    (legacy / CHECKPOINTS / "4").mkdir()
+    assert check_run_directory(runs.load("tiny"), legacy, overwrite=True) is None
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda d: (d / run.CONFIG_FILE).write_text("{}"),  # not what a run writes
+        lambda d: (d / CONFIG_FILE).write_text("{}"),  # not what a run writes
         lambda d: (d / "eval" / "results.json").write_text("precious"),  # a run writes step-<n>.json there
         lambda d: (d / "wandb" / "run-1").mkdir(parents=True),  # the config logs to no wandb project
     ],
@@ -201,14 +214,14 @@ def test_a_directory_with_a_run_config_but_not_a_runs_checkpoints_is_not_replace
 )
 def test_a_directory_without_a_marker_is_replaced_only_if_it_holds_exactly_a_runs_files(tmp_path, make):
     directory = _fake_run(tmp_path / "d")
-    (directory / run.MARKER_FILE).unlink()
+    (directory / MARKER_FILE).unlink()
     (directory / "eval").mkdir()
     (directory / "eval" / "step-3.json").write_text("{}")
-    assert run.check_run_directory(runs.load("tiny"), directory, overwrite=True) is None
+    assert check_run_directory(runs.load("tiny"), directory, overwrite=True) is None
     make(directory)
     before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
-    with pytest.raises(run.RunDirectoryError, match="is not a run directory.*nothing was deleted"):
-        run.check_run_directory(runs.load("tiny"), directory, overwrite=True)
+    with pytest.raises(RunDirectoryError, match="is not a run directory.*nothing was deleted"):
+        check_run_directory(runs.load("tiny"), directory, overwrite=True)
     assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
 
 
@@ -218,22 +231,22 @@ def test_clearing_a_run_removes_links_without_following_them(tmp_path):
     (target / "keep.txt").write_text("mine")
     directory = _fake_run(tmp_path / "run")
     (directory / "eval").symlink_to(target, target_is_directory=True)
-    run._clear(directory)
+    clear(directory)
     assert sorted(os.listdir(directory)) == [] and (target / "keep.txt").read_text() == "mine"
 
 
 def test_an_export_under_a_file_is_refused_before_reading_anything(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(run.RunDirectoryError, match=r"lies under .*notes.txt', which is a file"):
-        run.export_run(tmp_path / "no-run", tmp_path / "notes.txt" / "policy")
+    with pytest.raises(RunDirectoryError, match=r"lies under .*notes.txt', which is a file"):
+        export_run(tmp_path / "no-run", tmp_path / "notes.txt" / "policy")
 
 
 def test_a_killed_writers_temporaries_are_removed_when_the_run_opens_again(tmp_path):
     directory = _fake_run(tmp_path / "run")
     (directory / f".{records.PLOT_FILE}.4242.tmp").write_bytes(b"half a png")
-    (directory / f".{run.CONFIG_FILE}.abc123").write_text("{")
+    (directory / f".{CONFIG_FILE}.abc123").write_text("{")
     (directory / "notes.txt").write_text("mine")
     run._open_run_directory(runs.load("tiny"), directory, new=False, main=True)
     assert sorted(p.name for p in directory.iterdir()) == sorted(
-        [run.MARKER_FILE, run.CONFIG_FILE, run.CHECKPOINTS, records.METRICS_FILE, "notes.txt"]
+        [MARKER_FILE, CONFIG_FILE, CHECKPOINTS, records.METRICS_FILE, "notes.txt"]
     )

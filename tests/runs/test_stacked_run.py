@@ -12,7 +12,8 @@ from flax import nnx
 
 from jaxrl_llm import models, runs
 from jaxrl_llm.runs import config as run_config
-from jaxrl_llm.runs import run
+from jaxrl_llm.runs.config import differences
+from jaxrl_llm.runs.directory import CHECKPOINTS, RUN_MANAGEMENT
 from tests.runs.test_resume import without_timings
 
 
@@ -32,9 +33,9 @@ def stored_paths(checkpoint_dir):
 def test_a_continued_run_may_not_change_the_layers_layout():
     stored = stacked(4)
     changed = dataclasses.replace(stored, model=dataclasses.replace(stored.model, scan_layers=False))
-    assert run.differences(stored, changed, ignore=run.RUN_MANAGEMENT) == ["model.scan_layers: True -> False"]
+    assert differences(stored, changed, ignore=RUN_MANAGEMENT) == ["model.scan_layers: True -> False"]
     remat = dataclasses.replace(stored, model=dataclasses.replace(stored.model, remat="none"))
-    assert run.differences(stored, remat, ignore=run.RUN_MANAGEMENT) == []  # an execution option may change
+    assert differences(stored, remat, ignore=RUN_MANAGEMENT) == []  # an execution option may change
 
 
 @pytest.mark.slow
@@ -48,7 +49,7 @@ def test_a_stacked_run_checkpoints_the_stacks_and_continues_to_the_straight_runs
 
     # The checkpoint holds one [L, ...] array per weight kind (per adapter with LoRA), no layer's own leaves.
     trained = "params/layers/"
-    layer_paths = [p for p in stored_paths(straight / run.CHECKPOINTS / "4") if p.startswith(trained)]
+    layer_paths = [p for p in stored_paths(straight / CHECKPOINTS / "4") if p.startswith(trained)]
     assert layer_paths and not any(p.split("/")[2].isdigit() for p in layer_paths)
     assert all(p.split("/")[-2].endswith(("_lora_a", "_lora_b")) for p in layer_paths) == (lora_rank > 0)
 

@@ -18,7 +18,9 @@ import pytest
 
 from jaxrl_llm import algorithms, models, rewards, training, trpo
 from jaxrl_llm.ops.trees import all_finite
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import DigitSumTask
+from jaxrl_llm.training.config import GROUPED_FIELDS
 
 TASK = DigitSumTask()
 CONFIG = models.ModelConfig(
@@ -31,7 +33,7 @@ CONFIG = models.ModelConfig(
     head_dim=8,
     max_position_embeddings=32,
 )
-RUN = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
+RUN = training.TrainConfig(num_prompts=4, group_size=4, sampling=SamplingConfig(max_new_tokens=3))
 
 
 def _finite(tree) -> bool:
@@ -123,9 +125,15 @@ def _poisoned(make_optimizer, *, learning_rate: float):
 def test_an_update_that_would_make_params_non_finite_is_skipped(monkeypatch, name, poisoned):
     # Loss and gradients are finite; only the step would not be. Policy and critic move
     # together or not at all.
-    run = dataclasses.replace(RUN, max_consecutive_skips=2, learning_rate=3e-3, critic_learning_rate=1e-3)
+    run = dataclasses.replace(
+        RUN,
+        max_consecutive_skips=2,
+        optimizer=dataclasses.replace(RUN.optimizer, learning_rate=3e-3, critic_learning_rate=1e-3),
+    )
     monkeypatch.setattr(
-        training.optim, "make_optimizer", _poisoned(training.optim.make_optimizer, learning_rate=getattr(run, poisoned))
+        training.optim,
+        "make_optimizer",
+        _poisoned(training.optim.make_optimizer, learning_rate=getattr(run.optimizer, poisoned)),
     )
     model, params = models.init(CONFIG, jax.random.key(1))
     with pytest.raises(training.NonFiniteUpdates, match="the state keeps the params of the last finite update") as e:
@@ -170,8 +178,10 @@ def test_trpo_rejects_a_candidate_with_a_non_finite_parameter(monkeypatch):
     ],
 )
 def test_non_finite_rates_and_temperatures_are_refused(changes, message):
+    (name,) = changes
+    group = GROUPED_FIELDS[name]
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(RUN, **changes)
+        dataclasses.replace(RUN, **{group: dataclasses.replace(getattr(RUN, group), **changes)})
 
 
 @pytest.mark.parametrize("name", ["rloo", "grpo", "dr-grpo", "dapo", "gspo", "cispo", "trpo"])
@@ -373,12 +383,13 @@ def test_sigint_mid_run_leaves_a_consistent_state(tmp_path):
         textwrap.dedent("""
         import jax
         from jaxrl_llm import algorithms, models, training
+        from jaxrl_llm.sampling import SamplingConfig
         from jaxrl_llm.tasks import DigitSumTask
         task = DigitSumTask()
         config = models.ModelConfig(vocab_size=len(task.tokenizer), hidden_size=32, intermediate_size=64,
                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
         model, params = models.init(config, jax.random.key(0))
-        run = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
+        run = training.TrainConfig(num_prompts=4, group_size=4, sampling=SamplingConfig(max_new_tokens=3))
         def started(end):
             if end.step == 1:
                 print("running", flush=True)

@@ -29,7 +29,9 @@ def _leaves_equal(a, b) -> bool:
 def test_only_the_adapters_train_and_the_reference_is_the_base():
     model, params = models.init(CONFIG, jax.random.key(0))
     before = jax.tree.map(np.array, params)
-    config = dataclasses.replace(RUN, learning_rate=3e-2, reference_metrics=True)
+    config = dataclasses.replace(
+        RUN, reference_metrics=True, optimizer=dataclasses.replace(RUN.optimizer, learning_rate=3e-2)
+    )
     state, history = training.train(
         model, params, algorithms.get("grpo"), config, steps=4, task=TASK, lora=LORA, compilation_cache=False
     )
@@ -88,7 +90,9 @@ def test_a_step_takes_the_chain_rule_of_the_full_models_gradient(quantization, s
         model, base = models.quantize.quantize(model, base, quantization=quantization)
     lora_model, adapters = lora.add_adapters(model, LORA, jax.random.key(1))
     adapters = perturbed(adapters, scale=0.1)
-    config = dataclasses.replace(RUN, max_grad_norm=1e9, reference_metrics=True)
+    config = dataclasses.replace(
+        RUN, reference_metrics=True, optimizer=dataclasses.replace(RUN.optimizer, max_grad_norm=1e9)
+    )
     algorithm = algorithms.get("grpo")
     state = training.init_state(lora_model, adapters, algorithm, config, frozen=base)
     step = training.make_train_step(lora_model, algorithm, config)
@@ -126,7 +130,9 @@ def test_a_lora_run_over_a_stacked_base_trains_the_adapters_of_the_unrolled_run(
     model, params = models.init(CONFIG, jax.random.key(0))
     scanned, stacked = models.with_scan_layers(model, params, True)
     before = jax.tree.map(np.array, stacked)
-    config = dataclasses.replace(RUN, learning_rate=3e-2, reference_metrics=True)
+    config = dataclasses.replace(
+        RUN, reference_metrics=True, optimizer=dataclasses.replace(RUN.optimizer, learning_rate=3e-2)
+    )
     run = dict(steps=3, task=TASK, lora=LORA, compilation_cache=False)
     expected, expected_history = training.train(model, params, algorithms.get("grpo"), config, **run)
     state, history = training.train(scanned, stacked, algorithms.get("grpo"), config, **run)
@@ -153,7 +159,9 @@ def test_a_lora_run_over_a_stacked_base_trains_the_adapters_of_the_unrolled_run(
 
 def test_a_stopped_lora_run_continues_where_the_straight_one_goes():
     model, params = models.init(CONFIG, jax.random.key(0))
-    config = dataclasses.replace(RUN, learning_rate=1e-2, reference_metrics=True)
+    config = dataclasses.replace(
+        RUN, reference_metrics=True, optimizer=dataclasses.replace(RUN.optimizer, learning_rate=1e-2)
+    )
     run = dict(task=TASK, lora=LORA, compilation_cache=False)
     straight, straight_history = training.train(model, params, algorithms.get("grpo"), config, steps=4, **run)
     half, first = training.train(model, params, algorithms.get("grpo"), config, steps=2, **run)
@@ -242,7 +250,9 @@ def test_what_lora_runs_cannot_take_is_refused():
 def test_adapters_train_over_an_int8_base_that_stays_as_it_was():
     model, params = models.quantize.quantize(*models.init(CONFIG, jax.random.key(0)))
     before = jax.tree.map(np.array, params)
-    config = dataclasses.replace(RUN, learning_rate=3e-2, reference_metrics=True)
+    config = dataclasses.replace(
+        RUN, reference_metrics=True, optimizer=dataclasses.replace(RUN.optimizer, learning_rate=3e-2)
+    )
     state, history = training.train(
         model, params, algorithms.get("grpo"), config, steps=3, task=TASK, lora=LORA, compilation_cache=False
     )
@@ -263,7 +273,7 @@ def test_adapters_train_over_an_int8_base_that_stays_as_it_was():
 
 def test_dropout_masks_the_update_only_and_a_run_with_it_continues_bitwise():
     model, params = models.init(CONFIG, jax.random.key(0))
-    config = dataclasses.replace(RUN, learning_rate=1e-2)
+    config = dataclasses.replace(RUN, optimizer=dataclasses.replace(RUN.optimizer, learning_rate=1e-2))
     with_dropout = dataclasses.replace(LORA, dropout=0.3)
     run = dict(task=TASK, compilation_cache=False)
     grpo = algorithms.get("grpo")
@@ -293,7 +303,9 @@ def test_merged_decoding_samples_what_unmerged_decoding_does(monkeypatch):
     merge = lora.merge
     monkeypatch.setattr(lora, "merge", lambda *args, **kwargs: merges.append(1) or merge(*args, **kwargs))
     model, params = models.init(CONFIG, jax.random.key(0))
-    config = dataclasses.replace(RUN, learning_rate=3e-2, eval_every=2, eval_samples=2)
+    config = dataclasses.replace(
+        RUN, eval_every=2, eval_samples=2, optimizer=dataclasses.replace(RUN.optimizer, learning_rate=3e-2)
+    )
     run = dict(task=TASK, lora=LORA, compilation_cache=False, steps=3)
     results = {}
     for decoding in ("unmerged", "merged"):

@@ -165,36 +165,52 @@ def test_a_decay_without_decay_steps_ends_at_the_runs_last_optimizer_step(monkey
         num_prompts=4,
         group_size=4,
         minibatch_size=8,
-        warmup_steps=3,
-        lr_schedule="cosine",
-        critic_learning_rate=1e-3,
-        weight_decay=0.1,
-        adam_b1=0.8,
-        adam_b2=0.9,
-        adam_eps=1e-6,
+        optimizer=training.OptimizerConfig(
+            warmup_steps=3,
+            lr_schedule="cosine",
+            critic_learning_rate=1e-3,
+            weight_decay=0.1,
+            adam_b1=0.8,
+            adam_b2=0.9,
+            adam_eps=1e-6,
+        ),
     )
     training.make_train_step(None, algorithms.PPO, run, total_steps=10)
     per_train_step = algorithms.PPO.num_iterations * 2  # two minibatches of 8
     policy, critic = calls
     assert policy["decay_steps"] == critic["decay_steps"] == 10 * per_train_step - 3
-    assert (policy["learning_rate"], critic["learning_rate"]) == (run.learning_rate, 1e-3)
+    assert (policy["learning_rate"], critic["learning_rate"]) == (run.optimizer.learning_rate, 1e-3)
     for kwargs in calls:
         assert {k: kwargs[k] for k in ("lr_schedule", "warmup_steps", "weight_decay", "b1", "b2", "eps")} == dict(
             lr_schedule="cosine", warmup_steps=3, weight_decay=0.1, b1=0.8, b2=0.9, eps=1e-6
         )
     calls.clear()  # a run that ends within its warm-up never decays
-    training.make_train_step(None, algorithms.GRPO, dataclasses.replace(run, warmup_steps=50), total_steps=2)
+    training.make_train_step(
+        None,
+        algorithms.GRPO,
+        dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, warmup_steps=50)),
+        total_steps=2,
+    )
     assert calls[0]["decay_steps"] == 1
     calls.clear()  # decay_steps, when set, wins
-    training.make_train_step(None, algorithms.GRPO, dataclasses.replace(run, decay_steps=7), total_steps=10)
+    training.make_train_step(
+        None,
+        algorithms.GRPO,
+        dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, decay_steps=7)),
+        total_steps=10,
+    )
     assert calls[0]["decay_steps"] == 7
 
 
 def test_a_decay_without_decay_steps_or_total_steps_raises(monkeypatch):
-    run = training.TrainConfig(lr_schedule="linear")
+    run = training.TrainConfig(optimizer=training.OptimizerConfig(lr_schedule="linear"))
     with pytest.raises(ValueError, match="total_steps"):
         training.make_train_step(None, algorithms.GRPO, run)
-    training.make_train_step(None, algorithms.GRPO, dataclasses.replace(run, lr_schedule="constant"))
+    training.make_train_step(
+        None,
+        algorithms.GRPO,
+        dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, lr_schedule="constant")),
+    )
     training.make_train_step(None, algorithms.TRPO, run)  # no optax optimizer, no schedule
     with pytest.raises(ValueError, match="total_steps"):
         training.make_train_step(None, algorithms.GRPO, run, total_steps=-1)
@@ -217,12 +233,12 @@ def test_a_decay_without_decay_steps_or_total_steps_raises(monkeypatch):
     ],
 )
 def test_bad_optimizer_settings_are_refused_naming_the_field_and_what_is_allowed(field, value, allowed):
-    with pytest.raises(ValueError, match=rf"TrainConfig: `{field}` must .*{allowed}"):
-        training.TrainConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"OptimizerConfig: `{field}` must .*{allowed}"):
+        training.TrainConfig(optimizer=training.OptimizerConfig(**{field: value}))
 
 
 def test_decay_steps_are_allowed_and_ignored_with_a_constant_schedule():
-    assert training.TrainConfig(decay_steps=10).lr_schedule == "constant"
+    assert training.TrainConfig(optimizer=training.OptimizerConfig(decay_steps=10)).optimizer.lr_schedule == "constant"
     assert LR_SCHEDULES == ("constant", "linear", "cosine")
 
 

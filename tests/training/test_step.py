@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import algorithms, kl, models, ops, rewards, sampling, sharding, training
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import DigitSumTask
 from tests import reference
 
@@ -24,7 +25,7 @@ CONFIG = models.ModelConfig(
     head_dim=8,
     max_position_embeddings=32,
 )
-RUN = training.TrainConfig(num_prompts=4, group_size=4, max_new_tokens=3)
+RUN = training.TrainConfig(num_prompts=4, group_size=4, sampling=SamplingConfig(max_new_tokens=3))
 
 
 def _batch(model, params, seed=0, run=RUN):
@@ -40,7 +41,7 @@ def _batch(model, params, seed=0, run=RUN):
             prompts.mask,
             jax.random.key(seed),
             num_samples=run.group_size,
-            max_new_tokens=run.max_new_tokens,
+            max_new_tokens=run.sampling.max_new_tokens,
             eos_ids=(TASK.eos_id,),
             pad_id=TASK.pad_id,
         )
@@ -122,15 +123,17 @@ def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monk
 
 def test_with_several_iterations_old_logprobs_come_from_the_snapshot():
     method = dataclasses.replace(algorithms.GRPO, num_iterations=3)
-    model, params, score, update, state = _step(method, dataclasses.replace(RUN, learning_rate=3e-2))
+    model, params, score, update, state = _step(
+        method, dataclasses.replace(RUN, optimizer=dataclasses.replace(RUN.optimizer, learning_rate=3e-2))
+    )
     batch = _batch(model, params)
     tokens, mask = _rows(batch)
-    snapshot = models.completion_logprobs(model, params, tokens, mask, RUN.max_new_tokens)
+    snapshot = models.completion_logprobs(model, params, tokens, mask, RUN.sampling.max_new_tokens)
     scored, _ = score(state, batch)
     np.testing.assert_allclose(scored.old_logp, snapshot, atol=1e-6)  # teacher-forced at the sampling params
     state, metrics = update(state, scored)
     assert float(metrics["ratio_max"]) - float(metrics["ratio_min"]) > 1e-3  # later passes moved away
-    after = models.completion_logprobs(model, state.params, tokens, mask, RUN.max_new_tokens)
+    after = models.completion_logprobs(model, state.params, tokens, mask, RUN.sampling.max_new_tokens)
     assert float(jnp.max(jnp.abs(after - snapshot) * batch.completion_mask)) > 1e-3
 
 
@@ -185,7 +188,7 @@ def test_trpo_step_respects_the_kl_bound_on_its_batch():
     state, metrics = update(state, score(state, batch)[0])
     assert float(metrics["trpo_accepted"]) == 1.0
     # Independently: full logits of both params, exact categorical KL, token mean.
-    n = RUN.max_new_tokens
+    n = RUN.sampling.max_new_tokens
     tokens, mask = _rows(batch)
     old = models.forward(model, params, tokens, attention_mask=mask)[:, -n - 1 : -1]
     new = models.forward(model, state.params, tokens, attention_mask=mask)[:, -n - 1 : -1]
@@ -200,7 +203,7 @@ def test_trpo_step_respects_the_kl_bound_on_its_batch():
         (dict(num_prompts=0), r"`num_prompts` must be an integer >= 1; got 0"),
         (dict(group_size=2.0), r"`group_size` must be an integer >= 1; got 2.0"),
         (dict(minibatch_size=3), r"`minibatch_size` must divide the batch B = num_prompts \* group_size = 16; got 3"),
-        (dict(learning_rate=0.0), r"`learning_rate` must be a finite number > 0; got 0.0"),
+        (dict(sampling=SamplingConfig(temperature=0.0)), r"`sampling.temperature` must be a finite number > 0"),
         (dict(max_refill_rounds=-1), r"`max_refill_rounds` must be an integer >= 0; got -1"),
         (dict(share_prompts="yes"), r"`share_prompts` must be True or False; got 'yes'"),
     ],
@@ -370,7 +373,7 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal():
     assert collected.prompts_drawn == (1 + collected.refill_rounds) * RUN.num_prompts
     np.testing.assert_array_equal(kept, rewards.max(1) > rewards.min(1))  # exactly the groups with signal
     assert rollouts.prompt_tokens.shape == (RUN.num_prompts, 8)  # each prompt once, beside its completions
-    assert rollouts.completion_tokens.shape == (RUN.batch_size, RUN.max_new_tokens)
+    assert rollouts.completion_tokens.shape == (RUN.batch_size, RUN.sampling.max_new_tokens)
 
 
 def test_a_buffer_that_fits_the_budget_is_kept_and_the_presets_is_scaled_to_a_fifth():
@@ -387,7 +390,7 @@ def test_overlong_shaping_enters_the_rewards_the_advantages_and_the_group_metric
     def zero(completions, **kwargs):
         return [0.0] * len(completions)
 
-    run = dataclasses.replace(RUN, max_new_tokens=10)
+    run = dataclasses.replace(RUN, sampling=dataclasses.replace(RUN.sampling, max_new_tokens=10))
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5, dynamic_sampling=False)
     sampler = sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
     collected = training.collect.collect_batch(
@@ -419,7 +422,7 @@ def test_dynamic_sampling_reads_the_tasks_rewards_not_the_length_shaping():
     def zero(completions, **kwargs):
         return [0.0] * len(completions)
 
-    run = dataclasses.replace(RUN, max_new_tokens=10, max_refill_rounds=1)
+    run = dataclasses.replace(RUN, max_refill_rounds=1, sampling=dataclasses.replace(RUN.sampling, max_new_tokens=10))
     method = dataclasses.replace(algorithms.DAPO, overlong_buffer=4, overlong_penalty=0.5)
     sampler = sampling.Sampler(model=model, eos_ids=(TASK.eos_id,), pad_id=TASK.pad_id)
     collected = training.collect.collect_batch(

@@ -49,7 +49,9 @@ def test_gradient_accumulation_over_micro_batches_equals_the_whole_minibatch(
     batch = _uneven(_batch(model, params, seed=3))
     # Adam's sqrt(v) + eps: with eps 1e-8 a coordinate whose gradient is rounding noise
     # steps by about +-lr on it; 1e-4 keeps the comparison on the accumulation.
-    run = dataclasses.replace(RUN, minibatch_size=minibatch_size, adam_eps=1e-4)
+    run = dataclasses.replace(
+        RUN, minibatch_size=minibatch_size, optimizer=dataclasses.replace(RUN.optimizer, adam_eps=1e-4)
+    )
     whole, whole_metrics = _one_update(model, params, algorithm, run, batch)
     accumulated_run = dataclasses.replace(run, micro_batch_size=micro_batch_size)
     assert accumulated_run.num_micro_batches == (minibatch_size or 16) // micro_batch_size
@@ -117,13 +119,13 @@ def test_the_exact_kl_is_the_full_vocabulary_kl_of_the_sampling_policy_to_the_re
         (algorithms.GRPO, RUN),  # on-policy: score runs the policy for the metric
         (algorithms.PPO, dataclasses.replace(RUN, minibatch_size=8)),
     ):  # old log-probs' pass
-        run = dataclasses.replace(run, exact_kl=True, temperature=0.7)
+        run = dataclasses.replace(run, exact_kl=True, sampling=dataclasses.replace(run.sampling, temperature=0.7))
         train_step = training.make_train_step(model, method, run)
         state = training.init_state(model, params, method, run, ref_params=reference_params)
         _, metrics = jax.jit(train_step.score)(state, batch)
         # Independently: full logits of both models at the sampling temperature, exact KL, token mean.
         tokens, mask = _rows(batch)
-        n = run.max_new_tokens
+        n = run.sampling.max_new_tokens
         policy = models.forward(model, params, tokens, attention_mask=mask)[:, -n - 1 : -1] / 0.7
         reference = models.forward(model, reference_params, tokens, attention_mask=mask)[:, -n - 1 : -1] / 0.7
         expected = ops.masked_mean(kl.categorical(policy, reference), batch.completion_mask)
@@ -144,7 +146,9 @@ def test_the_update_advances_the_key_baseline_stream_and_learning_rate_itself():
     assert int(new.prompts_drawn) == 12 and int(new.step) == 1
     np.testing.assert_allclose(float(new.baseline.mean), float(jnp.mean(batch.rewards)), rtol=1e-6)  # first batch
     assert not np.array_equal(np.asarray(jax.random.key_data(training.state.rollout_key(new))), first_key)
-    schedule = training.optim.learning_rate_schedule(learning_rate=RUN.learning_rate, warmup_steps=RUN.warmup_steps)
+    schedule = training.optim.learning_rate_schedule(
+        learning_rate=RUN.optimizer.learning_rate, warmup_steps=RUN.optimizer.warmup_steps
+    )
     np.testing.assert_allclose(float(metrics["learning_rate"]), float(schedule(0)), rtol=1e-6)
     again, _ = jax.jit(train_step.update)(new, jax.jit(train_step.score)(new, batch)[0])
     assert int(again.prompts_drawn) == 24

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import runs
-from jaxrl_llm.runs import build, run
+from jaxrl_llm.runs import build
+from jaxrl_llm.runs.policy import load_base
 
 MARGIN = 0.2  # greedy accuracy gained on the 20 held-out expressions: 4 of them
 
@@ -71,6 +72,6 @@ def test_the_toy_run_with_lora_raises_the_held_out_accuracy_by_20_points_over_a_
     before, after = result.warm_start, evaluations[-1]
     assert after["eval_greedy_accuracy"] - before["eval_greedy_accuracy"] >= MARGIN, (before, after)
     assert after["eval_pass@1"] - before["eval_pass@1"] >= 0.05, (before, after)
-    base = run.load_base(tmp_path / "run", config, build.run_task(config))
+    base = load_base(tmp_path / "run", config, build.run_task(config))
     chex.assert_trees_all_equal(result.state.frozen, base)  # the warm start's weights, untouched by RL
     assert result.history[-1]["skipped_updates"] == 0

@@ -9,6 +9,7 @@ import pytest
 import transformers
 
 from jaxrl_llm import algorithms, models, rollouts, sampling, tasks, training
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks.text import from_jsonl
 from tests.models.hf_fixtures import tiny_hf_model
 from tests.tasks.fixtures import chat_tokenizer
@@ -86,14 +87,16 @@ def test_a_trl_reward_function_trains_a_hugging_face_checkpoint_on_jsonl(checkpo
     task = from_jsonl(problems, tokenizer=tokenizer, prompt="question", reward_fns=[reward], test_fraction=0.3)
     end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert set(task.eos_ids) == {end_of_turn, end_of_text}  # from generation_config.json
-    config = training.TrainConfig(num_prompts=2, group_size=3, max_new_tokens=6, max_prompt_length=64)
+    config = training.TrainConfig(
+        num_prompts=2, group_size=3, sampling=SamplingConfig(max_new_tokens=6, max_prompt_length=64)
+    )
     backend = _Recording(sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id))
     state, history = training.train(model, params, algorithms.get(method), config, steps=3, task=task, rollout=backend)
 
     assert int(state.step) == 3 and len(calls) == len(backend.rollouts) == 3
     answers = dict(PROBLEMS)
     for call, rollout in zip(calls, backend.rollouts, strict=True):
-        n = config.max_new_tokens
+        n = config.sampling.max_new_tokens
         for row, (completion, ids) in enumerate(zip(call["completions"], call["completion_ids"], strict=True)):
             sampled = rollout.tokens[row, -n:][: rollout.lengths[row]].tolist()
             assert ids == sampled
@@ -122,7 +125,9 @@ def test_prompts_of_spread_lengths_trace_each_half_a_bounded_number_of_times():
 
     task = tasks.from_records(records, tokenizer=tokenizer, reward_fns=[starts_right])
     model, params = _tiny_model(tokenizer, max_positions=80)
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=64)
+    run = training.TrainConfig(
+        num_prompts=2, group_size=2, sampling=SamplingConfig(max_new_tokens=2, max_prompt_length=64)
+    )
     _, history = training.train(model, params, algorithms.GRPO, run, steps=20, task=task)
     widths = {rollouts.prompt_width(length, bucket=8, max_length=64) for length in range(5, 61)}
     assert widths == {8, 16, 32, 64}
@@ -139,13 +144,17 @@ def test_a_prompt_longer_than_the_limit_is_an_error_or_left_truncated_and_counte
 
     task = tasks.from_records(records, tokenizer=tokenizer, reward_fns=[one])
     model, params = _tiny_model(tokenizer, max_positions=32)
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8)
+    run = training.TrainConfig(
+        num_prompts=2, group_size=2, sampling=SamplingConfig(max_new_tokens=2, max_prompt_length=8)
+    )
     with pytest.raises(
         training.RunStopped, match="has 20 tokens, more than max_prompt_length=8 .* prompt_truncation='left'"
     ):
         training.train(model, params, algorithms.RLOO, run, steps=1, task=task)
     run = training.TrainConfig(
-        num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8, prompt_truncation="left"
+        num_prompts=2,
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=2, max_prompt_length=8, prompt_truncation="left"),
     )
     _, history = training.train(model, params, algorithms.RLOO, run, steps=1, task=task)
     assert history[0]["truncated_prompts"] == 1
@@ -167,7 +176,9 @@ def test_every_prompt_is_checked_before_any_compute(bad, message, monkeypatch):
     )
     model, params = _tiny_model(tokenizer, max_positions=32)
     monkeypatch.setattr(training.loop, "_compile", lambda *a, **k: pytest.fail("compiled before the prompts were read"))
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, max_prompt_length=8)
+    run = training.TrainConfig(
+        num_prompts=2, group_size=2, sampling=SamplingConfig(max_new_tokens=2, max_prompt_length=8)
+    )
     with pytest.raises(ValueError, match=message):
         training.train(model, params, algorithms.PG, run, steps=1, task=task)
 
@@ -182,7 +193,7 @@ def test_a_dataset_is_walked_in_epochs_and_a_resumed_run_sees_the_prompts_of_the
 
     task = tasks.from_records([{"prompt": letter} for letter in "abcde"], tokenizer=tokenizer, reward_fns=[spy])
     model, params = _tiny_model(tokenizer, max_positions=16)
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
+    run = training.TrainConfig(num_prompts=2, group_size=2, sampling=SamplingConfig(max_new_tokens=2))
     training.train(model, params, algorithms.PG, run, steps=5, task=task)
     straight, seen[:] = list(seen), []
     assert sorted(straight[:5]) == sorted(straight[5:]) == list("abcde")  # each epoch: every example once
@@ -205,7 +216,7 @@ def test_reward_functions_get_the_trainer_state_and_log_metrics_as_under_trl():
 
     task = tasks.from_records([{"prompt": letter} for letter in "abcde"], tokenizer=tokenizer, reward_fns=[curriculum])
     model, params = _tiny_model(tokenizer, max_positions=16)
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
+    run = training.TrainConfig(num_prompts=2, group_size=2, sampling=SamplingConfig(max_new_tokens=2))
     state, history = training.train(model, params, algorithms.PG, run, steps=2, task=task)
     _, resumed = training.train(model, params, algorithms.PG, run, steps=1, task=task, state=state)
     assert states == [(0, 2, 0.0), (1, 2, 0.4), (2, 3, 0.8)]  # 2 of 5 prompts a step
@@ -229,13 +240,15 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_or_scores_zero_an
 
     task = tasks.from_records([{"prompt": letter} for letter in "ab"], tokenizer=tokenizer, reward_fns=[fragile])
     model, params = _tiny_model(tokenizer, max_positions=16)
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2)
+    run = training.TrainConfig(num_prompts=2, group_size=2, sampling=SamplingConfig(max_new_tokens=2))
     with pytest.raises(
         training.RunStopped,
         match="In the rollout of train step 0: reward function 'fragile' raised "
         r"ValueError: cannot parse at row \d \(prompt 'b'",
     ):
         training.train(model, params, algorithms.PG, run, steps=1, task=task)
-    run = training.TrainConfig(num_prompts=2, group_size=2, max_new_tokens=2, on_reward_error="zero")
+    run = training.TrainConfig(
+        num_prompts=2, group_size=2, on_reward_error="zero", sampling=SamplingConfig(max_new_tokens=2)
+    )
     _, history = training.train(model, params, algorithms.PG, run, steps=1, task=task)
     assert history[0]["reward_errors"] == 2 and history[0]["reward"] == 0.5  # the two rows of prompt 'b' score 0
