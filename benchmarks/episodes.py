@@ -272,7 +272,7 @@ def reprefilled(work: Workload) -> Done:
             turns[b] += 1
             if not turn or turn[-1] != work.eos_id or rounds[b] >= work.turns:
                 continue
-            parsed = parsing.parse_turn(tok.decode(turn[:-1], skip_special_tokens=False), format="hermes")
+            parsed = parsing.parse_turn(tok.decode(turn[:-1], skip_special_tokens=False), call_format="hermes")
             if parsed.calls and len(completions[b]) < work.budget:
                 calling[b] = parsed.calls
         jobs = [(b, call) for b, calls in calling.items() for call in calls]

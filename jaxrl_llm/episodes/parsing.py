@@ -106,7 +106,7 @@ def detect_format(tokenizer: Any) -> str:
 def parse_turn(
     text: str,
     *,
-    format: str,
+    call_format: str,
     tokenizer: Any = None,
     prefix: str | Sequence[int] | None = None,
     tools: Sequence[Callable | dict] | None = None,
@@ -115,7 +115,7 @@ def parse_turn(
 
     Args:
       text: the turn, decoded with special tokens kept, without its end-of-turn token.
-      format: one of :data:`TOOL_CALL_FORMATS` (:func:`detect_format` finds it).
+      call_format: how the model writes tool calls, one of :data:`TOOL_CALL_FORMATS` (:func:`detect_format` finds it).
       tokenizer: for ``"response_template"``: the tokenizer whose ``parse_response`` parses.
       prefix: for ``"response_template"``: the prompt before the turn (text or ids), which
         the parser needs when the chat template pre-writes part of the turn; ``None`` is "".
@@ -127,18 +127,18 @@ def parse_turn(
     ``arguments`` may be a JSON object or a string holding one; missing or null is ``{}``.
 
     Raises:
-      ValueError: ``format`` is not one of :data:`TOOL_CALL_FORMATS`, or ``"response_template"``
+      ValueError: ``call_format`` is not one of :data:`TOOL_CALL_FORMATS`, or ``"response_template"``
         without a tokenizer that has one. Never on the model's text.
     """
-    if format not in TOOL_CALL_FORMATS:
-        raise ValueError(f"parse_turn: `format` must be one of {TOOL_CALL_FORMATS}; got {format!r}.")
-    if format == "hermes":
+    if call_format not in TOOL_CALL_FORMATS:
+        raise ValueError(f"parse_turn: `call_format` must be one of {TOOL_CALL_FORMATS}; got {call_format!r}.")
+    if call_format == "hermes":
         return _parse_hermes(text)
-    if format == "llama3":
+    if call_format == "llama3":
         return _parse_llama3(text)
     if getattr(tokenizer, "response_template", None) is None:
         raise ValueError(
-            'parse_turn: format="response_template" needs `tokenizer=` with a `response_template` set; '
+            'parse_turn: call_format="response_template" needs `tokenizer=` with a `response_template` set; '
             f"got {type(tokenizer).__name__}{'' if tokenizer is None else ' without one'}."
         )
     return _parse_with_template(text, tokenizer, "" if prefix is None else prefix, tools)

@@ -312,7 +312,7 @@ class _Row:
         self.logprobs += [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
 
 
-def sample_episodes(
+def sample_episodes(  # noqa: C901, PLR0915 (over the size bound: its device state is due to become one object)
     model: models.Model,
     params: models.Params,
     tokenizer: Any,
@@ -542,7 +542,9 @@ def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, call_format, max_tu
         if call_format == "response_template":
             # The whole conversation before the turn: a template may pre-write part of it.
             prefix = tokenizer.decode(row.head + row.ids[: len(row.ids) - length], skip_special_tokens=False)
-        parsed = parsing.parse_turn(text, format=call_format, tokenizer=tokenizer, prefix=prefix, tools=list(row.tools))
+        parsed = parsing.parse_turn(
+            text, call_format=call_format, tokenizer=tokenizer, prefix=prefix, tools=list(row.tools)
+        )
         row.messages.append(parsed.message)
         row.pending = parsed.calls
         if not stopped:

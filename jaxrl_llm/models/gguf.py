@@ -653,35 +653,8 @@ def save_gguf(
     arch = ARCHITECTURES[config.architecture]
     writer = gguf_lib.GGUFWriter(partial, arch)
     try:
-        writer.add_type("model")
-        writer.add_name(name or target.name[: -len(SUFFIX)])
-        writer.add_file_type(_LLAMA_FILE_TYPES[file_type])
-        if FILE_TYPES[file_type] not in (gguf_lib.GGMLQuantizationType.F32, gguf_lib.GGMLQuantizationType.F16):
-            writer.add_quantization_version(gguf_lib.GGML_QUANT_VERSION)
-        writer.add_vocab_size(config.vocab_size)
-        writer.add_context_length(config.max_position_embeddings)
-        writer.add_embedding_length(config.hidden_size)
-        writer.add_block_count(config.num_layers)
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count(config.num_heads)
-        writer.add_head_count_kv(config.num_kv_heads)
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-        writer.add_rope_dimension_count(config.head_dim)
-        writer.add_rope_freq_base(config.rope.theta)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(tokens["pre"])
-        writer.add_token_list(tokens["tokens"])
-        writer.add_token_types(tokens["types"])
-        writer.add_token_merges(tokens["merges"])
-        for key, value in tokens["ids"].items():
-            getattr(writer, f"add_{key}_token_id")(value)
-        writer.add_add_bos_token(tokens["add_bos"])
-        if tokens["chat_template"] is not None:
-            writer.add_chat_template(tokens["chat_template"])
-        for key, value in sampling.items():
-            getattr(writer, _SAMPLING[key])(value)
+        stem = name or target.name[: -len(SUFFIX)]
+        _write_metadata(writer, config, tokens, name=stem, file_type=file_type, sampling=sampling)
         for tensor_name, data, kind in gguf_tensors(model, params, file_type=file_type):
             writer.add_tensor(tensor_name, data, raw_dtype=kind)
         writer.write_header_to_file()
@@ -695,3 +668,45 @@ def save_gguf(
             partial.unlink()
         raise
     return target
+
+
+def _write_metadata(
+    writer: gguf_lib.GGUFWriter,
+    config: ModelConfig,
+    tokens: dict[str, Any],
+    *,
+    name: str,
+    file_type: str,
+    sampling: Mapping[str, float],
+) -> None:
+    """The metadata :func:`save_gguf` writes: llama.cpp's keys for the architecture, the
+    tokenizer (``tokens``: :func:`_tokenizer_metadata` with its stop ids) and the sampling defaults."""
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_file_type(_LLAMA_FILE_TYPES[file_type])
+    if FILE_TYPES[file_type] not in (gguf_lib.GGMLQuantizationType.F32, gguf_lib.GGMLQuantizationType.F16):
+        writer.add_quantization_version(gguf_lib.GGML_QUANT_VERSION)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope.theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokens["pre"])
+    writer.add_token_list(tokens["tokens"])
+    writer.add_token_types(tokens["types"])
+    writer.add_token_merges(tokens["merges"])
+    for key, value in tokens["ids"].items():
+        getattr(writer, f"add_{key}_token_id")(value)
+    writer.add_add_bos_token(tokens["add_bos"])
+    if tokens["chat_template"] is not None:
+        writer.add_chat_template(tokens["chat_template"])
+    for key, value in sampling.items():
+        getattr(writer, _SAMPLING[key])(value)

@@ -138,7 +138,7 @@ rollout stops at. ``tools`` (JSON schemas, or functions, which transformers turn
 first, as one turn listing each tool's name and argument names, ``name(arg,arg),...``: the types and
 descriptions would cost a token per character and a small model learns a tool's use from
 demonstrations, not from its docstring. A tool call is compact JSON (no spaces), as
-:func:`jaxrl_llm.episodes.parsing.parse_turn` (``format="hermes"``) reads it back; ``arguments`` given as
+:func:`jaxrl_llm.episodes.parsing.parse_turn` (``call_format="hermes"``) reads it back; ``arguments`` given as
 a JSON string are written as they are. Content may be a string or a list of ``{"type": "text", "text":
 ...}`` parts (other parts are dropped). The assistant's content, calls and ``<eos>`` are in a
 ``{% generation %}`` block, so ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks them."""

@@ -85,9 +85,8 @@ def test_increment_env_episode():
     (env,) = environments.acquire(environments.names({"prompt": [[]]}, 1))
     (observation,) = environments.reset([env], [{"prompt": []}])
     assert observation == f"Increment the counter by {env.target}."
-    turn = parse_turn(
-        f'<tool_call>\n{{"name": "increment", "arguments": {{"step": {env.target}}}}}\n</tool_call>', format="hermes"
-    )
+    text = f'<tool_call>\n{{"name": "increment", "arguments": {{"step": {env.target}}}}}\n</tool_call>'
+    turn = parse_turn(text, call_format="hermes")
     assert call_tools([(environments.toolbox(env), call) for call in turn.calls], timeout=5) == [
         ToolResult("increment", str(env.target), False, False)
     ]

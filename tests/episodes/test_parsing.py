@@ -31,37 +31,37 @@ QWEN_TWO = (
 
 class TestHermes:
     def test_one_call(self):
-        turn = parse_turn(QWEN_ONE, format="hermes")
+        turn = parse_turn(QWEN_ONE, call_format="hermes")
         assert turn.calls == (ToolCall("multiply", {"a": 3, "b": 4}),)
         assert turn.message == {"role": "assistant", "content": "", "tool_calls": [entry("multiply", {"a": 3, "b": 4})]}
 
     def test_two_calls_with_content(self):
-        turn = parse_turn(QWEN_TWO, format="hermes")
+        turn = parse_turn(QWEN_TWO, call_format="hermes")
         assert [call.name for call in turn.calls] == ["multiply", "async_add"]
         assert turn.message["content"] == "I'll compute both."
         assert turn.message["tool_calls"] == [entry("multiply", {"a": 3, "b": 4}), entry("async_add", {"a": 1, "b": 2})]
 
     def test_content_on_both_sides(self):
         text = 'First. <tool_call>{"name": "f", "arguments": {}}</tool_call> Then more.'
-        turn = parse_turn(text, format="hermes")
+        turn = parse_turn(text, call_format="hermes")
         assert turn.message["content"] == "First.  Then more."
         assert turn.calls == (ToolCall("f", {}),)
 
     def test_no_call_is_plain_content(self):
-        turn = parse_turn("  The answer is 12.\n", format="hermes")
+        turn = parse_turn("  The answer is 12.\n", call_format="hermes")
         assert turn == ({"role": "assistant", "content": "The answer is 12."}, ())
 
     def test_arguments_as_json_string(self):
         text = '<tool_call>\n{"name": "multiply", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}\n</tool_call>'
-        assert parse_turn(text, format="hermes").calls == (ToolCall("multiply", {"a": 3, "b": 4}),)
+        assert parse_turn(text, call_format="hermes").calls == (ToolCall("multiply", {"a": 3, "b": 4}),)
 
     def test_missing_arguments_is_a_call_without_arguments(self):
-        turn = parse_turn('<tool_call>{"name": "now"}</tool_call>', format="hermes")
+        turn = parse_turn('<tool_call>{"name": "now"}</tool_call>', call_format="hermes")
         assert turn.calls == (ToolCall("now", {}),)
 
     def test_malformed_json(self):
         bad = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3,}}\n</tool_call>'
-        turn = parse_turn("Let me see. " + bad + "\n" + QWEN_ONE, format="hermes")
+        turn = parse_turn("Let me see. " + bad + "\n" + QWEN_ONE, call_format="hermes")
         malformed, good = turn.calls
         assert isinstance(malformed, MalformedCall) and "not valid JSON" in malformed.reason
         assert malformed.text == bad and malformed.name == "multiply"
@@ -71,20 +71,20 @@ class TestHermes:
         assert turn.message["tool_calls"] == [good.entry()]
 
     def test_missing_name(self):
-        (call,) = parse_turn('<tool_call>{"arguments": {"a": 1}}</tool_call>', format="hermes").calls
+        (call,) = parse_turn('<tool_call>{"arguments": {"a": 1}}</tool_call>', call_format="hermes").calls
         assert isinstance(call, MalformedCall) and '"name"' in call.reason and call.name == "unknown"
 
     def test_arguments_not_an_object(self):
-        (call,) = parse_turn('<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>', format="hermes").calls
+        (call,) = parse_turn('<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>', call_format="hermes").calls
         assert isinstance(call, MalformedCall) and "must be a JSON object" in call.reason
 
     def test_arguments_string_not_json(self):
-        (call,) = parse_turn('<tool_call>{"name": "f", "arguments": "a=1"}</tool_call>', format="hermes").calls
+        (call,) = parse_turn('<tool_call>{"name": "f", "arguments": "a=1"}</tool_call>', call_format="hermes").calls
         assert isinstance(call, MalformedCall) and "not valid JSON" in call.reason
 
     def test_unterminated_block(self):
         text = QWEN_ONE + '\n<tool_call>\n{"name": "multiply", "argu'
-        turn = parse_turn(text, format="hermes")
+        turn = parse_turn(text, call_format="hermes")
         good, cut = turn.calls
         assert good == ToolCall("multiply", {"a": 3, "b": 4})
         assert isinstance(cut, MalformedCall) and "not closed" in cut.reason
@@ -99,33 +99,33 @@ class TestHermes:
 
 class TestLlama3:
     def test_json_call(self):
-        turn = parse_turn('{"name": "multiply", "parameters": {"a": 3, "b": 4}}', format="llama3")
+        turn = parse_turn('{"name": "multiply", "parameters": {"a": 3, "b": 4}}', call_format="llama3")
         assert turn.calls == (ToolCall("multiply", {"a": 3, "b": 4}),)
         assert turn.message == {"role": "assistant", "content": "", "tool_calls": [entry("multiply", {"a": 3, "b": 4})]}
 
     def test_python_tag(self):
-        turn = parse_turn('<|python_tag|>{"name": "multiply", "arguments": {"a": 3, "b": 4}}', format="llama3")
+        turn = parse_turn('<|python_tag|>{"name": "multiply", "arguments": {"a": 3, "b": 4}}', call_format="llama3")
         assert turn.calls == (ToolCall("multiply", {"a": 3, "b": 4}),)
 
     def test_plain_content(self):
-        assert parse_turn("The product is 12.", format="llama3") == (
+        assert parse_turn("The product is 12.", call_format="llama3") == (
             {"role": "assistant", "content": "The product is 12."},
             (),
         )
 
     def test_malformed(self):
         text = '{"name": "multiply", "parameters": {"a": 3'
-        turn = parse_turn(text, format="llama3")
+        turn = parse_turn(text, call_format="llama3")
         (call,) = turn.calls
         assert isinstance(call, MalformedCall) and "not valid JSON" in call.reason and call.name == "multiply"
         assert turn.message == {"role": "assistant", "content": text}
 
     def test_json_without_name(self):
-        (call,) = parse_turn('{"answer": 12}', format="llama3").calls
+        (call,) = parse_turn('{"answer": 12}', call_format="llama3").calls
         assert isinstance(call, MalformedCall) and '"name"' in call.reason
 
     def test_python_tag_with_code(self):
-        (call,) = parse_turn('<|python_tag|>brave_search.call(query="x")', format="llama3").calls
+        (call,) = parse_turn('<|python_tag|>brave_search.call(query="x")', call_format="llama3").calls
         assert isinstance(call, MalformedCall) and "<|python_tag|>" in call.reason
 
 
@@ -156,7 +156,7 @@ def template_tokenizer():
 
 class TestResponseTemplate:
     def test_calls_and_content(self, template_tokenizer):
-        turn = parse_turn(QWEN_TWO, format="response_template", tokenizer=template_tokenizer)
+        turn = parse_turn(QWEN_TWO, call_format="response_template", tokenizer=template_tokenizer)
         assert turn.calls == (ToolCall("multiply", {"a": 3, "b": 4}), ToolCall("async_add", {"a": 1, "b": 2}))
         assert turn.message == {
             "role": "assistant",
@@ -166,9 +166,9 @@ class TestResponseTemplate:
 
     def test_tools_cast_arguments(self, template_tokenizer):
         text = '<tool_call>{"name": "multiply", "arguments": {"a": "3", "b": 4}}</tool_call>'
-        turn = parse_turn(text, format="response_template", tokenizer=template_tokenizer)
+        turn = parse_turn(text, call_format="response_template", tokenizer=template_tokenizer)
         assert turn.calls == (ToolCall("multiply", {"a": "3", "b": 4}),)
-        turn = parse_turn(text, format="response_template", tokenizer=template_tokenizer, tools=[multiply])
+        turn = parse_turn(text, call_format="response_template", tokenizer=template_tokenizer, tools=[multiply])
         assert turn.calls == (ToolCall("multiply", {"a": 3, "b": 4}),)
         assert turn.message["content"] == ""  # the parser gives no content; the message always has one
 
@@ -176,13 +176,13 @@ class TestResponseTemplate:
         # The chat template pre-wrote "<think>": only with the prefix does the parser see the reasoning.
         prefix = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
         text = "hmm</think>" + QWEN_ONE
-        turn = parse_turn(text, format="response_template", tokenizer=template_tokenizer, prefix=prefix)
+        turn = parse_turn(text, call_format="response_template", tokenizer=template_tokenizer, prefix=prefix)
         assert turn.message["reasoning_content"] == "hmm"
         assert turn.calls == (ToolCall("multiply", {"a": 3, "b": 4}),)
 
     def test_parser_failure_is_one_malformed_call(self, template_tokenizer):
         text = 'Sure. <tool_call>{"name": "multiply", "arguments": {"a": 3,}}</tool_call>'
-        turn = parse_turn(text, format="response_template", tokenizer=template_tokenizer)
+        turn = parse_turn(text, call_format="response_template", tokenizer=template_tokenizer)
         assert turn.message == {"role": "assistant", "content": text}
         (call,) = turn.calls
         assert isinstance(call, MalformedCall) and call.text == text and "response template" in call.reason
@@ -193,16 +193,16 @@ class TestResponseTemplate:
             "tool_calls": [entry("ok", {}), {"type": "code", "function": {"name": "x"}}, entry(None, {})],
         }
         tokenizer = types.SimpleNamespace(response_template={}, parse_response=lambda text, **_: parsed)
-        turn = parse_turn("...", format="response_template", tokenizer=tokenizer)
+        turn = parse_turn("...", call_format="response_template", tokenizer=tokenizer)
         ok, other_type, no_name = turn.calls
         assert ok == ToolCall("ok", {}) and turn.message["tool_calls"] == [entry("ok", {})]
         assert "unsupported tool call type" in other_type.reason and '"name"' in no_name.reason
 
     def test_needs_a_tokenizer_with_a_template(self):
         with pytest.raises(ValueError, match="response_template"):
-            parse_turn("x", format="response_template")
+            parse_turn("x", call_format="response_template")
         with pytest.raises(ValueError, match="without one"):
-            parse_turn("x", format="response_template", tokenizer=build_char_tokenizer("abc"))
+            parse_turn("x", call_format="response_template", tokenizer=build_char_tokenizer("abc"))
 
 
 def nested(levels):
@@ -224,20 +224,20 @@ class TestHostileText:
     """Model output is untrusted: whatever it writes is a malformed call, never an exception."""
 
     @pytest.mark.parametrize("body", HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
-    @pytest.mark.parametrize("format", ["hermes", "llama3"])
-    def test_is_a_malformed_call(self, body, format):
-        text = f"<tool_call>{body}</tool_call>" if format == "hermes" else body
-        (call,) = parse_turn(text, format=format).calls
+    @pytest.mark.parametrize("call_format", ["hermes", "llama3"])
+    def test_is_a_malformed_call(self, body, call_format):
+        text = f"<tool_call>{body}</tool_call>" if call_format == "hermes" else body
+        (call,) = parse_turn(text, call_format=call_format).calls
         assert isinstance(call, MalformedCall), call
 
     def test_an_unclosed_block_of_brackets(self):
-        (call,) = parse_turn("<tool_call>" + "[" * 1000, format="hermes").calls
+        (call,) = parse_turn("<tool_call>" + "[" * 1000, call_format="hermes").calls
         assert isinstance(call, MalformedCall)
 
     def test_nesting_at_the_limit_parses(self):
         def call(lists):  # the call's object, its arguments and ``lists`` lists: lists + 2 levels
             body = '{"name": "f", "arguments": {"x": ' + "[" * lists + "]" * lists + "}}"
-            return parse_turn(f"<tool_call>{body}</tool_call>", format="hermes").calls[0]
+            return parse_turn(f"<tool_call>{body}</tool_call>", call_format="hermes").calls[0]
 
         assert isinstance(call(MAX_JSON_DEPTH - 2), ToolCall)
         assert isinstance(call(MAX_JSON_DEPTH - 1), MalformedCall)
@@ -246,14 +246,14 @@ class TestHostileText:
     def test_template_entries(self, arguments):
         parsed = {"role": "assistant", "tool_calls": [entry("f", arguments)]}
         tokenizer = types.SimpleNamespace(response_template={}, parse_response=lambda text, **_: parsed)
-        (call,) = parse_turn("...", format="response_template", tokenizer=tokenizer).calls
+        (call,) = parse_turn("...", call_format="response_template", tokenizer=tokenizer).calls
         assert isinstance(call, MalformedCall), call
 
 
 def test_bad_format():
     assert TOOL_CALL_FORMATS == ("hermes", "llama3", "response_template")
     with pytest.raises(ValueError, match="hermes.*llama3.*response_template"):
-        parse_turn("x", format="qwen")
+        parse_turn("x", call_format="qwen")
 
 
 class TestDetectFormat:

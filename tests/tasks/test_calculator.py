@@ -242,7 +242,7 @@ def test_an_episode_built_from_ids(task):
     a, b = (int(x) for x in prompt[0]["content"].split("+"))
     ids = batch.tokens[row][batch.mask[row]].tolist()
     turn = tok.encode(call_text(a, b)) + [eos]
-    parsed = parse_turn(tok.decode(turn[:-1]), format="hermes")
+    parsed = parse_turn(tok.decode(turn[:-1]), call_format="hermes")
     (result,) = call_tools([({t.__name__: t for t in task.tools}, parsed.calls[0])], timeout=10)
     tool_message = {"role": "tool", "name": result.name, "content": result.content}
     ids += turn + tool_suffix_ids(tok, [tool_message], end_of_turn=eos)

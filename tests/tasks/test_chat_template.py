@@ -117,7 +117,7 @@ def test_call_json_is_compact_and_parses_back(tok):
     # The model's turn: the ids after the generation prompt, up to its end of turn.
     prompt = render(tok, EPISODE[1:2], generation=True)
     turn = render(tok, EPISODE[1:3])[len(prompt) : -1]
-    parsed = parse_turn(tok.decode(turn), format="hermes")
+    parsed = parse_turn(tok.decode(turn), call_format="hermes")
     assert parsed.calls == (ToolCall("add", {"a": 4821, "b": 937}),)
     assert parsed.message == {"role": "assistant", "content": "", "tool_calls": [call("add", {"a": 4821, "b": 937})]}
     assert render(tok, [EPISODE[1], parsed.message]) == render(tok, EPISODE[1:3])  # the parsed turn renders back
@@ -139,7 +139,7 @@ def test_content_with_calls_string_arguments_and_text_parts(tok):
         '<tool_call>{"name":"add","arguments":{"a":9,"b":9}}</tool_call>'
         '<tool_call>{"name":"neg","arguments":{"x":1}}</tool_call><eos><|tool|>18<eos>'
     )
-    parsed = parse_turn('ok<tool_call>{"name":"add","arguments":{"a":9,"b":9}}</tool_call>', format="hermes")
+    parsed = parse_turn('ok<tool_call>{"name":"add","arguments":{"a":9,"b":9}}</tool_call>', call_format="hermes")
     assert parsed.message["content"] == "ok" and parsed.calls == (ToolCall("add", {"a": 9, "b": 9}),)
 
 
