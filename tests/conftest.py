@@ -16,20 +16,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Quick CPU code generation for every test (and, through the environment, for every worker
 # and subprocess the suite starts): LLVM's optimisation level 0 and, where XLA still has them
 # (jaxlib before 0.11, so the pinned set), its classic elemental emitters for fusions instead
-# of the MLIR fusion emitters, which take longer to compile, and LLVM's code generated in
-# one piece instead of split over threads (the two workers already keep both cores busy).
-# XLA's own HLO passes are unchanged, only the machine code is less tuned. The suite's
-# programs are small and compiled once or a few times, so compiling is most of their cost: a
-# file of train steps took 27 s instead of 60 with the first two, and 9% less CPU time with
-# the third. XLA aborts on a flag it does not know, hence the version check. The test that
+# of the MLIR fusion emitters, which take longer to compile. XLA's own HLO passes are
+# unchanged, only the machine code is less tuned. The suite's programs are small and compiled
+# once or a few times, so compiling is most of their cost: a file of train steps took 27 s
+# instead of 60. XLA aborts on a flag it does not know, hence the version check. The test that
 # reproduces a documented run, and the real model's notebook, drop the flags
 # (default_codegen_environ) for the processes they start.
 QUICK_CODEGEN_FLAGS = ("--xla_backend_optimization_level=0",)
 if tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
-    QUICK_CODEGEN_FLAGS += (
-        "--xla_cpu_use_fusion_emitters=false",
-        "--xla_cpu_parallel_codegen_split_count=1",
-    )
+    QUICK_CODEGEN_FLAGS += ("--xla_cpu_use_fusion_emitters=false",)
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [flag for flag in QUICK_CODEGEN_FLAGS if flag not in _flags])
 
