@@ -287,9 +287,9 @@ class _Row:
     tools: tuple
     environment: Any
     opening: int  # ids of the prompt's own part, at the start of the completion
-    head: list = dataclasses.field(default_factory=list)  # the group's shared prompt ids
+    shared_prompt: list = dataclasses.field(default_factory=list)  # the group's shared prompt ids
     ids: list = dataclasses.field(default_factory=list)  # completion ids so far
-    model: list = dataclasses.field(default_factory=list)  # bool per id: written by the model
+    by_model: list = dataclasses.field(default_factory=list)  # bool per id: written by the model
     logprobs: list = dataclasses.field(default_factory=list)
     messages: list = dataclasses.field(default_factory=list)
     finished: bool = False
@@ -308,7 +308,7 @@ class _Row:
 
     def add(self, ids, *, model: bool, logprobs=None) -> None:
         self.ids += [int(i) for i in ids]
-        self.model += [model] * len(ids)
+        self.by_model += [model] * len(ids)
         self.logprobs += [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
 
 
@@ -398,7 +398,7 @@ def sample_episodes(  # noqa: C901, PLR0915 (over the size bound: its device sta
     )
     openings = [rendered[b][shared[b // group] :] for b in range(batch)]
     for b, (row, opening) in enumerate(zip(rows, openings, strict=True)):
-        row.head, row.opening = rendered[b][: shared[b // group]], len(opening)
+        row.shared_prompt, row.opening = rendered[b][: shared[b // group]], len(opening)
         row.add(opening, model=False)
 
     budget = sampling_config.max_new_tokens
@@ -541,7 +541,7 @@ def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, call_format, max_tu
         prefix = None
         if call_format == "response_template":
             # The whole conversation before the turn: a template may pre-write part of it.
-            prefix = tokenizer.decode(row.head + row.ids[: len(row.ids) - length], skip_special_tokens=False)
+            prefix = tokenizer.decode(row.shared_prompt + row.ids[: len(row.ids) - length], skip_special_tokens=False)
         parsed = parsing.parse_turn(
             text, call_format=call_format, tokenizer=tokenizer, prefix=prefix, tools=list(row.tools)
         )
@@ -601,7 +601,7 @@ def _episodes(rows, prompt_tokens, prompt_mask, width: int, pad_id: int, with_en
     logprobs = np.zeros((batch, width), np.float32)
     for b, row in enumerate(rows):
         n = len(row.ids)
-        tokens[b, :n], model_mask[b, :n], logprobs[b, :n] = row.ids, row.model, row.logprobs
+        tokens[b, :n], model_mask[b, :n], logprobs[b, :n] = row.ids, row.by_model, row.logprobs
     counts = {
         name: np.array([getattr(row, name) for row in rows], np.int32) for name in ("calls", "failures", "timeouts")
     }
