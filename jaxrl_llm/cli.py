@@ -38,7 +38,6 @@ import tyro
 from jaxrl_llm import algorithms, distributed, host, models, rewards, training
 from jaxrl_llm.runs import build, run
 from jaxrl_llm.runs import config as run_config
-from jaxrl_llm.runs.config import absolute_paths
 from jaxrl_llm.runs.directory import STORAGE_TEXTS, latest_checkpoint, storage_failure, stored_config
 from jaxrl_llm.runs.evaluate import evaluate_model, evaluate_run, format_results
 from jaxrl_llm.runs.export import export_run
@@ -385,7 +384,7 @@ def evaluate(argv: Sequence[str]) -> int:
             if args.step is not None:
                 raise UsageError("--step selects a run's checkpoint; it needs --run-dir.")
             base = run_config.load(args.config) if args.config else run_config.RunConfig()
-            config = absolute_paths(
+            config = run_config.absolute_paths(
                 _settings(
                     dataclasses.replace(base, model=dataclasses.replace(base.model, path=args.model)), rest, parser.prog
                 )

@@ -261,9 +261,9 @@ def finished_run(tmp_path_factory):
     evaluate = loop.evaluation_metrics
     calls = []
 
-    def interrupting(*args, **kwargs):  # training evaluates after steps 1 and 3 (eval_every=2)
+    def interrupting(*args, **kwargs):  # the warm start is evaluated, then steps 1 and 3 (eval_every=2)
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 3:
             raise KeyboardInterrupt
         return evaluate(*args, **kwargs)
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
-import time
 from typing import Any
 
 import jax
 
-from jaxrl_llm import compilation_cache, evaluation, models
+from jaxrl_llm import compilation_cache, models, training
+from jaxrl_llm.episodes import scoring
 from jaxrl_llm.rewards.combine import called_in
 from jaxrl_llm.runs import build
 from jaxrl_llm.runs.config import RunConfig
@@ -28,26 +29,14 @@ def evaluate_model(
     mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy, mean rewards and pass@k on ``task``'s test split with the run's
-    sampling settings (:func:`jaxrl_llm.evaluation.evaluate`), as training's evaluations
-    record them (``eval_*``), with ``num_samples`` samples per prompt (default
-    ``train.eval_samples``), decoded over ``mesh``."""
-    train = config.train
-    started = time.perf_counter()
-    results = evaluation.evaluate(
-        model,
-        params,
-        task,
-        sampling=train.sampling,
-        num_samples=train.eval_samples if num_samples is None else num_samples,
-        seed=train.seed,
-        on_reward_error=train.on_reward_error,
-        progress=False,
-        mesh=mesh,
-        tools=build.tools(config.task),
-        environment_factory=build.environment_factory(config.task),
-        episodes=train.episodes,
+    sampling settings, as training's evaluations record them (``eval_*``: they are
+    :func:`jaxrl_llm.training.loop.evaluation_metrics`), with ``num_samples`` samples per
+    prompt (default ``train.eval_samples``), decoded over ``mesh``."""
+    train = config.train if num_samples is None else dataclasses.replace(config.train, eval_samples=num_samples)
+    toolset = scoring.Toolset.build(
+        task, tools=build.tools(config.task), environment_factory=build.environment_factory(config.task)
     )
-    return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
+    return training.loop.evaluation_metrics(model, params, task, train, mesh=mesh, toolset=toolset)
 
 
 def evaluate_run(
