@@ -312,7 +312,114 @@ class _Row:
         self.logprobs += [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
 
 
-def sample_episodes(  # noqa: C901, PLR0915 (over the size bound: its device state is due to become one object)
+class _DeviceRows:
+    """The rows being decoded, on the device: their next-token logits, their KV cache, the
+    episode each holds and the cache's next slot; and the jitted steps that move them on
+    (feed ids, decode a turn, drop finished rows), making room in the cache before each.
+
+    The cache starts with room for the openings and one decode segment and grows by
+    segments: every step attends over the slots allocated, so they follow the episode.
+    """
+
+    def __init__(
+        self,
+        model: models.Model,
+        params: models.Params,
+        prompt_tokens: np.ndarray,
+        prompt_mask: np.ndarray,
+        *,
+        group: int,
+        first_feed: int,
+        segment: int,
+        draws: int,
+        stop_ids: tuple[int, ...],
+        sampling_config: sampling.SamplingConfig,
+    ):
+        """Prefills the ``[P, S]`` prompts and copies them to ``P G`` rows, with room for a
+        first feed of ``first_feed`` ids and a segment. ``segment``: decode steps per call and
+        the cache's growth step; ``draws``: the uniforms a turn may draw (its width)."""
+        self.model, self.params = model, params
+        self.width, self.segment, self.draws, self.stop_ids = prompt_tokens.shape[1], segment, draws, stop_ids
+        self.traced, self.static = sampling.draw_settings(
+            temperature=sampling_config.temperature,
+            top_k=sampling_config.top_k,
+            top_p=sampling_config.top_p,
+            min_p=sampling_config.min_p,
+        )
+        self.logits, self.cache = _prefill(
+            model, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
+            cache_size=self._slots_for(self.width + first_feed + segment),
+        )  # fmt: skip
+        self.rows = np.arange(prompt_tokens.shape[0] * group)  # [b] the episode of each device row (-1: padding)
+        self.index = self.width  # the cache's next slot (the host's copy)
+
+    def _slots_for(self, needed: int) -> int:
+        return self.width + _round_up(needed - self.width, self.segment)
+
+    def _room(self, slots: int) -> None:
+        """Makes room for ``slots`` more: compacts the rows' slots if they have gaps, then
+        grows the cache if that is not enough."""
+        if self.index + slots <= self.cache.valid.shape[1]:
+            return
+        if int(jnp.max(jnp.sum(self.cache.valid, axis=1))) < self.index:
+            self._regather(np.arange(len(self.rows)))
+        if self.index + slots > self.cache.valid.shape[1]:
+            self.cache = _grow(self.cache, slots=self._slots_for(self.index + slots))
+
+    def _regather(self, keep: np.ndarray) -> None:
+        """Keeps device rows ``keep`` (padding repeats the first), slots compacted."""
+        self.cache, self.logits = _regather(self.cache, self.logits, jnp.asarray(keep, jnp.int32))
+        self.index = int(self.cache.index)
+        self.rows = self.rows[keep]
+
+    def keep_only(self, going: list[int]) -> None:
+        """Shrinks the batch to the next power of two holding device rows ``going`` when that
+        is smaller: finished rows stop costing compute."""
+        size = _power_of_two(len(going))
+        if size < len(self.rows):
+            self._regather(np.array(going + [going[0]] * (size - len(going))))
+            self.rows = np.where(np.arange(size) >= len(going), -1, self.rows)
+
+    def feed(self, extensions: dict[int, list[int]]) -> None:
+        """Feeds each episode of ``extensions`` its ids (padded to :func:`_feed_width`)."""
+        length = _feed_width(max(map(len, extensions.values())))
+        self._room(length)
+        tokens = np.zeros((len(self.rows), length), np.int32)
+        mask = np.zeros((len(self.rows), length), bool)
+        for slot, row in enumerate(self.rows):
+            if (ids := extensions.get(int(row))) is not None:
+                tokens[slot, : len(ids)], mask[slot, : len(ids)] = ids, True
+        self.logits, self.cache = _extend(
+            self.model, self.params, jnp.asarray(tokens), jnp.asarray(mask), self.logits, self.cache
+        )
+        self.index += length
+
+    def decode_turn(self, remaining: np.ndarray, key: jax.Array) -> _Turn:
+        """Every device row's turn, ``remaining`` ``[b]`` tokens at most, decoded by
+        segments with room made before each: the segments' host copies joined."""
+        parts, left, offset = [], remaining, 0
+        while (left > 0).any():
+            self._room(min(self.segment, int(left.max())))
+            part, self.logits, self.cache = _decode_segment(
+                self.model, self.params, self.logits, self.cache, jnp.asarray(left), key, offset, *self.traced,
+                width=self.segment, draws=self.draws, stop_ids=self.stop_ids, **self.static,
+            )  # fmt: skip
+            part = jax.device_get(part)
+            steps = int(part.steps)
+            self.index += steps
+            offset += steps
+            parts.append(part._replace(tokens=part.tokens[:, :steps], logprobs=part.logprobs[:, :steps]))
+            left = np.where(part.stopped, 0, left - part.lengths)
+        return _Turn(
+            tokens=np.concatenate([p.tokens for p in parts], axis=1),
+            logprobs=np.concatenate([p.logprobs for p in parts], axis=1),
+            lengths=sum(p.lengths for p in parts),
+            stopped=np.any([p.stopped for p in parts], axis=0),
+            steps=offset,
+        )
+
+
+def sample_episodes(
     model: models.Model,
     params: models.Params,
     tokenizer: Any,
@@ -351,14 +458,63 @@ def sample_episodes(  # noqa: C901, PLR0915 (over the size bound: its device sta
     """
     sampling_config = sampling_config or sampling.SamplingConfig()
     config = config or EpisodeConfig()
-    columns = dict(columns or {})
-    num_prompts, group = len(prompts), num_samples
-    batch = num_prompts * group
     stop_ids = tuple(sorted({int(e) for e in eos_ids}))
-    tools = check_tools(tools, where="tools") if environments is None else environments.tools
     call_format = config.tool_call_format
     if call_format == "auto":
         call_format = parsing.detect_format(tokenizer)
+    rows = _start_rows(prompts, num_samples, tools=tools, environments=environments, columns=dict(columns or {}))
+    prompt_tokens, prompt_mask, openings = _group_prompts(
+        rows, tokenizer, num_samples, pad_id=pad_id, max_length=sampling_config.max_prompt_length, bucket=prompt_bucket
+    )
+    budget = sampling_config.max_new_tokens
+    token_chars = tasks.base.longest_token_chars(tokenizer)
+    completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
+    _check_cache(model.config, prompt_tokens.shape[1], completion_width)
+    device = _DeviceRows(
+        model, params, prompt_tokens, prompt_mask, group=num_samples,
+        first_feed=_feed_width(max(map(len, openings))) if any(openings) else 0,
+        segment=_segment(completion_width), draws=completion_width, stop_ids=stop_ids, sampling_config=sampling_config,
+    )  # fmt: skip
+    if any(openings):
+        device.feed({b: ids for b, ids in enumerate(openings) if ids})
+    turn_index = 0
+    while True:
+        for row in rows:  # a tool result that used up the budget leaves no room for a turn
+            if not row.finished and row.used >= budget:
+                row.finished = row.truncated = True
+        going = [slot for slot, row in enumerate(device.rows) if row >= 0 and not rows[row].finished]
+        if not going:
+            break
+        device.keep_only(going)
+        remaining = np.array(
+            [0 if row < 0 or rows[row].finished else budget - rows[row].used for row in device.rows], np.int32
+        )
+        turn = device.decode_turn(remaining, jax.random.fold_in(key, turn_index))
+        calling = _record_turn(rows, device.rows, turn, tokenizer, call_format=call_format,
+                               max_turns=config.max_turns, stop_ids=stop_ids)  # fmt: skip
+        if calling:
+            extensions = _run_tools(
+                rows, calling, tokenizer, timeout=config.tool_timeout, budget=budget, token_chars=token_chars
+            )
+            if extensions:
+                device.feed(extensions)
+        turn_index += 1
+    return _episodes(rows, prompt_tokens, prompt_mask, completion_width, pad_id, environments is not None)
+
+
+def _start_rows(
+    prompts: Sequence[Sequence[Mapping[str, Any]]],
+    group: int,
+    *,
+    tools: Sequence[Callable],
+    environments: Environments | None,
+    columns: dict[str, Sequence[Any]],
+) -> list[_Row]:
+    """The ``P G`` episodes' rows: each its prompt's messages (an environment's observation
+    appended), its tools and, with environments, its instance, reset on its example."""
+    num_prompts = len(prompts)
+    batch = num_prompts * group
+    tools = check_tools(tools, where="tools") if environments is None else environments.tools
     examples = [{name: values[p] for name, values in columns.items()} for p in range(num_prompts)]
     row_examples = [copy.deepcopy(examples[b // group]) for b in range(batch)]
     if environments is None:
@@ -378,151 +534,54 @@ def sample_episodes(  # noqa: C901, PLR0915 (over the size bound: its device sta
         if observations[b] is not None:
             prompt = append_observation(prompt, observations[b])
         rows.append(_Row(prompt=prompt, toolbox=toolboxes[b], tools=row_tools[b], environment=instances[b], opening=0))
-    rendered = [conversation.render_prompt(tokenizer, row.prompt, row.tools) for row in rows]
+    return rows
 
-    # Each group's common prefix is its prompt; the rest of a row's is its opening.
+
+def _group_prompts(
+    rows: list[_Row], tokenizer: Any, group: int, *, pad_id: int, max_length: int, bucket: int
+) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """Renders the rows' prompts: each group's common prefix is its prompt, the rest of a
+    row's its opening, recorded as the start of its completion. Returns the prompts
+    ``[P, S]`` (left-padded ids, mask) and the ``[B]`` openings."""
+    rendered = [conversation.render_prompt(tokenizer, row.prompt, row.tools) for row in rows]
+    num_prompts = len(rows) // group
     shared = [_shared_prefix(rendered[p * group : (p + 1) * group]) for p in range(num_prompts)]
     if min(shared) == 0:
         raise ValueError(
             "sample_episodes: the rows of a prompt share no first token; the chat template must begin alike."
         )
-    limit = sampling_config.max_prompt_length
-    if (longest := max(len(r) for r in rendered)) > limit:
+    if (longest := max(len(r) for r in rendered)) > max_length:
         raise ValueError(
             f"sample_episodes: a rendered prompt (tools' schemas and observation included) has {longest} tokens, more "
-            f"than max_prompt_length={limit}. Raise max_prompt_length or shorten the prompt or the tools' docstrings."
+            f"than max_prompt_length={max_length}. Raise max_prompt_length or shorten the prompt or the tools' "
+            "docstrings."
         )
-    width = rollouts.prompt_width(max(shared), bucket=prompt_bucket, max_length=limit)
+    width = rollouts.prompt_width(max(shared), bucket=bucket, max_length=max_length)
     prompt_tokens, prompt_mask = tasks.base.left_pad(
         [rendered[p * group][:length] for p, length in enumerate(shared)], pad_id=pad_id, width=width
     )
-    openings = [rendered[b][shared[b // group] :] for b in range(batch)]
+    openings = [rendered[b][shared[b // group] :] for b in range(len(rows))]
     for b, (row, opening) in enumerate(zip(rows, openings, strict=True)):
         row.shared_prompt, row.opening = rendered[b][: shared[b // group]], len(opening)
         row.add(opening, model=False)
+    return prompt_tokens, prompt_mask, openings
 
-    budget = sampling_config.max_new_tokens
-    token_chars = tasks.base.longest_token_chars(tokenizer)
-    completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
-    max_slots = _cache_slots(width, completion_width)
-    if max_slots > model.config.max_position_embeddings:
+
+def _check_cache(config: models.ModelConfig, prompt_width: int, completion_width: int) -> None:
+    """Raises ValueError if the model cannot hold the episodes' cache: more slots than its
+    positions, or a sliding window narrower than the cache."""
+    max_slots = _cache_slots(prompt_width, completion_width)
+    if max_slots > config.max_position_embeddings:
         raise ValueError(
-            f"sample_episodes: prompts of {width} tokens and episodes of {completion_width} need a cache of up to "
-            f"{max_slots} slots (twice the episode, for its turns' gaps), more than the model's "
-            f"max_position_embeddings ({model.config.max_position_embeddings})."
+            f"sample_episodes: prompts of {prompt_width} tokens and episodes of {completion_width} need a cache of up "
+            f"to {max_slots} slots (twice the episode, for its turns' gaps), more than the model's "
+            f"max_position_embeddings ({config.max_position_embeddings})."
         )
-    if any(w is not None and w < max_slots for w in (model.config.window(i) for i in range(model.config.num_layers))):
+    if any(w is not None and w < max_slots for w in (config.window(i) for i in range(config.num_layers))):
         raise ValueError(
             f"sample_episodes: sliding-window attention narrower than the episode's cache ({max_slots} slots) is not "
             f"supported: a window counts cache slots, and an episode's rows have gaps between their turns."
         )
-
-    # The cache starts with room for the openings and one decode segment and grows by
-    # segments: every step attends over the slots allocated, so they follow the episode.
-    segment = _segment(completion_width)
-
-    def slots_for(needed: int) -> int:
-        return width + _round_up(needed - width, segment)
-
-    first_feed = _feed_width(max(map(len, openings))) if any(openings) else 0
-    logits, cache = _prefill(model, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
-                             cache_size=slots_for(width + first_feed + segment))  # fmt: skip
-    on_device = np.arange(batch)  # the episode row of each device row (-1: padding)
-    index = width  # the cache's next slot (the host's copy)
-
-    def room(slots: int) -> None:
-        """Makes room for ``slots`` more: compacts the rows' slots if they have gaps, then
-        grows the cache if that is not enough."""
-        nonlocal cache
-        if index + slots <= cache.valid.shape[1]:
-            return
-        if int(jnp.max(jnp.sum(cache.valid, axis=1))) < index:
-            regather(np.arange(len(on_device)))
-        if index + slots > cache.valid.shape[1]:
-            cache = _grow(cache, slots=slots_for(index + slots))
-
-    def regather(keep: np.ndarray) -> None:
-        """Keeps device rows ``keep`` (padding repeats the first), slots compacted."""
-        nonlocal logits, cache, index, on_device
-        cache, logits = _regather(cache, logits, jnp.asarray(keep, jnp.int32))
-        index = int(cache.index)
-        on_device = on_device[keep]
-
-    def feed(extensions: dict[int, list[int]]) -> None:
-        nonlocal logits, cache, index
-        length = _feed_width(max(map(len, extensions.values())))
-        room(length)
-        tokens = np.zeros((len(on_device), length), np.int32)
-        mask = np.zeros((len(on_device), length), bool)
-        for slot, row in enumerate(on_device):
-            if (ids := extensions.get(int(row))) is not None:
-                tokens[slot, : len(ids)], mask[slot, : len(ids)] = ids, True
-        logits, cache = _extend(model, params, jnp.asarray(tokens), jnp.asarray(mask), logits, cache)
-        index += length
-
-    traced, static = sampling.draw_settings(
-        temperature=sampling_config.temperature,
-        top_k=sampling_config.top_k,
-        top_p=sampling_config.top_p,
-        min_p=sampling_config.min_p,
-    )
-
-    def decode_turn(remaining: np.ndarray, turn_key: jax.Array) -> _Turn:
-        """Every device row's turn, ``remaining`` ``[b]`` tokens at most, decoded by
-        segments with room made before each: the segments' host copies joined."""
-        nonlocal logits, cache, index
-        parts, left, offset = [], remaining, 0
-        while (left > 0).any():
-            room(min(segment, int(left.max())))
-            part, logits, cache = _decode_segment(
-                model, params, logits, cache, jnp.asarray(left), turn_key, offset, *traced, width=segment,
-                draws=completion_width, stop_ids=stop_ids, **static,
-            )  # fmt: skip
-            part = jax.device_get(part)
-            steps = int(part.steps)
-            index += steps
-            offset += steps
-            parts.append(part._replace(tokens=part.tokens[:, :steps], logprobs=part.logprobs[:, :steps]))
-            left = np.where(part.stopped, 0, left - part.lengths)
-        return _Turn(
-            tokens=np.concatenate([p.tokens for p in parts], axis=1),
-            logprobs=np.concatenate([p.logprobs for p in parts], axis=1),
-            lengths=sum(p.lengths for p in parts),
-            stopped=np.any([p.stopped for p in parts], axis=0),
-            steps=offset,
-        )
-
-    if any(openings):
-        feed({b: ids for b, ids in enumerate(openings) if ids})
-    turn_index = 0
-    while True:
-        for row in rows:  # a tool result that used up the budget leaves no room for a turn
-            if not row.finished and row.used >= budget:
-                row.finished = row.truncated = True
-        going = [slot for slot, row in enumerate(on_device) if row >= 0 and not rows[row].finished]
-        if not going:
-            break
-        size = _power_of_two(len(going))
-        if size < len(on_device):  # shrink: finished rows stop costing compute
-            keep = np.array(going + [going[0]] * (size - len(going)))
-            padding = np.arange(size) >= len(going)
-            regather(keep)
-            on_device = np.where(padding, -1, on_device)
-        remaining = np.array(
-            [0 if row < 0 or rows[row].finished else budget - rows[row].used for row in on_device],
-            np.int32,
-        )
-        turn = decode_turn(remaining, jax.random.fold_in(key, turn_index))
-        calling = _record_turn(rows, on_device, turn, tokenizer, call_format=call_format, max_turns=config.max_turns,
-                               stop_ids=stop_ids)  # fmt: skip
-        if calling:
-            extensions = _run_tools(
-                rows, calling, tokenizer, timeout=config.tool_timeout, budget=budget, token_chars=token_chars
-            )
-            if extensions:
-                feed(extensions)
-        turn_index += 1
-    return _episodes(rows, prompt_tokens, prompt_mask, completion_width, pad_id, environments is not None)
 
 
 def _record_turn(rows, on_device, turn: _Turn, tokenizer, *, call_format, max_turns, stop_ids) -> dict[int, int]:
