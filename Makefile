@@ -73,6 +73,7 @@ bench: $(INSTALLED) $(TRL_VENV)/.installed $(TUNIX_VENV)/.installed
 	$(BIN)/python benchmarks/host_memory.py
 	$(BIN)/python benchmarks/layer_scan.py
 	$(BIN)/python benchmarks/compile_depth.py
+	$(BIN)/python benchmarks/update_program.py
 	$(BIN)/python benchmarks/side_by_side.py --scaling $(BENCH_FLAGS)
 
 # The same GRPO step in a peer library, each in its own venv (.venv-<peer>, from

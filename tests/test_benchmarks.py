@@ -485,3 +485,17 @@ def test_the_trace_summary_sums_each_ops_own_time_on_the_device_line(tmp_path):
     assert [(op["name"], op["ms"] * 1e3) for op in summary["ops"]] == [("fusion.1", 20.0), ("fusion.2", 5.0)]
     with pytest.raises(FileNotFoundError, match="create_perfetto_trace=True"):
         trace_summary.summarize(tmp_path / "nothing")
+
+
+def test_update_program_counts_each_parts_equations_and_stacked_layers_write_fewer(capsys):
+    import update_program
+
+    unrolled = update_program.main(["--methods", "grpo"])["grpo"]
+    stacked = update_program.main(["--methods", "grpo", "--scan-layers"])["grpo"]
+    out = capsys.readouterr().out
+    assert "| grpo |" in out and "2 layers unrolled" in out and "2 layers stacked" in out
+    for row in (unrolled, stacked):
+        assert sum(row[part] for part in update_program.PARTS) == row["equations"]
+        assert row["optimizer"] > 0 and row["model"] > 0 and row["loss"] > 0 and row["compile"] > 0
+    # Stacked, the layers are one scan body (traced once) and their params 9 leaves, not 18, for the optimizer.
+    assert stacked["model"] < unrolled["model"] and stacked["optimizer"] < unrolled["optimizer"]
