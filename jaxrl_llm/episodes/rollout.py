@@ -350,7 +350,7 @@ class _DeviceRows:
             model, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
             cache_size=self._slots_for(self.width + first_feed + segment),
         )  # fmt: skip
-        self.rows = np.arange(prompt_tokens.shape[0] * group)  # [b] the episode of each device row (-1: padding)
+        self.episode_of = np.arange(prompt_tokens.shape[0] * group)  # [b] each device row's episode (-1: padding)
         self.index = self.width  # the cache's next slot (the host's copy)
 
     def _slots_for(self, needed: int) -> int:
@@ -362,7 +362,7 @@ class _DeviceRows:
         if self.index + slots <= self.cache.valid.shape[1]:
             return
         if int(jnp.max(jnp.sum(self.cache.valid, axis=1))) < self.index:
-            self._regather(np.arange(len(self.rows)))
+            self._regather(np.arange(len(self.episode_of)))
         if self.index + slots > self.cache.valid.shape[1]:
             self.cache = _grow(self.cache, slots=self._slots_for(self.index + slots))
 
@@ -370,23 +370,23 @@ class _DeviceRows:
         """Keeps device rows ``keep`` (padding repeats the first), slots compacted."""
         self.cache, self.logits = _regather(self.cache, self.logits, jnp.asarray(keep, jnp.int32))
         self.index = int(self.cache.index)
-        self.rows = self.rows[keep]
+        self.episode_of = self.episode_of[keep]
 
     def keep_only(self, going: list[int]) -> None:
         """Shrinks the batch to the next power of two holding device rows ``going`` when that
         is smaller: finished rows stop costing compute."""
         size = _power_of_two(len(going))
-        if size < len(self.rows):
+        if size < len(self.episode_of):
             self._regather(np.array(going + [going[0]] * (size - len(going))))
-            self.rows = np.where(np.arange(size) >= len(going), -1, self.rows)
+            self.episode_of = np.where(np.arange(size) >= len(going), -1, self.episode_of)
 
     def feed(self, extensions: dict[int, list[int]]) -> None:
         """Feeds each episode of ``extensions`` its ids (padded to :func:`_feed_width`)."""
         length = _feed_width(max(map(len, extensions.values())))
         self._room(length)
-        tokens = np.zeros((len(self.rows), length), np.int32)
-        mask = np.zeros((len(self.rows), length), bool)
-        for slot, row in enumerate(self.rows):
+        tokens = np.zeros((len(self.episode_of), length), np.int32)
+        mask = np.zeros((len(self.episode_of), length), bool)
+        for slot, row in enumerate(self.episode_of):
             if (ids := extensions.get(int(row))) is not None:
                 tokens[slot, : len(ids)], mask[slot, : len(ids)] = ids, True
         self.logits, self.cache = _extend(
@@ -468,29 +468,30 @@ def sample_episodes(
     )
     budget = sampling_config.max_new_tokens
     token_chars = tasks.base.longest_token_chars(tokenizer)
-    completion_width = _round_up(budget + max(map(len, openings)), 16) if any(openings) else budget
+    longest_opening = max(map(len, openings))
+    completion_width = _round_up(budget + longest_opening, 16) if longest_opening else budget
     _check_cache(model.config, prompt_tokens.shape[1], completion_width)
     device = _DeviceRows(
         model, params, prompt_tokens, prompt_mask, group=num_samples,
-        first_feed=_feed_width(max(map(len, openings))) if any(openings) else 0,
+        first_feed=_feed_width(longest_opening) if longest_opening else 0,
         segment=_segment(completion_width), draws=completion_width, stop_ids=stop_ids, sampling_config=sampling_config,
     )  # fmt: skip
-    if any(openings):
+    if longest_opening:
         device.feed({b: ids for b, ids in enumerate(openings) if ids})
     turn_index = 0
     while True:
         for row in rows:  # a tool result that used up the budget leaves no room for a turn
             if not row.finished and row.used >= budget:
                 row.finished = row.truncated = True
-        going = [slot for slot, row in enumerate(device.rows) if row >= 0 and not rows[row].finished]
+        going = [slot for slot, row in enumerate(device.episode_of) if row >= 0 and not rows[row].finished]
         if not going:
             break
         device.keep_only(going)
         remaining = np.array(
-            [0 if row < 0 or rows[row].finished else budget - rows[row].used for row in device.rows], np.int32
+            [0 if row < 0 or rows[row].finished else budget - rows[row].used for row in device.episode_of], np.int32
         )
         turn = device.decode_turn(remaining, jax.random.fold_in(key, turn_index))
-        calling = _record_turn(rows, device.rows, turn, tokenizer, call_format=call_format,
+        calling = _record_turn(rows, device.episode_of, turn, tokenizer, call_format=call_format,
                                max_turns=config.max_turns, stop_ids=stop_ids)  # fmt: skip
         if calling:
             extensions = _run_tools(
