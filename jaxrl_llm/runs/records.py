@@ -37,6 +37,7 @@ so there the replayed steps keep their first values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -45,7 +46,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -528,7 +529,8 @@ class RunRecorder:
         if plot_every:
             _require("matplotlib", "plot_every > 0 draws metrics.png", "pass plot_every=0")
         if tensorboard:
-            _require("tensorboardX", "tensorboard=True writes TensorBoard event files", "pass tensorboard=False")
+            with _torch_hidden():
+                _require("tensorboardX", "tensorboard=True writes TensorBoard event files", "pass tensorboard=False")
         if wandb_project is not None:
             _require("wandb", f"wandb_project={wandb_project!r} logs to Weights & Biases", "leave wandb_project unset")
 
@@ -694,9 +696,10 @@ class _TensorBoardEvents:
     block the next step.)"""
 
     def __init__(self, directory: Path, *, purge_step: int):
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.summary import scalar
+        with _torch_hidden():
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            from tensorboardX.summary import scalar
 
         self._event, self._scalar = Event, scalar
         directory.mkdir(parents=True, exist_ok=True)
@@ -715,6 +718,22 @@ class _TensorBoardEvents:
 
     def close(self) -> None:
         self._writer.close()
+
+
+@contextlib.contextmanager
+def _torch_hidden() -> Iterator[None]:
+    """Imports made inside see no torch (``import torch`` raises ImportError), unless torch is
+    imported already. tensorboardX's package imports torch where it is installed, about two
+    seconds, only to accept torch tensors as values; a run logs floats. Without it, tensorboardX
+    takes NumPy's arrays as its arrays."""
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's "not importable"
+    try:
+        yield
+    finally:
+        del sys.modules["torch"]
 
 
 def _require(module: str, need: str, instead: str) -> None:

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import struct
+import subprocess
 import sys
 import threading
 import types
@@ -181,6 +182,23 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
     raw = read_tensorboard(directory, purge=False)  # in the files, hidden by the restart event
     assert [step for step, _ in raw["train/reward"]] == [*range(6), *range(3, 8)]
     assert [step for step, _ in raw["eval/pass_at_4"]] == [4]
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    """tensorboardX's package imports torch where it is installed (this suite's environment),
+    two seconds of every run's start, only to accept torch tensors; a recorder logs floats and
+    leaves torch unimported, and a later ``import torch`` works."""
+    code = (
+        "import sys; from jaxrl_llm.runs import records\n"
+        "with records.RunRecorder(sys.argv[1], total_steps=2, plot_every=0, progress=False) as recorder:\n"
+        "    recorder.log(0, {'reward': 0.5}); recorder.log(1, {'reward': 0.75})\n"
+        "print('torch' in sys.modules)\n"
+        "import torch; print(torch.ones(1).item())"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "1.0"]
+    assert read_tensorboard(tmp_path / "tensorboard")["train/reward"] == [(0, 0.5), (1, 0.75)]
 
 
 def test_a_failed_tensorboard_write_raises_in_the_step_that_made_it(tmp_path, monkeypatch):
