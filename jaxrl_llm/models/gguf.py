@@ -27,6 +27,7 @@ not a multiple of 32) is written as F16, as llama.cpp's converter does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -153,29 +154,52 @@ def find_file(path: str | os.PathLike) -> pathlib.Path | None:
 
 
 class _Metadata(Mapping[str, Any]):
-    """A GGUF file's key-value metadata, each value read when first asked for."""
+    """A GGUF file's key-value metadata, every value decoded; a list is handed out as a copy
+    (the cached parse it comes from is shared)."""
 
-    def __init__(self, reader: gguf_lib.GGUFReader):
-        self._fields = reader.fields
-        self._values: dict[str, Any] = {}
+    def __init__(self, values: dict[str, Any]):
+        self._values = values
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self._values:
-            self._values[key] = self._fields[key].contents()
-        return self._values[key]
+        value = self._values[key]
+        return list(value) if isinstance(value, list) else value
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._fields)
+        return iter(self._values)
 
     def __len__(self) -> int:
-        return len(self._fields)
+        return len(self._values)
 
 
-def _open(file: pathlib.Path) -> gguf_lib.GGUFReader:
+@dataclasses.dataclass(frozen=True)
+class _Parsed:
+    """A GGUF file parsed: its metadata and its tensors (views of the mapped file, read on use)."""
+
+    metadata: _Metadata
+    tensors: tuple[gguf_lib.ReaderTensor, ...]
+
+
+def _parse(file: pathlib.Path) -> _Parsed:
+    """``file`` parsed, or its parse from before if it has not changed since (the same path,
+    inode, size and modification time): a run reads its model's config, tokenizer and
+    checkpoint from one file, and ``gguf``'s reader takes seconds over a real model's
+    metadata (a NumPy view of each of its vocabulary's and merges' strings)."""
+    file = file.resolve()
+    stat = file.stat()
+    return _parse_version(file, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_version(file: pathlib.Path, version: tuple[int, int, int]) -> _Parsed:
+    """:func:`_parse` of ``file`` as it is at ``version`` (part of the cache's key). The
+    reader's per-string views are dropped once decoded: a real model's are 170 MB."""
+    del version
     try:
-        return gguf_lib.GGUFReader(file)
+        reader = gguf_lib.GGUFReader(file)
     except (ValueError, OSError, IndexError, EOFError) as error:  # a truncated or foreign file
         raise ValueError(f"{file} is not a readable GGUF file: {error}") from error
+    values = {name: field.contents() for name, field in reader.fields.items()}
+    return _Parsed(_Metadata(values), tuple(reader.tensors))
 
 
 def _float32_value(value: float) -> float:
@@ -193,34 +217,21 @@ def read_config(file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtyp
         than Llama 3.1's), a required metadata key missing, or no ``token_embd.weight``
         tensor (whose shape gives the vocabulary size), naming it.
     """
-    file = pathlib.Path(file).resolve()
-    stat = file.stat()  # a file read before: the same path, inode, size and modification time
-    version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    return _read_config(file, version, param_dtype=dtype_from_name(param_dtype), dtype=dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _read_config(file: pathlib.Path, version: tuple[int, int, int], *, param_dtype: Any, dtype: Any) -> ModelConfig:
-    """:func:`read_config` of ``file`` as it is at ``version`` (part of the cache's key): a run
-    reads its model's config several times, and parsing a real model's metadata (its
-    vocabulary and merges) takes seconds."""
-    del version
-    return _config(file, _open(file), param_dtype=param_dtype, dtype=dtype)
+    file = pathlib.Path(file)
+    return _config(file, _parse(file), param_dtype=dtype_from_name(param_dtype), dtype=dtype)
 
 
 def read_checkpoint(
     file: str | os.PathLike, *, param_dtype: Any = jnp.float32, dtype: Any | None = None
 ) -> tuple[ModelConfig, GgufTensors]:
-    """:func:`read_config` and :class:`GgufTensors` of ``file``, its metadata (a real model's
-    vocabulary and merges: hundreds of thousands of fields) parsed once for both."""
+    """:func:`read_config` and :class:`GgufTensors` of ``file``."""
     file = pathlib.Path(file)
-    reader = _open(file)
-    config = _config(file, reader, param_dtype=param_dtype, dtype=dtype)
-    return config, GgufTensors(file, config, reader=reader)
+    config = _config(file, _parse(file), param_dtype=param_dtype, dtype=dtype)
+    return config, GgufTensors(file, config)
 
 
-def _config(file: pathlib.Path, reader: gguf_lib.GGUFReader, *, param_dtype: Any, dtype: Any | None) -> ModelConfig:
-    meta = _Metadata(reader)
+def _config(file: pathlib.Path, parsed: _Parsed, *, param_dtype: Any, dtype: Any | None) -> ModelConfig:
+    meta = parsed.metadata
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(
@@ -245,7 +256,7 @@ def _config(file: pathlib.Path, reader: gguf_lib.GGUFReader, *, param_dtype: Any
         value = meta.get(f"tokenizer.ggml.{key}")
         return None if value is None else int(value)
 
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = {tensor.name: tensor for tensor in parsed.tensors}
     hidden, heads = required("embedding_length"), required("attention.head_count")
     head_dim = int(field("attention.key_length", 0) or hidden // heads)
     rotary = field("rope.dimension_count")
@@ -383,11 +394,11 @@ class GgufTensors:
       ValueError: a tensor with no Hugging Face name (of another architecture), naming it.
     """
 
-    def __init__(self, file: str | os.PathLike, config: ModelConfig, *, reader: gguf_lib.GGUFReader | None = None):
+    def __init__(self, file: str | os.PathLike, config: ModelConfig):
         self.description = str(file)
         self._config = config
         self._tensors = {}  # Hugging Face name -> the reader's tensor
-        for tensor in (_open(pathlib.Path(file)) if reader is None else reader).tensors:
+        for tensor in _parse(pathlib.Path(file)).tensors:
             if tensor.name == _ROPE_FREQS:
                 continue
             name = hf_tensor_name(tensor.name)
@@ -438,7 +449,7 @@ def load_tokenizer(file: str | os.PathLike) -> transformers.PreTrainedTokenizerF
       ValueError: the file has no tokenizer, or one transformers cannot build (names it).
     """
     file = pathlib.Path(file)
-    meta = _Metadata(_open(file))
+    meta = _parse(file).metadata
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError(f"{file} holds no tokenizer (tokenizer.ggml.tokens).")
     grouped = {

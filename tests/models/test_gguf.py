@@ -83,15 +83,26 @@ def test_the_tokenizer_is_transformers_gguf_tokenizer(hf_models, tokenizer, tmp_
     assert models.load_tokenizer(tmp_path).get_vocab() == loaded.get_vocab()  # the directory holding the file
 
 
-def test_a_file_read_again_gives_its_config_as_it_is_now(hf_models, tokenizer, tmp_path):
-    """read_config keeps the configs of files read before (a run reads its model's several times):
-    a file written anew in the same place is read again, and each dtype gets its own config."""
+def test_a_file_is_parsed_once_until_it_is_written_anew(hf_models, tokenizer, tmp_path, monkeypatch):
+    """A run reads its model's config, tokenizer and weights from one file: its metadata is
+    parsed once for all three. A file written anew in the same place is parsed again, and each
+    dtype gets its own config."""
+    parses = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda file: parses.append(file) or reader(file))
     path = fixtures.write_gguf(tmp_path / "model.gguf", hf_models["llama"], tokenizer)
     assert models.read_config(path).architecture == "llama"
     assert models.read_config(path, dtype="bfloat16").param_dtype == jnp.bfloat16
     assert models.read_config(path).param_dtype == jnp.float32
+    loaded = models.load_tokenizer(path)
+    loaded.add_tokens(["<added>"])  # a tokenizer changed by its user leaves the next one as the file has it
+    assert models.load_tokenizer(path).get_vocab() == tokenizer.get_vocab()
+    _, params = models.from_pretrained(path)
+    assert len(parses) == 1
     fixtures.write_gguf(path, hf_models["qwen2"], tokenizer)
-    assert models.read_config(path).architecture == "qwen2"
+    model, again = models.from_pretrained(path)
+    assert model.config.architecture == "qwen2" and len(parses) == 2
+    assert jax.tree.structure(again) != jax.tree.structure(params)  # qwen2's biases: read from the new file
 
 
 @pytest.mark.parametrize("qtype", fixtures.READ_TYPES)
