@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import tyro
 
-from jaxrl_llm import algorithms, host, models, sampling, training
+from jaxrl_llm import algorithms, host, models, rollouts, sampling, training
 from jaxrl_llm.episodes import EpisodeConfig, scoring
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import CalculatorTask
@@ -71,7 +71,7 @@ class CalculatorConfig:
     """Where to write the held-out metrics as JSON (``None``: nowhere)."""
 
 
-def evaluate(task, model, params, config: CalculatorConfig, toolset) -> dict[str, float]:
+def evaluate(task, model, params, config: CalculatorConfig, strategy: rollouts.RolloutStrategy) -> dict[str, float]:
     """Held-out success and tool calls per episode, greedy and sampled, easy and hard."""
     batch = task.examples("test", np.arange(config.eval_examples), seed=config.seed)
     hard = np.asarray(batch.columns["hard"])
@@ -81,16 +81,8 @@ def evaluate(task, model, params, config: CalculatorConfig, toolset) -> dict[str
             max_new_tokens=config.max_new_tokens, max_prompt_length=32, temperature=temperature
         )
         sampler = sampling.Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=settings)
-        scored = scoring.score_prompts(
-            sampler,
-            params,
-            task,
-            batch,
-            jax.random.key(config.seed + 1),
-            toolset=toolset,
-            episodes=EpisodeConfig(max_turns=config.max_turns),
-            num_samples=samples,
-            sampling_config=settings,
+        scored = strategy.score(
+            sampler, params, task, batch, jax.random.key(config.seed + 1), num_samples=samples, sampling_config=settings
         )
         rows = np.repeat(hard, samples)
         solved = scored.result.values["correct"] >= 1.0
@@ -118,7 +110,7 @@ def run(config: CalculatorConfig) -> list[dict[str, float]]:
         ),
         jax.random.key(config.seed),
     )
-    toolset = scoring.Toolset.build(task)
+    strategy = scoring.rollout_strategy(task, episodes=EpisodeConfig(max_turns=config.max_turns))
     started = time.perf_counter()
     conversations = task.demonstrations(config.demonstrations, seed=config.seed, tool_fraction=config.tool_fraction)
     params, _ = training.supervised_finetune(
@@ -132,7 +124,7 @@ def run(config: CalculatorConfig) -> list[dict[str, float]]:
     )
     warm_seconds = time.perf_counter() - started
     history = [
-        dict(step=0, warm_start_seconds=warm_seconds, rl_seconds=0.0, **evaluate(task, model, params, config, toolset))
+        dict(step=0, warm_start_seconds=warm_seconds, rl_seconds=0.0, **evaluate(task, model, params, config, strategy))
     ]
     train_config = training.TrainConfig(
         num_prompts=config.num_prompts,
@@ -151,7 +143,7 @@ def run(config: CalculatorConfig) -> list[dict[str, float]]:
         nonlocal evaluation_seconds
         if (end.step + 1) % config.eval_every == 0:
             began = time.perf_counter()
-            metrics = evaluate(task, model, end.state.params, config, toolset)
+            metrics = evaluate(task, model, end.state.params, config, strategy)
             evaluation_seconds += time.perf_counter() - began
             rl_seconds = time.perf_counter() - rl_started - evaluation_seconds
             history.append(dict(step=end.step + 1, warm_start_seconds=warm_seconds, rl_seconds=rl_seconds, **metrics))

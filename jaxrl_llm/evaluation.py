@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from jaxrl_llm import _checks, distributed, models, rewards, tasks
 from jaxrl_llm.episodes import scoring
 from jaxrl_llm.episodes.config import EpisodeConfig
-from jaxrl_llm.rollouts import ScoredRound
+from jaxrl_llm.rollouts import RolloutStrategy, ScoredRound
 from jaxrl_llm.sampling import Sampler, SamplingConfig
 
 
@@ -147,11 +147,10 @@ def pass_at_k_values(num_samples: int) -> tuple[int, ...]:
     return tuple(ks if ks[-1] == num_samples else [*ks, num_samples])
 
 
-def _correct_name(task: tasks.Task, correct_reward: int | str, toolset: scoring.Toolset | None = None) -> str:
+def _correct_name(task: tasks.Task, correct_reward: int | str, strategy: RolloutStrategy) -> str:
     """The logged name of the reward function that decides whether a completion is solved
-    (the task's, then the environments' ``get_reward``)."""
-    extra = [] if toolset is None else toolset.reward_functions()
-    names = rewards.combine.reward_names([*task.reward_fns, *extra])
+    (the task's, then the strategy's: the environments' ``get_reward``)."""
+    names = rewards.combine.reward_names([*task.reward_fns, *strategy.reward_functions()])
     allowed = f"an index in [0, {len(names)}) into the task's reward functions or one of their names {names}"
     if isinstance(correct_reward, str):
         if correct_reward not in names:
@@ -185,6 +184,7 @@ def evaluate(
     tools: Sequence[Callable] | None = None,
     environment_factory: Any = None,
     episodes: EpisodeConfig | None = None,
+    strategy: RolloutStrategy | None = None,
     **sampling_fields: Any,
 ) -> dict[str, float]:
     r"""Greedy accuracy, mean rewards and pass@k of ``params`` over every example of a split.
@@ -248,6 +248,9 @@ def evaluate(
         (:mod:`jaxrl_llm.episodes`), greedy and sampled alike, limited by ``episodes``
         (default ``EpisodeConfig()``), and the metrics also hold the greedy episodes'
         mean turns and tool calls.
+      strategy: the rollouts chosen already, instead of ``tools``, ``environment_factory``
+        and ``episodes`` (:func:`jaxrl_llm.episodes.scoring.rollout_strategy`; a training
+        run's evaluations pass the run's own, its environments' pool with it).
 
     Returns:
       A flat dict of floats:
@@ -285,9 +288,16 @@ def evaluate(
         on_reward_error=on_reward_error,
         progress=progress,
     )
-    toolset = scoring.Toolset.build(task, tools=tools, environment_factory=environment_factory)
-    tasks.check_task(task, needs_rewards=not (toolset is not None and toolset.reward_functions()))
-    correct = _correct_name(task, correct_reward, toolset)
+    if strategy is None:
+        strategy = scoring.rollout_strategy(
+            task, tools=tools, environment_factory=environment_factory, episodes=episodes
+        )
+    elif tools is not None or environment_factory is not None or episodes is not None:
+        raise ValueError(
+            "evaluate: pass `strategy` or `tools`, `environment_factory` and `episodes` (which make one), not both."
+        )
+    tasks.check_task(task, needs_rewards=not strategy.reward_functions())
+    correct = _correct_name(task, correct_reward, strategy)
     size = _split_size(task, split)
     greedy_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=None, top_p=None, min_p=None)
     backends = [
@@ -298,8 +308,6 @@ def evaluate(
             (Sampler(model=model, eos_ids=task.eos_ids, pad_id=task.pad_id, sampling=sampling, mesh=mesh), num_samples)
         )
     settings = dict(
-        toolset=toolset,
-        episodes=episodes or EpisodeConfig(),
         sampling_config=sampling,
         prompt_bucket=prompt_bucket,
         on_reward_error=on_reward_error,
@@ -312,7 +320,7 @@ def evaluate(
             batch = _examples(task, split, np.arange(start, min(start + batch_size, size), dtype=np.int64), seed=seed)
             batch_key = jax.random.fold_in(key, number)
             for index, (backend, samples) in enumerate(backends):  # greedy (key 0), then sampled (key 1)
-                scored = scoring.score_prompts(
+                scored = strategy.score(
                     backend, params, task, batch, jax.random.fold_in(batch_key, index), num_samples=samples, **settings
                 )
                 tally.add(scored, samples=samples, sampled=index > 0)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -220,6 +220,77 @@ def rollout_and_score(
         truncated_prompts=truncated_prompts,
         reward_seconds=reward_seconds,
     )
+
+
+class RolloutStrategy(Protocol):
+    """How a batch of prompts becomes a :class:`ScoredRound`: :class:`Completions`
+    (single-turn) or :class:`jaxrl_llm.episodes.scoring.Episodic` (multi-turn episodes with
+    tools or environments). ``train`` and ``evaluate`` choose one, once
+    (:func:`jaxrl_llm.episodes.scoring.rollout_strategy`); the trainer's collector and the
+    evaluator call its ``score``."""
+
+    def score(
+        self,
+        backend: sampling.RolloutBackend,
+        params: models.Params,
+        task: tasks.Task,
+        batch: tasks.PromptBatch,
+        key: jax.Array,
+        *,
+        num_samples: int,
+        sampling_config: sampling.SamplingConfig,
+        prompt_bucket: int = 8,
+        on_reward_error: str = "raise",
+        shaping: Any = None,
+        trainer_state: rewards.TrainerState | None = None,
+    ) -> ScoredRound:
+        """``G = num_samples`` scored rollouts of each prompt of ``batch``: the completion
+        budget and the prompt settings from ``sampling_config``, the rest as in
+        :func:`rollout_and_score`."""
+        ...
+
+    def reward_functions(self) -> list[Callable]:
+        """Reward functions the strategy adds to the task's (weight 1 each)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Completions:
+    """Single-turn rollouts: one completion per sample (:func:`rollout_and_score`)."""
+
+    def score(
+        self,
+        backend: sampling.RolloutBackend,
+        params: models.Params,
+        task: tasks.Task,
+        batch: tasks.PromptBatch,
+        key: jax.Array,
+        *,
+        num_samples: int,
+        sampling_config: sampling.SamplingConfig,
+        prompt_bucket: int = 8,
+        on_reward_error: str = "raise",
+        shaping: Any = None,
+        trainer_state: rewards.TrainerState | None = None,
+    ) -> ScoredRound:
+        return rollout_and_score(
+            backend,
+            params,
+            task,
+            batch,
+            key,
+            num_samples=num_samples,
+            max_new_tokens=sampling_config.max_new_tokens,
+            max_prompt_length=sampling_config.max_prompt_length,
+            prompt_truncation=sampling_config.prompt_truncation,
+            prompt_bucket=prompt_bucket,
+            on_reward_error=on_reward_error,
+            shaping=shaping,
+            trainer_state=trainer_state,
+        )
+
+    def reward_functions(self) -> list[Callable]:
+        return []
 
 
 def rewards_by_process(

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import evaluation, models, sampling, sharding
+from jaxrl_llm import evaluation, models, rollouts, sampling, sharding
+from jaxrl_llm.episodes import EpisodeConfig
 from jaxrl_llm.evaluation import evaluate, pass_at_k
 from jaxrl_llm.tasks import DigitSumTask
 
@@ -359,6 +360,11 @@ def test_progress_bar_counts_examples(policy, capsys):
         (DigitSumTask(), dict(threshold=float("nan")), r"`threshold` must be a finite number"),
         (DigitSumTask(), dict(num_samples=2, top_p=0.0), r"`top_p` must be in \(0.0, 1.0\]"),
         (DigitSumTask(), dict(max_prompt_length=2), r"more than max_prompt_length=2"),
+        (
+            DigitSumTask(),
+            dict(strategy=rollouts.Completions(), episodes=EpisodeConfig()),
+            r"pass `strategy` or `tools`, `environment_factory` and `episodes` \(which make one\), not both",
+        ),
     ],
 )
 def test_evaluate_rejects_bad_arguments(policy, task, settings, match):

@@ -1,6 +1,6 @@
-"""From a task's prompts to scored episodes: the multi-turn counterpart of
-:func:`jaxrl_llm.rollouts.rollout_and_score`, which the trainer and the evaluator call
-when a run has tools or environments.
+"""From a task's prompts to scored episodes (:func:`score_episodes`): the multi-turn
+counterpart of :func:`jaxrl_llm.rollouts.rollout_and_score`, and the rollout strategy a
+run with tools or environments takes (:class:`Episodic`, chosen by :func:`rollout_strategy`).
 
 Reward functions are called as TRL calls them in a multi-turn run: ``prompts`` are each
 row's prompt messages (an environment's observation appended), ``completions`` each
@@ -60,46 +60,65 @@ class Toolset:
         return [] if self.environments is None else self.environments.reward_functions()
 
 
-def score_prompts(
-    backend: sampling.RolloutBackend,
-    params: models.Params,
-    task: tasks.Task,
-    batch: tasks.PromptBatch,
-    key: jax.Array,
-    *,
-    toolset: Toolset | None,
-    episodes: EpisodeConfig,
-    num_samples: int,
-    sampling_config: sampling.SamplingConfig,
-    prompt_bucket: int = 8,
-    on_reward_error: str = "raise",
-    shaping: Any = None,
-    trainer_state: rewards.TrainerState | None = None,
-) -> ScoredRound:
-    """``G = num_samples`` scored rollouts of each prompt of ``batch``: single-turn
-    completions (:func:`jaxrl_llm.rollouts.rollout_and_score`) without a ``toolset``,
-    episodes (:func:`rollout_and_score`) with one; the budget and prompt settings from
-    ``sampling_config``. The trainer and the evaluator both call this."""
-    common = dict(
-        num_samples=num_samples,
-        max_new_tokens=sampling_config.max_new_tokens,
-        prompt_bucket=prompt_bucket,
-        on_reward_error=on_reward_error,
-        shaping=shaping,
-        trainer_state=trainer_state,
-    )
-    if toolset is None:
-        return rollouts.rollout_and_score(
+@dataclasses.dataclass(frozen=True)
+class Episodic:
+    """Multi-turn rollouts: episodes with ``toolset``'s tools and environments, limited by
+    ``config`` (:func:`score_episodes`; the :class:`jaxrl_llm.rollouts.RolloutStrategy` of a
+    run with tools or environments)."""
+
+    toolset: Toolset
+    config: EpisodeConfig = EpisodeConfig()
+
+    def score(
+        self,
+        backend: sampling.RolloutBackend,
+        params: models.Params,
+        task: tasks.Task,
+        batch: tasks.PromptBatch,
+        key: jax.Array,
+        *,
+        num_samples: int,
+        sampling_config: sampling.SamplingConfig,
+        prompt_bucket: int = 8,
+        on_reward_error: str = "raise",
+        shaping: Any = None,
+        trainer_state: rewards.TrainerState | None = None,
+    ) -> ScoredRound:
+        return score_episodes(
             backend,
             params,
             task,
             batch,
             key,
-            max_prompt_length=sampling_config.max_prompt_length,
-            prompt_truncation=sampling_config.prompt_truncation,
-            **common,
+            toolset=self.toolset,
+            config=self.config,
+            num_samples=num_samples,
+            max_new_tokens=sampling_config.max_new_tokens,
+            prompt_bucket=prompt_bucket,
+            on_reward_error=on_reward_error,
+            shaping=shaping,
+            trainer_state=trainer_state,
         )
-    return rollout_and_score(backend, params, task, batch, key, toolset=toolset, config=episodes, **common)
+
+    def reward_functions(self) -> list[Callable]:
+        return self.toolset.reward_functions()
+
+
+def rollout_strategy(
+    task: tasks.Task,
+    *,
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | Environments | None = None,
+    episodes: EpisodeConfig | None = None,
+) -> rollouts.RolloutStrategy:
+    """The rollouts of a run or an evaluation, chosen once: episodes (:class:`Episodic`,
+    limited by ``episodes``, default ``EpisodeConfig()``) when ``task`` has tools or
+    ``tools`` or ``environment_factory`` are given (:meth:`Toolset.build`), else single-turn
+    completions (:class:`jaxrl_llm.rollouts.Completions`)."""
+    toolset = Toolset.build(task, tools=tools, environment_factory=environment_factory)
+    if toolset is None:
+        return rollouts.Completions()
+    return Episodic(toolset, EpisodeConfig() if episodes is None else episodes)
 
 
 def _conversational(batch: tasks.PromptBatch) -> list:
@@ -112,7 +131,7 @@ def _conversational(batch: tasks.PromptBatch) -> list:
     return list(batch.prompts)
 
 
-def rollout_and_score(
+def score_episodes(
     sampler: sampling.Sampler,
     params: models.Params,
     task: tasks.Task,

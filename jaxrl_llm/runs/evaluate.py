@@ -33,10 +33,13 @@ def evaluate_model(
     :func:`jaxrl_llm.training.loop.evaluation_metrics`), with ``num_samples`` samples per
     prompt (default ``train.eval_samples``), decoded over ``mesh``."""
     train = config.train if num_samples is None else dataclasses.replace(config.train, eval_samples=num_samples)
-    toolset = scoring.Toolset.build(
-        task, tools=build.tools(config.task), environment_factory=build.environment_factory(config.task)
+    strategy = scoring.rollout_strategy(
+        task,
+        tools=build.tools(config.task),
+        environment_factory=build.environment_factory(config.task),
+        episodes=train.episodes,
     )
-    return training.loop.evaluation_metrics(model, params, task, train, mesh=mesh, toolset=toolset)
+    return training.loop.evaluation_metrics(model, params, task, train, mesh=mesh, strategy=strategy)
 
 
 def evaluate_run(

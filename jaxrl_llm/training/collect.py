@@ -1,7 +1,7 @@
 r"""One train step's rollouts: a batch of ``P`` groups of ``G`` scored completions from the
 task's train stream, with DAPO's dynamic sampling.
 
-Each round of prompts goes through :func:`jaxrl_llm.episodes.scoring.score_prompts`, the
+Each round of prompts goes through the run's :class:`jaxrl_llm.rollouts.RolloutStrategy`, the
 path from prompts to rewards that the evaluator takes too: single-turn completions
 (prompt widths, stop strings, decoding, reward functions: see :mod:`jaxrl_llm.rollouts`),
 or multi-turn episodes in runs with tools or environments.
@@ -16,8 +16,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import algorithms, models, rewards, sampling, tasks
-from jaxrl_llm.episodes import scoring
-from jaxrl_llm.rollouts import Rollouts, ScoredRound
+from jaxrl_llm.rollouts import Completions, Rollouts, RolloutStrategy, ScoredRound
 from jaxrl_llm.training.config import TrainConfig
 
 
@@ -53,7 +52,7 @@ def collect_batch(
     key: jax.Array,
     position: int,
     prompt_bucket: int = 8,
-    toolset: scoring.Toolset | None = None,
+    strategy: RolloutStrategy | None = None,
     trainer_state: rewards.TrainerState | None = None,
 ) -> CollectedBatch:
     """Rollouts and rewards for one train step, from the task's train stream at ``position``
@@ -66,10 +65,12 @@ def collect_batch(
     extra rounds are spent; the batch is the first ``P`` groups with signal, then groups
     without it with an all-zero completion mask (padding rows: they change no loss).
     DAPO's soft overlong punishment (:func:`jaxrl_llm.rewards.soft_overlong_punishment`)
-    is added to the rewards the advantages see. With a ``toolset`` the rollouts are
-    multi-turn episodes (:func:`jaxrl_llm.episodes.scoring.rollout_and_score`).
+    is added to the rewards the advantages see. ``strategy`` makes the rollouts: single-turn
+    completions (:class:`jaxrl_llm.rollouts.Completions`) when ``None``, multi-turn episodes
+    with :class:`jaxrl_llm.episodes.scoring.Episodic`.
     """
     settings = config.sampling
+    strategy = Completions() if strategy is None else strategy
     algorithm = fit_overlong_buffer(algorithm, settings.max_new_tokens)
     shaping = None
     if algorithm.overlong_buffer:
@@ -87,14 +88,12 @@ def collect_batch(
         batch = tasks.base.draw(
             task, "train", seed=config.seed, start=position + round_index * num_prompts, count=num_prompts
         )
-        scored = scoring.score_prompts(
+        scored = strategy.score(
             backend,
             params,
             task,
             batch,
             jax.random.fold_in(key, round_index),
-            toolset=toolset,
-            episodes=config.episodes,
             num_samples=group,
             sampling_config=settings,
             prompt_bucket=prompt_bucket,

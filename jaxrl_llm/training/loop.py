@@ -48,6 +48,7 @@ from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, rewa
 from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.episodes import scoring
 from jaxrl_llm.rewards.combine import called_in
+from jaxrl_llm.rollouts import RolloutStrategy
 from jaxrl_llm.training.batch import Batch, batch_shardings
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
@@ -217,12 +218,14 @@ def evaluation_metrics(
     *,
     prompt_bucket: int = 8,
     mesh: jax.sharding.Mesh | None = None,
-    toolset: scoring.Toolset | None = None,
+    strategy: RolloutStrategy | None = None,
 ) -> dict[str, float]:
     """What ``train`` adds to the metrics every ``config.eval_every`` steps: the task's test
     split evaluated with the run's sampling settings (:func:`jaxrl_llm.evaluation.evaluate`,
-    decoded over ``mesh``; episodes with the run's ``toolset``), as ``eval_*`` metrics and
-    ``eval_seconds``."""
+    decoded over ``mesh``; rolled out by the run's ``strategy``, default the one
+    ``config.episodes`` and the task's own tools make), as ``eval_*`` metrics and ``eval_seconds``."""
+    if strategy is None:
+        strategy = scoring.rollout_strategy(task, episodes=config.episodes)
     started = time.perf_counter()
     results = evaluation.evaluate(
         model,
@@ -235,9 +238,7 @@ def evaluation_metrics(
         on_reward_error=config.on_reward_error,
         progress=False,
         mesh=mesh,
-        tools=None if toolset is None else toolset.tools,
-        environment_factory=None if toolset is None else toolset.environments,
-        episodes=config.episodes,
+        strategy=strategy,
     )
     return evaluation.as_metrics(results, seconds=time.perf_counter() - started)
 
@@ -432,7 +433,7 @@ class _Run:
     prompt_bucket: int
     rollout_mesh: jax.sharding.Mesh | None
     callback: Callable[[StepEnd], Any] | None
-    toolset: scoring.Toolset | None = None  # multi-turn runs: the tools and environments
+    strategy: RolloutStrategy  # how prompts become scored rollouts: single-turn, or episodes
     decoder: models.Model | None = None  # what rollouts and evaluations decode (None: model)
     decoding_params: Callable[[models.Params], models.Params] | None = None  # policy params -> decoder's
 
@@ -473,7 +474,7 @@ def _rollout_and_score(run: _Run, state: TrainState, *, max_steps: int) -> _Scor
             key=rollout_key(state),
             position=int(state.prompts_drawn),
             prompt_bucket=run.prompt_bucket,
-            toolset=run.toolset,
+            strategy=run.strategy,
             trainer_state=trainer_state,
         )
     rollouts = collected.rollouts
@@ -561,7 +562,7 @@ def _end_step(
                     config,
                     prompt_bucket=run.prompt_bucket,
                     mesh=run.rollout_mesh,
-                    toolset=run.toolset,
+                    strategy=run.strategy,
                 )
             )
     if run.callback is not None:  # a Ctrl-C during it (a checkpoint being written, say) comes after it
@@ -754,10 +755,12 @@ def train(
     elif tokenizer is not None:
         raise ValueError("train: `tokenizer=` is for a run without a task; a task brings its own tokenizer.")
     task = tasks.DigitSumTask() if task is None else task
-    toolset = scoring.Toolset.build(task, tools=tools, environment_factory=environment_factory)
-    environments = None if toolset is None else toolset.environments
-    tasks.check_task(task, needs_rewards=not (toolset is not None and toolset.reward_functions()))
-    if getattr(task, "environment_prompts", False) and environments is None:
+    strategy = scoring.rollout_strategy(
+        task, tools=tools, environment_factory=environment_factory, episodes=config.episodes
+    )
+    episodic = isinstance(strategy, scoring.Episodic)
+    tasks.check_task(task, needs_rewards=not strategy.reward_functions())
+    if getattr(task, "environment_prompts", False) and not (episodic and strategy.toolset.environments is not None):
         raise ValueError(f"TextTask: {task.missing_prompt_message()}; only an environment_factory gives prompts.")
     check_evaluation(task, config)
     if isinstance(task, tasks.TextTask):  # every prompt read once, before any compute
@@ -767,7 +770,7 @@ def train(
             limit = sampling_config.max_prompt_length * tasks.base.longest_token_chars(task.tokenizer)
         for split in ("train", "test") if config.eval_every else ("train",):
             task.check_prompts(split, max_characters=limit)
-    if toolset is not None and rollout is not None:
+    if episodic and rollout is not None:
         raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)
     if lora is None and adapters is not None:
@@ -801,7 +804,7 @@ def train(
         prompt_bucket=prompt_bucket,
         rollout_mesh=rollout_mesh,
         callback=callback,
-        toolset=toolset,
+        strategy=strategy,
         decoder=decoder,
         decoding_params=decoding_params,
     )

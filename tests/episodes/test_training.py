@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms, objectives, tasks, training
+from jaxrl_llm import algorithms, objectives, rollouts, tasks, training
+from jaxrl_llm.episodes import scoring
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks.base import PromptBatch, check_split
@@ -223,6 +224,15 @@ def test_evaluation_runs_episodes_greedy_and_sampled():
     )
     assert results["greedy_accuracy"] == 1.0 and results["greedy_turns"] == 1.0 and results["greedy_tool_calls"] == 0
     assert 0 < results["pass@1"] <= results["pass@4"] == 1.0  # samples call the tool, then answer (or run out)
+    # The rollouts are chosen once: episodes with tools, single-turn completions without; a
+    # strategy chosen before (a run's) evaluates as the arguments that make it.
+    strategy = scoring.rollout_strategy(AddTask(), tools=[add], episodes=EpisodeConfig(max_turns=3))
+    assert isinstance(strategy, scoring.Episodic) and strategy.toolset.tools == (add,)
+    assert isinstance(scoring.rollout_strategy(AddTask()), rollouts.Completions)
+    again = evaluation.evaluate(
+        model, params, AddTask(), max_new_tokens=32, num_samples=4, progress=False, strategy=strategy
+    )
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in results.items() if k != "seconds"}
     config = dataclasses.replace(CONFIG, eval_every=1)
     _, history = training.train(model, params, algorithms.get("grpo"), config, steps=1, task=AddTask(), tools=[add])
     assert history[0]["eval_greedy_accuracy"] == 1.0 and history[0]["eval_greedy_tool_calls"] == 0
