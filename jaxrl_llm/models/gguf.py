@@ -164,6 +164,9 @@ class _Metadata(Mapping[str, Any]):
         value = self._values[key]
         return list(value) if isinstance(value, list) else value
 
+    def __contains__(self, key: object) -> bool:  # without copying the value, as Mapping's would
+        return key in self._values
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
@@ -226,8 +229,9 @@ def read_checkpoint(
 ) -> tuple[ModelConfig, GgufTensors]:
     """:func:`read_config` and :class:`GgufTensors` of ``file``."""
     file = pathlib.Path(file)
-    config = _config(file, _parse(file), param_dtype=param_dtype, dtype=dtype)
-    return config, GgufTensors(file, config)
+    parsed = _parse(file)
+    config = _config(file, parsed, param_dtype=param_dtype, dtype=dtype)
+    return config, GgufTensors(file, config, tensors=parsed.tensors)
 
 
 def _config(file: pathlib.Path, parsed: _Parsed, *, param_dtype: Any, dtype: Any | None) -> ModelConfig:
@@ -394,11 +398,14 @@ class GgufTensors:
       ValueError: a tensor with no Hugging Face name (of another architecture), naming it.
     """
 
-    def __init__(self, file: str | os.PathLike, config: ModelConfig):
+    def __init__(
+        self, file: str | os.PathLike, config: ModelConfig, *, tensors: Sequence[gguf_lib.ReaderTensor] | None = None
+    ):
+        """``tensors``: the file's, parsed already (:func:`read_checkpoint`: the same parse as ``config``'s)."""
         self.description = str(file)
         self._config = config
         self._tensors = {}  # Hugging Face name -> the reader's tensor
-        for tensor in _parse(pathlib.Path(file)).tensors:
+        for tensor in _parse(pathlib.Path(file)).tensors if tensors is None else tensors:
             if tensor.name == _ROPE_FREQS:
                 continue
             name = hf_tensor_name(tensor.name)
