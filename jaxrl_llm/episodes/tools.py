@@ -2,7 +2,8 @@
 
 A tool is TRL's: a plain function (sync or ``async``) or a bound method, with a type hint
 on every argument and a Google-style docstring whose ``Args:`` section describes each one,
-so that ``transformers.utils.get_json_schema`` renders its schema into the prompt. The
+so that ``transformers.utils.get_json_schema`` renders its schema into the prompt
+(:func:`jaxrl_llm.tasks.base.tool_schema`, once per function). The
 model calls it by ``__name__`` with keyword arguments; what it returns becomes the tool
 message's content (``str(result)``, or a list of content blocks as it is).
 """
@@ -22,9 +23,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from transformers.utils import get_json_schema
-
 from jaxrl_llm.episodes.parsing import MalformedCall, ToolCall
+from jaxrl_llm.tasks.base import tool_schema
 
 
 def check_tools(tools: Iterable[Callable], *, where: str) -> tuple[Callable, ...]:
@@ -56,7 +56,7 @@ def check_tools(tools: Iterable[Callable], *, where: str) -> tuple[Callable, ...
             )
         seen.add(name)
         try:
-            get_json_schema(tool)
+            tool_schema(tool)
         except Exception as error:
             raise ValueError(
                 f"{where}: tool {name!r} has no JSON schema transformers can render ({error}). A tool needs a type "

@@ -6,9 +6,14 @@ import threading
 import time
 
 import pytest
+import transformers
+from transformers.utils import get_json_schema
 
 from jaxrl_llm.episodes.parsing import MalformedCall, ToolCall
 from jaxrl_llm.episodes.tools import ToolResult, call_tools, check_tools
+from jaxrl_llm.tasks.base import render_chat, tool_schema
+from jaxrl_llm.tasks.calculator import CALCULATOR_ALPHABET
+from jaxrl_llm.tasks.char_tokenizer import build_chat_tokenizer
 
 # The tools of TRL's GRPO documentation ("Agent Training" / "Tools"), as written there.
 
@@ -135,6 +140,68 @@ class TestCheckTools:
 
         with pytest.raises(ValueError, match="has no __name__"):
             check_tools([Tool()], where="tools")
+
+    def test_a_callable_object_is_refused_as_transformers_would_refuse_to_render_it(self):
+        class Tool:
+            __name__ = "tool"
+
+            def __call__(self, a: int) -> int:
+                """
+                Returns a.
+
+                Args:
+                    a: A number.
+                """
+                return a
+
+        with pytest.raises(ValueError, match="tool 'tool' has no JSON schema.*a function, a bound method or a JSON"):
+            check_tools([Tool()], where="tools")
+
+
+class TestToolSchema:
+    def test_the_schema_is_transformers_and_is_computed_once_per_function(self, monkeypatch):
+        class Counter:
+            def increment(self, step: int) -> int:
+                """
+                Increment the internal counter.
+
+                Args:
+                    step: Value to add to the counter.
+                """
+                return step
+
+        def square(x: float) -> float:
+            """
+            Squares a number.
+
+            Args:
+                x: The number.
+            """
+            return x * x
+
+        calls = []
+        monkeypatch.setattr(
+            transformers.utils, "get_json_schema", lambda tool: calls.append(tool) or get_json_schema(tool)
+        )
+        first, second = Counter(), Counter()
+        schemas = [tool_schema(tool) for tool in (square, first.increment, square, second.increment)]
+        assert schemas == [get_json_schema(square), get_json_schema(first.increment)] * 2
+        assert list(schemas[1]["function"]["parameters"]["properties"]) == ["step"]  # no `self`
+        assert calls == [square, first.increment]  # the second instance's method shares its class's schema
+        given = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+        assert tool_schema(given) is given
+        with pytest.raises(TypeError, match="a function, a bound method or a JSON schema dict; got str"):
+            tool_schema("multiply")
+
+    def test_a_conversation_renders_as_transformers_renders_it_with_the_functions(self):
+        tokenizer = build_chat_tokenizer(CALCULATOR_ALPHABET)
+        messages = [{"role": "user", "content": "What is 2 + 3"}]
+        for _ in range(2):  # the second from the schemas computed by the first
+            ids = render_chat(tokenizer, messages, [multiply, divide], generation_prompt=True)
+            expected = tokenizer.apply_chat_template(
+                messages, tools=[multiply, divide], add_generation_prompt=True, return_dict=False
+            )
+            assert ids == list(expected) and "divide(a,b)" in tokenizer.decode(ids)
 
 
 def run(*calls, timeout=5.0, toolbox=TOOLBOX):
