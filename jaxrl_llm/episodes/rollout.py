@@ -337,8 +337,10 @@ class _DeviceRows:
     ):
         """Prefills the ``[P, S]`` prompts and copies them to ``P G`` rows, with room for a
         first feed of ``first_feed`` ids and a segment. ``segment``: decode steps per call and
-        the cache's growth step; ``draws``: the uniforms a turn may draw (its width)."""
-        self.model, self.params = model, params
+        the cache's growth step; ``draws``: the uniforms a turn may draw (its width).
+        Float32 weights with a narrower compute dtype are cast once here, as the single-turn
+        sampler casts them once per rollout, not again at every decode step."""
+        self.model, self.params = model, models.in_compute_dtype(model, params)
         self.width, self.segment, self.draws, self.stop_ids = prompt_tokens.shape[1], segment, draws, stop_ids
         self.traced, self.static = sampling.draw_settings(
             temperature=sampling_config.temperature,
@@ -347,7 +349,7 @@ class _DeviceRows:
             min_p=sampling_config.min_p,
         )
         self.logits, self.cache = _prefill(
-            model, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
+            model, self.params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
             cache_size=self._slots_for(self.width + first_feed + segment),
         )  # fmt: skip
         self.episode_of = np.arange(prompt_tokens.shape[0] * group)  # [b] each device row's episode (-1: padding)

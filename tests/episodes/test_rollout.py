@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_llm import models
 from jaxrl_llm.episodes import parsing, rollout
@@ -47,11 +48,18 @@ def tokenizer():
 
 
 def scripted_model(
-    transitions: dict[str, dict[str, float]], *, noise: float = 0.01, seed: int = 0, tok=None, end_of_turn="<eos>"
+    transitions: dict[str, dict[str, float]],
+    *,
+    noise: float = 0.01,
+    seed: int = 0,
+    tok=None,
+    end_of_turn="<eos>",
+    **config_fields,
 ):
     """A decoder whose next-token logits are ``transitions[current][next]`` (0 for others;
     ``end_of_turn`` after any token not listed), plus small random weights:
-    ``benchmarks/episodes.py``'s scripted policy with every token of the vocabulary in its script."""
+    ``benchmarks/episodes.py``'s scripted policy with every token of the vocabulary in its script.
+    ``config_fields``: other :class:`~jaxrl_llm.models.ModelConfig` fields (dtypes)."""
     tok = tok or tokenizer()
     vocab = len(tok)
     config = models.ModelConfig(
@@ -63,6 +71,7 @@ def scripted_model(
         num_kv_heads=1,
         head_dim=16,
         max_position_embeddings=512,
+        **config_fields,
     )
     ids = tok.convert_tokens_to_ids
     return episodes_bench.scripted_policy(
@@ -176,6 +185,33 @@ def test_long_turns_grow_and_compact_the_cache_without_changing_the_episodes(mon
     assert whole.completion_ids == episodes.completion_ids
     np.testing.assert_array_equal(whole.completion_mask, episodes.completion_mask)
     np.testing.assert_allclose(whole.logprobs, episodes.logprobs, atol=1e-5)
+
+
+def test_float32_weights_are_cast_once_for_a_bfloat16_model_and_the_episodes_do_not_change(monkeypatch):
+    """Every jitted step of the rollout gets the projections in bfloat16, cast once for the
+    rollout; the episodes are those of the stored float32 weights, which each step cast itself."""
+    model, params = scripted_model(
+        chain(CALL, {"<tool_call>": 20.0, "5": 20.0}), noise=0.1, param_dtype=jnp.float32, dtype=jnp.bfloat16
+    )
+    kernel_dtypes, decode_segment = set(), rollout._decode_segment
+
+    def spy(model, params, *args, **kwargs):
+        kernel_dtypes.update(
+            leaf.get_value().dtype for path, leaf in nnx.to_flat_state(params) if path[-1] == "up_proj"
+        )
+        return decode_segment(model, params, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "_decode_segment", spy)
+    cast_once = run(model, params, group=4, budget=64)
+    assert kernel_dtypes == {jnp.dtype(jnp.bfloat16)}
+
+    monkeypatch.setattr(rollout.models, "in_compute_dtype", lambda model, params: params)  # each step casts
+    kernel_dtypes.clear()
+    cast_per_step = run(model, params, group=4, budget=64)
+    assert kernel_dtypes == {jnp.dtype(jnp.float32)}
+    assert len(set(cast_once.turns.tolist())) > 1  # rows finish on different turns
+    assert cast_once.completion_ids == cast_per_step.completion_ids
+    np.testing.assert_array_equal(cast_once.logprobs, cast_per_step.logprobs)  # to the bit
 
 
 LLAMA3_CALL = '{"name": "add", "parameters": {"a": 2, "b": 3}}'
