@@ -24,12 +24,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-# An unsigned decimal: digits with optional thousands groups ("1,234" — groups of exactly
-# three digits, so "1,23" is two numbers), an optional fraction part, or a bare ".5".
-_UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<!\d)\.\d+)"
+# An unsigned decimal (also the numbers rewards.text reads): digits with optional thousands
+# groups ("1,234" — groups of exactly three digits, so "1,23" is two numbers), an optional
+# fraction part, or a bare ".5".
+UNSIGNED_NUMBER = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<!\d)\.\d+)"
 # A minus sign belongs to the number unless it follows a word character or a closing
 # bracket, where it is a binary minus: "5-3" ends in "3", "x = -3" in "-3".
-_NUMBER_RE = re.compile(rf"(?:(?<![\w)\]}}])-)?{_UNSIGNED}(?:/{_UNSIGNED})?")
+_NUMBER_RE = re.compile(rf"(?:(?<![\w)\]}}])-)?{UNSIGNED_NUMBER}(?:/{UNSIGNED_NUMBER})?")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TAG_NAME_RE = re.compile(r"[A-Za-z_][\w.:-]*")
 
@@ -122,7 +123,7 @@ def answer_tag(text: str, tag: str = "answer") -> str | None:
     count; the content is the shortest one (``<a>1</a><a>2</a>`` has two, the last is ``2``).
     """
     text = _check_text("answer_tag", text)
-    _check_tag("answer_tag", "tag", tag)
+    check_tag_name("answer_tag", "tag", tag)
     matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
     return matches[-1].strip() if matches else None
 
@@ -135,7 +136,7 @@ def regex(text: str, pattern: str | re.Pattern) -> str | None:
     (no flags); pass a compiled pattern for flags such as ``re.DOTALL``.
     """
     text = _check_text("regex", text)
-    pattern = _compile("regex", "pattern", pattern)
+    pattern = compile_pattern("regex", "pattern", pattern)
     last = None
     for last in pattern.finditer(text):  # noqa: B007 (keeps the last match)
         pass
@@ -144,7 +145,13 @@ def regex(text: str, pattern: str | re.Pattern) -> str | None:
     return last.group(1) if pattern.groups else last.group(0)
 
 
-def _compile(fn: str, name: str, pattern: object, flags: int = 0) -> re.Pattern:
+def compile_pattern(fn: str, name: str, pattern: object, flags: int = 0) -> re.Pattern:
+    """``pattern`` compiled (a compiled one as it is); ``fn`` and ``name`` say whose argument it is in errors.
+
+    Raises:
+      TypeError: not a str or a compiled pattern.
+      ValueError: not a valid regular expression.
+    """
     if isinstance(pattern, re.Pattern):
         return pattern
     if not isinstance(pattern, str):
@@ -155,7 +162,12 @@ def _compile(fn: str, name: str, pattern: object, flags: int = 0) -> re.Pattern:
         raise ValueError(f"{fn}: `{name}` is not a valid regular expression ({error}); got {pattern!r}.") from None
 
 
-def _check_tag(fn: str, name: str, tag: object) -> str:
+def check_tag_name(fn: str, name: str, tag: object) -> str:
+    """``tag`` if it is an XML-style tag name (``answer``, ``think``); ``fn`` and ``name`` say whose argument it is.
+
+    Raises:
+      ValueError: it is not.
+    """
     if not (isinstance(tag, str) and _TAG_NAME_RE.fullmatch(tag)):
         raise ValueError(
             f"{fn}: `{name}` must be a tag name such as 'answer' (letters, digits, '_', '-', '.', ':'); got {tag!r}."

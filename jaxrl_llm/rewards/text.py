@@ -32,7 +32,7 @@ from typing import Any, Literal
 from jaxrl_llm.rewards import extraction
 from jaxrl_llm.rewards.combine import completion_text
 
-_NUMBER_RE = re.compile(rf"[-+]?{extraction._UNSIGNED}")
+_NUMBER_RE = re.compile(rf"[-+]?{extraction.UNSIGNED_NUMBER}")
 _WHITESPACE_RE = re.compile(r"\s+")
 _MATCH_MODES = ("fullmatch", "search")
 
@@ -246,7 +246,7 @@ def _tags_pattern(fn: str, tags: object, mode: str) -> re.Pattern:
         )
     blocks = []
     for tag in tags:
-        extraction._check_tag(fn, "tags", tag)
+        extraction.check_tag_name(fn, "tags", tag)
         name = re.escape(tag)
         # The block's content may not open or close the same tag again.
         blocks.append(rf"<{name}>(?:(?!</?{name}>).)*</{name}>")
@@ -295,7 +295,7 @@ def format_reward(
             f"{fn}: give exactly one of `pattern` and `tags`; got {'both' if pattern is not None else 'neither'}."
         )
     if pattern is not None:
-        compiled = extraction._compile(fn, "pattern", pattern, re.DOTALL)
+        compiled = extraction.compile_pattern(fn, "pattern", pattern, re.DOTALL)
     else:
         compiled = _tags_pattern(fn, tags, match)
     test = compiled.fullmatch if match == "fullmatch" else compiled.search

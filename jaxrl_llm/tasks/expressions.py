@@ -31,7 +31,7 @@ import transformers
 
 from jaxrl_llm.rewards.text import exact_match
 from jaxrl_llm.tasks.base import RewardFn
-from jaxrl_llm.tasks.text import TextTask, _format_fields, _settings
+from jaxrl_llm.tasks.text import TextTask, format_fields, task_options
 
 OPERATORS = ("+", "-", "*")
 """The operators :func:`arithmetic` can use."""
@@ -176,7 +176,7 @@ def arithmetic(
         ``chat_template_kwargs``, ``plain_template``, ``eos_ids``, ``pad_id``,
         ``checkpoint``, ``stop_strings``).
     """
-    settings = _settings("arithmetic", settings)
+    settings = task_options("arithmetic", settings)
     if "prompt" in settings:
         raise TypeError("arithmetic: the prompt is `prompt_format` (a format string using '{expression}').")
     num_operands = _range("num_operands", num_operands, low=2)
@@ -200,7 +200,7 @@ def arithmetic(
     if (
         not isinstance(prompt_format, str)
         or "{" not in prompt_format
-        or ("expression" not in _format_fields(prompt_format, what="`prompt_format`"))
+        or ("expression" not in format_fields(prompt_format, what="`prompt_format`"))
     ):
         raise ValueError(
             f"arithmetic: `prompt_format` must be a format string using '{{expression}}', e.g. "

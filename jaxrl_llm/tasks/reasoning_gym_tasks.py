@@ -38,9 +38,9 @@ from typing import Any
 
 import transformers
 
-from jaxrl_llm.rewards.extraction import _check_tag, answer_tag
+from jaxrl_llm.rewards.extraction import answer_tag, check_tag_name
 from jaxrl_llm.tasks.base import RewardFn
-from jaxrl_llm.tasks.text import TextTask, _settings
+from jaxrl_llm.tasks.text import TextTask, task_options
 
 DEFAULT_SYSTEM_PROMPT = (
     "Given a problem, your task is to answer the question by thinking step-by-step in a clear and specific manner.\n"
@@ -102,7 +102,7 @@ class ReasoningGymScore:
 
     def __init__(self, dataset: Any, *, tag: str = "answer"):
         self.dataset = dataset
-        self.tag = _check_tag("ReasoningGymScore", "tag", tag)
+        self.tag = check_tag_name("ReasoningGymScore", "tag", tag)
         self.__name__ = "reasoning_gym"
 
     def __call__(self, *, completions: Sequence[str], entry: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[float]:
@@ -179,7 +179,7 @@ def reasoning_gym(
         ``chat_template_kwargs``, ``plain_template``, ``eos_ids``, ``pad_id``,
         ``checkpoint``, ``stop_strings``).
     """
-    settings = _settings("reasoning_gym", settings)
+    settings = task_options("reasoning_gym", settings)
     if "prompt" in settings:
         raise TypeError(
             "reasoning_gym: the prompt is the dataset's 'question' column; use `system_prompt` to instruct the model."

@@ -98,7 +98,7 @@ def _is_conversation(value: Any) -> bool:
     )
 
 
-def _format_fields(fmt: str, *, what: str) -> list[str]:
+def format_fields(fmt: str, *, what: str) -> list[str]:
     """The root names of the fields of format string ``fmt`` (``{a.b[0]}`` -> ``a``)."""
     try:
         parsed = list(string.Formatter().parse(fmt))
@@ -298,7 +298,7 @@ class TextTask:
             )
         if not isinstance(self.plain_template, str):
             raise TypeError(f"TextTask: `plain_template` must be a str; got {type(self.plain_template).__name__}.")
-        fields = _format_fields(self.plain_template, what="`plain_template`")
+        fields = format_fields(self.plain_template, what="`plain_template`")
         if "prompt" not in fields or set(fields) - {"system", "prompt"}:
             raise _fail(
                 f"`plain_template` must contain '{{prompt}}' and may contain '{{system}}', nothing else; "
@@ -311,7 +311,7 @@ class TextTask:
         names: dict[str, None] = {}
         for split in SPLITS:
             if self.records is not None:
-                required = _format_fields(self.prompt, what="the prompt format") if self.is_format else [self.prompt]
+                required = format_fields(self.prompt, what="the prompt format") if self.is_format else [self.prompt]
                 names.update(dict.fromkeys(_column_names(self.records[split], split, required)))
             elif self.split_size(split) != 0:
                 names.update(dict.fromkeys(self._record(split, 0, 0)))
@@ -321,7 +321,7 @@ class TextTask:
                 f"{RESERVED_COLUMNS}; rename them."
             )
         if self.is_format:
-            fields = _format_fields(self.prompt, what="the prompt format")
+            fields = format_fields(self.prompt, what="the prompt format")
             if missing := [f for f in fields if f not in names]:
                 raise _fail(
                     f"the prompt format {self.prompt!r} uses column(s) {_listing(missing)}, which the "
@@ -600,7 +600,12 @@ _SETTINGS = tuple(
 )
 
 
-def _settings(fn: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+def task_options(fn: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` as a dict, after checking each is a :class:`TextTask` option; ``fn`` names the caller.
+
+    Raises:
+      TypeError: an unknown option (the error lists the known ones).
+    """
     if unknown := [name for name in settings if name not in _SETTINGS]:
         raise TypeError(f"{fn}: unknown option(s) {_listing(unknown)}; the TextTask options are {_listing(_SETTINGS)}.")
     return dict(settings)
@@ -671,7 +676,7 @@ def from_records(
         ``eos_ids``, ``pad_id``, ``checkpoint``, ``stop_strings``).
     """
     fn = "from_records"
-    settings = _settings(fn, settings)
+    settings = task_options(fn, settings)
     records = _sequence(fn, "records", records)
     if not len(records):
         raise ValueError(f"{fn}: `records` is empty; a task needs training examples.")
