@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import models, rollouts, sampling, tasks
+from jaxrl_llm import models, rollouts, sampling, sharding, tasks
 from jaxrl_llm.episodes import conversation, parsing
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments, append_observation
@@ -153,23 +153,26 @@ def _grow(cache: models.KVCache, *, slots: int) -> models.KVCache:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "width", "draws", "top_k", "use_top_p", "use_min_p", "greedy", "stop_ids"),
+    static_argnames=("model", "width", "draws", "draw_rows", "top_k", "use_top_p", "use_min_p", "greedy", "stop_ids"),
     donate_argnames=("logits", "cache"),
 )
 def _decode_segment(
-    model, params, logits, cache, budget, key, offset, temperature, top_p, min_p, *, width, draws, top_k, use_top_p,
-    use_min_p, greedy, stop_ids,
+    model, params, logits, cache, budget, key, offset, temperature, top_p, min_p, *, width, draws, draw_rows, top_k,
+    use_top_p, use_min_p, greedy, stop_ids,
 ):  # fmt: skip
     """Up to ``width`` steps of the turn of every row with ``budget > 0`` (``[b]`` tokens it
     may still write): sample, record, and feed the token unless it ends the row's turn (an
     id of ``stop_ids``) or its budget; the last token of a turn is recorded, not fed (the
     next round feeds it with the tool results). Step ``offset + s`` of a turn draws the
-    uniforms of row ``offset + s`` of ``uniform(key, [draws, b])``, so a turn's tokens do
-    not depend on how it is cut into segments. Returns the :class:`_Turn` segment, the
-    next-token logits and the cache."""
+    uniforms of row ``offset + s`` of ``uniform(key, [draws, draw_rows])``, so a turn's tokens
+    do not depend on how it is cut into segments; ``draw_rows`` is ``b`` but on a mesh, whose
+    batch may carry padding rows past it (they draw zeros, and are done). Returns the
+    :class:`_Turn` segment, the next-token logits and the cache."""
     batch = logits.shape[0]
     stops = jnp.asarray(stop_ids, jnp.int32)
-    uniforms = jnp.pad(jax.random.uniform(key, (draws, batch)), [(0, width), (0, 0)])  # [draws + W, b]
+    uniforms = jnp.pad(
+        jax.random.uniform(key, (draws, draw_rows)), [(0, width), (0, batch - draw_rows)]
+    )  # [draws + W, b]
     uniforms = jax.lax.dynamic_slice_in_dim(uniforms, offset, width)  # [W, b]: never clamped
 
     class State(NamedTuple):
@@ -334,13 +337,23 @@ class _DeviceRows:
         draws: int,
         stop_ids: tuple[int, ...],
         sampling_config: sampling.SamplingConfig,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         """Prefills the ``[P, S]`` prompts and copies them to ``P G`` rows, with room for a
         first feed of ``first_feed`` ids and a segment. ``segment``: decode steps per call and
         the cache's growth step; ``draws``: the uniforms a turn may draw (its width).
         Float32 weights with a narrower compute dtype are cast once here, as the single-turn
-        sampler casts them once per rollout, not again at every decode step."""
+        sampler casts them once per rollout, not again at every decode step.
+
+        With a ``mesh``, the rows are split over its ``data`` devices (``P`` a multiple of
+        them) and the weights copied whole to each: the prompts and every later batch of
+        rows (:meth:`keep_only`) are placed so, and XLA partitions each jitted step along
+        the rows it is given, every row's numbers its own."""
         self.model, self.params = model, models.in_compute_dtype(model, params)
+        self.row_sharding, self.row_devices = None, 1
+        if mesh is not None:
+            self.row_sharding, self.row_devices = sharding.rows(mesh), sharding.data_size(mesh)
+            self.params = jax.device_put(self.params, sharding.replicated(mesh))
         self.width, self.segment, self.draws, self.stop_ids = prompt_tokens.shape[1], segment, draws, stop_ids
         self.traced, self.static = sampling.draw_settings(
             temperature=sampling_config.temperature,
@@ -349,11 +362,16 @@ class _DeviceRows:
             min_p=sampling_config.min_p,
         )
         self.logits, self.cache = _prefill(
-            model, self.params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), group=group,
+            model, self.params, self._on_rows(prompt_tokens), self._on_rows(prompt_mask), group=group,
             cache_size=self._slots_for(self.width + first_feed + segment),
         )  # fmt: skip
         self.episode_of = np.arange(prompt_tokens.shape[0] * group)  # [b] each device row's episode (-1: padding)
+        self.draw_rows = len(self.episode_of)  # the rows the turns' draws are for: b, or fewer on a mesh
         self.index = self.width  # the cache's next slot (the host's copy)
+
+    def _on_rows(self, array: np.ndarray) -> jax.Array:
+        """``array`` ``[rows, ...]`` on the device, split over the mesh's rows if there is one."""
+        return jnp.asarray(array) if self.row_sharding is None else jax.device_put(array, self.row_sharding)
 
     def _slots_for(self, needed: int) -> int:
         return self.width + _round_up(needed - self.width, self.segment)
@@ -370,17 +388,21 @@ class _DeviceRows:
 
     def _regather(self, keep: np.ndarray) -> None:
         """Keeps device rows ``keep`` (padding repeats the first), slots compacted."""
-        self.cache, self.logits = _regather(self.cache, self.logits, jnp.asarray(keep, jnp.int32))
+        self.cache, self.logits = _regather(self.cache, self.logits, self._on_rows(np.asarray(keep, np.int32)))
         self.index = int(self.cache.index)
         self.episode_of = self.episode_of[keep]
 
     def keep_only(self, going: list[int]) -> None:
         """Shrinks the batch to the next power of two holding device rows ``going`` when that
-        is smaller: finished rows stop costing compute."""
+        is smaller: finished rows stop costing compute. On a mesh the batch is then padded
+        further, to a multiple of its row devices, and the draws stay those of the power of
+        two, so that the episodes are the single device's."""
         size = _power_of_two(len(going))
-        if size < len(self.episode_of):
-            self._regather(np.array(going + [going[0]] * (size - len(going))))
-            self.episode_of = np.where(np.arange(size) >= len(going), -1, self.episode_of)
+        if size < self.draw_rows:
+            width = _round_up(size, self.row_devices)
+            self._regather(np.array(going + [going[0]] * (width - len(going))))
+            self.episode_of = np.where(np.arange(width) >= len(going), -1, self.episode_of)
+            self.draw_rows = size
 
     def feed(self, extensions: dict[int, list[int]]) -> None:
         """Feeds each episode of ``extensions`` its ids (padded to :func:`_feed_width`)."""
@@ -392,7 +414,7 @@ class _DeviceRows:
             if (ids := extensions.get(int(row))) is not None:
                 tokens[slot, : len(ids)], mask[slot, : len(ids)] = ids, True
         self.logits, self.cache = _extend(
-            self.model, self.params, jnp.asarray(tokens), jnp.asarray(mask), self.logits, self.cache
+            self.model, self.params, self._on_rows(tokens), self._on_rows(mask), self.logits, self.cache
         )
         self.index += length
 
@@ -403,8 +425,8 @@ class _DeviceRows:
         while (left > 0).any():
             self._room(min(self.segment, int(left.max())))
             part, self.logits, self.cache = _decode_segment(
-                self.model, self.params, self.logits, self.cache, jnp.asarray(left), key, offset, *self.traced,
-                width=self.segment, draws=self.draws, stop_ids=self.stop_ids, **self.static,
+                self.model, self.params, self.logits, self.cache, self._on_rows(left), key, offset, *self.traced,
+                width=self.segment, draws=self.draws, draw_rows=self.draw_rows, stop_ids=self.stop_ids, **self.static,
             )  # fmt: skip
             part = jax.device_get(part)
             steps = int(part.steps)
@@ -437,6 +459,7 @@ def sample_episodes(
     columns: Mapping[str, Sequence[Any]] | None = None,
     config: EpisodeConfig | None = None,
     prompt_bucket: int = 8,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Episodes:
     """Runs ``num_samples`` episodes of each prompt (see the module docstring).
 
@@ -457,7 +480,14 @@ def sample_episodes(
         ``reset`` gets them; a dict factory reads ``environment``).
       config: the episode limits and the tool-call format (default: ``EpisodeConfig()``).
       prompt_bucket: the narrowest prompt width (see :func:`jaxrl_llm.rollouts.prompt_width`).
+      mesh: decode the rows split over this mesh's ``data`` devices (``P`` a multiple of
+        them), the weights whole on each: the episodes of one device (default: one device).
     """
+    if mesh is not None and len(prompts) % sharding.data_size(mesh):
+        raise ValueError(
+            f"sample_episodes: the {len(prompts)} prompts must split evenly over the mesh's "
+            f"{sharding.data_size(mesh)} {sharding.DATA!r} devices."
+        )
     sampling_config = sampling_config or sampling.SamplingConfig()
     config = config or EpisodeConfig()
     stop_ids = tuple(sorted({int(e) for e in eos_ids}))
@@ -477,6 +507,7 @@ def sample_episodes(
         model, params, prompt_tokens, prompt_mask, group=num_samples,
         first_feed=_feed_width(longest_opening) if longest_opening else 0,
         segment=_segment(completion_width), draws=completion_width, stop_ids=stop_ids, sampling_config=sampling_config,
+        mesh=mesh,
     )  # fmt: skip
     if longest_opening:
         device.feed({b: ids for b, ids in enumerate(openings) if ids})

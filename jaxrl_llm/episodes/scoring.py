@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm import models, rewards, rollouts, sampling, tasks
+from jaxrl_llm import models, rewards, rollouts, sampling, sharding, tasks
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments
 from jaxrl_llm.episodes.rollout import Episodes, sample_episodes
@@ -131,6 +131,15 @@ def _conversational(batch: tasks.PromptBatch) -> list:
     return list(batch.prompts)
 
 
+def _row_mesh(mesh: jax.sharding.Mesh | None, num_prompts: int) -> jax.sharding.Mesh | None:
+    """The sampler's mesh when the prompts split evenly over its ``data`` devices, else
+    ``None`` (one device: an evaluation batch that does not split). Episodes run in one
+    process: a mesh over several is not used for them."""
+    if mesh is None or mesh.is_multi_process or num_prompts % sharding.data_size(mesh):
+        return None
+    return mesh
+
+
 def score_episodes(
     sampler: sampling.Sampler,
     params: models.Params,
@@ -149,8 +158,10 @@ def score_episodes(
 ) -> ScoredRound:
     """Runs ``G = num_samples`` episodes of each prompt of ``batch`` and scores them.
 
-    ``sampler`` gives the model, the stop ids and the sampling settings (its ``sampling``,
-    with ``max_new_tokens``, the episode's token budget); ``shaping`` is added to the
+    ``sampler`` gives the model, the stop ids, the sampling settings (its ``sampling``,
+    with ``max_new_tokens``, the episode's token budget) and the mesh the rows are split
+    over (its ``mesh``, when the prompts split evenly over its ``data`` devices; else
+    one device decodes them, as for an evaluation batch that does not); ``shaping`` is added to the
     rewards as in :func:`jaxrl_llm.rollouts.rollout_and_score`. The returned round's
     rollouts are the episodes (completion mask: the model's tokens; ``lengths``: the
     model's tokens, as TRL counts them), its ``completions`` each episode's text and its
@@ -176,6 +187,7 @@ def score_episodes(
         columns=batch.columns,
         config=config,
         prompt_bucket=prompt_bucket,
+        mesh=_row_mesh(sampler.mesh, len(batch.prompts)),
     )
     started = time.perf_counter()
     columns = {

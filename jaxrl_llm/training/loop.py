@@ -680,8 +680,9 @@ def train(
       rollout_mesh: decode the rollouts and evaluations data-parallel over this mesh
         (:func:`jaxrl_llm.sharding.make_mesh`; ``num_prompts`` must be a multiple of its
         ``data`` size; evaluation batches split as :func:`jaxrl_llm.sampling.sample`
-        says); ``score`` and ``update`` run where the state is. Only with the built-in
-        sampler.
+        says; episodes split their rows over its ``data`` devices, or decode on one device
+        when a batch does not split evenly); ``score`` and ``update`` run where the state
+        is. Only with the built-in sampler.
       mesh, rules: run ``score`` and ``update`` sharded over this mesh (axes among
         ``data``, ``fsdp``, ``tensor``: :func:`jaxrl_llm.sharding.make_mesh`): the state
         placed by ``rules`` (default ``sharding.RULES["fsdp_tensor"]``: parameters,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_llm import models
+from jaxrl_llm import models, sharding
 from jaxrl_llm.episodes import parsing, rollout
 from jaxrl_llm.episodes.environments import Environments
 from jaxrl_llm.tasks import build_char_tokenizer
@@ -212,6 +212,26 @@ def test_float32_weights_are_cast_once_for_a_bfloat16_model_and_the_episodes_do_
     assert len(set(cast_once.turns.tolist())) > 1  # rows finish on different turns
     assert cast_once.completion_ids == cast_per_step.completion_ids
     np.testing.assert_array_equal(cast_once.logprobs, cast_per_step.logprobs)  # to the bit
+
+
+def test_a_rollout_mesh_splits_the_rows_and_gives_the_single_devices_episodes():
+    """Eight prompts, two episodes each, over the 8-device ``data`` mesh: episodes end on
+    different turns, so the batch shrinks below a row per device on one device; on the mesh it
+    stays padded to the devices, its rows drawing what the single device's draw. The turns are
+    runs of digits with a coin flip after every 0, so rows draw deep into their turns."""
+    digits = "1234567890"
+    script = {a: {b: 20.0} for a, b in zip(digits[:-1], digits[1:])}
+    script["0"] = {"1": 20.0, "<tool_call>": 19.5, "<eos>": 19.0}
+    model, params = scripted_model({**chain(CALL, {"1": 20.0}), **script})
+    mesh = sharding.make_mesh(8)
+    one = run(model, params, group=2, budget=160, max_turns=6, prompts=PROMPTS * 4, seed=2)
+    split = run(model, params, group=2, budget=160, max_turns=6, prompts=PROMPTS * 4, seed=2, mesh=mesh)
+    assert len(set(one.turns.tolist())) > 1 and len(set(one.lengths.tolist())) > 4
+    assert split.completion_ids == one.completion_ids and split.completions == one.completions
+    np.testing.assert_array_equal(split.completion_mask, one.completion_mask)
+    np.testing.assert_allclose(split.logprobs, one.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="the 6 prompts must split evenly over the mesh's 8 'data' devices"):
+        run(model, params, prompts=PROMPTS * 3, mesh=mesh)
 
 
 LLAMA3_CALL = '{"name": "add", "parameters": {"a": 2, "b": 3}}'

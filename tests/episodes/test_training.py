@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import algorithms, objectives, rollouts, tasks, training
-from jaxrl_llm.episodes import scoring
+from jaxrl_llm import algorithms, objectives, rollouts, sharding, tasks, training
+from jaxrl_llm.episodes import rollout, scoring
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks.base import PromptBatch, check_split
@@ -78,6 +78,53 @@ def test_every_preset_trains_on_episodes():
         assert metrics["skipped_updates"] == 0, name
         assert 1 < metrics["episodes/turns"] and metrics["tools/call_frequency"] > 0, (name, metrics)
         assert metrics["tools/failure_frequency"] == 0 and metrics["episodes/tool_tokens"] > 0, name
+
+
+def test_episodes_on_a_rollout_mesh_are_the_single_devices(monkeypatch):
+    """Eight prompts over the 8-device ``data`` mesh, two episodes each: the rows are split
+    over the devices for every turn, finished rows dropped as on one device (the batch padded
+    to the devices), and the run collects the episodes and rewards one device does. A held-out
+    batch that does not split over the devices is evaluated on one."""
+    model, params = scripted_model(chain(CALL, {"<tool_call>": 20.0, "5": 20.0}))
+    config = dataclasses.replace(
+        CONFIG, num_prompts=8, group_size=2, eval_every=2, sampling=SamplingConfig(max_new_tokens=64)
+    )  # evaluated on the 4 held-out prompts, which do not split over the 8 devices: on one
+    mesh = sharding.make_mesh(8)
+
+    def run_on(rollout_mesh):
+        ends = []
+        state, history = training.train(model, params, algorithms.get("grpo"), config, steps=2, task=AddTask(),
+                                        tools=[add], rollout_mesh=rollout_mesh, callback=ends.append)  # fmt: skip
+        return state, history, [end.collected.first_round for end in ends]
+
+    one_state, one_history, one_rounds = run_on(None)
+    batches, decode_segment = [], rollout._decode_segment
+
+    def spy(model, params, logits, *args, **kwargs):
+        devices = len(logits.sharding.device_set)
+        split = logits.sharding.is_equivalent_to(sharding.rows(mesh), 2)
+        batches.append((logits.shape[0], kwargs["draw_rows"], devices, split))
+        return decode_segment(model, params, logits, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "_decode_segment", spy)
+    state, history, rounds = run_on(mesh)
+    assert all(split if devices == 8 else devices == 1 for *_, devices, split in batches), batches
+    assert any(devices == 1 for *_, devices, _ in batches)  # the evaluations
+    split_batches = [(rows, draw_rows) for rows, draw_rows, devices, _ in batches if devices == 8]
+    # Finished rows dropped: to 8 rows (one a device) at least, drawing for fewer as one device does.
+    assert {rows for rows, _ in split_batches} == {16, 8} and min(draw_rows for _, draw_rows in split_batches) < 4
+    for got, expected in zip(rounds, one_rounds, strict=True):
+        assert got.messages == expected.messages and got.completions == expected.completions
+        np.testing.assert_array_equal(got.rollouts.completion_tokens, expected.rollouts.completion_tokens)
+        np.testing.assert_array_equal(got.rollouts.rewards, expected.rollouts.rewards)
+        np.testing.assert_allclose(got.rollouts.logprobs, expected.rollouts.logprobs, atol=1e-5)
+    for got, expected in zip(history, one_history, strict=True):
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+        for name in ("reward", "episodes/turns", "tools/call_frequency", "eval_greedy_accuracy", "eval_greedy_turns"):
+            assert got.get(name) == expected.get(name), name
+    assert 1 < history[-1]["episodes/turns"] < 3  # some episodes called the tool, some did not
+    assert "eval_greedy_accuracy" in history[1] and "eval_greedy_turns" in history[1]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), state.params, one_state.params)
 
 
 def test_environments_rewards_and_metrics():
