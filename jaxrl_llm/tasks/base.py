@@ -250,7 +250,7 @@ def render_chat(
 def tool_schema(tool: Any) -> Any:
     """The JSON schema a chat template shows for ``tool``: ``transformers.utils.get_json_schema``
     of a function or bound method, computed once per function (it parses the docstring and
-    the type hints: 0.25 ms, each time a conversation with tools is rendered otherwise) and
+    the type hints, which transformers does again for every conversation it renders) and
     shared, so not to be modified; a schema given as a dict as it is.
 
     A bound method's schema leaves out ``self``, so all of a class's instances share it (an
