@@ -499,6 +499,49 @@ def next_token(
     return token, logp, sampling_logp
 
 
+class Drawn(NamedTuple):
+    """One decoding step's draw for the rows still writing (:func:`draw_live`), each ``[B]``."""
+
+    token: jax.Array  # int32: the drawn id, ``pad_id`` in a row that is not live
+    logp: jax.Array  # float32: log pi_T of it, 0 in a row that is not live
+    sampling_logp: jax.Array  # float32: its log-prob under the truncated distribution, 0 likewise
+    stopped: jax.Array  # bool: a live row drew one of the stop ids
+
+
+def draw_live(
+    logits: jax.Array,
+    uniform: jax.Array,
+    live: jax.Array,
+    *,
+    pad_id: int,
+    stop_ids: Sequence[int],
+    temperature: jax.Array | float,
+    top_k: int | None,
+    top_p: jax.Array | float | None,
+    min_p: jax.Array | float | None,
+    greedy: bool,
+) -> Drawn:
+    """:func:`next_token` of ``logits`` ``[B, V]`` with ``uniform`` ``[B]``, for the rows
+    where ``live`` ``[B]``: what every decode loop records at its step (this module's
+    rollouts, an episode's turns)."""
+    token, logp, sampling_logp = next_token(
+        logits, uniform, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy
+    )
+    token = jnp.where(live, token, pad_id)
+    stops = jnp.asarray(stop_ids, jnp.int32)
+    return Drawn(
+        token=token,
+        logp=jnp.where(live, logp, 0.0),
+        sampling_logp=jnp.where(live, sampling_logp, 0.0),
+        stopped=live & jnp.any(token[:, None] == stops[None, :], axis=-1),
+    )
+
+
+def record(buffer: jax.Array, values: jax.Array, step: jax.Array) -> jax.Array:
+    """``buffer`` ``[B, W]`` with ``values`` ``[B]`` written at column ``step``."""
+    return jax.lax.dynamic_update_slice(buffer, values[:, None], (0, step))
+
+
 class _RowSplit(NamedTuple):
     """How a mesh shares a rollout: the specs of the prompts ``[P, S]`` and of the rows
     ``[B, ...]``, and ``row_blocks``, the ``fsdp`` blocks each device's prompts' rows are
@@ -613,7 +656,6 @@ def _decode(
         to_rows = functools.partial(jnp.take, indices=prompt_of_row, axis=0)
         cache = cache.take_rows(prompt_of_row)
     logits = to_rows(logits)  # [B, V]
-    eos = jnp.asarray(eos_ids, jnp.int32)
 
     class State(NamedTuple):
         step: jax.Array  # [] int32
@@ -632,28 +674,27 @@ def _decode(
         """Draws each row's next token from ``state.logits`` and writes it at column
         ``state.step`` (pad, and log-prob 0, for finished rows)."""
         uniform = jax.lax.dynamic_index_in_dim(uniforms, state.step, keepdims=False)  # [B]
-        token, logp, sampling_logp = next_token(
+        active = ~state.finished
+        drawn = draw_live(
             state.logits,
             uniform,
+            active,
+            pad_id=pad_id,
+            stop_ids=eos_ids,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p if use_top_p else None,
             min_p=min_p if use_min_p else None,
             greedy=greedy,
         )
-        active = ~state.finished
-        token = jnp.where(active, token, pad_id)
-        column = (0, state.step)
         return state._replace(
             step=state.step + 1,
-            tokens=jax.lax.dynamic_update_slice(state.tokens, token[:, None], column),
-            logprobs=jax.lax.dynamic_update_slice(state.logprobs, jnp.where(active, logp, 0.0)[:, None], column),
-            sampling_logprobs=jax.lax.dynamic_update_slice(
-                state.sampling_logprobs, jnp.where(active, sampling_logp, 0.0)[:, None], column
-            ),
+            tokens=record(state.tokens, drawn.token, state.step),
+            logprobs=record(state.logprobs, drawn.logp, state.step),
+            sampling_logprobs=record(state.sampling_logprobs, drawn.sampling_logp, state.step),
             lengths=state.lengths + active.astype(jnp.int32),
-            finished=state.finished | (active & jnp.any(token[:, None] == eos[None, :], axis=-1)),
-        ), token
+            finished=state.finished | drawn.stopped,
+        ), drawn.token
 
     def step(state: State) -> State:
         state, token = sample_and_record(state)

@@ -161,15 +161,15 @@ def _decode_segment(
     use_top_p, use_min_p, greedy, stop_ids,
 ):  # fmt: skip
     """Up to ``width`` steps of the turn of every row with ``budget > 0`` (``[b]`` tokens it
-    may still write): sample, record, and feed the token unless it ends the row's turn (an
-    id of ``stop_ids``) or its budget; the last token of a turn is recorded, not fed (the
-    next round feeds it with the tool results). Step ``offset + s`` of a turn draws the
+    may still write): sample and record (:func:`jaxrl_llm.sampling.draw_live` and
+    :func:`~jaxrl_llm.sampling.record`, as the single-turn loop does), and feed the token
+    unless it ends the row's turn (an id of ``stop_ids``) or its budget; the last token of a
+    turn is recorded, not fed (the next round feeds it with the tool results). Step ``offset + s`` of a turn draws the
     uniforms of row ``offset + s`` of ``uniform(key, [draws, draw_rows])``, so a turn's tokens
     do not depend on how it is cut into segments; ``draw_rows`` is ``b`` but on a mesh, whose
     batch may carry padding rows past it (they draw zeros, and are done). Returns the
     :class:`_Turn` segment, the next-token logits and the cache."""
     batch = logits.shape[0]
-    stops = jnp.asarray(stop_ids, jnp.int32)
     uniforms = jnp.pad(
         jax.random.uniform(key, (draws, draw_rows)), [(0, width), (0, batch - draw_rows)]
     )  # [draws + W, b]
@@ -189,31 +189,32 @@ def _decode_segment(
         return (state.step < width) & ~jnp.all(state.done)
 
     def step(state: State) -> State:
-        token, logp, _ = sampling.next_token(
+        live = ~state.done
+        drawn = sampling.draw_live(
             state.logits,
             uniforms[state.step],
+            live,
+            pad_id=0,
+            stop_ids=stop_ids,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p if use_top_p else None,
             min_p=min_p if use_min_p else None,
             greedy=greedy,
         )
-        live = ~state.done
-        token = jnp.where(live, token, 0)
-        column = (0, state.step)
         lengths = state.lengths + live.astype(jnp.int32)
-        stopped = state.stopped | (live & jnp.any(token[:, None] == stops[None, :], axis=1))
+        stopped = state.stopped | drawn.stopped
         done = state.done | stopped | (lengths >= budget)
         feed = live & ~done
         new_logits, cache = models.extend(
-            model, params, token[:, None], feed[:, None], state.cache, last_logits_only=True
+            model, params, drawn.token[:, None], feed[:, None], state.cache, last_logits_only=True
         )
         return State(
             step=state.step + 1,
             logits=jnp.where(feed[:, None], new_logits, state.logits),
             cache=cache,
-            tokens=jax.lax.dynamic_update_slice(state.tokens, token[:, None], column),
-            logprobs=jax.lax.dynamic_update_slice(state.logprobs, jnp.where(live, logp, 0.0)[:, None], column),
+            tokens=sampling.record(state.tokens, drawn.token, state.step),
+            logprobs=sampling.record(state.logprobs, drawn.logp, state.step),
             lengths=lengths,
             stopped=stopped,
             done=done,
