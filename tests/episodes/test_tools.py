@@ -160,15 +160,15 @@ class TestCheckTools:
 
 class TestToolSchema:
     def test_the_schema_is_transformers_and_is_computed_once_per_function(self, monkeypatch):
-        class Counter:
-            def increment(self, step: int) -> int:
+        class Thermostat:
+            def set_to(self, degrees: float) -> str:
                 """
-                Increment the internal counter.
+                Sets the target temperature.
 
                 Args:
-                    step: Value to add to the counter.
+                    degrees: The temperature in Celsius.
                 """
-                return step
+                return f"set to {degrees}"
 
         def square(x: float) -> float:
             """
@@ -183,11 +183,11 @@ class TestToolSchema:
         monkeypatch.setattr(
             transformers.utils, "get_json_schema", lambda tool: calls.append(tool) or get_json_schema(tool)
         )
-        first, second = Counter(), Counter()
-        schemas = [tool_schema(tool) for tool in (square, first.increment, square, second.increment)]
-        assert schemas == [get_json_schema(square), get_json_schema(first.increment)] * 2
-        assert list(schemas[1]["function"]["parameters"]["properties"]) == ["step"]  # no `self`
-        assert calls == [square, first.increment]  # the second instance's method shares its class's schema
+        first, second = Thermostat(), Thermostat()
+        schemas = [tool_schema(tool) for tool in (square, first.set_to, square, second.set_to)]
+        assert schemas == [get_json_schema(square), get_json_schema(first.set_to)] * 2
+        assert list(schemas[1]["function"]["parameters"]["properties"]) == ["degrees"]  # no `self`
+        assert calls == [square, first.set_to]  # the second instance's method shares its class's schema
         given = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
         assert tool_schema(given) is given
         with pytest.raises(TypeError, match="a function, a bound method or a JSON schema dict; got str"):
