@@ -54,12 +54,10 @@ class DecoderTeacherForcing:
 
     model: models.Model
     config: TrainConfig
-    lora_dropout_key: jax.Array | None = None
-    """LoRA dropout in :meth:`states` (the update's pass over a LoRA model whose
-    ``lora.dropout > 0``: :func:`adapted`); ``None``: none."""
 
-    def states(self, params: models.Params, rows: Rows) -> jax.Array:
-        """``[b, N, E]`` hidden states before each completion token (each prompt once if shared)."""
+    def states(self, params: models.Params, rows: Rows, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """``[b, N, E]`` hidden states before each completion token (each prompt once if shared);
+        ``dropout_key``: LoRA dropout in this pass (:class:`AdaptedTeacherForcing` passes it)."""
         return models.functional.group_completion_hidden_states(
             self.model,
             params,
@@ -67,7 +65,7 @@ class DecoderTeacherForcing:
             rows.prompt_mask,
             rows.completion_tokens,
             share_prompts=self.config.share_prompts,
-            dropout_key=self.lora_dropout_key,
+            dropout_key=dropout_key,
         )
 
     def head(self, params: models.Params) -> jax.Array:
@@ -118,14 +116,17 @@ class AdaptedTeacherForcing:
     """:class:`TeacherForcing` of a LoRA policy whose params are its adapters alone: ``inner``
     (the LoRA model's) runs on ``lora.combine(frozen, adapters)``, and a critic's backbone on
     ``lora.combine(frozen, its adapters)``. Built inside a traced step around the state's
-    ``frozen`` base, so gradients with respect to the params reach the adapters only and the
-    base is read, never differentiated."""
+    ``frozen`` base (:func:`over_base`), so gradients with respect to the params reach the
+    adapters only and the base is read, never differentiated."""
 
-    inner: TeacherForcing
+    inner: DecoderTeacherForcing
     frozen: models.Params
+    dropout_key: jax.Array | None = None
+    """LoRA dropout in :meth:`states` (the update's passes, when ``lora.dropout > 0``;
+    :func:`fold_dropout_key` gives each minibatch and micro-batch its own); ``None``: none."""
 
     def states(self, params: models.Params, rows: Rows) -> jax.Array:
-        return self.inner.states(models.lora.combine(self.frozen, params), rows)
+        return self.inner.states(models.lora.combine(self.frozen, params), rows, dropout_key=self.dropout_key)
 
     def head(self, params: models.Params) -> Any:
         return self.inner.head(models.lora.combine(self.frozen, params))
@@ -142,28 +143,25 @@ class AdaptedTeacherForcing:
         return self.inner.values({**critic_params, "backbone": backbone}, rows)
 
 
-def adapted(
+def over_base(
     policy: TeacherForcing, frozen: models.Params | None, *, dropout_key: jax.Array | None = None
 ) -> TeacherForcing:
-    """``policy`` over params that are adapters of the base ``frozen`` (LoRA), or ``policy``
-    itself when ``frozen`` is None. ``dropout_key``: the update's LoRA dropout (when the
-    model's ``lora.dropout > 0``); the scoring passes take none."""
+    """``policy`` (a LoRA model's :class:`DecoderTeacherForcing`) over params that are adapters
+    of the base ``frozen``, or ``policy`` itself when ``frozen`` is None. ``dropout_key``: the
+    update's LoRA dropout, kept when the model's ``lora.dropout > 0``; the scoring passes take none."""
     if frozen is None:
         return policy
-    lora = policy.model.config.lora if isinstance(policy, DecoderTeacherForcing) else None
-    if dropout_key is not None and lora is not None and lora.dropout > 0:
-        policy = dataclasses.replace(policy, lora_dropout_key=dropout_key)
-    return AdaptedTeacherForcing(policy, frozen)
+    if dropout_key is not None and not policy.model.config.lora.dropout > 0:
+        dropout_key = None
+    return AdaptedTeacherForcing(policy, frozen, dropout_key)
 
 
 def fold_dropout_key(policy: TeacherForcing, index: jax.Array) -> TeacherForcing:
     """``policy`` with its LoRA dropout key folded with ``index`` (a minibatch's or a
     micro-batch's number: each draws its own masks); ``policy`` itself without one."""
-    inner = policy.inner if isinstance(policy, AdaptedTeacherForcing) else None
-    if not isinstance(inner, DecoderTeacherForcing) or inner.lora_dropout_key is None:
+    if not isinstance(policy, AdaptedTeacherForcing) or policy.dropout_key is None:
         return policy
-    key = jax.random.fold_in(inner.lora_dropout_key, index)
-    return dataclasses.replace(policy, inner=dataclasses.replace(inner, lora_dropout_key=key))
+    return dataclasses.replace(policy, dropout_key=jax.random.fold_in(policy.dropout_key, index))
 
 
 def is_on_policy(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:

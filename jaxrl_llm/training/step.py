@@ -138,7 +138,7 @@ def score(
 ) -> tuple[ScoredBatch, Metrics]:
     """The batch with its old and reference log-probs, values and advantages, and the
     metrics of scoring it (the advantages', ``kl_exact``)."""
-    policy = losses.adapted(policy, state.frozen)
+    policy = losses.over_base(policy, state.frozen)
     mask = batch.completion_mask
     metrics = {}
     ref_logp = ref_states = policy_states = None
@@ -363,7 +363,7 @@ def update(
     """The state after training on ``scored``: past the rollout's key, with the batch's
     baseline and prompt count, then :func:`optax_update` or TRPO's step."""
     key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
-    policy = losses.adapted(policy, state.frozen, dropout_key=jax.random.fold_in(key, LORA_DROPOUT_STREAM))
+    policy = losses.over_base(policy, state.frozen, dropout_key=jax.random.fold_in(key, LORA_DROPOUT_STREAM))
     state = state._replace(key=key, baseline=scored.baseline, prompts_drawn=state.prompts_drawn + scored.prompts_drawn)
     if algorithm.update == "trpo":
         return trpo_update(state, scored, policy=policy, algorithm=algorithm)

@@ -203,7 +203,7 @@ def test_a_lora_critic_values_its_adapters_over_the_base_as_the_merged_critic_do
     head = {"kernel": jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,)), "bias": jnp.float32(0.3)}
     config = dataclasses.replace(RUN, reference_metrics=True)
     batch = _batch(lora_model, lora.combine(base, adapters), run=config)
-    policy = losses.adapted(losses.DecoderTeacherForcing(lora_model, config), base)
+    policy = losses.over_base(losses.DecoderTeacherForcing(lora_model, config), base)
     values = policy.values({"backbone": critic_adapters, "head": head}, batch)
     merged_model, merged = lora.merge(lora_model, lora.combine(base, critic_adapters))
     merged_critic = losses.DecoderTeacherForcing(merged_model, config)
