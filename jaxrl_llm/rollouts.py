@@ -253,6 +253,17 @@ class RolloutStrategy(Protocol):
         """Reward functions the strategy adds to the task's (weight 1 each)."""
         ...
 
+    @property
+    def gives_prompts(self) -> bool:
+        """Whether the strategy's own environments give the prompts (a task whose prompts
+        only an environment gives, ``environment_prompts``, needs one that does)."""
+        ...
+
+    @property
+    def takes_custom_rollout(self) -> bool:
+        """Whether ``train(..., rollout=...)`` may replace the built-in sampler for it."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Completions:
@@ -291,6 +302,9 @@ class Completions:
 
     def reward_functions(self) -> list[Callable]:
         return []
+
+    gives_prompts = False
+    takes_custom_rollout = True
 
 
 def rewards_by_process(

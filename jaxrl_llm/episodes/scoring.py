@@ -103,6 +103,12 @@ class Episodic:
     def reward_functions(self) -> list[Callable]:
         return self.toolset.reward_functions()
 
+    @property
+    def gives_prompts(self) -> bool:
+        return self.toolset.environments is not None
+
+    takes_custom_rollout = False  # episodes run on the built-in sampler
+
 
 def rollout_strategy(
     task: tasks.Task,

@@ -759,9 +759,8 @@ def train(
     strategy = scoring.rollout_strategy(
         task, tools=tools, environment_factory=environment_factory, episodes=config.episodes
     )
-    episodic = isinstance(strategy, scoring.Episodic)
     tasks.check_task(task, needs_rewards=not strategy.reward_functions())
-    if getattr(task, "environment_prompts", False) and not (episodic and strategy.toolset.environments is not None):
+    if getattr(task, "environment_prompts", False) and not strategy.gives_prompts:
         raise ValueError(f"TextTask: {task.missing_prompt_message()}; only an environment_factory gives prompts.")
     check_evaluation(task, config)
     if isinstance(task, tasks.TextTask):  # every prompt read once, before any compute
@@ -771,7 +770,7 @@ def train(
             limit = sampling_config.max_prompt_length * tasks.base.longest_token_chars(task.tokenizer)
         for split in ("train", "test") if config.eval_every else ("train",):
             task.check_prompts(split, max_characters=limit)
-    if episodic and rollout is not None:
+    if rollout is not None and not strategy.takes_custom_rollout:
         raise ValueError("train: episodes with tools or environments run on the built-in sampler; drop `rollout=`.")
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)
     if lora is None and adapters is not None:
