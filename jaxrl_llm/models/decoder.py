@@ -125,10 +125,11 @@ def _linear(
     return _with_lora(module, name, x, out, config, dropout_key=dropout_key)
 
 
-class LoraParam(nnx.Param):
+class LoraParam(nnx.LoRAParam):
     """A LoRA adapter's weight (:mod:`jaxrl_llm.models.lora`): a parameter the filters
     ``nnx.split(module, LoraParam, ...)`` and :func:`jaxrl_llm.models.lora.split` tell apart
-    from the base's."""
+    from the base's. A flax ``nnx.LoRAParam`` (itself an ``nnx.Param``), so filters written
+    for flax's LoRA, as Tunix's and qwix's are, select the adapters too."""
 
 
 def lora_a_init(key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:

@@ -98,6 +98,10 @@ def test_at_initialisation_the_adapted_model_is_the_base_exactly(family):
     a_leaves = [v for p, v in nnx.to_flat_state(adapters) if p[-1].endswith("_lora_a")]
     b_leaves = [v for p, v in nnx.to_flat_state(adapters) if p[-1].endswith("_lora_b")]
     assert all(isinstance(v, decoder.LoraParam) for v in a_leaves + b_leaves)
+    # flax's LoRA type selects them, as Tunix's and qwix's filters do, and nothing of the base.
+    flax_lora, rest = nnx.split_state(params, nnx.LoRAParam, ...)
+    assert {path for path, _ in nnx.to_flat_state(flax_lora)} == {path for path, _ in nnx.to_flat_state(adapters)}
+    assert {path for path, _ in nnx.to_flat_state(rest)} == {path for path, _ in nnx.to_flat_state(base)}
     assert adapter_pairs(adapters) == 7 * config.num_layers
     assert len(a_leaves) == len(b_leaves) == (7 if config.scan_layers else 7 * config.num_layers)
     assert all(not np.any(b[...]) for b in b_leaves) and all(np.all(np.abs(a[...]) > 0) for a in a_leaves[:3])
