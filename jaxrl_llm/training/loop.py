@@ -775,14 +775,14 @@ def train(
     rollout_mesh = _placement(config, mesh=mesh, rollout_mesh=rollout_mesh, custom_rollout=rollout is not None)
     if lora is None and adapters is not None:
         raise ValueError("train: `adapters` need `lora=`, their LoraConfig (lora_model.config.lora of load_adapter).")
+    if compilation_cache:  # before the state is built: its optimizer's initial state loads from the cache too
+        compilation_cache_lib.enable()
     if lora is None:
         state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
     else:
         model, state = _lora_state(
             model, params, algorithm, config, lora, state=state, ref_params=ref_params, adapters=adapters
         )
-    if compilation_cache:
-        compilation_cache_lib.enable()
     state, compiled = _compile(
         model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh, rules=rules
     )
