@@ -5,7 +5,7 @@ Both methods run the same episodes: the same prompts, ``G`` rows each, greedy, e
 tool result, ``--turns`` tool-calling rounds (the turn after the last round calls a tool
 too and ends the episode: ``EpisodeConfig.max_turns``), so ``turns + 1`` model turns:
 
-* **continued**: :func:`jaxrl_llm.episodes.rollout.sample_episodes`. The prompts are
+* **continued**: :func:`jaxrl_llm.episodes.sampling.sample_episodes`. The prompts are
   prefilled once; after a tool call, the end-of-turn id, the tool result and the template
   ids go into the existing KV cache (``models.extend``), and the next turn decodes on.
 * **re-prefilled** (TRL's loop, with this library's sampler): each turn is a fresh
@@ -52,7 +52,9 @@ from grpo_step import CONFIG as TINY_CONFIG
 from layer_scan import qwen25_05b
 
 from jaxrl_llm import models, sampling
-from jaxrl_llm.episodes import conversation, parsing, rollout, tools
+from jaxrl_llm.episodes import conversation, parsing, tools
+from jaxrl_llm.episodes import sampling as episode_sampling
+from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.tasks import base, build_char_tokenizer
 
 SHAPES = {
@@ -217,8 +219,8 @@ class Done(NamedTuple):
 
 
 def continued(work: Workload) -> Done:
-    """The episodes by :func:`rollout.sample_episodes` (the cache continued)."""
-    episodes = rollout.sample_episodes(
+    """The episodes by :func:`episode_sampling.sample_episodes` (the cache continued)."""
+    episodes = episode_sampling.sample_episodes(
         work.model,
         work.params,
         work.tokenizer,
@@ -229,7 +231,7 @@ def continued(work: Workload) -> Done:
         pad_id=work.tokenizer.pad_token_id,
         sampling_config=sampling.SamplingConfig(max_new_tokens=work.budget, temperature=0.0),
         tools=work.tools,
-        config=rollout.EpisodeConfig(max_turns=work.turns),
+        config=EpisodeConfig(max_turns=work.turns),
     )
     return Done(episodes.completion_ids, episodes.model_tokens, episodes.turns)
 

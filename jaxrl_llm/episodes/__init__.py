@@ -7,10 +7,10 @@ objects with ``reset(**example)``, public methods that are their tools and an op
 ``get_reward()``.
 """
 
-from jaxrl_llm.episodes import config, conversation, environments, parsing, rollout, scoring, tools
+from jaxrl_llm.episodes import config, conversation, environments, parsing, sampling, scoring, tools
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments
-from jaxrl_llm.episodes.rollout import Episodes, sample_episodes
+from jaxrl_llm.episodes.sampling import Episodes, sample_episodes
 from jaxrl_llm.episodes.scoring import Toolset
 
 __all__ = [
@@ -22,8 +22,8 @@ __all__ = [
     "conversation",
     "environments",
     "parsing",
-    "rollout",
     "sample_episodes",
+    "sampling",
     "scoring",
     "tools",
 ]

@@ -23,7 +23,7 @@ import jax
 from jaxrl_llm import models, rewards, rollouts, sampling, sharding, tasks
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments
-from jaxrl_llm.episodes.rollout import Episodes, sample_episodes
+from jaxrl_llm.episodes.sampling import Episodes, sample_episodes
 from jaxrl_llm.episodes.tools import check_tools
 from jaxrl_llm.rollouts import Rollouts, ScoredRound, rewards_by_process
 

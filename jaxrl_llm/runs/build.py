@@ -134,7 +134,7 @@ def model(
         sampling = config.train.sampling
         positions = sampling.max_prompt_length + sampling.max_new_tokens
         if config.task.tools or config.task.environment or getattr(task, "tools", ()):
-            positions = episodes.rollout.max_cache_slots(
+            positions = episodes.sampling.max_cache_slots(
                 max_prompt_length=sampling.max_prompt_length, max_new_tokens=sampling.max_new_tokens
             )  # an episode's cache has room for gaps between turns
         built = dataclasses.replace(model_config(spec, task, positions), **layout)

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import algorithms, objectives, rollouts, sharding, tasks, training
-from jaxrl_llm.episodes import rollout, scoring
+from jaxrl_llm.episodes import sampling as episode_sampling
+from jaxrl_llm.episodes import scoring
 from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks.base import PromptBatch, check_split
-from tests.episodes.test_rollout import CALL, AdderEnv, add, chain, run, scripted_model, tokenizer
+from tests.episodes.test_sampling import CALL, AdderEnv, add, chain, run, scripted_model, tokenizer
 
 
 def answered(completions, **kwargs) -> list[float]:
@@ -98,7 +99,7 @@ def test_episodes_on_a_rollout_mesh_are_the_single_devices(monkeypatch):
         return state, history, [end.collected.first_round for end in ends]
 
     one_state, one_history, one_rounds = run_on(None)
-    batches, decode_segment = [], rollout._decode_segment
+    batches, decode_segment = [], episode_sampling._decode_segment
 
     def spy(model, params, logits, *args, **kwargs):
         devices = len(logits.sharding.device_set)
@@ -106,7 +107,7 @@ def test_episodes_on_a_rollout_mesh_are_the_single_devices(monkeypatch):
         batches.append((logits.shape[0], kwargs["draw_rows"], devices, split))
         return decode_segment(model, params, logits, *args, **kwargs)
 
-    monkeypatch.setattr(rollout, "_decode_segment", spy)
+    monkeypatch.setattr(episode_sampling, "_decode_segment", spy)
     state, history, rounds = run_on(mesh)
     assert all(split if devices == 8 else devices == 1 for *_, devices, split in batches), batches
     assert any(devices == 1 for *_, devices, _ in batches)  # the evaluations

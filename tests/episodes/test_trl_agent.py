@@ -21,7 +21,7 @@ from jaxrl_llm import algorithms, cli, models, runs, tasks, training
 from jaxrl_llm.episodes import EpisodeConfig
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import build_char_tokenizer
-from tests.episodes.test_rollout import TEMPLATE, chain, scripted_model
+from tests.episodes.test_sampling import TEMPLATE, chain, scripted_model
 
 
 # ---------------------------------------------------------------- TRL's grpo_agent.py, unchanged

@@ -16,8 +16,11 @@ import pytest
 from flax import nnx
 
 from jaxrl_llm import models, sharding
-from jaxrl_llm.episodes import parsing, rollout
+from jaxrl_llm.episodes import conversation, parsing
+from jaxrl_llm.episodes import sampling as episode_sampling
+from jaxrl_llm.episodes.config import EpisodeConfig
 from jaxrl_llm.episodes.environments import Environments
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.tasks import build_char_tokenizer
 from tests.episodes.test_parsing import HERMES_TEMPLATE
 
@@ -95,10 +98,10 @@ PROMPTS = [[{"role": "user", "content": "2+3="}], [{"role": "user", "content": "
 
 def run(model, params, *, group=3, budget=48, temperature=1.0, tools=(add,), seed=0, tok=None, **options):
     tok = tok or tokenizer()
-    config = rollout.EpisodeConfig(
+    config = EpisodeConfig(
         **{k: options.pop(k) for k in ("max_turns", "tool_timeout", "tool_call_format") if k in options}
     )
-    return rollout.sample_episodes(
+    return episode_sampling.sample_episodes(
         model,
         params,
         tok,
@@ -107,7 +110,7 @@ def run(model, params, *, group=3, budget=48, temperature=1.0, tools=(add,), see
         num_samples=group,
         eos_ids=(tok.convert_tokens_to_ids(options.pop("end_of_turn", tok.eos_token)),),
         pad_id=tok.pad_token_id,
-        sampling_config=rollout.sampling.SamplingConfig(max_new_tokens=budget, temperature=temperature),
+        sampling_config=SamplingConfig(max_new_tokens=budget, temperature=temperature),
         tools=tools,
         config=config,
         **options,
@@ -155,9 +158,9 @@ def test_episodes_continue_the_cache_and_record_the_policy_log_probs():
 
 
 def counting(monkeypatch, name: str) -> list:
-    """Replaces ``rollout.<name>`` by a wrapper recording its calls; returns the record."""
-    calls, fn = [], getattr(rollout, name)
-    monkeypatch.setattr(rollout, name, lambda *args, **kwargs: calls.append(kwargs) or fn(*args, **kwargs))
+    """Replaces ``episode_sampling.<name>`` by a wrapper recording its calls; returns the record."""
+    calls, fn = [], getattr(episode_sampling, name)
+    monkeypatch.setattr(episode_sampling, name, lambda *args, **kwargs: calls.append(kwargs) or fn(*args, **kwargs))
     return calls
 
 
@@ -172,7 +175,8 @@ def test_long_turns_grow_and_compact_the_cache_without_changing_the_episodes(mon
     grown, compacted = counting(monkeypatch, "_grow"), counting(monkeypatch, "_regather")
     segments = counting(monkeypatch, "_decode_segment")
     episodes = run(model, params, group=4, budget=160, max_turns=3, seed=3)
-    assert rollout._segment(160) == 32 and max(map(len, (m["content"] for c in episodes.completions for m in c))) > 32
+    assert episode_sampling._segment(160) == 32
+    assert max(map(len, (m["content"] for c in episodes.completions for m in c))) > 32
     assert grown and compacted and len(segments) > max(episodes.turns)
     assert len(set(episodes.turns.tolist())) > 1 and len(set(episodes.lengths.tolist())) > 4
     expected = teacher_forced_logprobs(model, params, episodes, 4)
@@ -180,7 +184,7 @@ def test_long_turns_grow_and_compact_the_cache_without_changing_the_episodes(mon
     np.testing.assert_allclose(episodes.logprobs[mask], expected[mask], atol=2e-4)
 
     # One decode call per turn, in a cache that never grows: the same episodes.
-    monkeypatch.setattr(rollout, "_segment", lambda completion_width: completion_width)
+    monkeypatch.setattr(episode_sampling, "_segment", lambda completion_width: completion_width)
     whole = run(model, params, group=4, budget=160, max_turns=3, seed=3)
     assert whole.completion_ids == episodes.completion_ids
     np.testing.assert_array_equal(whole.completion_mask, episodes.completion_mask)
@@ -193,7 +197,7 @@ def test_float32_weights_are_cast_once_for_a_bfloat16_model_and_the_episodes_do_
     model, params = scripted_model(
         chain(CALL, {"<tool_call>": 20.0, "5": 20.0}), noise=0.1, param_dtype=jnp.float32, dtype=jnp.bfloat16
     )
-    kernel_dtypes, decode_segment = set(), rollout._decode_segment
+    kernel_dtypes, decode_segment = set(), episode_sampling._decode_segment
 
     def spy(model, params, *args, **kwargs):
         kernel_dtypes.update(
@@ -201,11 +205,11 @@ def test_float32_weights_are_cast_once_for_a_bfloat16_model_and_the_episodes_do_
         )
         return decode_segment(model, params, *args, **kwargs)
 
-    monkeypatch.setattr(rollout, "_decode_segment", spy)
+    monkeypatch.setattr(episode_sampling, "_decode_segment", spy)
     cast_once = run(model, params, group=4, budget=64)
     assert kernel_dtypes == {jnp.dtype(jnp.bfloat16)}
 
-    monkeypatch.setattr(rollout.models, "in_compute_dtype", lambda model, params: params)  # each step casts
+    monkeypatch.setattr(models, "in_compute_dtype", lambda model, params: params)  # each step casts
     kernel_dtypes.clear()
     cast_per_step = run(model, params, group=4, budget=64)
     assert kernel_dtypes == {jnp.dtype(jnp.float32)}
@@ -348,9 +352,9 @@ def test_a_result_of_megabytes_is_dropped_untokenized(monkeypatch):
         return "5" * 10_000_000
 
     rendered = []
-    suffix_ids = rollout.conversation.tool_suffix_ids
+    suffix_ids = conversation.tool_suffix_ids
     monkeypatch.setattr(
-        rollout.conversation,
+        conversation,
         "tool_suffix_ids",
         lambda tok, messages, **kw: (
             rendered.append(sum(len(m["content"]) for m in messages)) or suffix_ids(tok, messages, **kw)
@@ -455,7 +459,7 @@ def test_environments_with_their_own_openings():
         ids = episodes.completion_ids[b]
         opening = tok.decode(ids[: episodes.openings[b]])  # the end of the row's prompt, after the group's
         assert opening and (episodes.prompts[b][-1]["content"] + "<eos><|assistant|>").endswith(opening)
-        results = sum(len(rollout.conversation.tool_suffix_ids(tok, [m], end_of_turn=tok.eos_token_id)) for m in
+        results = sum(len(conversation.tool_suffix_ids(tok, [m], end_of_turn=tok.eos_token_id)) for m in
                       episodes.completions[b] if m["role"] == "tool")  # fmt: skip
         assert episodes.tool_tokens[b] == results, b
 
@@ -470,12 +474,12 @@ def test_an_episode_without_tool_calls_has_no_tool_tokens():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="tool_call_format"):
-        rollout.EpisodeConfig(tool_call_format="json")
+        EpisodeConfig(tool_call_format="json")
     with pytest.raises(ValueError, match="max_turns"):
-        rollout.EpisodeConfig(max_turns=-1)
+        EpisodeConfig(max_turns=-1)
     model, params = scripted_model({})
     with pytest.raises(ValueError, match="max_prompt_length"):
-        rollout.sample_episodes(
+        episode_sampling.sample_episodes(
             model,
             params,
             tokenizer(),
@@ -484,6 +488,6 @@ def test_bad_settings_are_refused():
             num_samples=1,
             eos_ids=(2,),
             pad_id=0,
-            sampling_config=rollout.sampling.SamplingConfig(max_prompt_length=16),
+            sampling_config=SamplingConfig(max_prompt_length=16),
             tools=(add,),
         )

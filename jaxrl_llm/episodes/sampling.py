@@ -1,5 +1,7 @@
-r"""Multi-turn rollouts: every row its own conversation, all rows decoded as one batch, the
-KV cache carried across turns.
+r"""The episodes' sampler, the multi-turn counterpart of :mod:`jaxrl_llm.sampling`: every row
+its own conversation, all rows decoded as one batch, the KV cache carried across turns.
+(:mod:`jaxrl_llm.episodes.scoring` is the counterpart of :mod:`jaxrl_llm.rollouts`: it
+turns a task's prompts into scored episodes through this module.)
 
 .. code-block:: text
 
