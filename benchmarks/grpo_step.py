@@ -171,7 +171,10 @@ def main(argv=None) -> None:
     )
     halves = training.make_train_step(model, algorithms.GRPO, run)
     score, update = jax.jit(halves.score), jax.jit(halves.update, donate_argnums=0)
-    state = training.init_state(model, params, algorithms.GRPO, run)
+    state, fixed = (
+        training.init_state(model, params, algorithms.GRPO, run),
+        training.fixed_params(params, algorithms.GRPO, run),
+    )
     sampler = sampling.Sampler(model=model, eos_ids=(eos,), pad_id=0, mesh=mesh)
     state_device = jax.devices()[0]
     rng = np.random.default_rng(0)
@@ -189,9 +192,9 @@ def main(argv=None) -> None:
         rewards = (completion[:, 0] % 2).astype(np.float32)  # a stand-in verifier on the host
         rolled = time.perf_counter()
         batch = training.Batch.from_rollout(prompts, prompt_mask, rollout, rewards)
-        scored, _ = jax.block_until_ready(score(state, batch))
+        scored, _ = jax.block_until_ready(score(state, fixed, batch))
         scored_at = time.perf_counter()
-        state, metrics = jax.block_until_ready(update(state, scored))
+        state, metrics = jax.block_until_ready(update(state, fixed, scored))
         done = time.perf_counter()
         assert int(rollout.lengths.max()) == NEW_TOKENS and np.isfinite(float(metrics["loss"]))
         if repeat:

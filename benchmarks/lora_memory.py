@@ -10,14 +10,14 @@ Four parts (``--parts``), each printed as a Markdown table:
   :func:`jaxrl_llm.training.optim.in_float32`, and the reference: in ``train`` the
   caller's params themselves, a params-sized buffer either way) against **LoRA** rank 16
   on all seven linear layers (``models.LoraConfig(rank=16, alpha=32)``): the bfloat16
-  base (``state.frozen``), float32 adapters, their moments, and the reference (adapters of
+  base (``fixed.base``), float32 adapters, their moments, and the reference (adapters of
   zeros: the base itself, no copy of its weights).
   The same LoRA state over an int8 base (``model.quantization="int8"``: the seven
   projections a byte per weight with a float32 scale per output channel,
   :mod:`jaxrl_llm.models.quantize`; embeddings and output layer in bfloat16).
 * ``compiled`` (nothing run): ``memory_analysis()`` of the update ``training.train``
-  compiles (``make_train_step``'s ``update`` wrapped as the loop wraps it, the state
-  donated, the frozen base passed beside it), lowered on abstract arguments of a batch of
+  compiles (``make_train_step``'s ``update``, the state donated, the fixed params (reference
+  and base) passed beside it), lowered on abstract arguments of a batch of
   2 prompts x 4 completions, each row 512 tokens (prompt 256 + completion 256), with
   ``remat="full"`` and ``scan_layers=True`` (stacked layers), bfloat16 compute,
   on XLA's CPU backend: argument, output, aliased (donated) and temporary bytes, and the
@@ -61,7 +61,6 @@ import state_memory
 import step_report
 
 from jaxrl_llm import algorithms, models, sampling, training
-from jaxrl_llm.training import loop
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -134,21 +133,20 @@ def lora_model_and_adapters(model: models.Model, lora: models.LoraConfig):
 
 def abstract_state(
     config: models.ModelConfig, lora: models.LoraConfig | None, run: training.TrainConfig, **options
-) -> tuple[models.Model, training.TrainState]:
-    """The (LoRA) model, with execution ``options``, and ``jax.eval_shape`` of its GRPO state at
-    step 0, as ``train`` builds it (full: the reference is the caller's params, not a copy)."""
+) -> tuple[models.Model, training.TrainState, training.FixedParams]:
+    """The (LoRA) model, with execution ``options``, and ``jax.eval_shape`` of its GRPO state
+    and fixed params at step 0, as ``train`` builds them (full: the reference is the caller's
+    params, not a copy)."""
     model, params = models.abstract(dataclasses.replace(config, scan_layers=options.pop("scan_layers", False)))
     if options:
         model = models.with_options(model, **options)
     if lora is None:
-        return model, jax.eval_shape(
-            lambda p: training.init_state(model, p, ALGORITHM, run, copy_reference=False), params
-        )
+        state = jax.eval_shape(lambda p: training.init_state(model, p, ALGORITHM, run), params)
+        return model, state, jax.eval_shape(lambda p: training.fixed_params(p, ALGORITHM, run), params)
     lora_model, adapters = lora_model_and_adapters(model, lora)
-    state = jax.eval_shape(
-        lambda a, base: training.init_state(lora_model, a, ALGORITHM, run, frozen=base), adapters, params
-    )
-    return lora_model, state
+    state = jax.eval_shape(lambda a: training.init_state(lora_model, a, ALGORITHM, run), adapters)
+    fixed = jax.eval_shape(lambda a, base: training.fixed_params(a, ALGORITHM, run, base=base), adapters, params)
+    return lora_model, state, fixed
 
 
 def tree_bytes(tree) -> int:
@@ -161,17 +159,18 @@ def layer_bytes(params) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for path, x in leaves if "layers" in jax.tree_util.keystr(path))
 
 
-def state_breakdown(state: training.TrainState) -> dict[str, int]:
-    """Bytes of ``state`` by :data:`COLUMNS`, and their ``total``."""
-    lora = state.frozen is not None
+def state_breakdown(state: training.TrainState, fixed: training.FixedParams) -> dict[str, int]:
+    """Bytes of ``state`` and ``fixed`` by :data:`COLUMNS`, and their ``total``."""
+    lora = fixed.base is not None
     parts = {
-        "base": tree_bytes(state.frozen if lora else state.params),
+        "base": tree_bytes(fixed.base if lora else state.params),
         "adapters": tree_bytes(state.params) if lora else 0,
         "optimizer": tree_bytes(state.opt_state),
-        "reference": tree_bytes(state.ref_params),
+        "reference": tree_bytes(fixed.reference),
     }
-    parts["other"] = tree_bytes(state) - sum(parts.values())
-    return {**parts, "total": tree_bytes(state)}
+    total = tree_bytes(state) + tree_bytes(fixed)
+    parts["other"] = total - sum(parts.values())
+    return {**parts, "total": total}
 
 
 def state_rows(shapes: dict[str, models.ModelConfig]) -> list[dict]:
@@ -180,8 +179,8 @@ def state_rows(shapes: dict[str, models.ModelConfig]) -> list[dict]:
     rows = []
     for name, config in shapes.items():
         for lora, quantization in ((None, None), (LORA, None), (LORA, "int8")):
-            _, state = abstract_state(dataclasses.replace(config, quantization=quantization), lora, run)
-            weights = state.frozen if lora else state.params
+            _, state, fixed = abstract_state(dataclasses.replace(config, quantization=quantization), lora, run)
+            weights = fixed.base if lora else state.params
             method = (
                 "full" if lora is None else f"LoRA r{lora.rank}" + (f", {quantization} base" if quantization else "")
             )
@@ -191,7 +190,7 @@ def state_rows(shapes: dict[str, models.ModelConfig]) -> list[dict]:
                     method=method,
                     params=sum(math.prod(x.shape) for x in jax.tree.leaves(weights)),
                     trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
-                    **state_breakdown(state),
+                    **state_breakdown(state, fixed),
                 )
             )
     return rows
@@ -208,7 +207,7 @@ def compiled_rows(
     rows = []
     for name, config in shapes.items():
         for scan in scans:
-            model, state = abstract_state(config, lora, run, remat="full", scan_layers=scan)
+            model, state, fixed = abstract_state(config, lora, run, remat="full", scan_layers=scan)
             step = training.make_train_step(model, ALGORITHM, run, total_steps=1)
             rows_, i32 = b["prompts"] * b["group"], jnp.int32
             spec = jax.ShapeDtypeStruct
@@ -221,15 +220,11 @@ def compiled_rows(
                 rewards=spec((rows_,), jnp.float32),
                 prompts_drawn=spec((), i32),
             )
-            scored, _ = jax.eval_shape(step.score, state, batch)
-            # What train compiles (loop._compile): update on the state without its reference and
-            # frozen base, donated, the base passed beside it.
+            scored, _ = jax.eval_shape(step.score, state, fixed, batch)
+            # What train compiles (loop._compile): update donating the state, the fixed params beside it.
             programs = {
-                "score": (jax.jit(step.score), (state, batch)),
-                "update": (
-                    jax.jit(loop._with_frozen(step.update), donate_argnums=0),
-                    (state._replace(ref_params=None, frozen=None), scored, state.frozen),
-                ),
+                "score": (jax.jit(step.score), (state, fixed, batch)),
+                "update": (jax.jit(step.update, donate_argnums=0), (state, fixed, scored)),
             }
             for program, (fn, args) in programs.items():
                 started = time.perf_counter()
@@ -251,7 +246,7 @@ def compiled_rows(
                         - m.alias_size_in_bytes
                         + m.temp_size_in_bytes,
                         compile_s=seconds,
-                        layer_weights=layer_bytes(state.frozen if lora else state.params),
+                        layer_weights=layer_bytes(fixed.base if lora else state.params),
                     )
                 )
                 print(

@@ -1,10 +1,11 @@
 r"""Per-device memory of the whole train state on each mesh and sharding preset, against one device.
 
-The train state of :func:`jaxrl_llm.training.init_state` is what stays resident on the
-devices for a whole run: the policy's params, AdamW's state (two float32 moments and, for
-bfloat16 params, a float32 master copy of each: :func:`jaxrl_llm.training.optim.in_float32`),
-the reference params and, for PPO, the critic (a copy of the backbone with a value head)
-and its optimizer state. This prints, for a Qwen2.5-0.5B-shaped model (``qwen2``: 24
+The train state of :func:`jaxrl_llm.training.init_state` and the fixed params of
+:func:`jaxrl_llm.training.fixed_params` are what stays resident on the devices for a whole
+run: the policy's params, AdamW's state (two float32 moments and, for bfloat16 params, a
+float32 master copy of each: :func:`jaxrl_llm.training.optim.in_float32`), the reference
+params and, for PPO, the critic (a copy of the backbone with a value head) and its
+optimizer state. This prints, for a Qwen2.5-0.5B-shaped model (``qwen2``: 24
 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864, vocab 151936, tied
 embeddings; 494M parameters), the bytes each device holds on the meshes
 ``data x fsdp x tensor`` = 8x1x1, 1x8x1, 2x4x1, 2x2x2, 1x4x2 with the presets of
@@ -12,7 +13,8 @@ embeddings; 494M parameters), the bytes each device holds on the meshes
 
 Nothing is allocated: the state is ``jax.eval_shape(init_state, ...)`` of the abstract
 params (:func:`jaxrl_llm.models.abstract`), each leaf's sharding comes from
-:func:`jaxrl_llm.training.state_shardings`, and a device's bytes are the sum, over the
+:func:`jaxrl_llm.training.state_shardings` (the reference's from
+:func:`jaxrl_llm.training.state.fixed_shardings`), and a device's bytes are the sum, over the
 leaves it holds, of ``prod(sharding.shard_shape(shape)) * itemsize``; the table gives the
 largest device's. (``tests/test_sharding_memory.py`` checks this count against a real
 ``jax.device_put`` of a small model's state on 8 CPU devices.) A preset is listed only on
@@ -74,30 +76,45 @@ def layouts(meshes: Iterable[tuple[int, int, int]] = MESHES) -> list[tuple[tuple
     return rows
 
 
+def resident(state: training.TrainState, fixed: training.FixedParams) -> dict:
+    """What stays on the devices for a run, one tree: the state's fields and the ``reference``."""
+    return {**state._asdict(), "reference": fixed.reference}
+
+
+def resident_shardings(tree: dict, algorithm: algorithms.Algorithm, run: training.TrainConfig, mesh, rules) -> dict:
+    """The shardings of :func:`resident`'s tree: the state's by the run's rules, the reference's as the policy's."""
+    state = training.TrainState(**{name: tree[name] for name in training.TrainState._fields})
+    reference = training.state.fixed_shardings(training.FixedParams(tree["reference"]), mesh, rules).reference
+    return resident(training.state_shardings(state, algorithm, run, mesh, rules), training.FixedParams(reference))
+
+
 def abstract_state(config: models.ModelConfig, algorithm: algorithms.Algorithm, run: training.TrainConfig):
-    """``jax.eval_shape`` of the state at step 0: ``ShapeDtypeStruct`` leaves, nothing allocated."""
+    """``jax.eval_shape`` of what is resident at step 0 (:func:`resident`): ``ShapeDtypeStruct``
+    leaves, nothing allocated."""
     model, params = models.abstract(config)
-    return model, jax.eval_shape(lambda p: training.init_state(model, p, algorithm, run), params)
+    state = jax.eval_shape(lambda p: training.init_state(model, p, algorithm, run), params)
+    return model, resident(state, jax.eval_shape(lambda p: training.fixed_params(p, algorithm, run), params))
 
 
 def _group(field: str) -> str:
     return {
         "params": "params",
         "opt_state": "optimizer",
-        "ref_params": "reference",
+        "reference": "reference",
         "critic_params": "critic",
         "critic_opt_state": "critic",
     }.get(field, "other")
 
 
-def bytes_per_device(state, shardings) -> dict[jax.Device, dict[str, int]]:
-    """Each device's bytes of ``state`` (arrays or abstract) placed by ``shardings`` (a tree
-    of ``Sharding``s of the same structure), by column of :data:`GROUPS`: per leaf,
-    ``prod(shard_shape(shape)) * itemsize`` on every device of its sharding."""
+def bytes_per_device(state: dict, shardings: dict) -> dict[jax.Device, dict[str, int]]:
+    """Each device's bytes of ``state`` (:func:`resident`'s tree, arrays or abstract) placed by
+    ``shardings`` (a tree of ``Sharding``s of the same structure), by column of
+    :data:`GROUPS`: per leaf, ``prod(shard_shape(shape)) * itemsize`` on every device of its
+    sharding."""
     totals: dict[jax.Device, dict[str, int]] = {}
-    for field in training.TrainState._fields:
-        leaves = jax.tree.leaves(getattr(state, field))
-        placements = jax.tree.leaves(getattr(shardings, field))
+    for field in state:
+        leaves = jax.tree.leaves(state[field])
+        placements = jax.tree.leaves(shardings[field])
         assert len(leaves) == len(placements), field
         for leaf, placement in zip(leaves, placements):
             size = math.prod(placement.shard_shape(leaf.shape)) * leaf.dtype.itemsize  # a PRNG key: its 8 bytes
@@ -128,7 +145,7 @@ def table(
     for shape, preset in layouts(meshes):
         data, fsdp, tensor = shape
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor, devices=devices)
-        shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES[preset])
+        shardings = resident_shardings(state, algorithm, run, mesh, sharding.RULES[preset])
         rows.append(("x".join(map(str, shape)), preset, largest(bytes_per_device(state, shardings))))
     return rows
 

@@ -70,9 +70,11 @@ def count_parts(jaxpr: extend.core.Jaxpr) -> Counter:
 
 
 def update_inputs(model: models.Model, params, method: algorithms.Algorithm, config: training.TrainConfig):
-    """The update of ``method``, a train state and a scored batch (abstract: shapes only) of
-    ``config``'s size, 8-token prompts and ``max_new_tokens`` completions."""
+    """The update of ``method`` and its arguments: a train state, its fixed params and a
+    scored batch (abstract: shapes only) of ``config``'s size, 8-token prompts and
+    ``max_new_tokens`` completions."""
     state = training.init_state(model, params, method, config)
+    fixed = training.fixed_params(params, method, config)
     train_step = step.make_train_step(model, method, config, total_steps=10)
     rows = config.num_prompts * config.group_size
     new_tokens = config.sampling.max_new_tokens
@@ -85,8 +87,8 @@ def update_inputs(model: models.Model, params, method: algorithms.Algorithm, con
         rewards=jnp.linspace(0.0, 1.0, rows),
         prompts_drawn=jnp.asarray(config.num_prompts, jnp.int32),
     )
-    scored, _ = jax.eval_shape(train_step.score, state, batch)
-    return train_step.update, state, scored
+    scored, _ = jax.eval_shape(train_step.score, state, fixed, batch)
+    return train_step.update, (state, fixed, scored)
 
 
 def measure(name: str, *, layers: int, scan_layers: bool) -> dict[str, float]:
@@ -105,9 +107,9 @@ def measure(name: str, *, layers: int, scan_layers: bool) -> dict[str, float]:
     )
     model, params = models.init(config, jax.random.key(0))
     run = training.TrainConfig(num_prompts=4, group_size=4)
-    update, state, scored = update_inputs(model, params, algorithms.get(name), run)
+    update, arguments = update_inputs(model, params, algorithms.get(name), run)
     started = time.perf_counter()
-    traced = jax.jit(update).trace(state, scored)
+    traced = jax.jit(update).trace(*arguments)
     trace_seconds = time.perf_counter() - started
     started = time.perf_counter()
     lowered = traced.lower()

@@ -216,24 +216,27 @@ def rewards_of(prompts: jax.Array, rollout: Rollout) -> jax.Array:
 # --- Train step -------------------------------------------------------------------------------
 
 
-def init_state(config: ToyConfig, algorithm: algorithms.Algorithm) -> training.TrainState:
-    """The library's train state of the MLP policy (and its critic), from ``config.seed``."""
+def init_state(config: ToyConfig, algorithm: algorithms.Algorithm) -> tuple[training.TrainState, training.FixedParams]:
+    """The library's train state of the MLP policy (and its critic), from ``config.seed``, and
+    its fixed params (the reference: the initial policy)."""
     # Three independent keys: initial weights drawn from the rollouts' key stream would be
     # correlated with the first prompts and samples.
     policy_key, critic_key, run_key = jax.random.split(jax.random.key(config.seed), 3)
     params = init_mlp(policy_key, hidden=config.hidden, max_len=config.max_new_tokens, outputs=VOCAB)
     critic = init_mlp(critic_key, hidden=config.hidden, max_len=config.max_new_tokens, outputs=1)
     state = training.init_state(None, params, algorithm, config.train_config(), critic_params=critic)
-    return state._replace(key=run_key)
+    return state._replace(key=run_key), training.fixed_params(params, algorithm, config.train_config())
 
 
 def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm):
-    """The pure step ``state -> (state, metrics)`` of one method: the toy's rollout and
-    rewards, then the library's ``score`` and ``update``."""
+    """The pure step ``(state, fixed) -> (state, metrics)`` of one method: the toy's rollout
+    and rewards, then the library's ``score`` and ``update``."""
     num_prompts, group, length = config.num_prompts, config.group_size, config.max_new_tokens
     step = training.make_train_step(MLPTeacherForcing(), algorithm, config.train_config())
 
-    def train_step(state: training.TrainState) -> tuple[training.TrainState, dict[str, jax.Array]]:
+    def train_step(
+        state: training.TrainState, fixed: training.FixedParams
+    ) -> tuple[training.TrainState, dict[str, jax.Array]]:
         prompt_key, sample_key = jax.random.split(training.state.rollout_key(state))
         prompts = jax.random.randint(prompt_key, (num_prompts, 2), 0, NUM_DIGITS)  # [P, 2]
         rows_prompts = jnp.repeat(prompts, group, axis=0)  # [B = P * G, 2], groups adjacent
@@ -262,11 +265,11 @@ def make_train_step(config: ToyConfig, algorithm: algorithms.Algorithm):
             rewards=rewards,
             prompts_drawn=jnp.asarray(num_prompts, jnp.int32),
         )
-        scored, score_metrics = step.score(state, batch)
-        state, metrics = step.update(state, scored)
+        scored, score_metrics = step.score(state, fixed, batch)
+        state, metrics = step.update(state, fixed, scored)
         policy = MLPTeacherForcing()
         new_logits = output(policy.states(state.params, batch), state.params)
-        ref_logits = output(policy.states(state.ref_params, batch), state.ref_params)
+        ref_logits = output(policy.states(fixed.reference, batch), fixed.reference)
         metrics.update(
             score_metrics,
             reward=jnp.mean(task_rewards),
@@ -305,21 +308,23 @@ def train(config: ToyConfig, algorithm: algorithms.Algorithm) -> dict[str, Any]:
             f"for a {config.max_new_tokens}-token budget)"
         )
         algorithm = fitted
-    state = init_state(config, algorithm)
+    state, fixed = init_state(config, algorithm)
     step = make_train_step(config, algorithm)
     traces = 0
 
-    def counted_step(state: training.TrainState) -> tuple[training.TrainState, dict[str, jax.Array]]:
+    def counted_step(
+        state: training.TrainState, fixed: training.FixedParams
+    ) -> tuple[training.TrainState, dict[str, jax.Array]]:
         nonlocal traces
         traces += 1  # Python runs only while JAX traces
-        return step(state)
+        return step(state, fixed)
 
     step_fn = jax.jit(counted_step, donate_argnums=0)
     initial_accuracy = greedy_accuracy(state.params, max_len=config.max_new_tokens)
     history = []
     start = time.perf_counter()
     for _ in range(config.steps):
-        state, metrics = step_fn(state)
+        state, metrics = step_fn(state, fixed)
         history.append(jax.device_get(metrics))
     seconds = time.perf_counter() - start
     # Counted where the step is traced: the size of the jit's executable cache is only a proxy.

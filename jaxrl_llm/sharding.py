@@ -180,7 +180,7 @@ def param_shardings(params, mesh: Mesh, rules: Rules):
 
 def state_shardings(state, mesh: Mesh, rules: Rules, *, optimizer, critic_optimizer=None):
     """The ``NamedSharding`` of every leaf of a :class:`~jaxrl_llm.training.TrainState`
-    (arrays or abstract): policy and reference by ``rules``, the critic's backbone too
+    (arrays or abstract): the policy by ``rules``, the critic's backbone too
     (its head whole), optimizer moments and master copies like the parameters they belong
     to (``optax.tree_utils.tree_map_params`` with the ``optimizer`` that made them, and
     ``critic_optimizer`` for the critic's), everything else (step counts,
@@ -214,11 +214,9 @@ def state_shardings(state, mesh: Mesh, rules: Rules, *, optimizer, critic_optimi
     }
     return state._replace(
         params=policy,
-        ref_params=param_shardings(state.ref_params, mesh, rules),
         opt_state=optimizer_state(state.opt_state, state.params, policy, optimizer),
         critic_params=critic,
         critic_opt_state=critic_opt,
-        frozen=param_shardings(state.frozen, mesh, rules),
         **rest,
     )
 

@@ -109,9 +109,13 @@ def run_steps(mesh_shape, rules_name: str):
     state = training.init_state(model, params, algorithms.GRPO, config)
     shardings = training.state_shardings(state, algorithms.GRPO, config, mesh, sharding.RULES[rules_name])
     state = distributed.put(state, shardings)
+    fixed = training.fixed_params(params, algorithms.GRPO, config)
+    fixed = distributed.put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES[rules_name]))
     train_step = training.make_train_step(model, algorithms.GRPO, config)
-    score = jax.jit(train_step.score)
-    update = jax.jit(train_step.update, out_shardings=(shardings, None), donate_argnums=0)
+    jitted_score = jax.jit(train_step.score)
+    jitted_update = jax.jit(train_step.update, out_shardings=(shardings, None), donate_argnums=0)
+    score = lambda state, batch: jitted_score(state, fixed, batch)  # noqa: E731
+    update = lambda state, scored: jitted_update(state, fixed, scored)  # noqa: E731
 
     batch, specs = synthetic_batch(model.config.vocab_size)
     mine = jax.tree.map(

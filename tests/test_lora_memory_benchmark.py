@@ -76,7 +76,7 @@ def test_state_bytes_match_a_count_by_hand():
 def test_float32_adapters_are_counted_as_configured():
     # The adapters' storage dtype moves their bytes and their moments', not the base's.
     half = dataclasses.replace(bench.LORA, dtype=jnp.bfloat16)
-    _, state = bench.abstract_state(TOY, half, bench.train_config(**bench.RUN_BATCH))
-    parts = bench.state_breakdown(state)
+    _, state, fixed = bench.abstract_state(TOY, half, bench.train_config(**bench.RUN_BATCH))
+    parts = bench.state_breakdown(state, fixed)
     _, adapters = hand_count(TOY, half.rank)
     assert parts["adapters"] == 2 * adapters and parts["base"] == 2 * hand_count(TOY, half.rank)[0]

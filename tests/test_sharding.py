@@ -147,8 +147,9 @@ def test_a_stacked_state_is_split_as_its_layers_are_with_the_layers_axis_whole(d
     assert stacked == expected
     layer_specs = [spec for path, (_, spec) in stacked.items() if "['layers']['" in path]
     assert all(spec[0] is None for spec in layer_specs if tuple(spec))  # never split over layers
-    # Split: the 7 matrices of params, reference, critic; policy and critic Adam mu, nu and master.
-    assert sum(1 for spec in layer_specs if tuple(spec)) == (7 * 9 if fsdp * tensor > 1 else 0)
+    # Split: the 7 matrices of params, critic; policy and critic Adam mu, nu and master. (The
+    # reference is beside the state, placed as the params: training.state.fixed_shardings.)
+    assert sum(1 for spec in layer_specs if tuple(spec)) == (7 * 8 if fsdp * tensor > 1 else 0)
 
 
 def test_rules_that_split_the_layers_axis_are_refused():
@@ -191,13 +192,17 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
     mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     model, params, state = _model_and_state(algorithms.PPO, jnp.bfloat16)  # a critic and float32 master copies
     policy, critic = optim.run_optimizers(algorithms.PPO, training.TrainConfig(), decay_steps=1)
+    rules = sharding.RULES["fsdp_tensor"]
     placed = jax.device_put(
-        state,
-        sharding.state_shardings(state, mesh, sharding.RULES["fsdp_tensor"], optimizer=policy, critic_optimizer=critic),
+        state, sharding.state_shardings(state, mesh, rules, optimizer=policy, critic_optimizer=critic)
     )
+    fixed = training.fixed_params(params, algorithms.PPO, training.TrainConfig())
+    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, rules))
     checked = 0
-    for field in ("params", "ref_params", "critic_params", "opt_state", "critic_opt_state"):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(placed, field))[0]:
+    for field in ("params", "reference", "critic_params", "opt_state", "critic_opt_state"):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            getattr(fixed if field == "reference" else placed, field)
+        )[0]:
             names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
             name = next((n for n in reversed(names) if n not in ("value", "")), "")
             in_head = "head" in names
@@ -209,7 +214,7 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
     # params, reference, critic backbone; policy and critic Adam mu, nu and master: 9 per matrix.
     assert checked == 9 * 9
     for leaf in jax.tree.leaves(
-        placed._replace(params=None, ref_params=None, critic_params=None, opt_state=None, critic_opt_state=None)
+        placed._replace(params=None, critic_params=None, opt_state=None, critic_opt_state=None)
     ):
         assert leaf.sharding.is_fully_replicated
 
@@ -218,10 +223,12 @@ def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
     from jaxrl_llm import algorithms, training
     from jaxrl_llm.training import optim
 
-    _, _, state = _model_and_state(algorithms.GRPO)
+    _, params, state = _model_and_state(algorithms.GRPO)
     policy, _ = optim.run_optimizers(algorithms.GRPO, training.TrainConfig(), decay_steps=1)
     mesh = sharding.make_mesh(fsdp=8)
     placed = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.RULES["fsdp"], optimizer=policy))
+    fixed = training.fixed_params(params, algorithms.GRPO, training.TrainConfig())
+    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES["fsdp"]))
     device = jax.devices()[0]
 
     def nbytes(tree, on_device):
@@ -235,8 +242,8 @@ def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
                 )
         return total
 
-    for field in ("params", "opt_state", "ref_params"):
-        assert nbytes(getattr(placed, field), True) * 8 == nbytes(getattr(placed, field), False), field
+    for tree in (placed.params, placed.opt_state, fixed.reference):
+        assert nbytes(tree, True) * 8 == nbytes(tree, False)
 
 
 @functools.cache
@@ -261,9 +268,9 @@ def _single_device_step(method: str):
     model, params = models.init(CONFIG, jax.random.key(0))
     train_step = training.make_train_step(model, algorithm, run)
     batch = _batch(model, params, run=run)
-    state = training.init_state(model, params, algorithm, run)
-    scored, score_metrics = jax.jit(train_step.score)(state, batch)
-    new, metrics = jax.jit(train_step.update)(state, scored)
+    state, fixed = training.init_state(model, params, algorithm, run), training.fixed_params(params, algorithm, run)
+    scored, score_metrics = jax.jit(train_step.score)(state, fixed, batch)
+    new, metrics = jax.jit(train_step.update)(state, fixed, scored)
     return run, model, params, batch, train_step, score_metrics, new, metrics
 
 
@@ -299,12 +306,13 @@ def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(
     )
 
     mesh = sharding.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
-    state = training.init_state(model, params, algorithm, run)
+    state, fixed = training.init_state(model, params, algorithm, run), training.fixed_params(params, algorithm, run)
     shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES["fsdp_tensor"])
     state = jax.device_put(state, shardings)
+    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES["fsdp_tensor"]))
     placed_batch = jax.device_put(batch, training.batch.batch_shardings(mesh))
-    scored, score_metrics = jax.jit(train_step.score)(state, placed_batch)
-    new, metrics = jax.jit(train_step.update, out_shardings=(shardings, None))(state, scored)
+    scored, score_metrics = jax.jit(train_step.score)(state, fixed, placed_batch)
+    new, metrics = jax.jit(train_step.update, out_shardings=(shardings, None))(state, fixed, scored)
 
     for name in ("kl_exact", "advantage_std"):
         np.testing.assert_allclose(
@@ -338,13 +346,14 @@ def test_the_jitted_step_on_a_sharded_stacked_state_updates_like_the_unrolled_si
     scanned, stacked = models.with_scan_layers(model, params, True)
     train_step = training.make_train_step(scanned, algorithm, run)
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    state = training.init_state(scanned, stacked, algorithm, run)
+    state, fixed = training.init_state(scanned, stacked, algorithm, run), training.fixed_params(stacked, algorithm, run)
     shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES["fsdp_tensor"])
     state = jax.device_put(state, shardings)
+    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES["fsdp_tensor"]))
     scored, score_metrics = jax.jit(train_step.score)(
-        state, jax.device_put(batch, training.batch.batch_shardings(mesh))
+        state, fixed, jax.device_put(batch, training.batch.batch_shardings(mesh))
     )
-    new, metrics = jax.jit(train_step.update, out_shardings=(shardings, None))(state, scored)
+    new, metrics = jax.jit(train_step.update, out_shardings=(shardings, None))(state, fixed, scored)
 
     for name in ("kl_exact", "advantage_std"):
         np.testing.assert_allclose(

@@ -23,11 +23,11 @@ CONFIG = models.ModelConfig(param_dtype=jnp.bfloat16)  # float32 master copies i
 RUN = training.TrainConfig()
 
 
-def _placed_bytes(state) -> dict[jax.Device, dict[str, int]]:
-    """Each device's bytes of a placed state, by the benchmark's columns."""
+def _placed_bytes(state: dict) -> dict[jax.Device, dict[str, int]]:
+    """Each device's bytes of a placed state (the benchmark's ``resident`` tree), by its columns."""
     totals: dict[jax.Device, dict[str, int]] = {}
-    for field in training.TrainState._fields:
-        for leaf in jax.tree.leaves(getattr(state, field)):
+    for field in state:
+        for leaf in jax.tree.leaves(state[field]):
             for shard in leaf.addressable_shards:
                 per_device = totals.setdefault(shard.device, dict.fromkeys(state_memory.GROUPS, 0))
                 per_device[state_memory._group(field)] += shard.data.nbytes
@@ -38,7 +38,9 @@ def _placed_bytes(state) -> dict[jax.Device, dict[str, int]]:
 def test_the_count_from_shardings_is_what_a_placed_state_holds_on_each_device(name):
     algorithm = getattr(algorithms, name)
     model, params = models.init(CONFIG, jax.random.key(0))
-    state = training.init_state(model, params, algorithm, RUN)
+    state = state_memory.resident(
+        training.init_state(model, params, algorithm, RUN), training.fixed_params(params, algorithm, RUN)
+    )
     _, abstract = state_memory.abstract_state(CONFIG, algorithm, RUN)
     assert jax.tree.structure(abstract) == jax.tree.structure(state)
 
@@ -63,9 +65,9 @@ def test_the_count_from_shardings_is_what_a_placed_state_holds_on_each_device(na
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
         rules = sharding.RULES[preset]
         counted = state_memory.bytes_per_device(
-            abstract, training.state_shardings(abstract, algorithm, RUN, mesh, rules)
+            abstract, state_memory.resident_shardings(abstract, algorithm, RUN, mesh, rules)
         )
-        placed = jax.device_put(state, training.state_shardings(state, algorithm, RUN, mesh, rules))
+        placed = jax.device_put(state, state_memory.resident_shardings(state, algorithm, RUN, mesh, rules))
         assert counted == _placed_bytes(placed), (data, fsdp, tensor, preset)
         assert len(counted) == 8
         # Every matrix of the default model divides by 8: each device holds 1/(fsdp x tensor)

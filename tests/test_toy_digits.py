@@ -50,8 +50,8 @@ def test_the_step_takes_its_advantages_and_loss_from_the_library(name, monkeypat
         monkeypatch.setattr(algorithms, fn, spy)
     config = toy_digits.ToyConfig(num_prompts=2, group_size=2, hidden=8)
     method = training.fit_overlong_buffer(algorithms.get(name), config.max_new_tokens)
-    state = toy_digits.init_state(config, method)
-    jax.eval_shape(toy_digits.make_train_step(config, method), state)  # traces the whole step
+    state, fixed = toy_digits.init_state(config, method)
+    jax.eval_shape(toy_digits.make_train_step(config, method), state, fixed)  # traces the whole step
     ((args, _, (advantages, _, _)),) = calls["compute_advantages"]
     assert args[0] is method
     assert calls["policy_loss"] and all(loss_args[3] is advantages for loss_args, _, _ in calls["policy_loss"])

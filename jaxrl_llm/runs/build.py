@@ -501,20 +501,3 @@ def check_memory(config: RunConfig, task_: tasks.Task) -> None:
             f"machine's {available / 2**30:,.1f} GiB of memory. Make the model smaller (model.hidden_size, "
             f"num_layers), or train LoRA adapters ([lora] rank)."
         )
-
-
-def abstract_state(config: RunConfig, model_: models.Model, params: models.Params) -> training.TrainState:
-    """The run's :class:`~jaxrl_llm.training.TrainState` as shapes and dtypes: what a
-    checkpoint restores into. A LoRA run's (``config.lora``) has the adapters as ``params``
-    and no ``frozen`` base, as its checkpoints store it."""
-    lora = config.lora.build()
-    if lora is None:
-        return jax.eval_shape(lambda p: training.init_state(model_, p, config.algorithm, config.train), params)
-    lora_model = models.lora.adapted(model_, lora)
-    adapters = models.lora.abstract_adapters(lora_model)
-    initial = jax.eval_shape(
-        lambda a, base: training.init_state(lora_model, a, config.algorithm, config.train, frozen=base),
-        adapters,
-        params,
-    )
-    return initial._replace(frozen=None)

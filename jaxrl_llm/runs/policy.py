@@ -1,5 +1,5 @@
-"""A run's policy: the LoRA base kept beside its checkpoints (``base.json``, ``base/``), and
-the policy a checkpoint holds (:func:`restore_policy`)."""
+"""A run's policy: what its checkpoints hold (:func:`checkpointed`), the LoRA base kept
+beside them (``base.json``, ``base/``), and the policy a checkpoint holds (:func:`restore_policy`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,59 @@ def policy_of(
         return model, params
     if lora is None:
         return model, state.params
-    return models.lora.adapted(model, lora), models.lora.combine(params, state.params)
+    return models.lora.adapted(model, lora), training.policy_params(state, base=params)
+
+
+REFERENCE = "ref_params"
+"""A run's checkpoint entry for its reference, beside the state's fields (where the reference
+was when the state held it, so the checkpoints of older runs keep their layout)."""
+
+
+def checkpointed(state: training.TrainState, reference: models.Params | None) -> dict[str, Any]:
+    """What a run's checkpoint holds: the state's fields and, under :data:`REFERENCE`, the
+    reference of a run that keeps one (not LoRA's, adapters of zeros: :func:`training.fixed_params`)."""
+    return {**state._asdict(), REFERENCE: reference}
+
+
+def abstract_checkpoint(config: RunConfig, model: models.Model, params: models.Params) -> dict[str, Any]:
+    """The run's checkpoint (:func:`checkpointed`) as shapes and dtypes, from its model's
+    abstract ``params``: what a checkpoint restores into. A LoRA run's state has the
+    adapters as its params."""
+    algorithm, train = config.algorithm, config.train
+    lora = config.lora.build()
+    if lora is not None:
+        lora_model = models.lora.adapted(model, lora)
+        adapters = models.lora.abstract_adapters(lora_model)
+        return checkpointed(
+            jax.eval_shape(lambda a: training.init_state(lora_model, a, algorithm, train), adapters), None
+        )
+    state = jax.eval_shape(lambda p: training.init_state(model, p, algorithm, train), params)
+    return checkpointed(state, params if training.state.uses_reference(algorithm, train) else None)
+
+
+def checkpoint_shardings(like: dict[str, Any], config: RunConfig, mesh: jax.sharding.Mesh, rules) -> dict[str, Any]:
+    """The ``NamedSharding`` of every leaf of a run's checkpoint on ``mesh``: the state's
+    (:func:`training.state_shardings`), and the reference's as the policy's."""
+    state = training.TrainState(**{name: like[name] for name in training.TrainState._fields})
+    reference = training.state.fixed_shardings(training.FixedParams(like[REFERENCE]), mesh, rules).reference
+    return checkpointed(training.state_shardings(state, config.algorithm, config.train, mesh, rules), reference)
+
+
+def restore_checkpoint(
+    checkpointer: training.Checkpointer, like: dict[str, Any], step: int | None = None
+) -> tuple[training.TrainState, models.Params | None]:
+    """The state and reference of checkpoint ``step`` (default: the latest readable one), restored into ``like``
+    (:func:`abstract_checkpoint`). A checkpoint saved with a reference the run does not keep
+    (a method without a KL term, saved before it dropped it; a LoRA run's adapters of zeros,
+    saved while its state held them) is read with it, and the reference dropped."""
+    try:
+        stored = checkpointer.restore(step, like=like)
+    except ValueError as error:
+        if like[REFERENCE] is not None or REFERENCE not in str(error):
+            raise
+        stored = checkpointer.restore(step, like={**like, REFERENCE: like["params"]}) | {REFERENCE: None}
+    state = training.TrainState(**{name: stored[name] for name in training.TrainState._fields})
+    return state, stored[REFERENCE]
 
 
 def placed(like, shardings):
@@ -157,6 +209,6 @@ def restore_policy(run_dir: str | os.PathLike, step: int | None = None):
     with training.Checkpointer(run_dir / CHECKPOINTS) as checkpointer:
         if not checkpointer.all_steps():
             raise RunDirectoryError(f"{str(run_dir)!r} has no complete checkpoint yet.")
-        state = checkpointer.restore(step, like=build.abstract_state(config, model, abstract_params))
+        state, _ = restore_checkpoint(checkpointer, abstract_checkpoint(config, model, abstract_params), step)
     base = None if config.lora.build() is None else load_base(run_dir, config, task)
     return config, task, *policy_of(config, model, base, state), int(state.step)

@@ -58,7 +58,16 @@ from jaxrl_llm.runs.directory import (
     write_json,
 )
 from jaxrl_llm.runs.evaluate import evaluate_model
-from jaxrl_llm.runs.policy import load_base, placed, policy_of, save_base
+from jaxrl_llm.runs.policy import (
+    abstract_checkpoint,
+    checkpoint_shardings,
+    checkpointed,
+    load_base,
+    placed,
+    policy_of,
+    restore_checkpoint,
+    save_base,
+)
 
 
 @dataclasses.dataclass
@@ -74,6 +83,9 @@ class RunResult:
     warm_start: dict[str, Any]
     """``warm_start.json``: the warm start's losses and its evaluation (``eval_*``)."""
     summary: str
+    base: models.Params | None = None
+    """A LoRA run's base, the params its adapters (``state.params``) adapt:
+    ``training.policy_params(state, base=base)`` is its policy. ``None`` without LoRA."""
 
 
 def _print(text: str, stream) -> None:
@@ -166,7 +178,15 @@ def _train_run(
         with called_in(f"the held-out evaluation after train step {int(state.step) - 1}"):
             return evaluate_model(*policy_of(config, model, params, state), task, config, mesh=mesh)
 
-    steps = _RunSteps(config, recorder, checkpointer, evaluate=evaluated)
+    base = reference = None  # what `params` are to the run: LoRA's base, or the reference saved beside each state
+    if config.lora.build() is not None:
+        base = params
+    elif training.state.uses_reference(config.algorithm, config.train):
+        if mesh is not None:  # placed as `train` places it, which then places no copy
+            placement = training.state.fixed_shardings(training.FixedParams(params), mesh, rules).reference
+            params = distributed.put(params, placement)
+        reference = params
+    steps = _RunSteps(config, recorder, checkpointer, evaluate=evaluated, reference=reference)
     try:
         state, history = training.train(
             model,
@@ -193,7 +213,7 @@ def _train_run(
     checkpointer.close()
     summary = _summary(run_dir, warm, time.perf_counter() - called, steps=int(state.step)) if main else ""
     _print(summary, stream)
-    return RunResult(run_dir, config, state, history, warm, summary)
+    return RunResult(run_dir, config, state, history, warm, summary, base=base)
 
 
 def _checked_start(
@@ -247,16 +267,17 @@ def _continued(
     stream,
 ) -> tuple[models.Model, models.Params, training.TrainState, dict[str, Any]]:
     """``(model, params, state, warm_start)`` of a run continued from its latest readable
-    checkpoint (restored straight into its shards on ``mesh``): ``params`` are the state's,
-    or a LoRA run's base (:func:`load_base`). The checkpoints after it that cannot be used
-    are moved aside, so their steps are saved again."""
+    checkpoint (restored straight into its shards on ``mesh``): ``params`` are the run's
+    reference (the state's policy when it keeps none), or a LoRA run's base
+    (:func:`load_base`). The checkpoints after it that cannot be used are moved aside, so
+    their steps are saved again."""
     model, abstract_params = build.model(config, task, abstract=True)
-    like = build.abstract_state(config, model, abstract_params)
+    like = abstract_checkpoint(config, model, abstract_params)
     if mesh is not None:
-        like = placed(like, training.state_shardings(like, config.algorithm, config.train, mesh, rules))
+        like = placed(like, checkpoint_shardings(like, config, mesh, rules))
     params = None if config.lora.build() is None else load_base(run_dir, config, task, mesh=mesh)
     try:
-        state = _restore(checkpointer, like)
+        state, reference = restore_checkpoint(checkpointer, like)
     except RuntimeError:  # none can be read: each one's error is in ``skipped``
         unreadable = "; ".join(f"checkpoint {step}: {why}" for step, why in checkpointer.skipped.items())
         raise RunDirectoryError(
@@ -276,7 +297,9 @@ def _continued(
     checkpointer.reload()  # without those moved aside: their steps are saved again, not counted to keep
     warm = json.loads((run_dir / WARM_START_FILE).read_text()) if (run_dir / WARM_START_FILE).is_file() else {}
     _print(f"Continuing {run_dir} from its checkpoint of step {start} (of {config.steps}).", stream)
-    return model, state.params if params is None else params, state, warm
+    if params is None:
+        params = state.params if reference is None else reference
+    return model, params, state, warm
 
 
 def _aside(checkpoints: pathlib.Path, step: int) -> pathlib.Path:
@@ -392,15 +415,18 @@ class _RunSteps:
         checkpointer: training.Checkpointer,
         *,
         evaluate: Callable[[training.TrainState], dict[str, float]],
+        reference: models.Params | None,
     ):
         self.config, self.recorder, self.checkpointer, self.evaluate = config, recorder, checkpointer, evaluate
+        self.reference = reference  # saved beside each state (policy.checkpointed)
 
     def save(self, state: training.TrainState, metrics: dict[str, float] | None = None) -> None:
         """A checkpoint of ``state``, unless it is step 0 or saved already (also by a save Ctrl-C interrupted)."""
         step = int(state.step)
         if step == 0 or step in self.checkpointer.all_steps():
             return
-        self.checkpointer.save(step, state, metadata={"reward": metrics.get("reward")} if metrics else None)
+        metadata = {"reward": metrics.get("reward")} if metrics else None
+        self.checkpointer.save(step, checkpointed(state, self.reference), metadata=metadata)
 
     def on_step(self, end: training.StepEnd) -> None:
         """``training.train``'s callback."""
@@ -446,18 +472,6 @@ def _reported(what: str, stream):
     except Exception as error:  # noqa: BLE001 (the run's own error is the one to raise)
         reason = storage_failure(error) or f"{type(error).__name__}: {error}"
         _print(f"Could not {what}: {reason}.", sys.stderr if stream is not None else None)
-
-
-def _restore(checkpointer: training.Checkpointer, like: training.TrainState) -> training.TrainState:
-    """The latest readable checkpoint, restored into ``like``. A checkpoint saved with a
-    reference the run no longer keeps (methods without a KL term, saved before they
-    dropped it) is read with it, and the reference then dropped."""
-    try:
-        return checkpointer.restore(like=like)
-    except ValueError as error:
-        if like.ref_params is not None or "ref_params" not in str(error):
-            raise
-        return checkpointer.restore(like=like._replace(ref_params=like.params))._replace(ref_params=None)
 
 
 class _NoRecords:

@@ -3,8 +3,8 @@
 * :mod:`~jaxrl_llm.training.config`: :class:`TrainConfig` and its :class:`OptimizerConfig`
   (its ``sampling`` is :class:`jaxrl_llm.sampling.SamplingConfig`);
 * :mod:`~jaxrl_llm.training.batch`: :class:`Batch` and :class:`ScoredBatch`, what a step consumes;
-* :mod:`~jaxrl_llm.training.state`: :class:`TrainState`, everything a run carries, and
-  :func:`init_state`;
+* :mod:`~jaxrl_llm.training.state`: :class:`TrainState`, what a run's steps change
+  (:func:`init_state`), and :class:`FixedParams`, what they only read (:func:`fixed_params`);
 * :mod:`~jaxrl_llm.training.optim`: the learning-rate schedule, AdamW with its weight-decay
   mask and float32 master weights (:func:`make_optimizer`), the non-finite guard;
 * :mod:`~jaxrl_llm.training.losses`: the teacher-forced passes (``TeacherForcing``) and the
@@ -31,12 +31,13 @@ from jaxrl_llm.training.config import OptimizerConfig, TrainConfig
 from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, StepEnd, train
 from jaxrl_llm.training.optim import make_optimizer
 from jaxrl_llm.training.sft import supervised_finetune
-from jaxrl_llm.training.state import TrainState, init_state, policy_params, state_shardings
+from jaxrl_llm.training.state import FixedParams, TrainState, fixed_params, init_state, policy_params, state_shardings
 from jaxrl_llm.training.step import TrainStep, make_train_step
 
 __all__ = [
     "Batch",
     "Checkpointer",
+    "FixedParams",
     "NonFiniteUpdates",
     "OptimizerConfig",
     "RunInterrupted",
@@ -47,6 +48,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "fit_overlong_buffer",
+    "fixed_params",
     "init_state",
     "make_optimizer",
     "make_train_step",

@@ -47,13 +47,16 @@ finiteness only. :func:`digests` gives the same digests of any pytree: a LoRA ru
 records its frozen base's, to check on resume that the base it reads is the one it
 trained over.
 
-**What is not stored.** A LoRA state's ``frozen`` base (:mod:`jaxrl_llm.models.lora`): it
-is an input of the run, as the model is, not something a step changes. A checkpoint holds
-the adapters, their optimizer state and the counters; ``restore`` returns the state with
-``frozen=None``, and ``training.train(model, base, ..., state=state, lora=...)`` sets it
-from the base again. A state with a non-finite floating-point entry is never saved: ``save``
-raises before writing or rotating anything, so the checkpoints already on disk, the
-newest good one among them, stay.
+**What is not stored.** The run's :class:`~jaxrl_llm.training.state.FixedParams` (the
+reference, LoRA's base): they are inputs of the run, as the model is, not something a step
+changes, and not part of the state. A checkpoint holds the state (for LoRA: the adapters,
+their optimizer state and the counters), and ``training.train(model, params, ...,
+state=state)`` takes the reference and the base from ``params`` again (the run directories
+of :mod:`jaxrl_llm.runs` save a reference beside the state, and LoRA's base once).
+
+A state with a non-finite floating-point entry is never saved: ``save`` raises before
+writing or rotating anything, so the checkpoints already on disk, the newest good one
+among them, stay.
 """
 
 from __future__ import annotations
@@ -177,11 +180,6 @@ def _flat(tree) -> dict[tuple[str, ...], Any]:
     return dict(zip(_paths(tree), jax.tree.leaves(tree), strict=True))
 
 
-def _stored(state):
-    """What of ``state`` a checkpoint holds: all of it but a LoRA state's ``frozen`` base."""
-    return state._replace(frozen=None) if isinstance(state, TrainState) else state
-
-
 def _listed(paths: list[str]) -> str:
     return ", ".join(paths[:_SHOWN]) + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
 
@@ -275,15 +273,15 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, *, metadata: dict | None = None, wait: bool = True) -> None:
         """Saves ``state`` (a TrainState, or any pytree of arrays) as checkpoint ``step``
-        with the caller's JSON-serialisable ``metadata`` and the digest of each array (not a
-        LoRA state's ``frozen`` base), then deletes the checkpoints beyond ``max_to_keep``.
+        with the caller's JSON-serialisable ``metadata`` and the digest of each array, then
+        deletes the checkpoints beyond ``max_to_keep``.
 
         Raises ValueError, before writing or deleting anything, if checkpoint ``step``
         exists already (orbax would skip it) or a floating-point entry of ``state`` is not
         finite (a NaN state saved would rotate the good checkpoints away)."""
         manager = self._get(create=True)
         manager.wait_until_finished()  # the previous save is listed before we look
-        step, state = int(step), _stored(state)
+        step = int(step)
         if step in manager.all_steps():
             raise ValueError(f"Checkpointer.save: {self.directory} already has a checkpoint of step {step}.")
         flat, impls = {}, {}
@@ -363,8 +361,8 @@ class Checkpointer:
         """Checkpoint ``step`` (default: the latest readable one) as a state with the
         structure, dtypes and shardings of ``like``, an abstract state (``jax.eval_shape``
         of :func:`~jaxrl_llm.training.init_state`, with ``sharding`` set on the leaves to
-        place them; without, they land on the default device) or a real one. A LoRA
-        state comes back with ``frozen=None`` (its base is not stored).
+        place them; without, they land on the default device) or a real one (or any
+        pytree saved, with ``like`` of its structure).
 
         The restored arrays are verified: their digests must be those saved (checkpoints
         saved without digests skip this) and their floating-point entries finite.
@@ -380,7 +378,6 @@ class Checkpointer:
             without ``step`` none can be used (each one's error in the message).
         """
         steps = self._existing(step, "restore")
-        like = _stored(like)
         target = _target(like)
         errors, self.skipped = [], {}
         for i, s in enumerate(steps):

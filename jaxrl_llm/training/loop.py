@@ -53,10 +53,13 @@ from jaxrl_llm.training.batch import Batch, batch_shardings
 from jaxrl_llm.training.collect import CollectedBatch, collect_batch
 from jaxrl_llm.training.config import TrainConfig
 from jaxrl_llm.training.state import (
+    FixedParams,
     TrainState,
     check_params,
     check_state,
     check_tree,
+    fixed_params,
+    fixed_shardings,
     init_state,
     policy_params,
     rollout_key,
@@ -286,18 +289,17 @@ def _initial_state(
     *,
     state: TrainState | None,
     ref_params: models.Params | None,
-) -> TrainState:
-    """The caller's ``state`` once checked against the run, or a fresh one whose reference is
-    ``ref_params`` (or ``params``) itself, not a copy: the update never donates it."""
+) -> tuple[TrainState, FixedParams]:
+    """The caller's ``state`` once checked against the run, or a fresh one, and the run's
+    fixed params: the reference is ``ref_params`` (or ``params``) itself, not a copy."""
     check_params(model, params)
-    if state is None:
-        if ref_params is not None:
-            check_params(model, ref_params, name="ref_params")
-        return init_state(model, params, algorithm, config, ref_params=ref_params, copy_reference=False)
     if ref_params is not None:
-        raise ValueError("train: pass either `state` (which holds its reference) or `ref_params`, not both.")
+        check_params(model, ref_params, name="ref_params")
+    fixed = fixed_params(params, algorithm, config, ref_params=ref_params)
+    if state is None:
+        return init_state(model, params, algorithm, config), fixed
     check_state(state, model, params, algorithm, config)
-    return state
+    return state, fixed
 
 
 def _lora_state(
@@ -310,11 +312,10 @@ def _lora_state(
     state: TrainState | None,
     ref_params: models.Params | None,
     adapters: models.Params | None = None,
-) -> tuple[models.Model, TrainState]:
-    """The LoRA model and the state of a LoRA run on the base ``params``: fresh (from
-    ``adapters``, or PEFT's initialisation), or the caller's ``state`` (of a LoRA run with
-    this config, its ``frozen`` base set or, as a checkpoint restores it, ``None``) once
-    checked, its base ``params``."""
+) -> tuple[models.Model, TrainState, FixedParams]:
+    """The LoRA model, the state and the fixed params of a LoRA run on the base ``params``:
+    a fresh state (from ``adapters``, or PEFT's initialisation), or the caller's ``state`` (of
+    a LoRA run with this config) once checked."""
     if ref_params is not None:
         raise ValueError("train: with `lora`, the reference is the base `params` itself: do not pass `ref_params`.")
     check_params(model, params)
@@ -331,49 +332,37 @@ def _lora_state(
                 dtypes=True,
                 advice="Were they loaded (lora.load_adapter) for this model, with this LoraConfig?",
             )
-        return lora_model, init_state(lora_model, adapters, algorithm, config, frozen=params)
-    if adapters is not None:
+        state = init_state(lora_model, adapters, algorithm, config)
+    elif adapters is not None:
         raise ValueError("train: `adapters` start a fresh LoRA run; a `state` to continue from has its own.")
-    if isinstance(state, TrainState):
-        if not jax.tree.leaves(models.lora.split(state.params)[1]):
-            raise ValueError("train: with `lora`, `state` must be a LoRA run's state (adapters as its params).")
-        state = state._replace(frozen=params)
-    check_state(state, lora_model, models.lora.abstract_adapters(lora_model), algorithm, config, frozen=params)
-    return lora_model, state
+    elif isinstance(state, TrainState) and not jax.tree.leaves(models.lora.split(state.params)[1]):
+        raise ValueError("train: with `lora`, `state` must be a LoRA run's state (adapters as its params).")
+    else:
+        check_state(state, lora_model, models.lora.abstract_adapters(lora_model), algorithm, config)
+    return lora_model, state, fixed_params(state.params, algorithm, config, base=params)
 
 
 class _Compiled(NamedTuple):
-    """The jitted halves of a run's train step, and where its batches go."""
+    """The jitted halves of a run's train step, the fixed params they read, and where its batches go."""
 
-    score: Callable
-    """``score(state, batch) -> (scored, metrics)``, jitted."""
-    donating_update: Callable
-    """``update(state, scored, frozen) -> (state, metrics)``, jitted, donating a state without
-    its reference and frozen base (:meth:`update` calls it)."""
+    jitted_score: Callable
+    """``score(state, fixed, batch) -> (scored, metrics)``, jitted."""
+    jitted_update: Callable
+    """``update(state, fixed, scored) -> (state, metrics)``, jitted, donating the state alone."""
+    fixed: FixedParams
+    """The run's reference and LoRA base, placed where the state is: the caller's arrays on one device."""
     place_batch: Callable[[Batch], Batch]
     """Puts a host batch where ``score`` takes it (one device, or split over the mesh)."""
     traces: dict[str, int]
     """How many times ``score`` and ``update`` were traced."""
 
+    def score(self, state: TrainState, batch: Batch):
+        """``(scored, metrics)`` of ``batch`` at ``state``."""
+        return self.jitted_score(state, self.fixed, batch)
+
     def update(self, state: TrainState, scored) -> tuple[TrainState, dict]:
-        """The donating update on the state without its reference (the caller's ``params`` or
-        ``ref_params``, which ``update`` never reads) and without LoRA's frozen base (the
-        caller's ``params``, passed beside it), both put back after."""
-        reference, frozen = state.ref_params, state.frozen
-        state, metrics = self.donating_update(state._replace(ref_params=None, frozen=None), scored, frozen)
-        return state._replace(ref_params=reference, frozen=frozen), metrics
-
-
-def _with_frozen(update: Callable) -> Callable:
-    """``update(state, scored)`` as ``(state, scored, frozen) -> (state, metrics)`` whose state
-    comes and goes without ``frozen``: the donated state never holds the frozen base, and the
-    output does not copy it."""
-
-    def with_frozen(state, scored, frozen):
-        state, metrics = update(state._replace(frozen=frozen), scored)
-        return state._replace(frozen=None), metrics
-
-    return with_frozen
+        """The state after the update on ``scored`` (``state`` is donated)."""
+        return self.jitted_update(state, self.fixed, scored)
 
 
 def _counting_traces(fn: Callable, traces: dict[str, int], name: str) -> Callable:
@@ -391,30 +380,30 @@ def _compile(
     algorithm: algorithms.Algorithm,
     config: TrainConfig,
     state: TrainState,
+    fixed: FixedParams,
     *,
     total_steps: int,
     mesh: jax.sharding.Mesh | None,
     rules: sharding.Rules | None,
 ) -> tuple[TrainState, _Compiled]:
     """The jitted train step of the run, and ``state`` placed where it runs (on ``mesh`` by
-    ``rules``, the same on every process; else as it is). A decaying learning rate without
-    ``decay_steps`` ends at ``total_steps``."""
+    ``rules``, the same on every process, as the fixed params; else as it is). A decaying
+    learning rate without ``decay_steps`` ends at ``total_steps``."""
     train_step = make_train_step(model, algorithm, config, total_steps=total_steps)
     traces = {"score": 0, "update": 0}
     place_batch = jax.device_put
     placement = {}  # the update's output shardings, on a mesh: the state stays where the rules put it
     if mesh is not None:
-        shardings = state_shardings(
-            state, algorithm, config, mesh, sharding.RULES["fsdp_tensor"] if rules is None else rules
-        )
+        rules = sharding.RULES["fsdp_tensor"] if rules is None else rules
+        shardings = state_shardings(state, algorithm, config, mesh, rules)
         state = distributed.put(state, shardings)
-        placement = {"out_shardings": (shardings._replace(ref_params=None, frozen=None), None)}
+        fixed = distributed.put(fixed, fixed_shardings(fixed, mesh, rules))
+        placement = {"out_shardings": (shardings, None)}
         place_batch = functools.partial(distributed.put, shardings=batch_shardings(mesh))
     return state, _Compiled(
-        score=jax.jit(_counting_traces(train_step.score, traces, "score")),
-        donating_update=jax.jit(
-            _with_frozen(_counting_traces(train_step.update, traces, "update")), donate_argnums=0, **placement
-        ),
+        jitted_score=jax.jit(_counting_traces(train_step.score, traces, "score")),
+        jitted_update=jax.jit(_counting_traces(train_step.update, traces, "update"), donate_argnums=0, **placement),
+        fixed=fixed,
         place_batch=place_batch,
         traces=traces,
     )
@@ -439,7 +428,7 @@ class _Run:
 
     def decoded(self, state: TrainState) -> tuple[models.Model, models.Params]:
         """The model and params the rollouts and evaluations of ``state``'s policy decode."""
-        params = policy_params(state)
+        params = policy_params(state, self.compiled.fixed.base)
         decode = self.decoding_params
         return self.decoder or self.model, params if decode is None else decode(params)
 
@@ -657,8 +646,10 @@ def train(
     """Runs ``steps`` train steps of ``algorithm`` on ``task``.
 
     Args:
-      model, params: the policy (``params`` is copied, never donated; the reference,
-        when the run has one, is ``params`` itself, or on a ``mesh`` its placed copy).
+      model, params: the policy at the run's start (``params`` is copied, never donated;
+        the reference, when the run has one, is ``params`` itself, or on a ``mesh`` its
+        placed copy). Continuing from a ``state``, still the run's initial params: the
+        reference (or LoRA's base) and what the state is checked against.
       algorithm: the method (a preset from :mod:`jaxrl_llm.algorithms` or any config).
       config: the run's settings.
       steps: train steps (rollout batches) to run.
@@ -669,9 +660,11 @@ def train(
         task may have no reward functions when its environments have ``get_reward``, and
         no prompt column when they give the prompts (``reset()``), as under TRL.
       state: continue from this state instead of a fresh one (it is donated: its
-        buffers are reused by the first update; its reference is not).
+        buffers are reused by the first update).
       ref_params: the frozen reference (default: ``params``; only for runs that use one:
-        :func:`jaxrl_llm.training.state.uses_reference`). Used as it is, never copied or donated.
+        :func:`jaxrl_llm.training.state.uses_reference`). Used as it is, never copied or
+        donated; it is not part of the state, so a run continued from a ``state`` passes it
+        again (or the same ``params``).
       rollout: the :class:`~jaxrl_llm.sampling.RolloutBackend` that samples completions
         (default: the built-in KV-cache sampler with the task's stop ids and
         ``config.sampling``). The evaluation of ``config.eval_every`` uses the built-in sampler.
@@ -686,7 +679,8 @@ def train(
       mesh, rules: run ``score`` and ``update`` sharded over this mesh (axes among
         ``data``, ``fsdp``, ``tensor``: :func:`jaxrl_llm.sharding.make_mesh`): the state
         placed by ``rules`` (default ``sharding.RULES["fsdp_tensor"]``: parameters,
-        optimizer state, reference and critic really split), the batch's rows split over
+        optimizer state and critic really split, the reference and LoRA's base too), the
+        batch's rows split over
         ``data x fsdp``, XLA partitioning the rest; the rollouts and evaluations split over
         ``data x fsdp`` (see :func:`jaxrl_llm.sampling.sample`) with the params gathered on
         each device. The numbers are the single-device run's up to
@@ -709,15 +703,15 @@ def train(
         environment (``reset(**example)``, public methods as tools, optional
         ``get_reward()``), or a dict of them chosen by the examples' ``environment`` column.
       lora: train low-rank adapters (:mod:`jaxrl_llm.models.lora`) on ``model`` instead of
-        its weights: ``params`` become the state's ``frozen`` base (used as they are, never
-        copied, changed or donated), the adapters (initialised as PEFT does, from
+        its weights: ``params`` are the base (used as they are, never copied, changed or
+        donated, and not part of the state), the adapters (initialised as PEFT does, from
         ``config.seed``) the state's ``params``, the only leaves with optimizer state; the
         reference is the base itself. The rollouts decode the LoRA model unmerged, or merged
         once per rollout with ``config.lora_decoding = "merged"`` (a custom ``rollout`` then
         gets the merged params of the model without adapters), and
-        :func:`jaxrl_llm.training.policy_params` of the returned state is the policy's whole
-        params (``lora.merge`` makes them a plain model); a ``state`` to continue from is a
-        LoRA run's. A method with GAE trains a critic of its own adapters and value head over
+        ``training.policy_params(state, base=params)`` of the returned state is the policy's
+        whole params (``lora.merge`` makes them a plain model); a ``state`` to continue from
+        is a LoRA run's. A method with GAE trains a critic of its own adapters and value head over
         the same base.
       tokenizer: without a ``task``, with an ``environment_factory``: the tokenizer (TRL's
         ``processing_class``; it needs a chat template).
@@ -727,9 +721,7 @@ def train(
         ``lora=lora_model.config.lora``. The reference stays the base without them.
 
     Returns:
-      The final state and one dict of float metrics per step. The state's reference (and
-      that of the states the callback sees) is the caller's arrays: a loop of your own
-      that donates it must leave ``ref_params`` out, as ``train`` does.
+      The final state and one dict of float metrics per step.
 
     Raises:
       ValueError: settings that cannot work together, or a ``state`` / ``params`` that
@@ -778,13 +770,13 @@ def train(
     if compilation_cache:  # before the state is built: its optimizer's initial state loads from the cache too
         compilation_cache_lib.enable()
     if lora is None:
-        state = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
+        state, fixed = _initial_state(model, params, algorithm, config, state=state, ref_params=ref_params)
     else:
-        model, state = _lora_state(
+        model, state, fixed = _lora_state(
             model, params, algorithm, config, lora, state=state, ref_params=ref_params, adapters=adapters
         )
     state, compiled = _compile(
-        model, algorithm, config, state, total_steps=int(state.step) + steps, mesh=mesh, rules=rules
+        model, algorithm, config, state, fixed, total_steps=int(state.step) + steps, mesh=mesh, rules=rules
     )
     decoder, decoding_params = model, None
     if lora is not None and config.lora_decoding == "merged":  # W + s A B once per rollout, a plain model

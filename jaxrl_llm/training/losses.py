@@ -114,22 +114,22 @@ class DecoderTeacherForcing:
 @dataclasses.dataclass(frozen=True)
 class AdaptedTeacherForcing:
     """:class:`TeacherForcing` of a LoRA policy whose params are its adapters alone: ``inner``
-    (the LoRA model's) runs on ``lora.combine(frozen, adapters)``, and a critic's backbone on
-    ``lora.combine(frozen, its adapters)``. Built inside a traced step around the state's
-    ``frozen`` base (:func:`over_base`), so gradients with respect to the params reach the
+    (the LoRA model's) runs on ``lora.combine(base, adapters)``, and a critic's backbone on
+    ``lora.combine(base, its adapters)``. Built inside a traced step around the run's
+    ``fixed.base`` (:func:`over_base`), so gradients with respect to the params reach the
     adapters only and the base is read, never differentiated."""
 
     inner: DecoderTeacherForcing
-    frozen: models.Params
+    base: models.Params
     dropout_key: jax.Array | None = None
     """LoRA dropout in :meth:`states` (the update's passes, when ``lora.dropout > 0``;
     :func:`fold_dropout_key` gives each minibatch and micro-batch its own); ``None``: none."""
 
     def states(self, params: models.Params, rows: Rows) -> jax.Array:
-        return self.inner.states(models.lora.combine(self.frozen, params), rows, dropout_key=self.dropout_key)
+        return self.inner.states(models.lora.combine(self.base, params), rows, dropout_key=self.dropout_key)
 
     def head(self, params: models.Params) -> Any:
-        return self.inner.head(models.lora.combine(self.frozen, params))
+        return self.inner.head(models.lora.combine(self.base, params))
 
     def logprobs(self, states: jax.Array, head: Any, rows: Rows, *, with_entropy: bool = False):
         return self.inner.logprobs(states, head, rows, with_entropy=with_entropy)
@@ -138,22 +138,22 @@ class AdaptedTeacherForcing:
         return self.inner.categorical_kl(states, head, other_states, other_head)
 
     def values(self, critic_params: Any, rows: Rows) -> jax.Array:
-        """The critic's values: its backbone is adapters of its own over the same ``frozen`` base."""
-        backbone = models.lora.combine(self.frozen, critic_params["backbone"])
+        """The critic's values: its backbone is adapters of its own over the same base."""
+        backbone = models.lora.combine(self.base, critic_params["backbone"])
         return self.inner.values({**critic_params, "backbone": backbone}, rows)
 
 
 def over_base(
-    policy: TeacherForcing, frozen: models.Params | None, *, dropout_key: jax.Array | None = None
+    policy: TeacherForcing, base: models.Params | None, *, dropout_key: jax.Array | None = None
 ) -> TeacherForcing:
     """``policy`` (a LoRA model's :class:`DecoderTeacherForcing`) over params that are adapters
-    of the base ``frozen``, or ``policy`` itself when ``frozen`` is None. ``dropout_key``: the
+    of ``base``, or ``policy`` itself when ``base`` is None. ``dropout_key``: the
     update's LoRA dropout, kept when the model's ``lora.dropout > 0``; the scoring passes take none."""
-    if frozen is None:
+    if base is None:
         return policy
     if dropout_key is not None and not policy.model.config.lora.dropout > 0:
         dropout_key = None
-    return AdaptedTeacherForcing(policy, frozen, dropout_key)
+    return AdaptedTeacherForcing(policy, base, dropout_key)
 
 
 def fold_dropout_key(policy: TeacherForcing, index: jax.Array) -> TeacherForcing:

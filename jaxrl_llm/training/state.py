@@ -1,22 +1,24 @@
-"""The train state: everything a run carries between steps, in one pytree.
+"""The train state, what a run's steps change, and its fixed params, what they only read.
 
-:func:`init_state` builds it at step 0, :func:`check_state` checks a given one against the
-run (method, model, optimizer), :func:`state_shardings` places it on a mesh. Every change
-to it happens inside the jitted train step (:mod:`jaxrl_llm.training.step`): the next PRNG
-key (the rollout draws from :func:`rollout_key`), the running baseline, the prompts
-consumed, the optimizer's step, so a step is a function of ``(state, batch)`` alone.
+:func:`init_state` builds the :class:`TrainState` at step 0, :func:`fixed_params` the
+:class:`FixedParams` beside it, :func:`check_state` checks a given state against the run
+(method, model, optimizer), :func:`state_shardings` places it on a mesh. Every change to
+the state happens inside the jitted train step (:mod:`jaxrl_llm.training.step`): the next
+PRNG key (the rollout draws from :func:`rollout_key`), the running baseline, the prompts
+consumed, the optimizer's step, so a step is a function of ``(state, fixed, batch)`` alone.
+The update donates the state and never the fixed params, which are the caller's arrays.
 
 **The reference** is kept and run only when it is used (:func:`uses_reference`): by the
 method's KL term (in the loss or the reward), or by the metrics
 ``TrainConfig.reference_metrics`` (``kl_k3``) and ``TrainConfig.exact_kl``. Otherwise
-``state.ref_params`` is ``None``.
+``fixed.reference`` is ``None``.
 
-**LoRA** (:mod:`jaxrl_llm.models.lora`): ``state.frozen`` is the base's params, which no step
-changes, and ``state.params`` the adapters alone, so the optimizer holds state for the
-adapters only. The policy is ``lora.combine(frozen, params)`` (:func:`policy_params`), and
-the reference is the base itself: adapters of zeros, whose share :math:`s (x 0) 0` is exactly
-0, so no copy of the weights is kept. PPO's critic is ``{"backbone": its own adapters, "head"}``
-over the same base.
+**LoRA** (:mod:`jaxrl_llm.models.lora`): ``fixed.base`` is the base's params and
+``state.params`` the adapters alone, so the optimizer holds state for the adapters only.
+The policy is ``lora.combine(base, params)`` (:func:`policy_params`), and the reference is
+the base itself: adapters of zeros, whose share :math:`s (x 0) 0` is exactly 0, so no copy
+of the weights is kept. PPO's critic is ``{"backbone": its own adapters, "head"}`` over the
+same base.
 """
 
 from __future__ import annotations
@@ -33,12 +35,10 @@ from jaxrl_llm.training.optim import run_optimizers
 
 
 class TrainState(NamedTuple):
-    """Everything a run carries between steps; a pytree (checkpointable, shardable)."""
+    """What a run's steps change, in one pytree (checkpointable, shardable, donated to each update)."""
 
-    params: models.Params
+    params: models.Params  # the policy's; with LoRA, its adapters alone
     opt_state: Any  # optax state of the policy; () for TRPO, which has none
-    ref_params: models.Params | None  # frozen: the initial policy by default (train: the caller's arrays, never
-    # donated); None when unused
     critic_params: critic.CriticParams | None  # methods with GAE only
     critic_opt_state: Any
     baseline: advantages.RunningMeanState
@@ -47,7 +47,17 @@ class TrainState(NamedTuple):
     skipped_updates: jax.Array  # [] int32: non-finite minibatch updates skipped in all
     consecutive_skips: jax.Array  # [] int32: train steps in a row with a skipped update
     prompts_drawn: jax.Array  # [] int32: positions of the task's train stream consumed (tasks.base.draw)
-    frozen: models.Params | None = None  # LoRA: the base the adapters (params) adapt, never changed; else None
+
+
+class FixedParams(NamedTuple):
+    """What a run's steps read and never change, passed beside the :class:`TrainState`
+    (never in it, never donated, placed once): the caller's arrays, not copies."""
+
+    reference: models.Params | None = None
+    """The KL's reference policy (:func:`uses_reference`; else ``None``): the initial params,
+    or with LoRA adapters of zeros over ``base``."""
+    base: models.Params | None = None
+    """LoRA: the base the adapters (``state.params``) adapt; ``None`` without LoRA."""
 
 
 def uses_reference(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool:
@@ -56,10 +66,19 @@ def uses_reference(algorithm: algorithms.Algorithm, config: TrainConfig) -> bool
     return algorithm.needs_reference or config.reference_metrics or config.exact_kl
 
 
-def policy_params(state: TrainState) -> models.Params:
-    """The policy's whole params: ``state.params``, or with LoRA the base and the adapters
-    together (``lora.combine(state.frozen, state.params)``, no copy), for the LoRA model."""
-    return state.params if state.frozen is None else models.lora.combine(state.frozen, state.params)
+def policy_params(state: TrainState, base: models.Params | None = None) -> models.Params:
+    """The policy's whole params: ``state.params``, or for a LoRA run's state the ``base``
+    and the adapters together (``lora.combine(base, state.params)``, no copy), for the LoRA
+    model. Raises ValueError for adapters without their base."""
+    if base is not None:
+        return models.lora.combine(base, state.params)
+    rest, adapters = models.lora.split(state.params)
+    if jax.tree.leaves(adapters) and not jax.tree.leaves(rest):
+        raise ValueError(
+            "policy_params: `state.params` are LoRA adapters alone; pass `base=`, the params they were trained "
+            "over (train's `params`)."
+        )
+    return state.params
 
 
 def rollout_key(state: TrainState) -> jax.Array:
@@ -79,62 +98,36 @@ def init_state(
     algorithm: algorithms.Algorithm,
     config: TrainConfig,
     *,
-    ref_params: models.Params | None = None,
-    copy_reference: bool = True,
     critic_params: Any = None,
-    frozen: models.Params | None = None,
 ) -> TrainState:
-    """The state at step 0: policy and reference copied from ``params`` (or the given
-    ``ref_params``), a critic when the method has one: ``critic_params``, by default
-    initialised from the policy (:func:`jaxrl_llm.training.critic.init_critic`; another
-    policy than ``model``'s brings its own, with ``model=None``). The reference is ``None``
-    when the run does not use one (:func:`uses_reference`); then ``ref_params`` must not be
-    given.
+    """The state at step 0: the policy copied from ``params``, and a critic when the method
+    has one: ``critic_params``, by default initialised from the policy
+    (:func:`jaxrl_llm.training.critic.init_critic`; another policy than ``model``'s brings
+    its own, with ``model=None``).
 
-    ``copy_reference=False`` makes the reference ``ref_params`` (or ``params``) itself,
-    not a copy: one params-sized buffer less (2 GB at 0.5B parameters in float32). Then
-    whatever donates the state must leave the reference out, as :func:`jaxrl_llm.training.train` does
-    (``update`` never reads it); donating it would delete the caller's arrays.
-
-    ``frozen``: LoRA's base params (kept as they are, never copied or donated), with
-    ``model`` the LoRA model and ``params`` its adapters; the reference is then adapters of
-    zeros (the base itself), and ``ref_params`` must not be given. A method with GAE gets a
-    critic of its own adapters over the same base (a copy of the policy's initial adapters,
-    so its backbone starts as the base) and its value head: no copy of the base's weights."""
+    LoRA: ``model`` is the LoRA model and ``params`` its adapters (the base goes in
+    :func:`fixed_params`); a method with GAE gets a critic of its own adapters over the same
+    base (a copy of the policy's initial adapters, so its backbone starts as the base) and
+    its value head: no copy of the base's weights."""
     # The state does not depend on when the decay ends (its step-0 rate is the warm-up's).
     optimizers = run_optimizers(algorithm, config, decay_steps=1)
-    if frozen is None and model is not None and model.config.quantization is not None:  # model=None: another policy
+    quantized = model is not None and model.config.quantization is not None  # model=None: another policy
+    if quantized and model.config.lora is None:
         raise ValueError(
             f"init_state: the model's projections are {model.config.quantization} (quantization="
             f"{model.config.quantization!r}), which are not trained; train LoRA adapters over it "
             "(training.train(..., lora=models.LoraConfig(...))), or load it unquantized."
         )
-    if frozen is not None and ref_params is not None:
-        raise ValueError("init_state: with LoRA (`frozen`) the reference is the base itself; do not pass `ref_params`.")
     if not algorithm.needs_critic:
         critic_params = None
     elif critic_params is None:
         critic_params = critic.init_critic(model, params)
     else:
         critic_params = _copy(critic_params)
-    with_reference = uses_reference(algorithm, config)
-    if ref_params is not None and not with_reference:
-        raise ValueError(
-            f"init_state: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "
-            "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
-            "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it."
-        )
-    reference = None
-    if with_reference and frozen is not None:  # the base: every adapter's share exactly 0
-        reference = jax.tree.map(jnp.zeros_like, params)
-    elif with_reference:
-        reference = params if ref_params is None else ref_params
-        reference = _copy(reference) if copy_reference else jax.tree.map(jnp.asarray, reference)
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
     return TrainState(
         params=_copy(params),
         opt_state=optimizers.policy.init(params) if optimizers.policy else (),
-        ref_params=reference,
         critic_params=critic_params,
         critic_opt_state=optimizers.critic.init(critic_params) if critic_params is not None else None,
         baseline=advantages.running_mean_init(),
@@ -143,8 +136,37 @@ def init_state(
         skipped_updates=zero(),
         consecutive_skips=zero(),
         prompts_drawn=zero(),
-        frozen=frozen,
     )
+
+
+def fixed_params(
+    params: models.Params,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
+    *,
+    ref_params: models.Params | None = None,
+    base: models.Params | None = None,
+) -> FixedParams:
+    """The run's :class:`FixedParams`, of the caller's arrays (no copy). The reference, when
+    the run uses one (:func:`uses_reference`; else ``ref_params`` must not be given), is
+    ``ref_params``, by default ``params``. LoRA: ``params`` are the adapters and ``base`` the
+    params they adapt; the reference is adapters of zeros (the base itself), and
+    ``ref_params`` must not be given."""
+    with_reference = uses_reference(algorithm, config)
+    if base is not None and ref_params is not None:
+        raise ValueError("fixed_params: with LoRA (`base`) the reference is the base itself; do not pass `ref_params`.")
+    if ref_params is not None and not with_reference:
+        raise ValueError(
+            f"`ref_params` given, but algorithm {algorithm.name!r} has no KL term "
+            "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
+            "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it."
+        )
+    reference = None
+    if with_reference and base is not None:  # the base: every adapter's share exactly 0
+        reference = jax.tree.map(jnp.zeros_like, params)
+    elif with_reference:
+        reference = jax.tree.map(jnp.asarray, params if ref_params is None else ref_params)
+    return FixedParams(reference=reference, base=base)
 
 
 def state_shardings(
@@ -158,6 +180,12 @@ def state_shardings(
     (:func:`jaxrl_llm.sharding.state_shardings` with the run's optimizers)."""
     optimizers = run_optimizers(algorithm, config, decay_steps=1)  # the state's structure only
     return sharding.state_shardings(state, mesh, rules, optimizer=optimizers.policy, critic_optimizer=optimizers.critic)
+
+
+def fixed_shardings(fixed: FixedParams, mesh: jax.sharding.Mesh, rules: sharding.Rules) -> FixedParams:
+    """The ``NamedSharding`` of every leaf of ``fixed`` on ``mesh``: each params by ``rules``
+    (:func:`jaxrl_llm.sharding.param_shardings`), as the policy's."""
+    return FixedParams(*(None if params is None else sharding.param_shardings(params, mesh, rules) for params in fixed))
 
 
 def check_params(model: models.Model, params: models.Params, *, name: str = "params") -> None:
@@ -178,18 +206,16 @@ def check_state(
     params: models.Params,
     algorithm: algorithms.Algorithm,
     config: TrainConfig,
-    *,
-    frozen: models.Params | None = None,
 ) -> None:
     """Raises ValueError, naming the first field, path, shape or dtype that differs, when
     ``state`` is not a state of this run: made for another method (a critic or an
     optimizer it lacks), another model size, or another optimizer. With LoRA, ``model`` is
-    the LoRA model, ``params`` its adapters and ``frozen`` the base (see :func:`init_state`)."""
+    the LoRA model and ``params`` its adapters (see :func:`init_state`)."""
     if not isinstance(state, TrainState):
         raise ValueError(
             f"`state` must be a TrainState (from init_state or a previous train); got {type(state).__name__}."
         )
-    expected = jax.eval_shape(lambda p, f: init_state(model, p, algorithm, config, frozen=f), params, frozen)
+    expected = jax.eval_shape(lambda p: init_state(model, p, algorithm, config), params)
     for field in TrainState._fields:
         check_tree(
             f"state.{field}",

@@ -2,17 +2,18 @@ r"""The two jitted halves of a train step: ``score`` and ``update``.
 
 After the rollout and the host's rewards, a train step is
 
-1. :func:`score` ``(state, batch) -> (scored, metrics)``: log-probs under the reference
-   (when the method or a metric needs it) and, only when they can differ from the
+1. :func:`score` ``(state, fixed, batch) -> (scored, metrics)``: log-probs under the
+   reference (when the method or a metric needs it) and, only when they can differ from the
    sampler's, under the old params; the critic's values; the advantages
    (:func:`jaxrl_llm.algorithms.compute_advantages`) and the running baseline after them;
-2. :func:`update` ``(state, scored) -> (state, metrics)``: ``num_iterations`` passes over
-   shuffled minibatches in one ``lax.scan`` of optax steps (:func:`optax_update`), or one
+2. :func:`update` ``(state, fixed, scored) -> (state, metrics)``: ``num_iterations`` passes
+   over shuffled minibatches in one ``lax.scan`` of optax steps (:func:`optax_update`), or one
    TRPO natural-gradient step (:func:`jaxrl_llm.training.trpo_update.trpo_update`), plus the
-   critic's steps for PPO. The state is donated, except its reference: a state from
-   :func:`~jaxrl_llm.training.train` holds the caller's params as its reference (not a
-   copy), so donate ``state._replace(ref_params=None)`` as ``train`` does (``update``
-   never reads the reference).
+   critic's steps for PPO.
+
+``fixed`` (:class:`~jaxrl_llm.training.state.FixedParams`) holds what the steps read and
+never change, the reference and LoRA's base: the caller's arrays, beside the state. Jit
+``update`` donating the state alone (``donate_argnums=0``), as ``train`` does.
 
 :func:`make_train_step` binds both to one (model, method, config); jit each once.
 
@@ -75,7 +76,7 @@ from jaxrl_llm.training.optim import (
     run_optimizers,
     update_is_finite,
 )
-from jaxrl_llm.training.state import TrainState, uses_reference
+from jaxrl_llm.training.state import FixedParams, TrainState, uses_reference
 from jaxrl_llm.training.trpo_update import trpo_update
 
 LORA_DROPOUT_STREAM = 0x4C6F5241
@@ -134,17 +135,23 @@ def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
 
 
 def score(
-    state: TrainState, batch: Batch, *, policy: TeacherForcing, algorithm: algorithms.Algorithm, config: TrainConfig
+    state: TrainState,
+    fixed: FixedParams,
+    batch: Batch,
+    *,
+    policy: TeacherForcing,
+    algorithm: algorithms.Algorithm,
+    config: TrainConfig,
 ) -> tuple[ScoredBatch, Metrics]:
     """The batch with its old and reference log-probs, values and advantages, and the
     metrics of scoring it (the advantages', ``kl_exact``)."""
-    policy = losses.over_base(policy, state.frozen)
+    policy = losses.over_base(policy, fixed.base)
     mask = batch.completion_mask
     metrics = {}
     ref_logp = ref_states = policy_states = None
     if uses_reference(algorithm, config):
-        ref_states = policy.states(state.ref_params, batch)  # [B, N, ...]
-        ref_logp = policy.logprobs(ref_states, policy.head(state.ref_params), batch)
+        ref_states = policy.states(fixed.reference, batch)  # [B, N, ...]
+        ref_logp = policy.logprobs(ref_states, policy.head(fixed.reference), batch)
     if losses.is_on_policy(algorithm, config) or algorithm.update == "trpo" or not algorithm.needs_old_logp:
         old_logp = batch.sampling_logp  # TRPO recomputes its own in `update`
     else:
@@ -154,7 +161,7 @@ def score(
         if policy_states is None:
             policy_states = policy.states(state.params, batch)
         per_token = policy.categorical_kl(
-            policy_states, policy.head(state.params), ref_states, policy.head(state.ref_params)
+            policy_states, policy.head(state.params), ref_states, policy.head(fixed.reference)
         )  # [B, N]
         metrics["kl_exact"] = ops.masked_mean(per_token, mask)
     old_values = policy.values(state.critic_params, batch) if algorithm.needs_critic else None
@@ -353,6 +360,7 @@ def optax_update(
 
 def update(
     state: TrainState,
+    fixed: FixedParams,
     scored: ScoredBatch,
     *,
     policy: TeacherForcing,
@@ -363,7 +371,7 @@ def update(
     """The state after training on ``scored``: past the rollout's key, with the batch's
     baseline and prompt count, then :func:`optax_update` or TRPO's step."""
     key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
-    policy = losses.over_base(policy, state.frozen, dropout_key=jax.random.fold_in(key, LORA_DROPOUT_STREAM))
+    policy = losses.over_base(policy, fixed.base, dropout_key=jax.random.fold_in(key, LORA_DROPOUT_STREAM))
     state = state._replace(key=key, baseline=scored.baseline, prompts_drawn=state.prompts_drawn + scored.prompts_drawn)
     if algorithm.update == "trpo":
         return trpo_update(state, scored, policy=policy, algorithm=algorithm)
@@ -374,8 +382,8 @@ def update(
 class TrainStep:
     """The pure halves of a train step for one (model, method, config); jit each once."""
 
-    score: Callable[[TrainState, Batch], tuple[ScoredBatch, Metrics]]
-    update: Callable[[TrainState, ScoredBatch], tuple[TrainState, Metrics]]
+    score: Callable[[TrainState, FixedParams, Batch], tuple[ScoredBatch, Metrics]]
+    update: Callable[[TrainState, FixedParams, ScoredBatch], tuple[TrainState, Metrics]]
 
 
 def make_train_step(

@@ -148,15 +148,15 @@ def test_a_lora_run_checkpoints_only_the_adapters_and_keeps_its_base_once(lora_r
         params = [path for path in paths if path.startswith("params/")]
         assert params and all(path.split("/")[-2].endswith(("_lora_a", "_lora_b")) for path in params), params
         assert not any(path.startswith("frozen") for path in paths)
-        assert not any(path.startswith("ref_params/") and "lora" not in path for path in paths)
+        assert not any(path.startswith("ref_params/") for path in paths)  # its reference: adapters of zeros
     record = json.loads((run_dir / BASE_FILE).read_text())
     assert record["path"] is None  # the built-in model, warm-started: stored in base/
     base = load_base(run_dir, straight.config, build.run_task(straight.config))
-    chex.assert_trees_all_equal(base, straight.state.frozen)  # bitwise what the run trained over
-    assert record["digests"] == training.checkpoint.digests(straight.state.frozen)
+    chex.assert_trees_all_equal(base, straight.base)  # bitwise what the run trained over
+    assert record["digests"] == training.checkpoint.digests(straight.base)
     _, _, model, params, step = runs.restore_policy(run_dir)
     assert step == 6 and model.config.lora == straight.config.lora.build()
-    chex.assert_trees_all_equal(params, training.policy_params(straight.state))
+    chex.assert_trees_all_equal(params, training.policy_params(straight.state, base=straight.base))
 
 
 @pytest.mark.slow
@@ -164,7 +164,7 @@ def test_a_continued_lora_run_ends_where_the_straight_run_does(lora_run):
     root, continued, straight = lora_run
     chex.assert_trees_all_equal(continued.state.params, straight.state.params)  # bitwise
     chex.assert_trees_all_equal(continued.state.opt_state, straight.state.opt_state)
-    chex.assert_trees_all_equal(continued.state.frozen, straight.state.frozen)
+    chex.assert_trees_all_equal(continued.base, straight.base)
     assert without_timings(runs.read_metrics(root / "continued")) == without_timings(
         runs.read_metrics(root / "straight")
     )
@@ -182,7 +182,7 @@ def test_a_lora_run_that_died_before_its_first_checkpoint_starts_again(lora_run,
     shutil.rmtree(run_dir / CHECKPOINTS)  # steps logged, no checkpoint: the run starts over
     again = runs.train_run(tiny(reward, steps=6), run_dir, progress=False, stream=None)
     chex.assert_trees_all_equal(again.state.params, straight.state.params)
-    chex.assert_trees_all_equal(load_base(run_dir, again.config, build.run_task(again.config)), again.state.frozen)
+    chex.assert_trees_all_equal(load_base(run_dir, again.config, build.run_task(again.config)), again.base)
 
     (run_dir / BASE_FILE).write_text('{"path": null}')
     with pytest.raises(RunDirectoryError, match=r"base.json.* cannot be used: it must hold `path` and `digests`"):
@@ -236,7 +236,7 @@ def test_a_lora_run_over_a_model_directory_references_it_and_refuses_changed_wei
     result = runs.train_run(config, run_dir, progress=False, stream=None)
     assert json.loads((run_dir / BASE_FILE).read_text())["path"] == str(base_dir)
     assert not (run_dir / BASE_CHECKPOINT).exists()  # referenced, not copied
-    chex.assert_trees_all_equal(load_base(run_dir, config, task), result.state.frozen)
+    chex.assert_trees_all_equal(load_base(run_dir, config, task), result.base)
 
     flat = dict(nnx.to_flat_state(params))
     up = ("layers", 0, "mlp", "up_proj")
@@ -284,7 +284,7 @@ def test_a_run_goes_on_training_a_peft_adapter_with_the_base_as_reference(tmp_pa
     stored = run_config.from_dict(json.loads((tmp_path / "run" / CONFIG_FILE).read_text()))
     assert (stored.lora.rank, stored.lora.alpha, stored.lora.targets) == (2, 4.0, ("q_proj",))
     assert result.history[0]["kl_k3"] > 0  # step 0's policy is the adapter's, the reference the base
-    chex.assert_trees_all_equal(result.state.frozen, params)
+    chex.assert_trees_all_equal(result.base, params)
 
     with pytest.raises(ValueError, match=r"lora.rank = 8 \(the adapter's: 2\)"):
         runs.train_run(dataclasses.replace(config, lora=run_config.LoraSpec(adapter=str(tmp_path / "sft"), rank=8)),
@@ -336,12 +336,12 @@ def test_a_lora_run_over_an_int8_base_quantizes_after_the_warm_start_and_reads_i
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, quantization="int8"))
     run_dir = tmp_path / "run"
     result = runs.train_run(config, run_dir, progress=False, stream=None)
-    kernels = {path: leaf for path, leaf in nnx.to_flat_state(result.state.frozen) if path[-1] in KERNELS}
+    kernels = {path: leaf for path, leaf in nnx.to_flat_state(result.base) if path[-1] in KERNELS}
     assert kernels and all(leaf[...].dtype == jnp.int8 for leaf in kernels.values())
     assert json.loads((run_dir / BASE_FILE).read_text())["path"] is None  # warm-started, then quantized
     _, task, model, params, _ = runs.restore_policy(run_dir)
     assert model.config.quantization == "int8"
-    chex.assert_trees_all_equal(lora.split(params)[0], result.state.frozen)
+    chex.assert_trees_all_equal(lora.split(params)[0], result.base)
 
     # The merged export is the dequantized base plus s A B: the same logits up to rounding.
     assert cli.main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "merged")]) == 0

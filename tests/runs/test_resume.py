@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import runs
-from jaxrl_llm.runs import run
+from jaxrl_llm.runs import policy, run
 from jaxrl_llm.runs.config import absolute_paths
 from jaxrl_llm.runs.directory import CHECKPOINTS, CONFIG_FILE, stored_config
 from jaxrl_llm.runs.records import is_timing
@@ -169,16 +169,15 @@ def test_a_checkpoint_with_a_reference_the_run_no_longer_keeps_still_restores(tm
         jax.random.key(0),
     )
     config = training.TrainConfig()
-    with_reference = training.init_state(
-        model, params, algorithms.DAPO, dataclasses.replace(config, reference_metrics=True)
-    )
+    state = training.init_state(model, params, algorithms.DAPO, config)._replace(step=jax.numpy.asarray(3, "int32"))
     with training.Checkpointer(tmp_path / "checkpoints") as checkpointer:
-        checkpointer.save(3, with_reference._replace(step=jax.numpy.asarray(3, jax.numpy.int32)))
-        like = jax.eval_shape(lambda p: training.init_state(model, p, algorithms.DAPO, config), params)
+        checkpointer.save(3, policy.checkpointed(state, params))  # as a run that kept a reference saved it
+        abstract = jax.eval_shape(lambda p: training.init_state(model, p, algorithms.DAPO, config), params)
+        like = policy.checkpointed(abstract, None)
         with pytest.raises(ValueError, match="ref_params"):
             checkpointer.restore(like=like)
-        state = run._restore(checkpointer, like)
-    assert state.ref_params is None and int(state.step) == 3
+        state, reference = policy.restore_checkpoint(checkpointer, like)
+    assert reference is None and int(state.step) == 3
     chex.assert_trees_all_equal(state.params, params)
 
 

@@ -1,6 +1,6 @@
 """Every preset improves a warm-started language model on the digit task (experiments/compare_methods.py)."""
 
-import chex
+import jax
 import numpy as np
 import pytest
 
@@ -60,12 +60,12 @@ def test_each_preset_improves_the_reward_of_a_warm_started_model(name, warm_star
     result = compare_methods.run(CONFIG, algorithms.get(name), model, params, task)
     start, end = result["expected_reward_start"], result["expected_reward_end"]
     assert end - start >= MARGIN[name], (name, start, end)
-    history, state = result["history"], result["state"]
+    history = result["history"]
     assert all(np.isfinite(v) for h in history for v in h.values())
     assert all(EVERY_STEP_METRICS <= h.keys() for h in history), EVERY_STEP_METRICS - history[0].keys()
     assert history[-1]["score_traces"] == history[-1]["update_traces"] == 1  # traced once per run
     assert history[-1]["skipped_updates"] == 0
-    chex.assert_trees_all_equal(state.ref_params, params)  # the reference stays put
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))  # the reference: read, never donated
     if name == "ppo":  # the critic learns: its value loss falls (0.37 -> 0.27 at this seed)
         value_loss = [h["value_loss"] for h in history]
         assert np.mean(value_loss[-10:]) < 0.85 * np.mean(value_loss[:5]), value_loss

@@ -35,22 +35,27 @@ def test_only_the_adapters_train_and_the_reference_is_the_base():
     state, history = training.train(
         model, params, algorithms.get("grpo"), config, steps=4, task=TASK, lora=LORA, compilation_cache=False
     )
-    assert all(x is y for x, y in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(params), strict=True))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))  # the base is read, never donated
     assert _leaves_equal(params, before)  # bit for bit
     adapter_names = {path[-1] for path, _ in nnx.to_flat_state(state.params)}
     assert adapter_names == {f"{t}_lora_{ab}" for t in LORA.targets for ab in "ab"}
     # Optimizer state: Adam's two moments of every adapter leaf, and counters; nothing base-sized.
     adapter_sizes = sum(x.size for x in jax.tree.leaves(state.params))
     assert sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim) == 2 * adapter_sizes
-    assert all(not np.any(x) for x in jax.tree.leaves(state.ref_params))  # adapters of zeros: the base
+    fixed = training.fixed_params(state.params, algorithms.get("grpo"), config, base=params)
+    assert all(x is y for x, y in zip(jax.tree.leaves(fixed.base), jax.tree.leaves(params), strict=True))
+    assert all(not np.any(x) for x in jax.tree.leaves(fixed.reference))  # adapters of zeros: the base
     assert any(np.any(x) for path, x in nnx.to_flat_state(state.params) if path[-1].endswith("_lora_b"))
     assert history[-1]["kl_k3"] > 0  # the policy left the base, which the KL measures
     lora_model = lora.add_adapters(model, LORA, jax.random.key(0))[0]
     tokens = jnp.asarray(TASK.prompts(np.random.default_rng(0), 2).tokens)
     base_logits = models.forward(model, params, tokens)
-    reference = lora.combine(params, state.ref_params)
+    reference = lora.combine(params, fixed.reference)
     np.testing.assert_array_equal(models.forward(lora_model, reference, tokens), base_logits)
-    assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
+    policy = training.policy_params(state, base=params)
+    assert not np.allclose(models.forward(lora_model, policy, tokens), base_logits)
+    with pytest.raises(ValueError, match="LoRA adapters alone; pass `base=`"):
+        training.policy_params(state)
 
 
 def test_training_continues_an_adapter_saved_before_with_the_base_as_reference(tmp_path):
@@ -68,7 +73,8 @@ def test_training_continues_an_adapter_saved_before_with_the_base_as_reference(t
 
     start, _ = from_the_adapter(0)
     chex.assert_trees_all_equal(start.params, loaded)  # the run starts from the adapter
-    assert all(not np.any(x) for x in jax.tree.leaves(start.ref_params))  # the reference: the base alone
+    reference = training.fixed_params(start.params, algorithms.get("grpo"), config, base=params).reference
+    assert all(not np.any(x) for x in jax.tree.leaves(reference))  # the reference: the base alone
     _, history = from_the_adapter(1)
     assert history[0]["kl_k3"] > 0  # already away from the base at step 0
     with pytest.raises(ValueError, match="`adapters` need `lora=`"):
@@ -94,12 +100,14 @@ def test_a_step_takes_the_chain_rule_of_the_full_models_gradient(quantization, s
         RUN, reference_metrics=True, optimizer=dataclasses.replace(RUN.optimizer, max_grad_norm=1e9)
     )
     algorithm = algorithms.get("grpo")
-    state = training.init_state(lora_model, adapters, algorithm, config, frozen=base)
+    state = training.init_state(lora_model, adapters, algorithm, config)
+    fixed = training.fixed_params(adapters, algorithm, config, base=base)
+    before = jax.tree.map(np.array, base)
     step = training.make_train_step(lora_model, algorithm, config)
     batch = _batch(lora_model, lora.combine(base, adapters), run=config)
-    scored, _ = jax.jit(step.score)(state, batch)
-    after, _ = jax.jit(step.update)(state, scored)
-    assert _leaves_equal(after.frozen, base)
+    scored, _ = jax.jit(step.score)(state, fixed, batch)
+    after, _ = jax.jit(step.update)(state, fixed, scored)
+    assert _leaves_equal(base, before)
     mu = optax.tree_utils.tree_get(after.opt_state, "mu")
     assert jax.tree.structure(mu) == jax.tree.structure(adapters)
     gradient = nnx.to_pure_dict(decoder.unstack_layers(jax.tree.map(lambda m: m / (1 - config.optimizer.adam_b1), mu)))
@@ -137,7 +145,7 @@ def test_a_lora_run_over_a_stacked_base_trains_the_adapters_of_the_unrolled_run(
     expected, expected_history = training.train(model, params, algorithms.get("grpo"), config, **run)
     state, history = training.train(scanned, stacked, algorithms.get("grpo"), config, **run)
     # The base is the caller's stacked arrays, bit for bit; the adapters and their moments stacked.
-    assert all(x is y for x, y in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(stacked), strict=True))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(stacked))
     assert _leaves_equal(stacked, before)
     assert {path for path, _ in nnx.to_flat_state(state.params)} == {
         ("layers", KERNELS[t], f"{t}_lora_{ab}") for t in LORA.targets for ab in "ab"
@@ -256,17 +264,19 @@ def test_adapters_train_over_an_int8_base_that_stays_as_it_was():
     state, history = training.train(
         model, params, algorithms.get("grpo"), config, steps=3, task=TASK, lora=LORA, compilation_cache=False
     )
-    assert all(x is y for x, y in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(params), strict=True))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))  # read, never donated
     assert _leaves_equal(params, before)
-    assert {x.dtype for path, x in nnx.to_flat_state(state.frozen) if path[-1] in KERNELS} == {jnp.dtype(jnp.int8)}
+    assert {x.dtype for path, x in nnx.to_flat_state(params) if path[-1] in KERNELS} == {jnp.dtype(jnp.int8)}
     assert any(np.any(x[...]) for path, x in nnx.to_flat_state(state.params) if path[-1].endswith("_lora_b"))
     assert all(np.isfinite(h["loss"]) for h in history) and int(state.skipped_updates) == 0
     tokens = jnp.asarray(TASK.prompts(np.random.default_rng(0), 2).tokens)
     lora_model = lora.adapted(model, LORA)
-    reference = lora.combine(params, state.ref_params)
+    reference = lora.combine(
+        params, training.fixed_params(state.params, algorithms.GRPO, config, base=params).reference
+    )
     base_logits = models.forward(model, params, tokens)
     np.testing.assert_array_equal(models.forward(lora_model, reference, tokens), base_logits)
-    assert not np.allclose(models.forward(lora_model, training.policy_params(state), tokens), base_logits)
+    assert not np.allclose(models.forward(lora_model, training.policy_params(state, base=params), tokens), base_logits)
     with pytest.raises(ValueError, match="projections are int8"):
         training.train(model, params, algorithms.get("grpo"), config, steps=1, task=TASK, compilation_cache=False)
 
@@ -289,12 +299,15 @@ def test_dropout_masks_the_update_only_and_a_run_with_it_continues_bitwise():
     # Scoring (the log-probs the update compares against) takes no dropout: the same with or without it.
     lora_model, adapters = lora.add_adapters(model, with_dropout, jax.random.key(1))
     adapters = perturbed(adapters, scale=0.1)
-    state = training.init_state(lora_model, adapters, grpo, config, frozen=params)
+    fixed = training.fixed_params(adapters, grpo, config, base=params)
+    state = training.init_state(lora_model, adapters, grpo, config)
     batch = _batch(lora_model, lora.combine(params, adapters), run=config)
-    scored = jax.jit(training.make_train_step(lora_model, grpo, config).score)(state, batch)[0]
+    scored = jax.jit(training.make_train_step(lora_model, grpo, config).score)(state, fixed, batch)[0]
     no_dropout_model = lora.adapted(model, LORA)
-    state_without = training.init_state(no_dropout_model, adapters, grpo, config, frozen=params)
-    scored_without = jax.jit(training.make_train_step(no_dropout_model, grpo, config).score)(state_without, batch)[0]
+    state_without = training.init_state(no_dropout_model, adapters, grpo, config)
+    scored_without = jax.jit(training.make_train_step(no_dropout_model, grpo, config).score)(
+        state_without, fixed, batch
+    )[0]
     assert _leaves_equal(scored, scored_without)
 
 

@@ -89,10 +89,14 @@ def _rewards_reach_the_step(monkeypatch, values):
 
 
 def _step(algorithm, run=RUN, seed=0):
+    """The model, its params, ``score(state, batch)`` and ``update(state, scored)`` jitted
+    over the run's fixed params (the reference: ``params``), and the state at step 0."""
     model, params = models.init(CONFIG, jax.random.key(seed))
     train_step = training.make_train_step(model, algorithm, run)
     state = training.init_state(model, params, algorithm, run)
-    return model, params, jax.jit(train_step.score), jax.jit(train_step.update), state
+    fixed = training.fixed_params(params, algorithm, run)
+    score, update = jax.jit(train_step.score), jax.jit(train_step.update)
+    return model, params, lambda s, b: score(s, fixed, b), lambda s, scored: update(s, fixed, scored), state
 
 
 def _changed(tree_a, tree_b) -> bool:
@@ -117,7 +121,8 @@ def test_on_policy_step_has_ratio_one_no_clipping_and_no_old_policy_forward(monk
         passes.clear()
         method = dataclasses.replace(algorithms.GRPO, num_iterations=mu)
         train_step = training.make_train_step(model, method, RUN)
-        jax.eval_shape(train_step.score, training.init_state(model, params, method, RUN), batch)
+        state = training.init_state(model, params, method, RUN)
+        jax.eval_shape(train_step.score, state, training.fixed_params(params, method, RUN), batch)
         assert len(passes) == expected_score_passes, (mu, len(passes))
 
 
@@ -149,9 +154,9 @@ def test_sharing_each_groups_prompt_changes_no_number_of_the_step(name):
     for share in (False, True):
         run = dataclasses.replace(RUN, share_prompts=share)
         train_step = training.make_train_step(model, method, run)
-        state = training.init_state(model, params, method, run)
-        scored, score_metrics = jax.jit(train_step.score)(state, batch)
-        state, metrics = jax.jit(train_step.update)(state, scored)
+        state, fixed = training.init_state(model, params, method, run), training.fixed_params(params, method, run)
+        scored, score_metrics = jax.jit(train_step.score)(state, fixed, batch)
+        state, metrics = jax.jit(train_step.update)(state, fixed, scored)
         results.append((scored, {**score_metrics, **metrics}, state.params, state.critic_params))
     (plain, plain_metrics, *plain_params), (shared, shared_metrics, *shared_params) = results
     for field in ("old_logp", "ref_logp", "advantages", "returns", "old_values"):
@@ -318,25 +323,25 @@ def test_a_run_continued_from_its_state_matches_the_uninterrupted_run():
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves((half.params, half.opt_state)))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))  # `params` is copied, never donated
     chex.assert_trees_all_equal(resumed.params, straight.params)
-    # The reference is the caller's params themselves, never copied or donated, and intact.
-    for state in (straight, half, resumed):
-        assert all(ref is leaf for ref, leaf in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(params)))
-    chex.assert_trees_all_equal(resumed.ref_params, models.init(CONFIG, jax.random.key(6))[1])
+    # The reference is `params`, read beside the state and never donated: intact.
+    chex.assert_trees_all_equal(params, models.init(CONFIG, jax.random.key(6))[1])
+    assert set(training.TrainState._fields).isdisjoint({"ref_params", "reference", "base"})
 
 
-def test_init_state_copies_the_reference_unless_asked_to_share_it():
+def test_the_state_copies_the_params_and_the_fixed_params_are_the_callers_arrays():
     model, params = models.init(CONFIG, jax.random.key(6))
     _, other = models.init(CONFIG, jax.random.key(7))
     host = jax.tree.map(np.asarray, other)
-    copied = training.init_state(model, params, algorithms.GRPO, RUN)
-    shared = training.init_state(model, params, algorithms.GRPO, RUN, copy_reference=False)
-    given = training.init_state(model, params, algorithms.GRPO, RUN, ref_params=host, copy_reference=False)
-    for ref, leaf in zip(*map(jax.tree.leaves, (copied.ref_params, params)), strict=True):
-        assert ref is not leaf and ref.unsafe_buffer_pointer() != leaf.unsafe_buffer_pointer()
-    assert all(ref is leaf for ref, leaf in zip(*map(jax.tree.leaves, (shared.ref_params, params)), strict=True))
-    assert all(isinstance(ref, jax.Array) for ref in jax.tree.leaves(given.ref_params))  # put on the device once
-    chex.assert_trees_all_equal(given.ref_params, other)
-    chex.assert_trees_all_equal(copied.ref_params, shared.ref_params)
+    state = training.init_state(model, params, algorithms.GRPO, RUN)
+    for copy, leaf in zip(*map(jax.tree.leaves, (state.params, params)), strict=True):  # the state is donated
+        assert copy is not leaf and copy.unsafe_buffer_pointer() != leaf.unsafe_buffer_pointer()
+    shared = training.fixed_params(params, algorithms.GRPO, RUN)
+    given = training.fixed_params(params, algorithms.GRPO, RUN, ref_params=host)
+    assert all(ref is leaf for ref, leaf in zip(*map(jax.tree.leaves, (shared.reference, params)), strict=True))
+    assert all(isinstance(ref, jax.Array) for ref in jax.tree.leaves(given.reference))  # put on the device once
+    chex.assert_trees_all_equal(given.reference, other)
+    assert shared.base is None and given.base is None
+    assert training.fixed_params(params, algorithms.DAPO, RUN) == training.FixedParams(None, None)  # no KL term
 
 
 def test_rollouts_split_over_a_mesh_train_exactly_like_single_device_ones():

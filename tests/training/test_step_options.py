@@ -23,9 +23,9 @@ def _uneven(batch):
 
 def _one_update(model, params, algorithm, run, batch):
     train_step = training.make_train_step(model, algorithm, run)
-    state = training.init_state(model, params, algorithm, run)
-    scored, _ = jax.jit(train_step.score)(state, batch)
-    return jax.jit(train_step.update)(state, scored)
+    state, fixed = training.init_state(model, params, algorithm, run), training.fixed_params(params, algorithm, run)
+    scored, _ = jax.jit(train_step.score)(state, fixed, batch)
+    return jax.jit(train_step.update)(state, fixed, scored)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,8 @@ def _score_passes(monkeypatch, model, algorithm, run, params, batch) -> int:
     counting = lambda *a, **k: passes.append(1) or real(*a, **k)  # noqa: E731
     monkeypatch.setattr(models.functional, "group_completion_hidden_states", counting)
     train_step = training.make_train_step(model, algorithm, run)
-    jax.eval_shape(train_step.score, training.init_state(model, params, algorithm, run), batch)
+    state, fixed = training.init_state(model, params, algorithm, run), training.fixed_params(params, algorithm, run)
+    jax.eval_shape(train_step.score, state, fixed, batch)
     monkeypatch.setattr(models.functional, "group_completion_hidden_states", real)
     return len(passes)
 
@@ -94,7 +95,7 @@ def test_a_method_without_kl_keeps_and_runs_no_reference_unless_a_metric_asks(mo
     batch = _batch(model, params)
     method = algorithms.DR_GRPO  # beta = 0, on-policy
     assert not training.state.uses_reference(method, RUN)
-    assert training.init_state(model, params, method, RUN).ref_params is None
+    assert training.fixed_params(params, method, RUN).reference is None
     assert _score_passes(monkeypatch, model, method, RUN, params, batch) == 0
     _, metrics = _one_update(model, params, method, RUN, batch)
     assert "kl_k3" not in metrics
@@ -108,7 +109,7 @@ def test_a_method_without_kl_keeps_and_runs_no_reference_unless_a_metric_asks(mo
     assert _score_passes(monkeypatch, model, algorithms.GRPO, RUN, params, batch) == 1  # beta > 0: reference
 
     with pytest.raises(ValueError, match=r"`ref_params` given, but algorithm 'dr-grpo' has no KL term"):
-        training.init_state(model, params, method, RUN, ref_params=params)
+        training.fixed_params(params, method, RUN, ref_params=params)
 
 
 def test_the_exact_kl_is_the_full_vocabulary_kl_of_the_sampling_policy_to_the_reference():
@@ -121,8 +122,9 @@ def test_the_exact_kl_is_the_full_vocabulary_kl_of_the_sampling_policy_to_the_re
     ):  # old log-probs' pass
         run = dataclasses.replace(run, exact_kl=True, sampling=dataclasses.replace(run.sampling, temperature=0.7))
         train_step = training.make_train_step(model, method, run)
-        state = training.init_state(model, params, method, run, ref_params=reference_params)
-        _, metrics = jax.jit(train_step.score)(state, batch)
+        state = training.init_state(model, params, method, run)
+        fixed = training.fixed_params(params, method, run, ref_params=reference_params)
+        _, metrics = jax.jit(train_step.score)(state, fixed, batch)
         # Independently: full logits of both models at the sampling temperature, exact KL, token mean.
         tokens, mask = _rows(batch)
         n = run.sampling.max_new_tokens
@@ -138,11 +140,11 @@ def test_the_update_advances_the_key_baseline_stream_and_learning_rate_itself():
     model, params = models.init(CONFIG, jax.random.key(0))
     method = algorithms.REINFORCE_BASELINE
     train_step = training.make_train_step(model, method, RUN)
-    state = training.init_state(model, params, method, RUN)
+    state, fixed = training.init_state(model, params, method, RUN), training.fixed_params(params, method, RUN)
     batch = _batch(model, params)._replace(prompts_drawn=jnp.asarray(12, jnp.int32))
-    scored, _ = jax.jit(train_step.score)(state, batch)
+    scored, _ = jax.jit(train_step.score)(state, fixed, batch)
     first_key = np.asarray(jax.random.key_data(training.state.rollout_key(state)))
-    new, metrics = jax.jit(train_step.update)(state, scored)
+    new, metrics = jax.jit(train_step.update)(state, fixed, scored)
     assert int(new.prompts_drawn) == 12 and int(new.step) == 1
     np.testing.assert_allclose(float(new.baseline.mean), float(jnp.mean(batch.rewards)), rtol=1e-6)  # first batch
     assert not np.array_equal(np.asarray(jax.random.key_data(training.state.rollout_key(new))), first_key)
@@ -150,5 +152,5 @@ def test_the_update_advances_the_key_baseline_stream_and_learning_rate_itself():
         learning_rate=RUN.optimizer.learning_rate, warmup_steps=RUN.optimizer.warmup_steps
     )
     np.testing.assert_allclose(float(metrics["learning_rate"]), float(schedule(0)), rtol=1e-6)
-    again, _ = jax.jit(train_step.update)(new, jax.jit(train_step.score)(new, batch)[0])
+    again, _ = jax.jit(train_step.update)(new, fixed, jax.jit(train_step.score)(new, fixed, batch)[0])
     assert int(again.prompts_drawn) == 24

@@ -27,7 +27,7 @@ import chex
 import numpy as np
 import pytest
 
-from jaxrl_llm import runs
+from jaxrl_llm import models, runs
 from jaxrl_llm.runs import build
 from jaxrl_llm.runs.policy import load_base
 
@@ -72,6 +72,8 @@ def test_the_toy_run_with_lora_raises_the_held_out_accuracy_by_20_points_over_a_
     before, after = result.warm_start, evaluations[-1]
     assert after["eval_greedy_accuracy"] - before["eval_greedy_accuracy"] >= MARGIN, (before, after)
     assert after["eval_pass@1"] - before["eval_pass@1"] >= 0.05, (before, after)
-    base = load_base(tmp_path / "run", config, build.run_task(config))
-    chex.assert_trees_all_equal(result.state.frozen, base)  # the warm start's weights, untouched by RL
+    base = load_base(tmp_path / "run", config, build.run_task(config))  # the warm start's weights
+    *_, policy, step = runs.restore_policy(tmp_path / "run")
+    assert step == config.steps
+    chex.assert_trees_all_equal(policy, models.lora.combine(base, result.state.params))  # the base untouched by RL
     assert result.history[-1]["skipped_updates"] == 0
