@@ -14,7 +14,7 @@ embeddings; 494M parameters), the bytes each device holds on the meshes
 Nothing is allocated: the state is ``jax.eval_shape(init_state, ...)`` of the abstract
 params (:func:`jaxrl_llm.models.abstract`), each leaf's sharding comes from
 :func:`jaxrl_llm.training.state_shardings` (the reference's from
-:func:`jaxrl_llm.training.state.fixed_shardings`), and a device's bytes are the sum, over the
+:func:`jaxrl_llm.training.fixed_shardings`), and a device's bytes are the sum, over the
 leaves it holds, of ``prod(sharding.shard_shape(shape)) * itemsize``; the table gives the
 largest device's. (``tests/test_sharding_memory.py`` checks this count against a real
 ``jax.device_put`` of a small model's state on 8 CPU devices.) A preset is listed only on
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import algorithms, models, sharding, training
+from jaxrl_llm.runs import policy
 
 QWEN2_5_0_5B = models.ModelConfig(
     architecture="qwen2",
@@ -77,15 +78,9 @@ def layouts(meshes: Iterable[tuple[int, int, int]] = MESHES) -> list[tuple[tuple
 
 
 def resident(state: training.TrainState, fixed: training.FixedParams) -> dict:
-    """What stays on the devices for a run, one tree: the state's fields and the ``reference``."""
-    return {**state._asdict(), "reference": fixed.reference}
-
-
-def resident_shardings(tree: dict, algorithm: algorithms.Algorithm, run: training.TrainConfig, mesh, rules) -> dict:
-    """The shardings of :func:`resident`'s tree: the state's by the run's rules, the reference's as the policy's."""
-    state = training.TrainState(**{name: tree[name] for name in training.TrainState._fields})
-    reference = training.state.fixed_shardings(training.FixedParams(tree["reference"]), mesh, rules).reference
-    return resident(training.state_shardings(state, algorithm, run, mesh, rules), training.FixedParams(reference))
+    """What stays on the devices for a run, one tree: the state's fields and the reference,
+    as a run's checkpoint holds them (:func:`jaxrl_llm.runs.policy.checkpointed`)."""
+    return policy.checkpointed(state, fixed.reference)
 
 
 def abstract_state(config: models.ModelConfig, algorithm: algorithms.Algorithm, run: training.TrainConfig):
@@ -100,7 +95,7 @@ def _group(field: str) -> str:
     return {
         "params": "params",
         "opt_state": "optimizer",
-        "reference": "reference",
+        policy.REFERENCE: "reference",
         "critic_params": "critic",
         "critic_opt_state": "critic",
     }.get(field, "other")
@@ -145,7 +140,7 @@ def table(
     for shape, preset in layouts(meshes):
         data, fsdp, tensor = shape
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor, devices=devices)
-        shardings = resident_shardings(state, algorithm, run, mesh, sharding.RULES[preset])
+        shardings = policy.checkpoint_shardings(state, algorithm, run, mesh, sharding.RULES[preset])
         rows.append(("x".join(map(str, shape)), preset, largest(bytes_per_device(state, shardings))))
     return rows
 

@@ -16,11 +16,12 @@ rows axes ``("data", "fsdp")``:
     distributed.initialize()                         # first; flags or the cluster's env
     mesh = sharding.make_mesh(fsdp=8)                # over every process's devices
     state = distributed.put(state, training.state_shardings(state, algorithm, config, mesh, rules))
+    fixed = distributed.put(fixed, training.fixed_shardings(fixed, mesh, rules))  # reference, LoRA base
     rows = distributed.local_rows(mesh, batch_size)  # [b] global rows of this process
     rewards = reward_fn(completions[rows])           # host work on this process's rows only
     batch = distributed.global_array(local_batch, mesh, specs)  # [B, ...] global, from [b, ...] each
-    scored, score_metrics = score(state, batch)
-    state, update_metrics = update(state, scored)
+    scored, score_metrics = score(state, fixed, batch)
+    state, update_metrics = update(state, fixed, scored)
     metrics = distributed.replicated_to_host({**score_metrics, **update_metrics})  # global already
     if distributed.is_main_process():
         log(metrics)

@@ -110,7 +110,7 @@ def run_steps(mesh_shape, rules_name: str):
     shardings = training.state_shardings(state, algorithms.GRPO, config, mesh, sharding.RULES[rules_name])
     state = distributed.put(state, shardings)
     fixed = training.fixed_params(params, algorithms.GRPO, config)
-    fixed = distributed.put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES[rules_name]))
+    fixed = distributed.put(fixed, training.fixed_shardings(fixed, mesh, sharding.RULES[rules_name]))
     train_step = training.make_train_step(model, algorithms.GRPO, config)
     jitted_score = jax.jit(train_step.score)
     jitted_update = jax.jit(train_step.update, out_shardings=(shardings, None), donate_argnums=0)

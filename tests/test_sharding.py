@@ -148,7 +148,7 @@ def test_a_stacked_state_is_split_as_its_layers_are_with_the_layers_axis_whole(d
     layer_specs = [spec for path, (_, spec) in stacked.items() if "['layers']['" in path]
     assert all(spec[0] is None for spec in layer_specs if tuple(spec))  # never split over layers
     # Split: the 7 matrices of params, critic; policy and critic Adam mu, nu and master. (The
-    # reference is beside the state, placed as the params: training.state.fixed_shardings.)
+    # reference is beside the state, placed as the params: training.fixed_shardings.)
     assert sum(1 for spec in layer_specs if tuple(spec)) == (7 * 8 if fsdp * tensor > 1 else 0)
 
 
@@ -197,7 +197,7 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
         state, sharding.state_shardings(state, mesh, rules, optimizer=policy, critic_optimizer=critic)
     )
     fixed = training.fixed_params(params, algorithms.PPO, training.TrainConfig())
-    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, rules))
+    fixed = jax.device_put(fixed, training.fixed_shardings(fixed, mesh, rules))
     checked = 0
     for field in ("params", "reference", "critic_params", "opt_state", "critic_opt_state"):
         for path, leaf in jax.tree_util.tree_flatten_with_path(
@@ -228,7 +228,7 @@ def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
     mesh = sharding.make_mesh(fsdp=8)
     placed = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.RULES["fsdp"], optimizer=policy))
     fixed = training.fixed_params(params, algorithms.GRPO, training.TrainConfig())
-    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES["fsdp"]))
+    fixed = jax.device_put(fixed, training.fixed_shardings(fixed, mesh, sharding.RULES["fsdp"]))
     device = jax.devices()[0]
 
     def nbytes(tree, on_device):
@@ -309,7 +309,7 @@ def test_the_jitted_step_on_a_sharded_state_updates_like_the_single_device_step(
     state, fixed = training.init_state(model, params, algorithm, run), training.fixed_params(params, algorithm, run)
     shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES["fsdp_tensor"])
     state = jax.device_put(state, shardings)
-    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES["fsdp_tensor"]))
+    fixed = jax.device_put(fixed, training.fixed_shardings(fixed, mesh, sharding.RULES["fsdp_tensor"]))
     placed_batch = jax.device_put(batch, training.batch.batch_shardings(mesh))
     scored, score_metrics = jax.jit(train_step.score)(state, fixed, placed_batch)
     new, metrics = jax.jit(train_step.update, out_shardings=(shardings, None))(state, fixed, scored)
@@ -349,7 +349,7 @@ def test_the_jitted_step_on_a_sharded_stacked_state_updates_like_the_unrolled_si
     state, fixed = training.init_state(scanned, stacked, algorithm, run), training.fixed_params(stacked, algorithm, run)
     shardings = training.state_shardings(state, algorithm, run, mesh, sharding.RULES["fsdp_tensor"])
     state = jax.device_put(state, shardings)
-    fixed = jax.device_put(fixed, training.state.fixed_shardings(fixed, mesh, sharding.RULES["fsdp_tensor"]))
+    fixed = jax.device_put(fixed, training.fixed_shardings(fixed, mesh, sharding.RULES["fsdp_tensor"]))
     scored, score_metrics = jax.jit(train_step.score)(
         state, fixed, jax.device_put(batch, training.batch.batch_shardings(mesh))
     )

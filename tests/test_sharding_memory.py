@@ -18,6 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import state_memory  # noqa: E402
 
 from jaxrl_llm import algorithms, models, sharding, training  # noqa: E402
+from jaxrl_llm.runs import policy  # noqa: E402
 
 CONFIG = models.ModelConfig(param_dtype=jnp.bfloat16)  # float32 master copies in AdamW's state
 RUN = training.TrainConfig()
@@ -65,9 +66,9 @@ def test_the_count_from_shardings_is_what_a_placed_state_holds_on_each_device(na
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
         rules = sharding.RULES[preset]
         counted = state_memory.bytes_per_device(
-            abstract, state_memory.resident_shardings(abstract, algorithm, RUN, mesh, rules)
+            abstract, policy.checkpoint_shardings(abstract, algorithm, RUN, mesh, rules)
         )
-        placed = jax.device_put(state, state_memory.resident_shardings(state, algorithm, RUN, mesh, rules))
+        placed = jax.device_put(state, policy.checkpoint_shardings(state, algorithm, RUN, mesh, rules))
         assert counted == _placed_bytes(placed), (data, fsdp, tensor, preset)
         assert len(counted) == 8
         # Every matrix of the default model divides by 8: each device holds 1/(fsdp x tensor)

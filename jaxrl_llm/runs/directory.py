@@ -10,8 +10,9 @@
     samples.jsonl        every `samples_every` steps: prompts, completions, rewards
     metrics.png          reward, held-out accuracy, KL, length, clip fraction, entropy
     tensorboard/         TensorBoard event files
-    checkpoints/<step>/  orbax checkpoints of the whole TrainState (the last `keep_checkpoints`);
-                         a LoRA run's hold the adapters and their optimizer state, not the base
+    checkpoints/<step>/  orbax checkpoints of the whole TrainState and a KL run's reference (the
+                         last `keep_checkpoints`); a LoRA run's hold the adapters and their
+                         optimizer state, not the base
     base.json            a LoRA run's base: where it is and the digest of each of its arrays
     base/                a LoRA run's base when it is not model.path's weights as they are (the
                          built-in model, a warm start): one orbax checkpoint, written once

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm import distributed, models, sharding, training
+from jaxrl_llm import algorithms, distributed, models, sharding, training
 from jaxrl_llm.runs import build
 from jaxrl_llm.runs.config import RunConfig
 from jaxrl_llm.runs.directory import (
@@ -67,12 +67,18 @@ def abstract_checkpoint(config: RunConfig, model: models.Model, params: models.P
     return checkpointed(state, params if training.state.uses_reference(algorithm, train) else None)
 
 
-def checkpoint_shardings(like: dict[str, Any], config: RunConfig, mesh: jax.sharding.Mesh, rules) -> dict[str, Any]:
-    """The ``NamedSharding`` of every leaf of a run's checkpoint on ``mesh``: the state's
-    (:func:`training.state_shardings`), and the reference's as the policy's."""
+def checkpoint_shardings(
+    like: dict[str, Any],
+    algorithm: algorithms.Algorithm,
+    config: training.TrainConfig,
+    mesh: jax.sharding.Mesh,
+    rules: sharding.Rules,
+) -> dict[str, Any]:
+    """The ``NamedSharding`` of every leaf of a run's checkpoint (:func:`checkpointed`) on
+    ``mesh``: the state's (:func:`training.state_shardings`), and the reference's as the policy's."""
     state = training.TrainState(**{name: like[name] for name in training.TrainState._fields})
-    reference = training.state.fixed_shardings(training.FixedParams(like[REFERENCE]), mesh, rules).reference
-    return checkpointed(training.state_shardings(state, config.algorithm, config.train, mesh, rules), reference)
+    reference = training.fixed_shardings(training.FixedParams(like[REFERENCE]), mesh, rules).reference
+    return checkpointed(training.state_shardings(state, algorithm, config, mesh, rules), reference)
 
 
 def restore_checkpoint(

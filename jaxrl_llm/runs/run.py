@@ -183,7 +183,7 @@ def _train_run(
         base = params
     elif training.state.uses_reference(config.algorithm, config.train):
         if mesh is not None:  # placed as `train` places it, which then places no copy
-            placement = training.state.fixed_shardings(training.FixedParams(params), mesh, rules).reference
+            placement = training.fixed_shardings(training.FixedParams(params), mesh, rules).reference
             params = distributed.put(params, placement)
         reference = params
     steps = _RunSteps(config, recorder, checkpointer, evaluate=evaluated, reference=reference)
@@ -274,7 +274,7 @@ def _continued(
     model, abstract_params = build.model(config, task, abstract=True)
     like = abstract_checkpoint(config, model, abstract_params)
     if mesh is not None:
-        like = placed(like, checkpoint_shardings(like, config, mesh, rules))
+        like = placed(like, checkpoint_shardings(like, config.algorithm, config.train, mesh, rules))
     params = None if config.lora.build() is None else load_base(run_dir, config, task, mesh=mesh)
     try:
         state, reference = restore_checkpoint(checkpointer, like)

@@ -31,7 +31,15 @@ from jaxrl_llm.training.config import OptimizerConfig, TrainConfig
 from jaxrl_llm.training.loop import NonFiniteUpdates, RunInterrupted, RunStopped, StepEnd, train
 from jaxrl_llm.training.optim import make_optimizer
 from jaxrl_llm.training.sft import supervised_finetune
-from jaxrl_llm.training.state import FixedParams, TrainState, fixed_params, init_state, policy_params, state_shardings
+from jaxrl_llm.training.state import (
+    FixedParams,
+    TrainState,
+    fixed_params,
+    fixed_shardings,
+    init_state,
+    policy_params,
+    state_shardings,
+)
 from jaxrl_llm.training.step import TrainStep, make_train_step
 
 __all__ = [
@@ -49,6 +57,7 @@ __all__ = [
     "TrainStep",
     "fit_overlong_buffer",
     "fixed_params",
+    "fixed_shardings",
     "init_state",
     "make_optimizer",
     "make_train_step",

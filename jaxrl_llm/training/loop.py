@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, rewards, sampling, sharding, tasks
@@ -365,6 +366,14 @@ class _Compiled(NamedTuple):
         return self.jitted_update(state, self.fixed, scored)
 
 
+def _apart_from(fixed: FixedParams, state: TrainState) -> FixedParams:
+    """``fixed`` with a copy of each of its leaves that is also a leaf of ``state``: the update
+    donates the state, which would delete such a leaf under the fixed params (as continuing
+    with ``train(model, state.params, ..., state=state)``, the current policy the reference, asks)."""
+    donated = {id(leaf) for leaf in jax.tree.leaves(state)}
+    return jax.tree.map(lambda leaf: jnp.copy(leaf) if id(leaf) in donated else leaf, fixed)
+
+
 def _counting_traces(fn: Callable, traces: dict[str, int], name: str) -> Callable:
     """``fn``, adding one to ``traces[name]`` each time it is traced (not each time it runs)."""
 
@@ -400,6 +409,7 @@ def _compile(
         fixed = distributed.put(fixed, fixed_shardings(fixed, mesh, rules))
         placement = {"out_shardings": (shardings, None)}
         place_batch = functools.partial(distributed.put, shardings=batch_shardings(mesh))
+    fixed = _apart_from(fixed, state)
     return state, _Compiled(
         jitted_score=jax.jit(_counting_traces(train_step.score, traces, "score")),
         jitted_update=jax.jit(_counting_traces(train_step.update, traces, "update"), donate_argnums=0, **placement),

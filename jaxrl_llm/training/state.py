@@ -157,7 +157,7 @@ def fixed_params(
         raise ValueError("fixed_params: with LoRA (`base`) the reference is the base itself; do not pass `ref_params`.")
     if ref_params is not None and not with_reference:
         raise ValueError(
-            f"`ref_params` given, but algorithm {algorithm.name!r} has no KL term "
+            f"fixed_params: `ref_params` given, but algorithm {algorithm.name!r} has no KL term "
             "(kl_coef = kl_reward_coef = 0) and no KL metric is asked for; set "
             "TrainConfig.reference_metrics=True (kl_k3) or exact_kl=True to measure the KL to it."
         )

@@ -134,6 +134,25 @@ def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
     )
 
 
+def _check_fixed(fixed: FixedParams, policy: TeacherForcing, *, reference: bool) -> None:
+    """Raises ValueError (while tracing) when ``fixed`` lacks what the step reads: the
+    reference (when ``reference``: ``score`` of a run that uses one), or the base of a LoRA
+    model's adapters."""
+    if not isinstance(fixed, FixedParams):
+        raise ValueError(f"`fixed` must be training.FixedParams (training.fixed_params); got {type(fixed).__name__}.")
+    if reference and fixed.reference is None:
+        raise ValueError(
+            "the method's KL term (or a KL metric) reads a reference, and `fixed.reference` is None: "
+            "build `fixed` with training.fixed_params(params, algorithm, config)."
+        )
+    model = getattr(policy, "model", None)  # another policy's TeacherForcing has no LoRA
+    if model is not None and model.config.lora is not None and fixed.base is None:
+        raise ValueError(
+            "the model has LoRA adapters, and `fixed.base` is None: build `fixed` with "
+            "training.fixed_params(adapters, algorithm, config, base=base_params)."
+        )
+
+
 def score(
     state: TrainState,
     fixed: FixedParams,
@@ -145,6 +164,7 @@ def score(
 ) -> tuple[ScoredBatch, Metrics]:
     """The batch with its old and reference log-probs, values and advantages, and the
     metrics of scoring it (the advantages', ``kl_exact``)."""
+    _check_fixed(fixed, policy, reference=uses_reference(algorithm, config))
     policy = losses.over_base(policy, fixed.base)
     mask = batch.completion_mask
     metrics = {}
@@ -370,6 +390,7 @@ def update(
 ) -> tuple[TrainState, Metrics]:
     """The state after training on ``scored``: past the rollout's key, with the batch's
     baseline and prompt count, then :func:`optax_update` or TRPO's step."""
+    _check_fixed(fixed, policy, reference=False)  # the update never reads the reference
     key, _ = jax.random.split(state.key)  # the other half was the rollout's (rollout_key)
     policy = losses.over_base(policy, fixed.base, dropout_key=jax.random.fold_in(key, LORA_DROPOUT_STREAM))
     state = state._replace(key=key, baseline=scored.baseline, prompts_drawn=state.prompts_drawn + scored.prompts_drawn)

@@ -344,6 +344,33 @@ def test_the_state_copies_the_params_and_the_fixed_params_are_the_callers_arrays
     assert training.fixed_params(params, algorithms.DAPO, RUN) == training.FixedParams(None, None)  # no KL term
 
 
+def test_a_run_continued_with_its_current_params_as_reference_keeps_them_apart_from_the_donated_state():
+    """``train(model, state.params, ..., state=state)``: the reference is the current policy,
+    copied away from the state the update donates (sharing its buffers would delete them)."""
+    model, params = models.init(CONFIG, jax.random.key(6))
+    half, _ = training.train(model, params, algorithms.GRPO, RUN, steps=1, task=TASK)
+    current = jax.tree.map(np.array, half.params)
+    resumed, history = training.train(model, half.params, algorithms.GRPO, RUN, steps=2, task=TASK, state=half)
+    assert int(resumed.step) == 3
+    assert history[0]["kl_k3"] == 0.0 and history[1]["kl_k3"] > 0  # the reference: the policy at the call
+    assert _changed(resumed.params, current)
+
+
+def test_a_step_refuses_fixed_params_without_what_it_reads():
+    model, params, score, _, state = _step(algorithms.GRPO)
+    train_step = training.make_train_step(model, algorithms.GRPO, RUN)
+    batch = _batch(model, params)
+    with pytest.raises(ValueError, match=r"`fixed.reference` is None: build `fixed` with training.fixed_params"):
+        train_step.score(state, training.FixedParams(), batch)
+    with pytest.raises(ValueError, match=r"`fixed` must be training.FixedParams"):
+        train_step.score(state, params, batch)
+    lora_model, adapters = models.lora.add_adapters(model, models.LoraConfig(rank=2), jax.random.key(1))
+    lora_step = training.make_train_step(lora_model, algorithms.DAPO, RUN)
+    lora_state = training.init_state(lora_model, adapters, algorithms.DAPO, RUN)
+    with pytest.raises(ValueError, match=r"`fixed.base` is None"):
+        lora_step.score(lora_state, training.FixedParams(), batch)
+
+
 def test_rollouts_split_over_a_mesh_train_exactly_like_single_device_ones():
     model, params = models.init(CONFIG, jax.random.key(8))
     single, single_history = training.train(model, params, algorithms.GRPO, RUN, steps=2, task=TASK)
