@@ -51,6 +51,11 @@ def checkpointed(state: training.TrainState, reference: models.Params | None) ->
     return {**state._asdict(), REFERENCE: reference}
 
 
+def state_and_reference(stored: dict[str, Any]) -> tuple[training.TrainState, models.Params | None]:
+    """The state and the reference of a run's checkpoint tree: :func:`checkpointed` undone."""
+    return training.TrainState(**{name: stored[name] for name in training.TrainState._fields}), stored[REFERENCE]
+
+
 def abstract_checkpoint(config: RunConfig, model: models.Model, params: models.Params) -> dict[str, Any]:
     """The run's checkpoint (:func:`checkpointed`) as shapes and dtypes, from its model's
     abstract ``params``: what a checkpoint restores into. A LoRA run's state has the
@@ -64,7 +69,7 @@ def abstract_checkpoint(config: RunConfig, model: models.Model, params: models.P
             jax.eval_shape(lambda a: training.init_state(lora_model, a, algorithm, train), adapters), None
         )
     state = jax.eval_shape(lambda p: training.init_state(model, p, algorithm, train), params)
-    return checkpointed(state, params if training.state.uses_reference(algorithm, train) else None)
+    return checkpointed(state, jax.eval_shape(lambda p: training.fixed_params(p, algorithm, train), params).reference)
 
 
 def checkpoint_shardings(
@@ -76,26 +81,26 @@ def checkpoint_shardings(
 ) -> dict[str, Any]:
     """The ``NamedSharding`` of every leaf of a run's checkpoint (:func:`checkpointed`) on
     ``mesh``: the state's (:func:`training.state_shardings`), and the reference's as the policy's."""
-    state = training.TrainState(**{name: like[name] for name in training.TrainState._fields})
-    reference = training.fixed_shardings(training.FixedParams(like[REFERENCE]), mesh, rules).reference
+    state, reference = state_and_reference(like)
+    reference = training.fixed_shardings(training.FixedParams(reference), mesh, rules).reference
     return checkpointed(training.state_shardings(state, algorithm, config, mesh, rules), reference)
 
 
 def restore_checkpoint(
     checkpointer: training.Checkpointer, like: dict[str, Any], step: int | None = None
 ) -> tuple[training.TrainState, models.Params | None]:
-    """The state and reference of checkpoint ``step`` (default: the latest readable one), restored into ``like``
-    (:func:`abstract_checkpoint`). A checkpoint saved with a reference the run does not keep
-    (a method without a KL term, saved before it dropped it; a LoRA run's adapters of zeros,
-    saved while its state held them) is read with it, and the reference dropped."""
+    """The state and reference of checkpoint ``step`` (default: the latest readable one),
+    restored into ``like`` (:func:`abstract_checkpoint`). A checkpoint saved with a reference
+    the run does not keep (a method without a KL term, saved before it dropped it; a LoRA
+    run's adapters of zeros, saved while its state held them) is read with it, and the
+    reference dropped."""
     try:
         stored = checkpointer.restore(step, like=like)
     except ValueError as error:
         if like[REFERENCE] is not None or REFERENCE not in str(error):
             raise
         stored = checkpointer.restore(step, like={**like, REFERENCE: like["params"]}) | {REFERENCE: None}
-    state = training.TrainState(**{name: stored[name] for name in training.TrainState._fields})
-    return state, stored[REFERENCE]
+    return state_and_reference(stored)
 
 
 def placed(like, shardings):
