@@ -690,10 +690,9 @@ def train(
         ``data``, ``fsdp``, ``tensor``: :func:`jaxrl_llm.sharding.make_mesh`): the state
         placed by ``rules`` (default ``sharding.RULES["fsdp_tensor"]``: parameters,
         optimizer state and critic really split, the reference and LoRA's base too), the
-        batch's rows split over
-        ``data x fsdp``, XLA partitioning the rest; the rollouts and evaluations split over
-        ``data x fsdp`` (see :func:`jaxrl_llm.sampling.sample`) with the params gathered on
-        each device. The numbers are the single-device run's up to
+        batch's rows split over ``data x fsdp``, XLA partitioning the rest; the rollouts and
+        evaluations split over ``data x fsdp`` (see :func:`jaxrl_llm.sampling.sample`) with
+        the params gathered on each device. The numbers are the single-device run's up to
         float rounding (tested).
       callback: called as ``callback(StepEnd(step, metrics, state, collected))`` after
         each step (logging, checkpoints, samples); an exception it raises stops the run
@@ -721,8 +720,8 @@ def train(
         gets the merged params of the model without adapters), and
         ``training.policy_params(state, base=params)`` of the returned state is the policy's
         whole params (``lora.merge`` makes them a plain model); a ``state`` to continue from
-        is a LoRA run's. A method with GAE trains a critic of its own adapters and value head over
-        the same base.
+        is a LoRA run's. A method with GAE trains a critic of its own adapters and value head
+        over the same base.
       tokenizer: without a ``task``, with an ``environment_factory``: the tokenizer (TRL's
         ``processing_class``; it needs a chat template).
       adapters: with ``lora``, the adapters to start from instead of PEFT's initialisation:
