@@ -4,7 +4,8 @@ A run compiles its sampler, ``score`` and ``update`` once per prompt width; for 
 model that is minutes. JAX can keep the compiled executables on disk, keyed by the
 program, the devices, the compile options and the JAX/XLA versions, so that a restarted
 or resumed run with the same shapes loads them instead of compiling again.
-:func:`enable` turns that on:
+:func:`enable` turns that on; :func:`jaxrl_llm.models.init`, :func:`jaxrl_llm.training.train`
+and ``jaxrl-llm`` call it unless told not to (their ``compilation_cache`` argument or setting):
 
 * **Where.** The ``directory`` argument; else ``$JAXRL_LLM_COMPILATION_CACHE``; else
   ``$XDG_CACHE_HOME/jaxrl_llm/jax`` (``~/.cache/jaxrl_llm/jax``) (:func:`default_directory`).

@@ -196,6 +196,22 @@ def test_compile_depth_prints_the_programs_asked_for_unrolled_and_scanned(capsys
 # --- The side-by-side run: jaxrl_llm's entry and the report --------------------------------------
 
 
+def test_each_jax_library_gets_the_cache_through_its_own_setting(monkeypatch, tmp_path):
+    # JAX_COMPILATION_CACHE_DIR reaching jaxrl_llm would keep JAX's 1 s threshold (a
+    # directory set in JAX is the user's), and the warm start would load only the update.
+    import side_by_side
+
+    commands = []
+    monkeypatch.setattr(side_by_side, "run_json", lambda name, command, *, env, **_: commands.append(env) or {})
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")
+    for library in ("jaxrl_llm", "tunix", "trl"):
+        side_by_side.run_script(library, [], tmp_path)
+    ours, tunix, trl = commands
+    assert ours["JAXRL_LLM_COMPILATION_CACHE"] == str(tmp_path) and "JAX_COMPILATION_CACHE_DIR" not in ours
+    assert tunix["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path)
+    assert trl["JAX_COMPILATION_CACHE_DIR"] == "/elsewhere"  # TRL compiles nothing: its environment as it is
+
+
 def test_the_train_step_entry_reports_train_s_own_timings_and_the_report_derives_from_them(capsys):
     import side_by_side
     import train_step

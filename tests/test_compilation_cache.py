@@ -102,3 +102,30 @@ def test_enable_is_idempotent_and_disable_undoes_it(monkeypatch, tmp_path):
     finally:
         if suites:
             compilation_cache.enable(suites)
+
+
+# models.init's draws, each a small program: kept off, then on as train turns it on.
+INIT_CHILD = textwrap.dedent("""
+    import dataclasses, json, os
+    import jax
+    from jaxrl_llm import models
+
+    config = models.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                                num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=16)
+    models.init(config, jax.random.key(0), compilation_cache=False)
+    off = jax.config.jax_compilation_cache_dir
+    models.init(dataclasses.replace(config, hidden_size=24), jax.random.key(1))  # new shapes: compiled again
+    directory = jax.config.jax_compilation_cache_dir
+    print(json.dumps(dict(off=off, directory=directory, entries=sorted(os.listdir(directory)))))
+""")
+
+
+def test_models_init_turns_the_cache_on_unless_told_not_to(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    env.update({compilation_cache.ENV: str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    child = subprocess.run([sys.executable, "-c", INIT_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["off"] is None and result["directory"] == str(tmp_path)
+    # The second init's draws were written; the first one's were compiled with no cache.
+    assert any(name.startswith("jit__normal") for name in result["entries"])

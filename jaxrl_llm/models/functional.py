@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import _checks, ops
+from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.models.config import EXECUTION_OPTIONS, LORA_TARGETS, ModelConfig
 from jaxrl_llm.models.decoder import CausalLM, KVCache, stack_layers, unstack_layers
 
@@ -53,8 +54,16 @@ class Model:
         return nnx.merge(self.graphdef, params)
 
 
-def init(config: ModelConfig, key: jax.Array) -> tuple[Model, Params]:
-    """A randomly initialised model: normal(0.02) weights, unit norm scales, zero biases."""
+def init(config: ModelConfig, key: jax.Array, *, compilation_cache: bool = True) -> tuple[Model, Params]:
+    """A randomly initialised model: normal(0.02) weights, unit norm scales, zero biases.
+
+    The draws run eagerly, one small XLA program per weight shape; ``compilation_cache``
+    turns on JAX's persistent compilation cache first, as :func:`jaxrl_llm.training.train`
+    does (:func:`jaxrl_llm.compilation_cache.enable`; ``$JAXRL_LLM_COMPILATION_CACHE=off``
+    keeps it off everywhere), so a second process loads those programs instead of
+    compiling them."""
+    if compilation_cache:
+        compilation_cache_lib.enable()
     module = CausalLM(config, rngs=nnx.Rngs(params=key))
     graphdef, params = nnx.split(module, nnx.Param)
     return Model(config=config, graphdef=graphdef), params

@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 import transformers
 from tokenizers import pre_tokenizers
-from transformers.integrations.gguf import gguf_tokenizer_mapping as builders
 
 from jaxrl_llm.models import layout, lora, quantize
 from jaxrl_llm.models.config import ModelConfig, RopeConfig, dtype_from_name
@@ -445,6 +444,14 @@ _DIGITS_THEN_GPT2 = ("smollm",)
 """llama.cpp's pre-tokenizers that split every digit off before GPT-2's pattern."""
 
 
+def _builders():
+    """transformers' GGUF tokenizer builders, imported when first needed: the import loads
+    every tokenizer class it maps (about 0.2 s), which a run that reads no GGUF never uses."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+
+    return gguf_tokenizer_mapping
+
+
 def load_tokenizer(file: str | os.PathLike) -> transformers.PreTrainedTokenizerFast:
     """The tokenizer a GGUF file's metadata describes, with its chat template and special
     tokens: transformers' GGUF builders (what ``AutoTokenizer.from_pretrained(dir,
@@ -459,6 +466,7 @@ def load_tokenizer(file: str | os.PathLike) -> transformers.PreTrainedTokenizerF
     meta = _parse(file).metadata
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError(f"{file} holds no tokenizer (tokenizer.ggml.tokens).")
+    builders = _builders()
     grouped = {
         group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
         for group, renames in builders.GGUF_TOKENIZER_MAPPING.items()
@@ -488,7 +496,7 @@ _SPLIT_NAMES: dict[str, str] = {}
 
 def _split_names() -> dict[str, str]:
     if not _SPLIT_NAMES:
-        for name, pattern in builders.GGUF_PRE_TOKENIZER_SPLITS.items():
+        for name, pattern in _builders().GGUF_PRE_TOKENIZER_SPLITS.items():
             _SPLIT_NAMES.setdefault(pattern, name)
     return _SPLIT_NAMES
 

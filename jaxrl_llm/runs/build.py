@@ -138,7 +138,11 @@ def model(
                 max_prompt_length=sampling.max_prompt_length, max_new_tokens=sampling.max_new_tokens
             )  # an episode's cache has room for gaps between turns
         built = dataclasses.replace(model_config(spec, task, positions), **layout)
-        model_, params = models.abstract(built) if abstract else models.init(built, jax.random.key(config.train.seed))
+        if abstract:
+            model_, params = models.abstract(built)
+        else:
+            key = jax.random.key(config.train.seed)
+            model_, params = models.init(built, key, compilation_cache=config.compilation_cache)
     else:
         check_model_path(spec)
         dtype, compute = _DTYPES[spec.param_dtype], _DTYPES[spec.dtype or spec.param_dtype]

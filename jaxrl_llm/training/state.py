@@ -83,13 +83,25 @@ def policy_params(state: TrainState, base: models.Params | None = None) -> model
 
 def rollout_key(state: TrainState) -> jax.Array:
     """The PRNG key the step's rollouts draw from; ``update`` moves ``state.key`` past it."""
-    return jax.random.split(state.key)[1]
+    return _second_half(state.key)
+
+
+@jax.jit
+def _second_half(key: jax.Array) -> jax.Array:  # one program, where eager ops would be three
+    return jax.random.split(key)[1]
 
 
 def _copy(tree):
     # The update donates the state, so the state must own its buffers: the caller's
     # params stay valid, and the critic is a separate copy.
     return jax.tree.map(jnp.copy, tree)
+
+
+def _owned_with_optimizer_state(optimizer, params) -> tuple[Any, Any]:
+    """``(a copy of params, optimizer.init(params))`` as one program (``()`` for no
+    optimizer): eagerly, each leaf shape's copy and zeros would be a program of its own,
+    which a warm start loads from the cache one by one (20 for a small Llama)."""
+    return jax.jit(lambda p: (_copy(p), optimizer.init(p) if optimizer else ()))(params)
 
 
 def init_state(
@@ -125,9 +137,10 @@ def init_state(
     else:
         critic_params = _copy(critic_params)
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731 (one buffer each: the state is donated)
+    params, opt_state = _owned_with_optimizer_state(optimizers.policy, params)
     return TrainState(
-        params=_copy(params),
-        opt_state=optimizers.policy.init(params) if optimizers.policy else (),
+        params=params,
+        opt_state=opt_state,
         critic_params=critic_params,
         critic_opt_state=optimizers.critic.init(critic_params) if critic_params is not None else None,
         baseline=advantages.running_mean_init(),

@@ -313,3 +313,27 @@ def test_weight_decay_moves_the_stacked_layout_as_it_moves_each_layer():
         ("norm",),
     }
     assert all(stacked["layers"][path[1]].ndim >= 2 for path in still if len(path) == 2)  # stacked: two axes
+
+
+@pytest.mark.parametrize("schedule", LR_SCHEDULES)
+def test_the_initial_state_is_the_optimizers_own_init_bit_for_bit(schedule):
+    # init_state builds the copy and the optimizer state as one program; eagerly, every
+    # operation (the schedule's step-0 rate among them) is a program of its own.
+    from jaxrl_llm import models
+
+    config = models.ModelConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+    )
+    model, params = models.init(config, jax.random.key(0))
+    settings = training.OptimizerConfig(learning_rate=3e-6, warmup_steps=7, lr_schedule=schedule, weight_decay=0.01)
+    run = training.TrainConfig(num_prompts=2, group_size=2, optimizer=settings)
+    state = training.init_state(model, params, algorithms.GRPO, run)
+    eager = optim.run_optimizers(algorithms.GRPO, run, decay_steps=1).policy.init(params)
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(eager)
+    for ours, theirs in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(eager), strict=True):
+        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+    first = reference_rate(0, lr=3e-6, warmup=7, schedule=schedule, decay=None, end=0.0)
+    np.testing.assert_allclose(state.opt_state.inner[1].hyperparams["learning_rate"], first, rtol=1e-6)
+    for copy, given in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
+        assert copy is not given and copy.unsafe_buffer_pointer() != given.unsafe_buffer_pointer()
+        assert np.array_equal(copy, given)
