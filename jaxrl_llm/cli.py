@@ -494,7 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] in ("train", "eval"):
         host.reuse_freed_memory()  # before JAX's first computation: the CLI owns its process
-    return COMMANDS[argv[0]](argv[1:])
+    with host.full_collections_deferred():  # its evaluations build programs too, not only train's steps
+        return COMMANDS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

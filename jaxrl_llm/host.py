@@ -8,13 +8,18 @@ r"""Settings of the host process that JAX's CPU backend runs faster with; applie
 
 ``jaxrl-llm train`` / ``eval`` (so ``make run``), ``experiments/compare_methods.py``,
 ``experiments/calculator_tools.py``, notebooks 02 and 04 and ``benchmarks/grpo_step.py`` call
-it; importing the library never changes the process.
+it; importing the library never changes the process. :func:`full_collections_deferred` is
+scoped instead: :func:`jaxrl_llm.training.train` runs its steps under it, and ``jaxrl-llm``
+its commands; the settings are back as they were when the block ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import sys
+from collections.abc import Iterator
 
 # mallopt(3) parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
@@ -48,3 +53,28 @@ def reuse_freed_memory() -> bool:
         return False
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM))
     return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
+
+
+FULL_COLLECTION_THRESHOLD = 1000
+"""Generation-1 collections between two full ones under :func:`full_collections_deferred`
+(CPython's default: 10)."""
+
+
+@contextlib.contextmanager
+def full_collections_deferred() -> Iterator[None]:
+    """CPython's full (generation 2) garbage collections made 100x rarer while the block runs.
+
+    Tracing and lowering a program build hundreds of thousands of Python objects, and JAX
+    keeps many of them (its caches), so full collections come due while a program is built
+    and each walks the whole heap, imported modules included (timings in
+    ``docs/performance.md``). The younger generations go on being collected and reference
+    counting frees everything else at once; only cyclic garbage that has aged into
+    generation 2 waits, and train steps leave next to none. The thresholds are restored on
+    exit, as PyTorch's compiler does around a compile.
+    """
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(young, middle, max(old, FULL_COLLECTION_THRESHOLD))
+    try:
+        yield
+    finally:
+        gc.set_threshold(young, middle, old)

@@ -55,7 +55,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-from jaxrl_llm import compilation_cache  # noqa: E402
+from jaxrl_llm import compilation_cache, host  # noqa: E402
 
 compilation_cache.enable()
 
@@ -86,6 +86,19 @@ def pytest_collection_modifyitems(config, items):
         return (not slow, sizes[item.module] if slow else -sizes[item.module], item.module.__name__)
 
     items.sort(key=order)
+
+
+def pytest_collection_finish(session):
+    """What exists once the tests are collected (the imported modules, the test items) stays
+    for the session: ``gc.freeze`` moves it out of the garbage collector's sight, so a full
+    collection walks only what the tests build since; and full collections are made 100x
+    rarer, as ``training.train`` makes them while it runs (``host.full_collections_deferred``):
+    each module's end still collects everything (``pytest_runtest_teardown``). Tracing and
+    lowering, much of every test's time, are Python that builds objects by the hundred
+    thousand (the suite's time with and without: docs/performance.md, "The test suite")."""
+    gc.freeze()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, host.FULL_COLLECTION_THRESHOLD)
 
 
 def pytest_unconfigure(config):

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import _checks, algorithms, distributed, evaluation, models, rewards, sampling, sharding, tasks
+from jaxrl_llm import _checks, algorithms, distributed, evaluation, host, models, rewards, sampling, sharding, tasks
 from jaxrl_llm import compilation_cache as compilation_cache_lib
 from jaxrl_llm.episodes import scoring
 from jaxrl_llm.rewards.combine import called_in
@@ -589,7 +589,7 @@ def _run_steps(run: _Run, state: TrainState, steps: int) -> tuple[TrainState, li
     history: list[dict[str, float]] = []
     recorded = None  # the arguments of `_step_metrics` for a step whose update is dispatched, not yet recorded
     first_step = int(state.step)
-    with _interrupts_noticed() as interrupts:
+    with _interrupts_noticed() as interrupts, host.full_collections_deferred():  # the first step traces
         try:
             for _ in range(steps):
                 step = int(state.step)
