@@ -697,7 +697,9 @@ def train(
       callback: called as ``callback(StepEnd(step, metrics, state, collected))`` after
         each step (logging, checkpoints, samples); an exception it raises stops the run
         (``RunStopped``) with the step counted. A Ctrl-C while it runs is delivered when it
-        returns, so a checkpoint it writes is not cut short (a second Ctrl-C stops it).
+        returns, so a checkpoint it writes is not cut short (a second Ctrl-C stops it). It
+        runs, as the steps do, with CPython's full collections 100x rarer
+        (:func:`jaxrl_llm.host.full_collections_deferred`; as they were after ``train``).
       compilation_cache: turn on JAX's persistent compilation cache
         (:func:`jaxrl_llm.compilation_cache.enable`: a per-user directory, or
         ``$JAXRL_LLM_COMPILATION_CACHE``; ``off`` there disables it), so that a restarted
