@@ -219,6 +219,26 @@ def test_params_optimizer_state_and_critic_carry_the_shardings_the_rules_say(dat
         assert leaf.sharding.is_fully_replicated
 
 
+def test_a_state_built_from_params_on_a_mesh_keeps_their_shardings():
+    # init_state builds the copy and the optimizer state in one program only for params on
+    # one device: jitted on a mesh, the optimizer's zeros would come out replicated.
+    from jaxrl_llm import algorithms, training
+
+    model, params, _ = _model_and_state(algorithms.GRPO)
+    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    placed = jax.device_put(params, sharding.param_shardings(params, mesh, sharding.RULES["fsdp_tensor"]))
+    state = training.init_state(model, placed, algorithms.GRPO, training.TrainConfig())
+    checked = 0
+    for field in ("params", "opt_state"):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
+            if leaf.ndim >= 2:  # the matrices and their moments
+                names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+                name = next(n for n in reversed(names) if n not in ("value", ""))
+                assert tuple(leaf.sharding.spec) == _expected_spec(name, leaf.shape, 4, 2), (field, names)
+                checked += 1
+    assert checked == 3 * 9  # each matrix, its Adam mu and nu
+
+
 def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
     from jaxrl_llm import algorithms, training
     from jaxrl_llm.training import optim

@@ -98,10 +98,22 @@ def _copy(tree):
 
 
 def _owned_with_optimizer_state(optimizer, params) -> tuple[Any, Any]:
-    """``(a copy of params, optimizer.init(params))`` as one program (``()`` for no
-    optimizer): eagerly, each leaf shape's copy and zeros would be a program of its own,
-    which a warm start loads from the cache one by one (20 for a small Llama)."""
-    return jax.jit(lambda p: (_copy(p), optimizer.init(p) if optimizer else ()))(params)
+    """``(a copy of params, optimizer.init(params))`` (``()`` for no optimizer).
+
+    Params on one device: one program, where eagerly each leaf shape's copy and zeros
+    would be a program of its own, which a warm start loads from the cache one by one
+    (20 for a small Llama). Params split over devices (or abstract, or NumPy): eagerly, as
+    there each zeros takes its param's sharding, which a jitted init would leave to XLA
+    (it replicates them)."""
+
+    def owned(params):
+        return _copy(params), optimizer.init(params) if optimizer else ()
+
+    on_one_device = all(
+        isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and len(leaf.sharding.device_set) == 1
+        for leaf in jax.tree.leaves(params)
+    )
+    return jax.jit(owned)(params) if on_one_device else owned(params)
 
 
 def init_state(
