@@ -62,19 +62,23 @@ FULL_COLLECTION_THRESHOLD = 1000
 
 @contextlib.contextmanager
 def full_collections_deferred() -> Iterator[None]:
-    """CPython's full (generation 2) garbage collections made 100x rarer while the block runs.
+    """CPython's full (generation 2) garbage collections deferred while the block runs: the
+    third threshold raised to :data:`FULL_COLLECTION_THRESHOLD` (CPython's default: 10).
 
     Tracing and lowering a program build hundreds of thousands of Python objects, and JAX
     keeps many of them (its caches), so full collections come due while a program is built
     and each walks the whole heap, imported modules included (timings in
     ``docs/performance.md``). The younger generations go on being collected and reference
     counting frees everything else at once; only cyclic garbage that has aged into
-    generation 2 waits, and train steps leave next to none. The thresholds are restored on
-    exit, as PyTorch's compiler does around a compile.
+    generation 2 waits longer, and train steps leave next to none. On exit the third
+    threshold is put back as it was (the first two are left as the block leaves them);
+    blocks nest, and belong to one thread. A Python whose collector has no third threshold
+    (3.14's incremental one) ignores it.
     """
     young, middle, old = gc.get_threshold()
     gc.set_threshold(young, middle, max(old, FULL_COLLECTION_THRESHOLD))
     try:
         yield
     finally:
+        young, middle, _ = gc.get_threshold()
         gc.set_threshold(young, middle, old)

@@ -91,9 +91,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """What exists once the tests are collected (the imported modules, the test items) stays
     for the session: ``gc.freeze`` moves it out of the garbage collector's sight, so a full
-    collection walks only what the tests build since; and full collections are made 100x
-    rarer, as ``training.train`` makes them while it runs (``host.full_collections_deferred``):
-    each module's end still collects everything (``pytest_runtest_teardown``). Tracing and
+    collection walks only what the tests build since; and full collections are deferred, as
+    ``training.train`` defers them while it runs (``host.full_collections_deferred``): each
+    module's end still collects everything (``pytest_runtest_teardown``). Tracing and
     lowering, much of every test's time, are Python that builds objects by the hundred
     thousand (the suite's time with and without: docs/performance.md, "The test suite")."""
     gc.freeze()

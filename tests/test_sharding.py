@@ -239,6 +239,18 @@ def test_a_state_built_from_params_on_a_mesh_keeps_their_shardings():
     assert checked == 3 * 9  # each matrix, its Adam mu and nu
 
 
+def test_a_state_of_params_spread_leaf_by_leaf_over_devices_is_built_where_they_are():
+    from jaxrl_llm import algorithms, training
+
+    model, params, _ = _model_and_state(algorithms.GRPO)
+    leaves, tree = jax.tree.flatten(params)
+    devices = jax.devices()
+    spread = jax.tree.unflatten(tree, [jax.device_put(x, devices[i % 2]) for i, x in enumerate(leaves)])
+    state = training.init_state(model, spread, algorithms.GRPO, training.TrainConfig())
+    for given, copy in zip(jax.tree.leaves(spread), jax.tree.leaves(state.params), strict=True):
+        assert copy.devices() == given.devices() and np.array_equal(copy, given)
+
+
 def test_fsdp_holds_an_eighth_of_the_matrices_on_each_device():
     from jaxrl_llm import algorithms, training
     from jaxrl_llm.training import optim

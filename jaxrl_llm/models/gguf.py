@@ -446,7 +446,7 @@ _DIGITS_THEN_GPT2 = ("smollm",)
 
 def _builders():
     """transformers' GGUF tokenizer builders, imported when first needed: the import loads
-    every tokenizer class it maps (about 0.2 s), which a run that reads no GGUF never uses."""
+    every tokenizer class it maps, which a run that reads no GGUF never uses."""
     from transformers.integrations.gguf import gguf_tokenizer_mapping
 
     return gguf_tokenizer_mapping

@@ -466,7 +466,8 @@ class RunConfig:
     wandb_project: str | None = None
     """Log to this Weights & Biases project (``pip install wandb``); ``None``: off."""
     compilation_cache: bool = True
-    """Use JAX's persistent compilation cache (a restarted run does not compile again)."""
+    """Use JAX's persistent compilation cache (a restarted run does not compile again); the
+    run's ``models.init`` and ``training.train`` are given this setting."""
 
     @property
     def is_demo(self) -> bool:

@@ -698,13 +698,15 @@ def train(
         each step (logging, checkpoints, samples); an exception it raises stops the run
         (``RunStopped``) with the step counted. A Ctrl-C while it runs is delivered when it
         returns, so a checkpoint it writes is not cut short (a second Ctrl-C stops it). It
-        runs, as the steps do, with CPython's full collections 100x rarer
+        runs, as the steps do, with CPython's full collections deferred
         (:func:`jaxrl_llm.host.full_collections_deferred`; as they were after ``train``).
       compilation_cache: turn on JAX's persistent compilation cache
         (:func:`jaxrl_llm.compilation_cache.enable`: a per-user directory, or
         ``$JAXRL_LLM_COMPILATION_CACHE``; ``off`` there disables it), so that a restarted
         run loads its programs instead of compiling them again. A cache directory you
-        configured in JAX is used as it is.
+        configured in JAX is used as it is. ``False`` leaves the cache as it is:
+        :func:`jaxrl_llm.models.init` turns it on too unless given ``False`` itself, and
+        ``$JAXRL_LLM_COMPILATION_CACHE=off`` keeps it off everywhere.
       tools: TRL's ``tools``: functions the model may call (sync or async, with type
         hints and a Google-style docstring), added to the task's own ``tools`` if it has
         any. With tools or environments the rollouts are multi-turn episodes

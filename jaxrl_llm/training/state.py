@@ -107,12 +107,11 @@ def _owned_with_optimizer_state(optimizer, params) -> tuple[Any, Any]:
     (it replicates them)."""
 
     def owned(params):
-        return _copy(params), optimizer.init(params) if optimizer else ()
+        return _copy(params), optimizer.init(params) if optimizer is not None else ()
 
-    on_one_device = all(
-        isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and len(leaf.sharding.device_set) == 1
-        for leaf in jax.tree.leaves(params)
-    )
+    leaves = jax.tree.leaves(params)
+    concrete = all(isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+    on_one_device = concrete and len({device for leaf in leaves for device in leaf.sharding.device_set}) == 1
     return jax.jit(owned)(params) if on_one_device else owned(params)
 
 
