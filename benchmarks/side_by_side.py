@@ -77,8 +77,8 @@ LIBRARIES = {  # name -> (script, interpreter, how to build its environment)
     ),
 }
 SHAPES = ("tiny", "qwen05b")  # the CPU shapes of train_step.SHAPES (and the peers' scripts)
-JAX_LIBRARIES = ("jaxrl_llm", "tunix")
-CACHE_SETTINGS = {"jaxrl_llm": "JAXRL_LLM_COMPILATION_CACHE", "tunix": "JAX_COMPILATION_CACHE_DIR"}
+JAX_LIBRARIES = {"jaxrl_llm": "JAXRL_LLM_COMPILATION_CACHE", "tunix": "JAX_COMPILATION_CACHE_DIR"}
+"""The libraries that compile with JAX -> the setting their users point its persistent cache with."""
 SCALING = {"new_tokens": (64, 128, 256, 512), "group_size": (2, 4, 8, 16)}
 PHASES = ("rollout", "logprobs", "update")
 
@@ -138,12 +138,12 @@ def run_script(
     script, default_python, _ = LIBRARIES[library]
     environment = dict(os.environ)
     environment.pop("XLA_FLAGS", None)  # each library with its own defaults
-    if cache_dir is not None and library in CACHE_SETTINGS:
+    if cache_dir is not None and library in JAX_LIBRARIES:
         # Each JAX library through the setting its users set. JAX_COMPILATION_CACHE_DIR would
         # also reach jaxrl_llm, which then keeps JAX's own 1 s threshold for what it writes (a
         # directory set in JAX is the user's), and its warm start would load only the update.
         environment.pop("JAX_COMPILATION_CACHE_DIR", None)
-        environment[CACHE_SETTINGS[library]] = str(cache_dir)
+        environment[JAX_LIBRARIES[library]] = str(cache_dir)
     environment.update(env or {})
     command = [str(python or default_python), str(HERE / script), *flags]
     return run_json(library, command, env=environment, timeout=timeout, log=log)
