@@ -171,10 +171,8 @@ def main(argv=None) -> None:
     )
     halves = training.make_train_step(model, algorithms.GRPO, run)
     score, update = jax.jit(halves.score), jax.jit(halves.update, donate_argnums=0)
-    state, fixed = (
-        training.init_state(model, params, algorithms.GRPO, run),
-        training.fixed_params(params, algorithms.GRPO, run),
-    )
+    state = training.init_state(model, params, algorithms.GRPO, run)
+    fixed = training.fixed_params(params, algorithms.GRPO, run)
     sampler = sampling.Sampler(model=model, eos_ids=(eos,), pad_id=0, mesh=mesh)
     state_device = jax.devices()[0]
     rng = np.random.default_rng(0)
